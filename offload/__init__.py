@@ -1,0 +1,22 @@
+"""Optimizer-state CPU offload: the subset-step protocol and CPUOffloadOptimizer."""
+
+from offload.chunk_plan import OffloadPlan, plan_offload
+from offload.cpu_offload import CPUOffloadOptimizer
+from offload.host_memory import HostMemoryError
+from offload.subset_step import (
+    GroupSubsetStep,
+    SubsetStep,
+    SupportsSubsetStep,
+    subset_step_for,
+)
+
+__all__ = [
+    "CPUOffloadOptimizer",
+    "GroupSubsetStep",
+    "HostMemoryError",
+    "OffloadPlan",
+    "SubsetStep",
+    "SupportsSubsetStep",
+    "plan_offload",
+    "subset_step_for",
+]

@@ -1,0 +1,396 @@
+"""CPUOffloadOptimizer: optimizer state in host memory, streamed through the GPU.
+
+Each step cuts the optimizer's units into chunks (`chunk_plan`), and runs a
+three-stage pipeline over a fixed ring of GPU staging slots:
+
+    H2D stream      load c+2       load c+3       ...
+    compute stream  step c+1       step c+2       ...
+    D2H stream      write back c   write back c+1 ...
+
+ordered by events only, so the copies each way and the update math overlap
+and the host never waits inside `step()`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
+from offload.host_memory import allocate_host_slabs
+from offload.streams import CopyStreams
+from offload.subset_step import StateLayout, SubsetStep, local_tensor, subset_step_for
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # measured: copies of 16 MiB+ reach full PCIe rate
+DEFAULT_STAGING_SLOTS = 3  # one loading, one stepping, one writing back
+
+
+def _shard_count(param: Tensor) -> int:
+    placements = getattr(param, "placements", ())
+    mesh = getattr(param, "device_mesh", None)
+    return math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())
+
+
+def invariant_numel(param: Tensor) -> int:
+    """Global numel / number of shards: a size every rank computes the same."""
+    return param.numel() // _shard_count(param) if hasattr(param, "placements") else param.numel()
+
+
+def _as_state(param: Tensor, local: Tensor) -> Tensor:
+    """`local` shaped as the optimizer keeps it: a DTensor like `param`, or itself."""
+    if not hasattr(param, "placements") or local.shape != local_tensor(param).shape:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+@dataclass
+class _Chunk:
+    """A chunk's runtime handles, built once from its `ChunkLayout`."""
+
+    params: list[Tensor]
+    slot: int
+    host: list[tuple[Tensor, Tensor]]  # per dtype: (host slab range, staging slot range)
+    views: list[tuple[Tensor, str, StateSpec, Tensor, Tensor]]  # param, key, spec, host, staging
+
+
+class CPUOffloadOptimizer(torch.optim.Optimizer):
+    """Keep `optimizer`'s state in pinned host memory; stream it through the GPU to step.
+
+    Args:
+        optimizer: the optimizer to wrap, already holding its params. If it
+            implements the subset-step protocol (`offload.subset_step`) or is a
+            torch optimizer with independent per-param updates, the step is
+            chunked; otherwise it takes the serial path (all state in, step,
+            all state out), still exact.
+        chunk_bytes: target state bytes per chunk (rank-invariant count; a unit
+            larger than this is a chunk of its own).
+        staging_slots: GPU staging slots in the ring (>= 2 to overlap copies).
+
+    GPU memory for state: `staging_slots` chunks; on the first step, while the
+    optimizer creates its state chunk by chunk, one more chunk.
+
+    Host syncs: none inside `step()`. Reading state (`state_dict`,
+    `load_state_dict`) first waits for the last write-back.
+    """
+
+    # NOTE: subclasses Optimizer only so LR schedulers and isinstance checks accept
+    # it; Optimizer.__init__ is not called: groups, state and defaults are the
+    # wrapped optimizer's own objects, so a scheduler's lr changes reach it.
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
+    ) -> None:
+        if isinstance(optimizer, CPUOffloadOptimizer):
+            raise TypeError("optimizer is already a CPUOffloadOptimizer")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes should be > 0 but is: {chunk_bytes}")
+        if staging_slots < 1:
+            raise ValueError(f"staging_slots should be >= 1 but is: {staging_slots}")
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.chunk_bytes = chunk_bytes
+        self.staging_slots = staging_slots
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        devices = {local_tensor(p).device for p in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"all params must be on one device, found {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self._subset = subset_step_for(optimizer)
+        self._streams = CopyStreams(self.device, staging_slots)
+        self._plan: OffloadPlan | None = None
+        self._units_key: tuple[tuple[int, ...], ...] | None = None
+        self._chunks: list[_Chunk] = []
+        self._host_slabs: dict[torch.dtype, Tensor] = {}
+        self._staging: dict[torch.dtype, Tensor] = {}
+        self._step_done: torch.Event | None = None
+        self._hooks_for_lr_scheduler()
+
+    def _hooks_for_lr_scheduler(self) -> None:
+        # What Optimizer.__init__ would have set and schedulers or hooks read.
+        from collections import OrderedDict
+
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    # -- the wrapped optimizer's surface ------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict[Tensor, dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def plan(self) -> OffloadPlan | None:
+        """The chunk plan, built on the first step (None before)."""
+        return self._plan
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "CPUOffloadOptimizer plans its host slabs once; add the group to the wrapped "
+            "optimizer before wrapping it"
+        )
+
+    def wait_for_optimizer_step(self) -> None:
+        """Block the host until the last step's write-back to host memory is done."""
+        if self._step_done is not None:
+            self._step_done.synchronize()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.wait_for_optimizer_step()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the host slabs in place; nothing is staged on the GPU."""
+        self.wait_for_optimizer_step()
+        offloaded = {
+            (index, key): value
+            for index, entries in state_dict["state"].items()
+            for key, value in entries.items()
+            if isinstance(value, Tensor) and value.ndim >= 1
+        }
+        views = self._host_views()
+        for (index, key), value in offloaded.items():
+            param = self._params[index]
+            target = views.get((param, key))
+            if target is not None and local_tensor(value).shape != target.shape:
+                raise ValueError(
+                    f"state {key!r} of param {index} has shape {tuple(local_tensor(value).shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+        light = {
+            "state": {
+                index: {k: v for k, v in entries.items() if (index, k) not in offloaded}
+                for index, entries in state_dict["state"].items()
+            },
+            "param_groups": state_dict["param_groups"],
+        }
+        self.optimizer.load_state_dict(light)
+        for (index, key), value in offloaded.items():
+            param = self._params[index]
+            target = views.get((param, key))
+            if target is None:  # no slab yet: held on the host until the first step adopts it
+                target = torch.empty_like(local_tensor(value), device="cpu")
+            target.copy_(local_tensor(value))
+            self.optimizer.state[param][key] = _as_state(param, target)
+
+    # -- stepping -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._subset is None:
+            self._serial_step()
+        else:
+            subset = self._subset.begin_subset_step()
+            self._ensure_plan(subset.units, self._subset.state_layout)
+            self._run_chunks(subset)
+        return loss
+
+    def _run_chunks(self, subset: SubsetStep) -> None:
+        streams = self._streams
+        compute = streams.current()
+        ahead = max(1, self.staging_slots - 1)  # loads in flight ahead of the update
+        state = self.optimizer.state
+        loaded = [False] * len(self._chunks)
+        for c in range(min(ahead, len(self._chunks))):
+            loaded[c] = self._load(self._chunks[c])
+        for c, chunk in enumerate(self._chunks):
+            if c + ahead < len(self._chunks):
+                loaded[c + ahead] = self._load(self._chunks[c + ahead])
+            if loaded[c]:
+                streams.wait(compute, streams.loaded[chunk.slot])
+            had_state = {p for p in chunk.params if state.get(p)}
+            for param, key, _, _, staging in chunk.views:
+                if param in had_state:
+                    state[param][key] = _as_state(param, staging)
+            subset.step_params(chunk.params)
+            self._adopt_new_state(chunk, had_state)
+            streams.record(streams.stepped[chunk.slot], compute)
+            with streams.on(streams.d2h):
+                streams.wait(streams.d2h, streams.stepped[chunk.slot])
+                for host, staging in chunk.host:
+                    host.copy_(staging, non_blocking=True)
+                streams.record(streams.freed[chunk.slot], streams.d2h)
+            for param, key, _, host, _ in chunk.views:
+                if state.get(param):
+                    state[param][key] = _as_state(param, host)
+        if streams.async_copies and self._chunks:
+            self._step_done = streams.freed[self._chunks[-1].slot]
+
+    def _load(self, chunk: _Chunk) -> bool:
+        """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
+        if not any(self.optimizer.state.get(p) for p in chunk.params):
+            return False
+        streams = self._streams
+        with streams.on(streams.h2d):
+            # The slot's previous chunk must be written back before it is overwritten.
+            streams.wait(streams.h2d, streams.freed[chunk.slot])
+            for host, staging in chunk.host:
+                staging.copy_(host, non_blocking=True)
+            streams.record(streams.loaded[chunk.slot], streams.h2d)
+        return True
+
+    def _adopt_new_state(self, chunk: _Chunk, had_state: set[Tensor]) -> None:
+        """State the step just created goes into the chunk's staging slot, then home."""
+        state = self.optimizer.state
+        for param, key, spec, _, staging in chunk.views:
+            if param in had_state or not state.get(param):
+                continue
+            created = local_tensor(state[param][key])
+            if created.shape != spec.shape or created.dtype != spec.dtype:
+                raise RuntimeError(
+                    f"{type(self.optimizer).__name__} created state {key!r} as "
+                    f"{tuple(created.shape)} {created.dtype}, but its state_layout promised "
+                    f"{tuple(spec.shape)} {spec.dtype}"
+                )
+            staging.copy_(created)
+            state[param][key] = _as_state(param, staging)
+
+    # -- planning and allocation --------------------------------------------------------
+
+    def _ensure_plan(
+        self, units: Sequence[Sequence[Tensor]], layout: Callable[[Tensor], StateLayout]
+    ) -> None:
+        index = {p: i for i, p in enumerate(self._params)}
+        units_key = tuple(tuple(index[p] for p in unit) for unit in units)
+        if self._plan is not None:
+            if units_key != self._units_key:
+                raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
+            return
+        specs = [
+            ParamSpec(
+                invariant_numel(p),
+                tuple(StateSpec(k, torch.Size(s), d) for k, (s, d) in layout(p).items()),
+            )
+            for p in self._params
+        ]
+        self._build(plan_offload(units_key, specs, self.chunk_bytes), units_key)
+
+    def _build(self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...]) -> None:
+        """Allocate slabs and staging once, carve views, and move any existing state home."""
+        self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
+        self._staging = {
+            dtype: torch.empty(self.staging_slots * n, dtype=dtype, device=self.device)
+            for dtype, n in plan.slot_numel.items()
+        }
+        chunks = []
+        for c, layout in enumerate(plan.chunks):
+            slot = c % self.staging_slots
+            host, views = [], []
+            for dtype, (start, stop) in layout.host_ranges.items():
+                base = slot * plan.slot_numel[dtype]
+                host.append(
+                    (
+                        self._host_slabs[dtype][start:stop],
+                        self._staging[dtype][base : base + stop - start],
+                    )
+                )
+            for view in layout.views:
+                spec = view.spec
+                base = slot * plan.slot_numel[spec.dtype]
+                h = self._host_slabs[spec.dtype][view.host_offset : view.host_offset + spec.numel]
+                s = self._staging[spec.dtype][base + view.staging_offset :][: spec.numel]
+                views.append(
+                    (
+                        self._params[view.param],
+                        spec.key,
+                        spec,
+                        h.view(spec.shape),
+                        s.view(spec.shape),
+                    )
+                )
+            chunks.append(_Chunk([self._params[i] for i in layout.params], slot, host, views))
+        self._plan, self._units_key, self._chunks = plan, units_key, chunks
+        state = self.optimizer.state
+        for chunk in chunks:
+            for param, key, _, host_view, _ in chunk.views:
+                if state.get(param) and key in state[param]:
+                    host_view.copy_(local_tensor(state[param][key]))
+                    state[param][key] = _as_state(param, host_view)
+
+    def _host_views(self) -> dict[tuple[Tensor, str], Tensor]:
+        return {(p, key): host for chunk in self._chunks for p, key, _, host, _ in chunk.views}
+
+    # -- serial path --------------------------------------------------------------------
+
+    def _serial_step(self) -> None:
+        """All state in, step, all state out, on the current stream (no subset step)."""
+        state = self.optimizer.state
+        homed = self._host_views()
+        if self._plan is None or any(
+            (p, k) not in homed
+            for p in self._params
+            for k, v in state.get(p, {}).items()
+            if isinstance(v, Tensor) and v.ndim >= 1
+        ):
+            self.optimizer.step()  # creates state on the device, then it moves home
+            self._build_serial_plan()
+            return
+        plan = self._plan
+        staging = {
+            dtype: torch.empty(n, dtype=dtype, device=self.device)
+            for dtype, n in plan.slot_numel.items()
+        }
+        (layout,) = plan.chunks
+        views = []
+        for view in layout.views:
+            spec, param = view.spec, self._params[view.param]
+            s = staging[spec.dtype][view.staging_offset :][: spec.numel].view(spec.shape)
+            h = self._host_slabs[spec.dtype][view.host_offset :][: spec.numel].view(spec.shape)
+            s.copy_(h, non_blocking=True)
+            state[param][spec.key] = _as_state(param, s)
+            views.append((param, spec.key, h, s))
+        self.optimizer.step()
+        for param, key, h, s in views:
+            h.copy_(s, non_blocking=True)
+            state[param][key] = _as_state(param, h)
+        if self._streams.async_copies:
+            self._step_done = torch.Event(device=self.device)
+            self._step_done.record(self._streams.current())
+
+    def _build_serial_plan(self) -> None:
+        state = self.optimizer.state
+        specs = [
+            ParamSpec(
+                invariant_numel(p),
+                tuple(
+                    StateSpec(k, local_tensor(v).shape, v.dtype)
+                    for k, v in state.get(p, {}).items()
+                    if isinstance(v, Tensor) and v.ndim >= 1
+                ),
+            )
+            for p in self._params
+        ]
+        units = tuple((i,) for i in range(len(self._params)))
+        self._build(plan_offload(units, specs, chunk_bytes=2**62), units)

@@ -1,0 +1,208 @@
+"""CPUOffloadOptimizer on one process: bitwise equal to the plain optimizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
+
+OPTIMIZERS = {
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_loop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.1),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
+}
+# one chunk for everything, a few units a chunk, one unit a chunk
+CHUNK_BYTES = [2**40, 3000, 1]
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(50, 16),
+        torch.nn.Linear(16, 37),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(37),
+        torch.nn.Linear(37, 11, bias=False),
+    )
+
+
+def train(model, optimizer, steps: int = 5, frozen_on_step: int | None = 2):
+    """Steps with an LR schedule and grad clipping; one param gets no grad on one step."""
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        tokens = torch.randint(0, 50, (4, 6), generator=gen)
+        optimizer.zero_grad()
+        model(tokens).square().mean().backward()
+        if step == frozen_on_step:
+            model[3].bias.grad = None
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        scheduler.step()
+
+
+def assert_same_state(plain: torch.optim.Optimizer, offloaded: CPUOffloadOptimizer) -> None:
+    ref, got = plain.state_dict(), offloaded.state_dict()
+    assert ref["state"].keys() == got["state"].keys()
+    for index, entries in ref["state"].items():
+        assert entries.keys() == got["state"][index].keys()
+        for key, value in entries.items():
+            other = got["state"][index][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other), (index, key)
+            else:
+                assert value == other, (index, key)
+    for g_ref, g_got in zip(ref["param_groups"], got["param_groups"], strict=True):
+        assert g_ref == g_got
+
+
+@pytest.mark.parametrize("chunk_bytes", CHUNK_BYTES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_offloaded_step_is_bitwise_equal(name, chunk_bytes):
+    plain_model, offload_model = make_model(), make_model()
+    plain = OPTIMIZERS[name](plain_model.parameters())
+    offloaded = CPUOffloadOptimizer(
+        OPTIMIZERS[name](offload_model.parameters()), chunk_bytes=chunk_bytes, staging_slots=2
+    )
+    train(plain_model, plain)
+    train(offload_model, offloaded)
+    for a, b in zip(plain_model.parameters(), offload_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, offloaded)
+    n_units = len(list(offload_model.parameters()))
+    expected_chunks = {2**40: 1, 1: n_units}.get(chunk_bytes)
+    if expected_chunks is not None:
+        assert len(offloaded.plan.chunks) == expected_chunks
+
+
+class ScaledSign(torch.optim.Optimizer):
+    """A custom optimizer with no adapter: takes the serial path."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["trace"] = torch.zeros_like(p)
+                state["trace"].mul_(0.9).add_(p.grad.sign())
+                p.add_(state["trace"], alpha=-group["lr"])
+
+
+def test_custom_optimizer_takes_serial_path_and_is_exact():
+    plain_model, offload_model = make_model(), make_model()
+    plain = ScaledSign(plain_model.parameters())
+    inner = ScaledSign(offload_model.parameters())
+    assert subset_step_for(inner) is None
+    offloaded = CPUOffloadOptimizer(inner)
+    train(plain_model, plain)
+    train(offload_model, offloaded)
+    for a, b in zip(plain_model.parameters(), offload_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, offloaded)
+    # state ended up in the host slab, not in tensors of its own
+    slab = offloaded._host_slabs[torch.float32]
+    for entries in offloaded.state.values():
+        assert entries["trace"].untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+
+
+def test_adapter_found_for_torch_optimizers_and_state_layout_is_exact():
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), amsgrad=True)
+    subset = subset_step_for(opt)
+    assert isinstance(subset, GroupSubsetStep)
+    weight = model[1].weight
+    assert subset.state_layout(weight) == {
+        "exp_avg": (weight.shape, torch.float32),
+        "exp_avg_sq": (weight.shape, torch.float32),
+        "max_exp_avg_sq": (weight.shape, torch.float32),
+    }
+    assert not opt.state  # the dry run left the real optimizer untouched
+
+
+def test_state_dict_round_trip_resumes_bitwise():
+    ref_model, model = make_model(), make_model()
+    ref = CPUOffloadOptimizer(torch.optim.AdamW(ref_model.parameters(), lr=1e-2), chunk_bytes=2000)
+    train(ref_model, ref, steps=3, frozen_on_step=None)
+    saved_state = copy.deepcopy(ref.state_dict())
+    model.load_state_dict(ref_model.state_dict())
+    resumed = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=2000)
+    resumed.load_state_dict(saved_state)  # before its first step: adopted at the first step
+    assert_same_state(ref, resumed)
+    train(ref_model, ref, steps=2, frozen_on_step=None)
+    train(model, resumed, steps=2, frozen_on_step=None)
+    for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(ref, resumed)
+    # and loading after the slabs exist copies into them in place
+    slab_ptr = resumed._host_slabs[torch.float32].data_ptr()
+    resumed.load_state_dict(saved_state)
+    assert resumed._host_slabs[torch.float32].data_ptr() == slab_ptr
+    assert torch.equal(resumed.state_dict()["state"][1]["exp_avg"], saved_state["state"][1]["exp_avg"])
+
+
+def test_load_state_dict_rejects_wrong_shapes_without_changing_state():
+    model = make_model()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    train(model, opt, steps=1, frozen_on_step=None)
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    bad["state"][1]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="exp_avg"):
+        opt.load_state_dict(bad)
+    assert_same_state_dicts(good, opt.state_dict())
+
+
+def assert_same_state_dicts(a, b):
+    for index, entries in a["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(value, b["state"][index][key])
+
+
+def test_lr_scheduler_drives_wrapped_groups():
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = CPUOffloadOptimizer(inner)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    opt.step()
+    sched.step()
+    assert inner.param_groups[0]["lr"] == 0.5
+    assert opt.param_groups is inner.param_groups
+
+
+def test_host_memory_check_names_bytes(monkeypatch):
+    import offload.host_memory as host_memory
+
+    class Tiny:
+        available = 1000
+
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: Tiny)
+    model = make_model()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
+    with pytest.raises(HostMemoryError, match=r"needs \d+ bytes .* only 1000 bytes"):
+        opt.step()
+    assert not opt._host_slabs
+
+
+def test_invalid_arguments():
+    model = make_model()
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_bytes=0)
+    with pytest.raises(ValueError, match="staging_slots"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), staging_slots=0)
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError):
+        CPUOffloadOptimizer(opt)
+    with pytest.raises(NotImplementedError):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
