@@ -148,7 +148,9 @@ def test_state_dict_round_trip_resumes_bitwise():
     slab_ptr = resumed._host_slabs[torch.float32].data_ptr()
     resumed.load_state_dict(saved_state)
     assert resumed._host_slabs[torch.float32].data_ptr() == slab_ptr
-    assert torch.equal(resumed.state_dict()["state"][1]["exp_avg"], saved_state["state"][1]["exp_avg"])
+    assert torch.equal(
+        resumed.state_dict()["state"][1]["exp_avg"], saved_state["state"][1]["exp_avg"]
+    )
 
 
 def test_load_state_dict_rejects_wrong_shapes_without_changing_state():
