@@ -47,7 +47,7 @@ class NewtonSchulzSchedule:
 
     @classmethod
     def repeat(cls, coefficients: Coefficients, steps: int) -> NewtonSchulzSchedule:
-        """One (a, b, c) for `steps` iterations: torch.optim.Muon's `ns_coefficients`, `ns_steps`."""
+        """One (a, b, c) for `steps` iterations (torch.optim.Muon's ns_coefficients, ns_steps)."""
         if not 0 < steps < 100:
             raise ValueError(f"ns_steps should be in [1, 99] but is: {steps}")
         return cls((tuple(coefficients),) * steps)
@@ -72,9 +72,7 @@ POLAR_EXPRESS = NewtonSchulzSchedule(
 )
 """Polar Express (arXiv 2505.16932), 5 iterations, as used by dion / modded-nanogpt."""
 
-DEEPSEEK_V4 = NewtonSchulzSchedule(
-    (KELLER_JORDAN_COEFFICIENTS,) * 8 + ((2.0, -1.5, 0.5),) * 2
-)
+DEEPSEEK_V4 = NewtonSchulzSchedule((KELLER_JORDAN_COEFFICIENTS,) * 8 + ((2.0, -1.5, 0.5),) * 2)
 """DeepSeek-V4 hybrid: 8 quintic iterations to converge fast, then 2 to settle at 1."""
 
 SCHEDULES: dict[str, NewtonSchulzSchedule] = {

@@ -1,0 +1,25 @@
+"""Exact Muon for plain tensors and FSDP2 (DTensor) params."""
+
+from muon.newton_schulz import (
+    DEEPSEEK_V4,
+    KELLER_JORDAN,
+    POLAR_EXPRESS,
+    SCHEDULES,
+    NewtonSchulzSchedule,
+    zeropower,
+)
+from muon.optimizer import BucketMetrics, Muon, MuonStep
+from muon.param_groups import muon_param_groups
+
+__all__ = [
+    "DEEPSEEK_V4",
+    "KELLER_JORDAN",
+    "POLAR_EXPRESS",
+    "SCHEDULES",
+    "BucketMetrics",
+    "Muon",
+    "MuonStep",
+    "NewtonSchulzSchedule",
+    "muon_param_groups",
+    "zeropower",
+]

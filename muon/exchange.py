@@ -1,0 +1,121 @@
+"""Moves bucket pieces to their owners and results back with `all_to_all_single`.
+
+The buffers are allocated once, at the largest bucket this rank sees, for
+`slots` buckets in flight, and every bucket uses views of them. One bucket's
+round trip, for an `ExchangePlan`:
+
+1. `send_to_owners`: pack this rank's pieces in (owner, matrix) order into
+   `send`, start `all_to_all_single` into `recv` with the plan's split sizes.
+2. `assemble`: at the owner, copy received pieces into the full matrices
+   (row pieces into row slices, Shard(1) pieces into column slices).
+3. `return_results`: pack the owner's result pieces into `recv` (same layout
+   it arrived in) and start the reverse `all_to_all_single` into `send`; each
+   rank then finds its result pieces where it packed its inputs.
+
+The collectives are asynchronous: on NCCL `Work.wait()` only orders the
+current stream after the collective, so nothing here syncs the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from muon.planning import ExchangePlan, Piece
+
+
+class ExchangeBuffers:
+    """Send, receive and full-matrix buffers for `slots` buckets in flight, allocated once."""
+
+    def __init__(
+        self,
+        numels: tuple[int, int, int],
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.numels = numels
+        self._slots = [
+            tuple(torch.empty(n, dtype=dtype, device=device) for n in numels) for _ in range(slots)
+        ]
+
+    def views(self, slot: int, plan: ExchangePlan) -> tuple[Tensor, Tensor, Tensor]:
+        """(send, recv, full) views of `slot` sized for `plan`."""
+        send, recv, full = self._slots[slot]
+        return send[: plan.send_numel], recv[: plan.recv_numel], full[: plan.full_numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot)
+
+
+def local_rect(source: Tensor, piece: Piece) -> Tensor:
+    """The rectangle of `source` (this rank's local 2-D block of a matrix) that `piece` covers."""
+    rows, cols = piece.shape
+    row0, col0 = piece.local_row0, piece.local_col0
+    return source[row0 : row0 + rows, col0 : col0 + cols]
+
+
+def _matrix_rect(matrix: Tensor, piece: Piece) -> Tensor:
+    return matrix[piece.rows[0] : piece.rows[1], piece.cols[0] : piece.cols[1]]
+
+
+def _slot(buffer: Tensor, piece: Piece) -> Tensor:
+    return buffer[piece.offset : piece.offset + piece.numel].view(piece.shape)
+
+
+def send_to_owners(
+    plan: ExchangePlan,
+    sources: Sequence[Tensor],
+    send: Tensor,
+    recv: Tensor,
+    group: dist.ProcessGroup,
+) -> dist.Work:
+    """Pack `sources[matrix]` (this rank's local 2-D block of each matrix) and start the exchange.
+
+    Casting to the buffer dtype happens in the pack copy.
+    """
+    for piece in plan.send_pieces:
+        _slot(send, piece).copy_(local_rect(sources[piece.matrix], piece))
+    return dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=list(plan.recv_splits),
+        input_split_sizes=list(plan.send_splits),
+        group=group,
+        async_op=True,
+    )
+
+
+def assemble(plan: ExchangePlan, recv: Tensor, full: Sequence[Tensor]) -> None:
+    """Copy received pieces into `full[matrix]`, the owned matrices' full views."""
+    for piece in plan.recv_pieces:
+        _matrix_rect(full[piece.matrix], piece).copy_(_slot(recv, piece))
+
+
+def return_results(
+    plan: ExchangePlan,
+    results: Sequence[Tensor],
+    send: Tensor,
+    recv: Tensor,
+    group: dist.ProcessGroup,
+) -> dist.Work:
+    """Pack owned `results[matrix]` into `recv` and start the reverse exchange into `send`."""
+    for piece in plan.recv_pieces:
+        _slot(recv, piece).copy_(_matrix_rect(results[piece.matrix], piece))
+    return dist.all_to_all_single(
+        send,
+        recv,
+        output_split_sizes=list(plan.send_splits),
+        input_split_sizes=list(plan.recv_splits),
+        group=group,
+        async_op=True,
+    )
+
+
+def returned_pieces(plan: ExchangePlan, send: Tensor) -> list[tuple[Piece, Tensor]]:
+    """This rank's result pieces with their views in `send`, valid after the reverse exchange."""
+    return [(piece, _slot(send, piece)) for piece in plan.send_pieces]

@@ -1,0 +1,566 @@
+"""Muon for plain and FSDP2 (DTensor) params, with AdamW groups and the subset-step protocol.
+
+On one device, with matching settings, `Muon` computes what torch.optim.Muon
+computes, in the same order. On DTensor params it keeps those semantics
+exactly: momentum is updated on the local shard in fp32, each logical matrix is
+sent (in `ns_dtype`) to one owner rank, orthogonalized whole there, and each
+rank applies its piece of the result. See `muon.planning` for how matrices,
+buckets and owners are chosen and `muon.exchange` for how bytes move.
+
+Differences from torch.optim.Muon, by design:
+- 3-D params (E, out, in) are E matrices, and `row_blocks` splits a fused param
+  into logical matrices; the "original" / "match_rms_adamw" lr adjustment uses
+  the logical matrix's shape, so for a fused or stacked param the result
+  differs from torch.optim.Muon (which sees the whole tensor).
+- The momentum buffer is fp32 whatever the param dtype.
+- Same-shape matrices are orthogonalized as one batch (`baddbmm`); on CPU this
+  is bitwise equal to torch's per-matrix `addmm`; on GPU cuBLAS may pick other
+  kernels for a batch, so agreement there is to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.adamw import adamw
+
+from muon.exchange import (
+    ExchangeBuffers,
+    assemble,
+    local_rect,
+    return_results,
+    returned_pieces,
+    send_to_owners,
+)
+from muon.newton_schulz import (
+    DEFAULT_EPS,
+    DEFAULT_NS_STEPS,
+    KELLER_JORDAN_COEFFICIENTS,
+    NewtonSchulzSchedule,
+    zeropower,
+)
+from muon.planning import DEFAULT_BUCKET_CAP_BYTES, ExchangePlan, Matrix, MuonPlan, ParamLayout
+
+# torch.optim.AdamW defaults, used by `algorithm="adamw"` groups that do not set them.
+ADAMW_BETAS = (0.9, 0.999)
+ADAMW_EPS = 1e-8
+# Two buckets alive: bucket k+1's exchange in flight while bucket k orthogonalizes.
+DEFAULT_MAX_INFLIGHT = 2
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+NS_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketMetrics:
+    """What one bucket did on this rank in the last step (field names shared with the planner)."""
+
+    bucket: int
+    matrices: int
+    """Logical matrices in the bucket on this rank's exchange group (active this step)."""
+    owned: int
+    """Matrices this rank orthogonalized."""
+    bytes_sent: int
+    bytes_received: int
+    workspace_bytes: int
+    exchange_s: float | None
+    """Seconds packing, exchanging and unpacking; None unless `collect_timings`."""
+    ns_s: float | None
+    apply_s: float | None
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's lr adjustment for one logical rows x cols matrix."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+@cache
+def _schedule(coefficients: Any, steps: int | None) -> NewtonSchulzSchedule:
+    if isinstance(coefficients, NewtonSchulzSchedule):
+        return coefficients
+    return NewtonSchulzSchedule.repeat(tuple(coefficients), steps or DEFAULT_NS_STEPS)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_grad(p: Tensor) -> Tensor | None:
+    return None if p.grad is None else _local(p.grad)
+
+
+def _stack(t: Tensor) -> Tensor:
+    """A 2-D tensor as a stack of one matrix; a 3-D tensor as is."""
+    return t.unsqueeze(0) if t.ndim == 2 else t
+
+
+def _zeros_like_local(p: Tensor, dtype: torch.dtype) -> Tensor:
+    """Zeros shaped like `p`'s local shard; a DTensor on `p`'s mesh and placements if `p` is one."""
+    local = torch.zeros(_local(p).shape, dtype=dtype, device=_local(p).device)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return local
+
+
+def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLayout:
+    blocks = tuple(row_blocks or ())
+    if not isinstance(p, DTensor):
+        return ParamLayout(tuple(p.shape), blocks, group=group)
+    mesh = p.device_mesh
+    shard_dims: list[int | None] = []
+    for placement in p.placements:
+        if isinstance(placement, Shard):
+            shard_dims.append(placement.dim % p.ndim)
+        elif isinstance(placement, Replicate):
+            shard_dims.append(None)
+        else:
+            raise ValueError(f"Muon supports Shard and Replicate placements but got: {placement}")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"this rank is not in the mesh of a param of shape {tuple(p.shape)}")
+    layout = ParamLayout(
+        tuple(p.shape),
+        blocks,
+        tuple(mesh.shape),
+        tuple(shard_dims),
+        tuple(coord),
+        mesh_key=(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape)),
+        group=group,
+    )
+    if layout.local_shape() != tuple(p.to_local().shape):
+        raise ValueError(
+            f"local shard {tuple(p.to_local().shape)} of a param of shape {tuple(p.shape)} is not "
+            f"torch.chunk's {layout.local_shape()} for placements {p.placements}"
+        )
+    return layout
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Keller Jordan) with exact semantics on FSDP2 DTensor params.
+
+    Args:
+        params: params or param groups. Groups default to Muon (2-D and 3-D
+            params); a group with `algorithm="adamw"` is stepped with AdamW
+            (`betas`, `eps`, `lr`, `weight_decay`). `muon.muon_param_groups`
+            builds both from a model. A Muon group may set `row_blocks`: the
+            rows of each logical matrix of a fused param (e.g. (q, k, v)).
+        lr, weight_decay, momentum, nesterov, eps, adjust_lr_fn: as in
+            torch.optim.Muon, with its defaults.
+        ns_coefficients: one (a, b, c) repeated `ns_steps` times, as in
+            torch.optim.Muon, or a `NewtonSchulzSchedule` (e.g. `POLAR_EXPRESS`).
+        ns_steps: iterations of an (a, b, c) triple; None means 5, torch's
+            default. Must be None or the schedule's length with a schedule.
+        ns_dtype: dtype on the wire and in Newton-Schulz: bf16 (default) or fp32.
+        bucket_cap_bytes: cap on one bucket's full-matrix bytes (in `ns_dtype`).
+        max_inflight: buckets alive at once (exchange of k+1 overlaps NS of k).
+        collect_timings: fill the `*_s` fields of `metrics`. This synchronizes
+            the device around each phase, so it costs the overlap; off by default.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] | NewtonSchulzSchedule = (
+            KELLER_JORDAN_COEFFICIENTS
+        ),
+        eps: float = DEFAULT_EPS,
+        ns_steps: int | None = None,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        collect_timings: bool = False,
+    ) -> None:
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype should be bfloat16 or float32 but is: {ns_dtype}")
+        if not bucket_cap_bytes > 0:
+            raise ValueError(f"bucket_cap_bytes should be > 0 but is: {bucket_cap_bytes}")
+        if not max_inflight >= 1:
+            raise ValueError(f"max_inflight should be >= 1 but is: {max_inflight}")
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "row_blocks": None,
+            "algorithm": "muon",
+        }
+        self.ns_dtype = ns_dtype
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.max_inflight = max_inflight
+        self.collect_timings = collect_timings
+        self.metrics: list[BucketMetrics] = []
+        self._plan: MuonPlan | None = None
+        self._plan_params: tuple[Tensor, ...] = ()
+        self._buffers: ExchangeBuffers | None = None
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if param_group.get("algorithm") == "adamw":
+            param_group.setdefault("betas", ADAMW_BETAS)
+            param_group.setdefault("eps", ADAMW_EPS)
+        super().add_param_group(param_group)
+        _validate_group(self.param_groups[-1])
+
+    # -- subset-step protocol ------------------------------------------------------------------
+
+    def state_layout(self, param: Tensor) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """State tensors (ndim >= 1) the step keeps for `param`: local shard shape and dtype."""
+        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        local = _local(param)
+        if group["algorithm"] == "adamw":
+            return {"exp_avg": (local.shape, local.dtype), "exp_avg_sq": (local.shape, local.dtype)}
+        return {"momentum_buffer": (local.shape, torch.float32)}
+
+    def begin_subset_step(self) -> MuonStep:
+        """Capture hyperparameters and gradients for one step; see `MuonStep`."""
+        return MuonStep(self, self._muon_plan())
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        subset = self.begin_subset_step()
+        subset.step_params([p for unit in subset.units for p in unit])
+        return loss
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _muon_params(self) -> tuple[tuple[Tensor, int], ...]:
+        return tuple(
+            (p, index)
+            for index, group in enumerate(self.param_groups)
+            if group["algorithm"] == "muon"
+            for p in group["params"]
+        )
+
+    def _muon_plan(self) -> MuonPlan:
+        """The plan for the current Muon params, built once and rebuilt only if they change."""
+        entries = self._muon_params()
+        params = tuple(p for p, _ in entries)
+        if (
+            self._plan is None
+            or len(params) != len(self._plan_params)
+            or any(a is not b for a, b in zip(params, self._plan_params, strict=True))
+        ):
+            layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
+            itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
+            self._plan = MuonPlan.build(layouts, self.bucket_cap_bytes, itemsize)
+            self._plan_params = params
+            self._buffers = None
+        return self._plan
+
+    def _exchange_buffers(self, device: torch.device) -> ExchangeBuffers:
+        if self._buffers is None:
+            plan = self._plan
+            numels = plan.buffer_numels(range(len(plan.buckets)))
+            self._buffers = ExchangeBuffers(numels, self.max_inflight, self.ns_dtype, device)
+        return self._buffers
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """One ValueError per bad hyperparameter, with the value."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        raise ValueError("Tensor lr is not supported; pass a float")
+    if not 0.0 <= lr:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"eps should be >= 0 but is: {group['eps']}")
+    algorithm = group["algorithm"]
+    if algorithm == "adamw":
+        beta1, beta2 = group["betas"]
+        if not 0.0 <= beta1 < 1.0:
+            raise ValueError(f"beta1 should be in [0, 1) but is: {beta1}")
+        if not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"beta2 should be in [0, 1) but is: {beta2}")
+        return
+    if algorithm != "muon":
+        raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
+    if not 0.0 <= group["momentum"]:
+        raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    coefficients, steps = group["ns_coefficients"], group["ns_steps"]
+    if isinstance(coefficients, NewtonSchulzSchedule):
+        if steps is not None and steps != coefficients.steps:
+            raise ValueError(
+                f"ns_steps should be None or {coefficients.steps} for this schedule but is: {steps}"
+            )
+    else:
+        if len(coefficients) != 3:
+            raise ValueError(f"ns_coefficients should be (a, b, c) but is: {coefficients}")
+        if steps is not None and not 0 < steps < 100:
+            raise ValueError(f"ns_steps should be in [1, 99] but is: {steps}")
+        group["ns_coefficients"] = tuple(coefficients)
+    row_blocks = group["row_blocks"]
+    for p in group["params"]:
+        if p.ndim not in (2, 3):
+            raise ValueError(f"Muon supports 2-D and 3-D params but got shape: {tuple(p.shape)}")
+        if row_blocks is not None and sum(row_blocks) != p.shape[-2]:
+            raise ValueError(f"row_blocks should sum to {p.shape[-2]} rows but is: {row_blocks}")
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A bucket between `_start` and `_finish`."""
+
+    plan: ExchangePlan
+    slot: int
+    work: dist.Work | None
+    full: dict[int, Tensor]
+    exchange_s: float | None
+
+
+class MuonStep:
+    """One step of `Muon`, to be run unit by unit (the subset-step protocol).
+
+    `units` are Muon's buckets (exchanged or local, params kept whole) and one
+    unit per AdamW group, identical on every rank. `step_params` updates a
+    union of whole units with the same result, bit for bit, as `Muon.step`.
+    Every rank must call it with the same units, in the same order.
+    """
+
+    def __init__(self, optimizer: Muon, plan: MuonPlan) -> None:
+        self._opt = optimizer
+        self._plan = plan
+        groups = optimizer.param_groups
+        self._groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._params = [p for p, _ in optimizer._muon_params()]
+        self._grads = [_local_grad(p) for p in self._params]
+        self._adamw: list[tuple[int, list[Tensor], list[Tensor | None]]] = [
+            (i, list(g["params"]), [_local_grad(p) for p in g["params"]])
+            for i, g in enumerate(groups)
+            if g["algorithm"] == "adamw" and g["params"]
+        ]
+        self.units: list[list[Tensor]] = [
+            [self._params[i] for i in bucket.params] for bucket in plan.buckets
+        ] + [params for _, params, _ in self._adamw]
+        self._slot = 0
+        optimizer.metrics = []
+
+    def step_params(self, params: Collection[Tensor]) -> None:
+        wanted = {id(p) for p in params}
+        chosen = []
+        for index, unit in enumerate(self.units):
+            inside = [id(p) in wanted for p in unit]
+            if any(inside) != all(inside):
+                raise ValueError(f"step_params needs whole units; unit {index} is split")
+            if all(inside):
+                chosen.append(index)
+        if sum(len(self.units[i]) for i in chosen) != len(wanted):
+            raise ValueError("step_params got params that are not in this optimizer's units")
+        with torch.no_grad():
+            buckets = [i for i in chosen if i < len(self._plan.buckets)]
+            self._run_buckets(buckets)
+            for i in chosen[len(buckets) :]:
+                self._adamw_group(*self._adamw[i - len(self._plan.buckets)])
+
+    # -- Muon buckets ----------------------------------------------------------------------------
+
+    def _run_buckets(self, buckets: Sequence[int]) -> None:
+        """Start bucket k+1 (momentum, pack, exchange) before finishing bucket k (NS, apply)."""
+        alive: deque[_InFlight] = deque()
+        for index in buckets:
+            if len(alive) == self._opt.max_inflight:
+                self._finish(alive.popleft())
+            started = self._start(index)
+            if started is not None:
+                alive.append(started)
+        while alive:
+            self._finish(alive.popleft())
+
+    def _hp(self, param: int) -> dict[str, Any]:
+        return self._groups[self._plan.layouts[param].group]
+
+    def _start(self, index: int) -> _InFlight | None:
+        bucket = self._plan.buckets[index]
+        active = frozenset(i for i in bucket.params if self._grads[i] is not None)
+        plan = self._plan.exchange(index, active)
+        if not plan.matrices:
+            return None
+        clock = _Clock(self._opt.collect_timings, self._grads[next(iter(active))].device)
+        updates = {i: _stack(self._momentum_update(i)) for i in sorted(active)}
+        sources = [updates[m.param][m.expert] for m in plan.matrices]
+        buffers = self._opt._exchange_buffers(sources[0].device)
+        slot = self._slot % self._opt.max_inflight
+        self._slot += 1
+        send, recv, full = buffers.views(slot, plan)
+        views: dict[int, Tensor] = {}
+        for batch in plan.batches:
+            size = batch.rows * batch.cols
+            for k, matrix in enumerate(batch.matrices):
+                start = batch.offset + k * size
+                views[matrix] = full[start : start + size].view(batch.rows, batch.cols)
+        if plan.axis is None:
+            for i, m in enumerate(plan.matrices):
+                views[i].copy_(sources[i][m.row0 : m.row0 + m.rows])
+            work = None
+        else:
+            group = self._params[bucket.params[0]].device_mesh.get_group(plan.axis)
+            work = send_to_owners(plan, sources, send, recv, group)
+        return _InFlight(plan, slot, work, views, clock.lap())
+
+    def _momentum_update(self, param: int) -> Tensor:
+        """fp32 momentum on the local shard; returns the Newton-Schulz input (local, fp32)."""
+        hp = self._hp(param)
+        p = self._params[param]
+        state = self._opt.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = _zeros_like_local(p, torch.float32)
+        buf = _local(state["momentum_buffer"])
+        grad = self._grads[param].to(torch.float32)
+        buf.lerp_(grad, 1 - hp["momentum"])
+        return grad.lerp(buf, hp["momentum"]) if hp["nesterov"] else buf
+
+    def _finish(self, flight: _InFlight) -> None:
+        plan = flight.plan
+        bucket = self._plan.buckets[plan.bucket]
+        device = next(iter(flight.full.values()), _local(self._params[bucket.params[0]])).device
+        clock = _Clock(self._opt.collect_timings, device)
+        buffers = self._opt._buffers
+        send, recv, full = buffers.views(flight.slot, plan)
+        if flight.work is not None:
+            flight.work.wait()
+            assemble(plan, recv, flight.full)
+        exchange_s = clock.lap()
+
+        results: dict[int, Tensor] = {}
+        for batch in plan.batches:
+            size = len(batch.matrices) * batch.rows * batch.cols
+            stack = full[batch.offset : batch.offset + size].view(-1, batch.rows, batch.cols)
+            hp = self._groups[batch.group]
+            out = zeropower(stack, _schedule(hp["ns_coefficients"], hp["ns_steps"]), hp["eps"])
+            results.update(zip(batch.matrices, out.unbind(0), strict=True))
+        ns_s = clock.lap()
+
+        if flight.work is not None:
+            group = self._params[bucket.params[0]].device_mesh.get_group(plan.axis)
+            return_results(plan, results, send, recv, group).wait()
+        exchange_s = _add(exchange_s, clock.lap())
+
+        for param in sorted({m.param for m in plan.matrices}):
+            hp = self._hp(param)
+            _local(self._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
+        for i, target, update in self._result_targets(plan, send, results):
+            m = plan.matrices[i]
+            hp = self._hp(m.param)
+            target.add_(update, alpha=-adjusted_lr(hp["lr"], hp["adjust_lr_fn"], m.rows, m.cols))
+        apply_s = clock.lap()
+
+        self._opt.metrics.append(
+            BucketMetrics(
+                plan.bucket,
+                len(plan.matrices),
+                plan.owned,
+                plan.bytes_sent,
+                plan.bytes_received,
+                plan.workspace_bytes,
+                _add(flight.exchange_s, exchange_s),
+                ns_s,
+                apply_s,
+            )
+        )
+
+    def _result_targets(
+        self, plan: ExchangePlan, send: Tensor, results: dict[int, Tensor]
+    ) -> list[tuple[int, Tensor, Tensor]]:
+        """(matrix, the param rectangle it updates, its result there) for this rank's pieces."""
+        if plan.axis is None:
+            return [
+                (i, self._block(m)[m.row0 : m.row0 + m.rows], results[i])
+                for i, m in enumerate(plan.matrices)
+            ]
+        return [
+            (piece.matrix, local_rect(self._block(plan.matrices[piece.matrix]), piece), view)
+            for piece, view in returned_pieces(plan, send)
+        ]
+
+    def _block(self, m: Matrix) -> Tensor:
+        """This rank's local 2-D block of the param slice (expert) holding `m`."""
+        return _stack(_local(self._params[m.param]))[m.expert]
+
+    # -- AdamW groups ----------------------------------------------------------------------------
+
+    def _adamw_group(self, index: int, params: list[Tensor], grads: list[Tensor | None]) -> None:
+        hp = self._groups[index]
+        with_grad = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        if not with_grad:
+            return
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p, _ in with_grad:
+            state = self._opt.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = _zeros_like_local(p, _local(p).dtype)
+                state["exp_avg_sq"] = _zeros_like_local(p, _local(p).dtype)
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        beta1, beta2 = hp["betas"]
+        adamw(
+            [_local(p) for p, _ in with_grad],
+            [g for _, g in with_grad],
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=hp["lr"],
+            weight_decay=hp["weight_decay"],
+            eps=hp["eps"],
+            maximize=False,
+        )
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
+class _Clock:
+    """Seconds between laps, with the device synchronized; does nothing unless enabled."""
+
+    def __init__(self, enabled: bool, device: torch.device) -> None:
+        self._enabled = enabled
+        self._device = device
+        self._last = self._now() if enabled else 0.0
+
+    def _now(self) -> float:
+        if self._device.type != "cpu":
+            torch.accelerator.synchronize(self._device)
+        return time.perf_counter()
+
+    def lap(self) -> float | None:
+        if not self._enabled:
+            return None
+        now = self._now()
+        elapsed, self._last = now - self._last, now
+        return elapsed

@@ -1,0 +1,70 @@
+"""Split a model's params into Muon and AdamW param groups by name and shape."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+# Names of params Muon should not orthogonalize even though they are matrices:
+# embeddings and the output head (Keller Jordan, Moonlight), norms, biases and
+# MoE routers ("router", or a bare `gate` module next to the experts).
+DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
+    r"embed",
+    r"lm_head",
+    r"norm",
+    r"bias",
+    r"router",
+    r"(^|\.)gate\.weight$",
+)
+
+
+def muon_param_groups(
+    model: nn.Module,
+    *,
+    row_blocks: Mapping[str, Sequence[int]] | None = None,
+    adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS,
+    adamw_options: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Param groups for `muon.Muon`: 2-D / 3-D params to Muon, the rest to AdamW.
+
+    A param goes to AdamW if it has fewer than 2 or more than 3 dims or its name
+    matches one of `adamw_patterns` (regular expressions, `re.search`).
+    `row_blocks` maps a name pattern to the row blocks of matching fused params
+    (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
+    and must match at least one Muon param. `adamw_options` (lr, betas, eps,
+    weight_decay) go into the AdamW group. Every trainable param lands in
+    exactly one group; empty groups are left out.
+    """
+    row_blocks = dict(row_blocks or {})
+    plain: list[nn.Parameter] = []
+    fused: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in row_blocks}
+    adamw: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim not in (2, 3) or any(re.search(pattern, name) for pattern in adamw_patterns):
+            adamw.append(p)
+            continue
+        matches = [pattern for pattern in row_blocks if re.search(pattern, name)]
+        if len(matches) > 1:
+            raise ValueError(f"param {name} matches several row_blocks patterns: {matches}")
+        (fused[matches[0]] if matches else plain).append(p)
+    for pattern, params in fused.items():
+        if not params:
+            raise ValueError(f"row_blocks pattern {pattern!r} matches no Muon param")
+    groups: list[dict[str, Any]] = []
+    if plain:
+        groups.append({"params": plain})
+    groups.extend(
+        {"params": params, "row_blocks": tuple(row_blocks[pattern])}
+        for pattern, params in fused.items()
+    )
+    if adamw:
+        groups.append({"params": adamw, "algorithm": "adamw", **dict(adamw_options or {})})
+    grouped = sum(len(g["params"]) for g in groups)
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert grouped == trainable, f"{grouped} params grouped, {trainable} trainable"
+    return groups

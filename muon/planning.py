@@ -1,0 +1,470 @@
+"""Pure planning for distributed Muon: logical matrices, buckets, owners, exchange splits.
+
+Everything here is a function of shapes, mesh sizes and one rank's mesh
+coordinate; nothing touches a tensor or a process group, so the same code
+serves the optimizer (built once, cached) and an offline planner.
+
+Vocabulary: a mesh *axis* is a dimension of a device mesh; a tensor *dim* is a
+dimension of a tensor. A param of shape (out, in) or (E, out, in) holds
+`row_blocks`-many logical matrices per leading index (a fused QKV has three).
+
+Sharding (torch.chunk semantics, as FSDP2 / DTensor `Shard`): a dim of size n
+over k shards gives ceil(n / k) to each rank in order; trailing ranks may be
+short or empty. A param whose matrix dims (the last two) are sharded by one
+mesh axis is *exchanged* over that axis: every logical matrix gets one owner
+rank on the axis, which receives the other ranks' pieces, orthogonalizes the
+whole matrix and sends each rank its piece of the result. A param whose matrix
+dims are not sharded (plain tensors, replicated params, expert stacks sharded
+only on the expert dim) is orthogonalized *locally*, with no communication.
+
+Worked example, 2 ranks on one axis, bucket = one (3, 4) matrix sharded Shard(0):
+rank 0 holds rows [0, 2), rank 1 holds row [2, 3); the owner is rank 0. Rank 0
+sends 8 elements to itself and receives 8 + 4 (splits send=[8, 0], recv=[8, 4]);
+rank 1 sends [4, 0] and receives [0, 0]: it allocates no full matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from muon.newton_schulz import ns_flops
+
+# Default cap on the bytes of full matrices a bucket holds on one exchange
+# group (bf16): small enough to bound the workspace (seeds/000: 512 MiB - 1 GiB
+# per rank), large enough to batch many matrices per all-to-all.
+DEFAULT_BUCKET_CAP_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    """One param as one rank sees it: global shape and how a mesh shards it."""
+
+    shape: tuple[int, ...]
+    """Global shape, (out, in) or (E, out, in)."""
+    row_blocks: tuple[int, ...] = ()
+    """Rows of each logical matrix within `out` (fused QKV: (q, k, v)); () is one block."""
+    mesh_shape: tuple[int, ...] = ()
+    """Sizes of the mesh axes; () for a plain tensor."""
+    shard_dims: tuple[int | None, ...] = ()
+    """Per mesh axis: the tensor dim it shards (Shard(d)), or None (Replicate)."""
+    coord: tuple[int, ...] = ()
+    """This rank's coordinate on the mesh."""
+    mesh_key: Hashable = None
+    """Identifies the mesh; params on different meshes never share a bucket."""
+    group: int = 0
+    """Optimizer param group; only matrices of one group are orthogonalized in one batch."""
+
+    def __post_init__(self) -> None:
+        if len(self.shape) not in (2, 3):
+            raise ValueError(f"Muon params must be 2-D or 3-D but got shape: {self.shape}")
+        if self.row_blocks and sum(self.row_blocks) != self.shape[-2]:
+            raise ValueError(f"row_blocks {self.row_blocks} must sum to the rows of {self.shape}")
+        if not len(self.mesh_shape) == len(self.shard_dims) == len(self.coord):
+            raise ValueError(
+                f"mesh_shape {self.mesh_shape}, shard_dims {self.shard_dims} and coord "
+                f"{self.coord} must have one entry per mesh axis"
+            )
+        matrix_dims = [d for d in self.shard_dims if d is not None and d >= self.ndim - 2]
+        if len(matrix_dims) > 1:
+            raise ValueError(
+                f"matrix dims of shape {self.shape} sharded by more than one mesh axis "
+                f"({self.shard_dims}); only one axis may shard a matrix dim"
+            )
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.row_blocks or (self.shape[-2],)
+
+    @property
+    def exchange_axis(self) -> int | None:
+        """The mesh axis that shards a matrix dim, or None: orthogonalized locally."""
+        for axis, dim in enumerate(self.shard_dims):
+            if dim is not None and dim >= self.ndim - 2:
+                return axis
+        return None
+
+    def dim_range(self, dim: int, coord: tuple[int, ...] | None = None) -> tuple[int, int]:
+        """[start, stop) of tensor dim `dim` held at mesh coordinate `coord` (default: mine)."""
+        coord = self.coord if coord is None else coord
+        start, stop = 0, self.shape[dim]
+        for axis, sharded in enumerate(self.shard_dims):
+            if sharded == dim:  # nested shards chunk the previous chunk, as DTensor does
+                start, stop = chunk_range(stop - start, self.mesh_shape[axis], coord[axis], start)
+        return start, stop
+
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in (self.dim_range(d) for d in range(self.ndim)))
+
+    def peer_coord(self, axis: int, index: int) -> tuple[int, ...]:
+        return self.coord[:axis] + (index,) + self.coord[axis + 1 :]
+
+    def exchange_bytes(self, itemsize: int) -> int:
+        """Bytes of full matrices this param puts on one exchange group (rank-invariant)."""
+        shards = 1
+        for axis, dim in enumerate(self.shard_dims):
+            if dim is not None and axis != self.exchange_axis:
+                shards *= self.mesh_shape[axis]
+        return math.ceil(math.prod(self.shape) / shards) * itemsize
+
+
+def chunk_range(size: int, chunks: int, index: int, base: int = 0) -> tuple[int, int]:
+    """[start, stop) of chunk `index` when torch.chunk cuts `size` into `chunks` pieces."""
+    step = -(-size // chunks)
+    start = min(index * step, size)
+    return base + start, base + min(start + step, size)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Params whose matrices are exchanged (or orthogonalized locally) together."""
+
+    index: int
+    params: tuple[int, ...]
+    """Indices into the layouts, in layer order; a param is never split across buckets."""
+    mesh_key: Hashable
+    axis: int | None
+    """Exchange mesh axis; None for a local bucket."""
+    nbytes: int
+    """Full-matrix bytes on one exchange group (rank-invariant; the byte cap applies to it)."""
+
+
+def plan_buckets(
+    layouts: Sequence[ParamLayout], cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, itemsize: int = 2
+) -> tuple[Bucket, ...]:
+    """Group params into buckets in layer order under `cap_bytes`, one open bucket per domain.
+
+    A domain is (mesh, exchange axis); a param larger than the cap gets a bucket
+    of its own. Depends only on global shapes and mesh sizes, so every rank
+    builds the same buckets. Buckets are numbered by their first param.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap should be > 0 bytes but is: {cap_bytes}")
+    open_buckets: dict[tuple[Hashable, int | None], tuple[list[int], int]] = {}
+    closed: list[tuple[list[int], Hashable, int | None, int]] = []
+    for index, layout in enumerate(layouts):
+        domain = (layout.mesh_key, layout.exchange_axis)
+        nbytes = layout.exchange_bytes(itemsize)
+        members, total = open_buckets.get(domain, ([], 0))
+        if members and total + nbytes > cap_bytes:
+            closed.append((members, *domain, total))
+            members, total = [], 0
+        open_buckets[domain] = (members + [index], total + nbytes)
+    closed.extend((members, *domain, total) for domain, (members, total) in open_buckets.items())
+    closed.sort(key=lambda entry: entry[0][0])
+    return tuple(
+        Bucket(i, tuple(members), key, axis, total)
+        for i, (members, key, axis, total) in enumerate(closed)
+    )
+
+
+def assign_owners(
+    costs: Sequence[int], world: int, prior_load: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """Greedy longest-processing-time owners: the costliest matrix first, to the least loaded rank.
+
+    Ties: equal costs keep their input order; equal loads go to the rank with
+    the least `prior_load` (work owned in earlier buckets), then the lowest rank.
+    Deterministic, so every rank computes the same owners.
+    """
+    prior = list(prior_load) if prior_load is not None else [0] * world
+    load = [0] * world
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], prior[r], r))
+        owners[i] = rank
+        load[rank] += costs[i]
+    return tuple(owners)
+
+
+@dataclass(frozen=True, slots=True)
+class Matrix:
+    """A logical matrix: rows [row0, row0 + rows) of leading index `expert` of a param."""
+
+    param: int
+    expert: int
+    """Index into this rank's local leading dim (0 for a 2-D param)."""
+    row0: int
+    rows: int
+    cols: int
+    owner: int
+    """Owner's index on the exchange axis; this rank's own index for a local bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A rectangle of one matrix travelling between this rank and `peer`.
+
+    `rows`/`cols` are [start, stop) in matrix coordinates; the sender holds it at
+    local rows `local_row0 + ...` and local cols `local_col0 + ...` of leading index
+    `Matrix.expert`. `offset` is the position in the send (or receive) buffer.
+    """
+
+    matrix: int
+    peer: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    local_row0: int
+    local_col0: int
+    offset: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows[1] - self.rows[0], self.cols[1] - self.cols[0]
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Same-shape matrices of one param group, contiguous in the full-matrix workspace."""
+
+    matrices: tuple[int, ...]
+    rows: int
+    cols: int
+    group: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangePlan:
+    """One rank's part of one bucket for one step's active params."""
+
+    bucket: int
+    axis: int | None
+    matrices: tuple[Matrix, ...]
+    """Every active logical matrix of the bucket on this rank's exchange group."""
+    send_splits: tuple[int, ...]
+    """Elements this rank sends to each peer (and receives back from it with the result)."""
+    recv_splits: tuple[int, ...]
+    """Elements this rank receives from each peer as owner (and sends back)."""
+    send_pieces: tuple[Piece, ...]
+    """This rank's pieces, in (owner, matrix) order: the forward send layout."""
+    recv_pieces: tuple[Piece, ...]
+    """Pieces of matrices this rank owns, in (sender, matrix) order: the receive layout."""
+    batches: tuple[Batch, ...]
+    """Owned matrices grouped by (group, rows, cols), laid out back to back."""
+    me: int
+    """This rank's index on the exchange axis (0 for a local bucket)."""
+    itemsize: int
+
+    @property
+    def send_numel(self) -> int:
+        return sum(self.send_splits)
+
+    @property
+    def recv_numel(self) -> int:
+        return sum(self.recv_splits)
+
+    @property
+    def full_numel(self) -> int:
+        return sum(len(b.matrices) * b.rows * b.cols for b in self.batches)
+
+    @property
+    def owned(self) -> int:
+        return sum(len(b.matrices) for b in self.batches)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank puts on the wire: its pieces out, then owned results back.
+
+        Self-sends are excluded. Each piece makes a round trip, so a rank
+        receives exactly as many bytes as it sends.
+        """
+        pairs = enumerate(zip(self.send_splits, self.recv_splits, strict=True))
+        wire = sum(sent + received for peer, (sent, received) in pairs if peer != self.me)
+        return wire * self.itemsize
+
+    @property
+    def bytes_received(self) -> int:
+        return self.bytes_sent
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Peak bytes this bucket needs on this rank: buffers plus Newton-Schulz temporaries.
+
+        Send and receive buffers, the full matrices, and per batch the NS
+        iterate, its successor and two Gram-sized temporaries (m x m, m <= n).
+        """
+        ns = sum(
+            len(b.matrices) * (2 * b.rows * b.cols + 2 * min(b.rows, b.cols) ** 2)
+            for b in self.batches
+        )
+        return (self.send_numel + self.recv_numel + self.full_numel + ns) * self.itemsize
+
+
+def bucket_matrices(layouts: Sequence[ParamLayout], bucket: Bucket) -> list[Matrix]:
+    """The logical matrices of a bucket on this rank's exchange group, owner unset (-1)."""
+    matrices = []
+    for index in bucket.params:
+        layout = layouts[index]
+        experts = layout.local_shape()[0] if layout.ndim == 3 else 1
+        cols = layout.shape[-1]
+        for expert in range(experts):
+            row0 = 0
+            for rows in layout.blocks:
+                matrices.append(Matrix(index, expert, row0, rows, cols, -1))
+                row0 += rows
+    return matrices
+
+
+@dataclass(frozen=True, slots=True)
+class MuonPlan:
+    """Buckets and owners for all Muon params, built once; exchange plans cached per step mask."""
+
+    layouts: tuple[ParamLayout, ...]
+    buckets: tuple[Bucket, ...]
+    matrices: tuple[tuple[Matrix, ...], ...]
+    """Per bucket, its matrices with owners, in bucket order."""
+    itemsize: int
+    _exchanges: dict[tuple[int, frozenset[int]], ExchangePlan] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
+
+    @classmethod
+    def build(
+        cls,
+        layouts: Sequence[ParamLayout],
+        cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        itemsize: int = 2,
+        cost_fn: Callable[[int, int], int] = ns_flops,
+    ) -> MuonPlan:
+        """Plan buckets, then owners bucket by bucket, balancing `cost_fn(rows, cols)`.
+
+        Owners are balanced within each bucket (its latency is its busiest
+        owner), ties broken by the load owned in earlier buckets of the same
+        domain so that remainders rotate over the ranks.
+        """
+        layouts = tuple(layouts)
+        buckets = plan_buckets(layouts, cap_bytes, itemsize)
+        prior: dict[tuple[Hashable, int | None], list[int]] = {}
+        planned = []
+        for bucket in buckets:
+            matrices = bucket_matrices(layouts, bucket)
+            first = layouts[bucket.params[0]]
+            if bucket.axis is None:
+                owners: tuple[int, ...] = (0,) * len(matrices)
+            else:
+                world = first.mesh_shape[bucket.axis]
+                load = prior.setdefault((bucket.mesh_key, bucket.axis), [0] * world)
+                costs = [cost_fn(m.rows, m.cols) for m in matrices]
+                owners = assign_owners(costs, world, load)
+                for owner, cost in zip(owners, costs, strict=True):
+                    load[owner] += cost
+            planned.append(
+                tuple(
+                    Matrix(m.param, m.expert, m.row0, m.rows, m.cols, o)
+                    for m, o in zip(matrices, owners, strict=True)
+                )
+            )
+        return cls(layouts, buckets, tuple(planned), itemsize)
+
+    def exchange(self, bucket: int, active: frozenset[int]) -> ExchangePlan:
+        """This rank's exchange plan for `bucket` when only params in `active` step."""
+        key = (bucket, active)
+        plan = self._exchanges.get(key)
+        if plan is None:
+            plan = self._exchanges[key] = plan_exchange(
+                self.layouts, self.buckets[bucket], self.matrices[bucket], active, self.itemsize
+            )
+        return plan
+
+    def buffer_numels(self, bucket_indices: Sequence[int]) -> tuple[int, int, int]:
+        """Largest (send, receive, full) element counts over buckets with every param active."""
+        sizes = [(0, 0, 0)]
+        for index in bucket_indices:
+            plan = self.exchange(index, frozenset(self.buckets[index].params))
+            sizes.append((plan.send_numel, plan.recv_numel, plan.full_numel))
+        return tuple(max(column) for column in zip(*sizes, strict=True))
+
+
+def _piece(
+    layout: ParamLayout, matrix: Matrix, coord: tuple[int, ...]
+) -> tuple[int, int, int, int, int, int] | None:
+    """Rows, cols (matrix coordinates) and local row/col origin of `matrix`'s part at `coord`."""
+    row_dim, col_dim = layout.ndim - 2, layout.ndim - 1
+    held_rows = layout.dim_range(row_dim, coord)
+    held_cols = layout.dim_range(col_dim, coord)
+    r0 = max(held_rows[0], matrix.row0)
+    r1 = min(held_rows[1], matrix.row0 + matrix.rows)
+    if r1 <= r0 or held_cols[1] <= held_cols[0]:
+        return None
+    return r0 - matrix.row0, r1 - matrix.row0, held_cols[0], held_cols[1], r0 - held_rows[0], 0
+
+
+def plan_exchange(
+    layouts: Sequence[ParamLayout],
+    bucket: Bucket,
+    matrices: Sequence[Matrix],
+    active: frozenset[int],
+    itemsize: int = 2,
+) -> ExchangePlan:
+    """Split sizes and buffer layouts for one rank and one bucket (see the module example).
+
+    Only params in `active` (those with a gradient this step; every rank must
+    agree) take part; owners stay as planned so they do not move between steps.
+    """
+    matrices = tuple(m for m in matrices if m.param in active)
+    first = layouts[bucket.params[0]]
+    axis = bucket.axis
+    world = 1 if axis is None else first.mesh_shape[axis]
+    me = 0 if axis is None else first.coord[axis]
+
+    by_key: dict[tuple[int, int, int], list[int]] = {}
+    for i, m in enumerate(matrices):
+        if m.owner == me:
+            by_key.setdefault((layouts[m.param].group, m.rows, m.cols), []).append(i)
+    batches, slot = [], 0
+    for (group, rows, cols), members in by_key.items():
+        batches.append(Batch(tuple(members), rows, cols, group, slot))
+        slot += len(members) * rows * cols
+
+    send_pieces: list[Piece] = []
+    recv_pieces: list[Piece] = []
+    send_splits = [0] * world
+    recv_splits = [0] * world
+    if axis is not None:
+        offset = 0
+        for owner in range(world):  # my pieces, in (owner, matrix) order
+            for i, m in enumerate(matrices):
+                if m.owner != owner:
+                    continue
+                geometry = _piece(layouts[m.param], m, first.coord)
+                if geometry is not None:
+                    r0, r1, c0, c1, lr0, lc0 = geometry
+                    piece = Piece(i, owner, (r0, r1), (c0, c1), lr0, lc0, offset)
+                    send_pieces.append(piece)
+                    send_splits[owner] += piece.numel
+                    offset += piece.numel
+        offset = 0
+        for sender in range(world):  # pieces of matrices I own, in (sender, matrix) order
+            coord = first.peer_coord(axis, sender)
+            for i, m in enumerate(matrices):
+                if m.owner != me:
+                    continue
+                geometry = _piece(layouts[m.param], m, coord)
+                if geometry is not None:
+                    r0, r1, c0, c1, lr0, lc0 = geometry
+                    piece = Piece(i, sender, (r0, r1), (c0, c1), lr0, lc0, offset)
+                    recv_pieces.append(piece)
+                    recv_splits[sender] += piece.numel
+                    offset += piece.numel
+    return ExchangePlan(
+        bucket.index,
+        axis,
+        matrices,
+        tuple(send_splits),
+        tuple(recv_splits),
+        tuple(send_pieces),
+        tuple(recv_pieces),
+        tuple(batches),
+        me,
+        itemsize,
+    )
