@@ -1,0 +1,225 @@
+"""Distributed Muon on gloo == single-process Muon on the full tensors, bit for bit.
+
+One spawn per world size runs every case: 1-D meshes with Shard(0) / Shard(1)
+(uneven and empty shards, tall and wide, fused QKV, 3-D expert stacks, a param
+without a grad), FSDP2 `fully_shard` params, and at world size 4 HSDP 2x2 and
+EP x FSDP 2x2. Each case also checks the subset step, unit by unit, against
+the plain step.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from muon import Muon
+
+STEPS = 3
+# (shape, placements on a 1-D mesh, row_blocks); rows 10 and 13 do not divide 3 or 4,
+# 2 rows leave ranks empty at world sizes 3 and 4.
+ONE_D = [
+    ((10, 12), (Shard(0),), None),
+    ((2, 9), (Shard(0),), None),
+    ((13, 6), (Shard(1),), None),
+    ((5, 17), (Shard(0),), None),
+    ((16, 12), (Shard(0),), (8, 4, 4)),
+    ((6, 16), (Shard(1),), (3, 3)),
+    ((3, 7, 10), (Shard(0),), None),  # experts sharded on the expert dim: local
+    ((2, 9, 6), (Shard(1),), None),  # experts sharded on rows: exchanged
+    ((5, 4), (Replicate(),), None),
+]
+HSDP = [
+    ((10, 12), (Replicate(), Shard(0)), None),
+    ((7, 5), (Replicate(), Shard(1)), None),
+    ((12, 8), (Replicate(), Shard(0)), (6, 2, 4)),
+]
+EP_FSDP = [
+    ((4, 9, 6), (Shard(0), Shard(1)), None),  # EP on experts, FSDP on rows: exchanged
+    ((4, 5, 7), (Shard(0), Shard(0)), None),  # both on the expert dim: local
+    ((5, 7, 3), (Shard(0), Replicate()), None),
+    ((10, 12), (Replicate(), Shard(0)), None),
+]
+ADAMW = [((11,), (Shard(0),)), ((3, 5), (Shard(0),))]
+CONFIGS = [
+    dict(bucket_cap_bytes=300, max_inflight=2, nesterov=True),
+    dict(bucket_cap_bytes=10**6, max_inflight=1, nesterov=False, adjust_lr_fn="match_rms_adamw"),
+    dict(bucket_cap_bytes=500, max_inflight=3, ns_dtype=torch.float32),
+]
+
+
+def _full(shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _shard(full: torch.Tensor, mesh, placements) -> DTensor:
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+    return DTensor.from_local(
+        local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+
+
+def _local(t: torch.Tensor, mesh, placements) -> torch.Tensor:
+    return _shard(t.detach(), mesh, placements).to_local()
+
+
+def _groups(params, specs, adamw_params):
+    plain = [p for p, (_, _, blocks) in zip(params, specs, strict=True) if blocks is None]
+    groups = [{"params": plain}]
+    groups += [
+        {"params": [p], "row_blocks": blocks}
+        for p, (_, _, blocks) in zip(params, specs, strict=True)
+        if blocks is not None
+    ]
+    groups.append({"params": adamw_params, "algorithm": "adamw", "lr": 3e-3})
+    return groups
+
+
+def _check_case(mesh, specs, config, case: str) -> None:
+    """Distributed params vs plain full tensors, after STEPS steps and for the subset step."""
+    adamw_specs = [s for s in ADAMW if len(s[1]) == mesh.ndim] or [
+        ((11,), (Replicate(),) * (mesh.ndim - 1) + (Shard(0),))
+    ]
+    fulls = [_full(shape, i) for i, (shape, _, _) in enumerate(specs)]
+    adamw_fulls = [_full(shape, 100 + i) for i, (shape, _) in enumerate(adamw_specs)]
+
+    def build(distributed: bool):
+        params = [
+            torch.nn.Parameter(_shard(f, mesh, pl) if distributed else f.clone())
+            for f, (_, pl, _) in zip(fulls, specs, strict=True)
+        ]
+        extra = [
+            torch.nn.Parameter(_shard(f, mesh, pl) if distributed else f.clone())
+            for f, (_, pl) in zip(adamw_fulls, adamw_specs, strict=True)
+        ]
+        opt = Muon(_groups(params, specs, extra), lr=0.02, **config)
+        return params, extra, opt
+
+    ref_params, ref_extra, ref_opt = build(False)
+    params, extra, opt = build(True)
+    sub_params, sub_extra, sub_opt = build(True)
+    placements = [pl for _, pl, _ in specs] + [pl for _, pl in adamw_specs]
+    for step in range(STEPS):
+        for i, (p, q, r) in enumerate(
+            zip(ref_params + ref_extra, params + extra, sub_params + sub_extra, strict=True)
+        ):
+            if step == 1 and i == 0:  # a param without a grad on one step
+                p.grad = q.grad = r.grad = None
+                continue
+            grad = _full(p.shape, 1000 * step + i)
+            p.grad = grad
+            q.grad = _shard(grad, mesh, placements[i])
+            r.grad = _shard(grad, mesh, placements[i])
+        ref_opt.step()
+        opt.step()
+        subset = sub_opt.begin_subset_step()
+        for unit in reversed(subset.units):
+            subset.step_params(unit)
+
+    for i, (p, q, r) in enumerate(
+        zip(ref_params + ref_extra, params + extra, sub_params + sub_extra, strict=True)
+    ):
+        where = f"{case} {config} param {i} shape {tuple(p.shape)} {placements[i]}"
+        if config.get("ns_dtype") == torch.float32:
+            # fp32 bmm on CPU rounds differently for another batch size (owners batch fewer
+            # matrices than the single process); bf16 NS does not, and is compared bitwise.
+            torch.testing.assert_close(q.to_local(), _local(p, mesh, placements[i]), msg=where)
+        else:
+            assert torch.equal(q.to_local(), _local(p, mesh, placements[i])), where
+        assert torch.equal(r.to_local(), q.to_local()), f"subset step: {where}"
+        for key, value in ref_opt.state[p].items():
+            got = opt.state[q][key]
+            if value.ndim == 0:
+                assert torch.equal(got, value), f"{key}: {where}"
+                continue
+            assert isinstance(got, DTensor) and got.placements == q.placements, f"{key}: {where}"
+            assert torch.equal(got.to_local(), _local(value, mesh, placements[i])), (
+                f"{key}: {where}"
+            )
+            assert torch.equal(sub_opt.state[r][key].to_local(), got.to_local()), f"{key}: {where}"
+    assert [m.bucket for m in opt.metrics] == sorted(m.bucket for m in opt.metrics)
+
+
+def _worker(rank: int, world: int, init_file: str, error_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cases = [("1d", init_device_mesh("cpu", (world,)), ONE_D)]
+        if world == 4:
+            cases.append(("hsdp", init_device_mesh("cpu", (2, 2)), HSDP))
+            cases.append(("ep_fsdp", init_device_mesh("cpu", (2, 2)), EP_FSDP))
+        for name, mesh, specs in cases:
+            for config in CONFIGS:
+                _check_case(mesh, specs, config, name)
+        _check_fully_shard(init_device_mesh("cpu", (world,)))
+    except Exception:
+        with open(f"{error_file}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_fully_shard(mesh) -> None:
+    """FSDP2 `fully_shard` params (Shard(0), uneven) with a real backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3), torch.nn.Linear(3, 7)
+        )
+
+    ref, sharded = model(), model()
+    for layer in sharded:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+
+    def groups(m):
+        return [
+            {"params": [p for n, p in m.named_parameters() if n.endswith("weight")]},
+            {
+                "params": [p for n, p in m.named_parameters() if n.endswith("bias")],
+                "algorithm": "adamw",
+            },
+        ]
+
+    ref_opt, opt = Muon(groups(ref), lr=0.02), Muon(groups(sharded), lr=0.02)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7))
+    for _ in range(STEPS):
+        for m, o in ((ref, ref_opt), (sharded, opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+        # reduce-scatter sums in another order than the local backward: start both from one grad
+        for p, q in zip(ref.parameters(), sharded.parameters(), strict=True):
+            q.grad = _shard(p.grad, mesh, q.placements)
+        ref_opt.step()
+        opt.step()
+    for p, q in zip(ref.parameters(), sharded.parameters(), strict=True):
+        assert torch.equal(q.to_local(), _local(p, mesh, q.placements)), tuple(p.shape)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_distributed_matches_single_process_bitwise(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, error_file = os.path.join(tmp, "init"), os.path.join(tmp, "error")
+        try:
+            mp.spawn(_worker, args=(world, init_file, error_file), nprocs=world, join=True)
+        except Exception:
+            errors = [
+                open(os.path.join(tmp, name)).read()
+                for name in sorted(os.listdir(tmp))
+                if name.startswith("error")
+            ]
+            pytest.fail("\n".join(errors) or "a rank failed")
