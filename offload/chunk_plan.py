@@ -12,7 +12,7 @@ chunks, even though their local shards differ.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,8 @@ import torch
 # Offsets inside slabs and staging slots are rounded up to this many bytes so
 # every view starts on a boundary the vectorized copy and update kernels like.
 ALIGN_BYTES = 256
+# Chunks at each end of a step ramp their size up by halves over this many steps.
+RAMP_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -81,22 +83,49 @@ class OffloadPlan:
         return slots * sum(n * dtype.itemsize for dtype, n in self.slot_numel.items())
 
 
-def pack_units(unit_bytes: Sequence[int], chunk_bytes: int) -> tuple[range, ...]:
-    """Greedy in order: a chunk takes units while it stays under `chunk_bytes`.
+def _greedy(unit_bytes: Sequence[int], cap: Callable[[int], int]) -> list[int]:
+    """Chunk lengths (in units), in order; chunk k takes units while under cap(k)."""
+    lengths: list[int] = []
+    count, filled = 0, 0
+    for size in unit_bytes:
+        if count and filled + size > cap(len(lengths)):
+            lengths.append(count)
+            count, filled = 0, 0
+        count += 1
+        filled += size
+    if count:
+        lengths.append(count)
+    return lengths
 
-    A unit larger than the cap gets a chunk of its own. Chunks never split a unit.
+
+def pack_units(unit_bytes: Sequence[int], chunk_bytes: int) -> tuple[range, ...]:
+    """Cut units, in order, into chunks of at most `chunk_bytes` (a larger unit is alone).
+
+    The first and last RAMP_STEPS chunks at each end hold 1/2, 1/4, ... of the
+    cap: nothing overlaps the first load or the last write-back, so small end
+    chunks shorten the pipeline's fill and drain. Chunks never split a unit.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes should be > 0 but is: {chunk_bytes}")
-    chunks: list[range] = []
-    start, filled = 0, 0
+
+    def cap(k: int) -> int:
+        return chunk_bytes >> max(0, RAMP_STEPS - k)
+
+    total, half = sum(unit_bytes), 0
+    if total <= chunk_bytes:
+        return (range(len(unit_bytes)),) if unit_bytes else ()
+    middle = len(unit_bytes)  # units [0, middle) pack forward, the rest backward
     for index, size in enumerate(unit_bytes):
-        if index > start and filled + size > chunk_bytes:
-            chunks.append(range(start, index))
-            start, filled = index, 0
-        filled += size
-    if start < len(unit_bytes):
-        chunks.append(range(start, len(unit_bytes)))
+        if 2 * half >= total:
+            middle = index
+            break
+        half += size
+    head = _greedy(unit_bytes[:middle], cap)
+    tail = _greedy(unit_bytes[middle:][::-1], cap)[::-1]
+    chunks, start = [], 0
+    for length in head + tail:
+        chunks.append(range(start, start + length))
+        start += length
     return tuple(chunks)
 
 

@@ -228,8 +228,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for c, chunk in enumerate(self._chunks):
             if c + ahead < len(self._chunks):
                 loaded[c + ahead] = self._load(self._chunks[c + ahead])
-            if loaded[c]:
-                streams.wait(compute, streams.loaded[chunk.slot])
+            # A loaded slot was freed before its load; an unloaded one (state not
+            # created yet) must still wait for its last write-back before the step
+            # creates state into it.
+            ready = streams.loaded if loaded[c] else streams.freed
+            streams.wait(compute, ready[chunk.slot])
             had_state = {p for p in chunk.params if state.get(p)}
             for param, key, _, _, staging in chunk.views:
                 if param in had_state:
