@@ -98,9 +98,6 @@ def copy_floor(nbytes: int, repeats: int = 5) -> dict[str, float]:
         "d2h_s": timed(lambda: host_out.copy_(dev_out, non_blocking=True)),
         "both_s": timed(both),
     }
-    del host, host_in, host_out, dev_in, dev_out
-    gc.collect()
-    torch.cuda.empty_cache()
     return result
 
 
@@ -123,6 +120,8 @@ def main() -> None:
           f"{state_bytes / GiB:.2f} GiB AdamW state")
 
     floor = copy_floor(state_bytes)
+    gc.collect()
+    torch.cuda.empty_cache()
     rows = [{"arm": "copy floor (H2D + D2H at once)", "step_s": floor["both_s"], "host_s": None,
              "peak_gib": None}]
 
