@@ -92,18 +92,21 @@ class GroupStep:
         self.units = [[p] for p in self._group_of]
 
     def step_params(self, params: Collection[Tensor]) -> None:
-        wanted = set(params)
-        saved_groups = [dict(group) for group in self._optimizer.param_groups]
-        saved_grads = {p: p.grad for p in wanted}
+        groups = self._optimizer.param_groups
+        narrowed: list[list[Tensor]] = [[] for _ in groups]
+        for p in params:
+            narrowed[self._group_of[p]].append(p)
+        saved_groups = [dict(group) for group in groups]
+        saved_grads = {p: p.grad for p in params}
         try:
-            for index, group in enumerate(self._optimizer.param_groups):
-                group.update(self._groups[index])
-                group["params"] = [p for p in saved_groups[index]["params"] if p in wanted]
-            for p in wanted:
+            for group, captured, chosen in zip(groups, self._groups, narrowed, strict=True):
+                group.update(captured)
+                group["params"] = chosen
+            for p in params:
                 p.grad = self._grads[p]
             self._optimizer.step()
         finally:
-            for group, saved in zip(self._optimizer.param_groups, saved_groups, strict=True):
+            for group, saved in zip(groups, saved_groups, strict=True):
                 group.clear()
                 group.update(saved)
             for p, grad in saved_grads.items():
