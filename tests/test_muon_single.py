@@ -1,0 +1,260 @@
+"""Muon on one process: torch.optim.Muon parity, schedules, fused / stacked params, groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from muon import (
+    DEEPSEEK_V4,
+    KELLER_JORDAN,
+    POLAR_EXPRESS,
+    SCHEDULES,
+    Muon,
+    NewtonSchulzSchedule,
+    muon_param_groups,
+    zeropower,
+)
+
+SHAPES = [(37, 53), (70, 33), (8, 70), (64, 64), (1, 9)]
+
+
+def _params(shapes, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _run(optimizer, params, steps: int = 3, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"},
+        {"lr": 0.05, "weight_decay": 0.0, "momentum": 0.9, "adjust_lr_fn": "original"},
+        {"ns_coefficients": (3.0, -3.2, 1.2), "ns_steps": 3, "eps": 1e-5},
+    ],
+)
+def test_matches_torch_muon_bitwise(options):
+    ours, theirs = _params(SHAPES), _params(SHAPES)
+    _run(Muon(ours, bucket_cap_bytes=4000, **options), ours)
+    ref = torch.optim.Muon(theirs, **options)
+    _run(ref, theirs)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_buckets_and_inflight_do_not_change_the_result():
+    results = []
+    for cap, inflight in [(10**9, 1), (3000, 1), (3000, 3), (1, 2)]:
+        params = _params(SHAPES)
+        opt = Muon(params, bucket_cap_bytes=cap, max_inflight=inflight)
+        _run(opt, params)
+        results.append(params)
+        assert len(opt.metrics) == {10**9: 1, 1: len(SHAPES)}.get(cap, len(opt.metrics))
+    for other in results[1:]:
+        for p, q in zip(results[0], other, strict=True):
+            assert torch.equal(p, q)
+
+
+def test_zeropower_matches_torch_and_schedules_orthogonalize():
+    x = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(0))
+    for m in (x, x.mT):
+        ref = torch.stack(
+            [_zeropower_via_newtonschulz(a, (3.4445, -4.775, 2.0315), 5, 1e-7) for a in m]
+        )
+        assert torch.equal(zeropower(m.bfloat16(), KELLER_JORDAN), ref)
+        assert torch.equal(zeropower(m[0].bfloat16(), KELLER_JORDAN), ref[0])
+    bounds = {"keller_jordan": (0.6, 1.2), "polar_express": (0.8, 1.2), "deepseek_v4": (0.99, 1.01)}
+    for name, schedule in SCHEDULES.items():
+        singular = torch.linalg.svdvals(zeropower(x, schedule))
+        low, high = bounds[name]
+        assert low < singular.min() and singular.max() < high, name
+    assert DEEPSEEK_V4.steps == 10 and POLAR_EXPRESS.norm_scale == 1.02
+
+
+def test_fused_rows_and_expert_stacks_equal_separate_matrices():
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.nn.Parameter(torch.randn(16, 12, generator=gen))
+    experts = torch.nn.Parameter(torch.randn(3, 7, 10, generator=gen))
+    pieces = [torch.nn.Parameter(t.clone()) for t in fused.detach().split((8, 4, 4))]
+    singles = [torch.nn.Parameter(t.clone()) for t in experts.detach().unbind(0)]
+    opt = Muon([{"params": [fused], "row_blocks": (8, 4, 4)}, {"params": [experts]}], lr=0.1)
+    ref = Muon(pieces + singles, lr=0.1)
+    for _ in range(3):
+        fused.grad = torch.randn(16, 12, generator=gen)
+        experts.grad = torch.randn(3, 7, 10, generator=gen)
+        for p, g in zip(
+            pieces + singles, [*fused.grad.split((8, 4, 4)), *experts.grad], strict=True
+        ):
+            p.grad = g.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(fused, torch.cat(pieces))
+    assert torch.equal(experts, torch.stack(singles))
+    assert opt.state_layout(experts) == {"momentum_buffer": (torch.Size([3, 7, 10]), torch.float32)}
+
+
+def test_adamw_group_matches_torch_adamw_bitwise():
+    ours, theirs = _params([(5, 7), (11,)]), _params([(5, 7), (11,)])
+    opt = Muon([{"params": ours, "algorithm": "adamw", "lr": 1e-2, "betas": (0.8, 0.9)}])
+    _run(opt, ours)
+    _run(torch.optim.AdamW(theirs, lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1), theirs)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+    assert opt.state_layout(ours[1]) == {
+        "exp_avg": (torch.Size([11]), torch.float32),
+        "exp_avg_sq": (torch.Size([11]), torch.float32),
+    }
+
+
+def test_subset_step_units_hyperparameters_and_params_without_grads():
+    def setup():
+        params = _params(SHAPES + [(4,)])
+        groups = [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}]
+        return params, Muon(groups, lr=0.02, bucket_cap_bytes=9000)
+
+    ref_params, ref = setup()
+    params, opt = setup()
+    for p in params:
+        assert set(opt.state_layout(p)) in ({"momentum_buffer"}, {"exp_avg", "exp_avg_sq"})
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for p, q in zip(ref_params, params, strict=True):
+            q.grad = p.grad = (
+                None if step == 1 and p is ref_params[0] else torch.randn(p.shape, generator=gen)
+            )
+        ref.step()
+        subset = opt.begin_subset_step()
+        opt.param_groups[0]["lr"] = 123.0  # a scheduler stepping mid-step must not matter
+        units = subset.units
+        assert sorted(id(p) for u in units for p in u) == sorted(id(p) for p in params)
+        assert len(units) > 2
+        for unit in units[::-1]:
+            subset.step_params(unit)
+        opt.param_groups[0]["lr"] = 0.02
+    for p, q in zip(ref_params, params, strict=True):
+        assert torch.equal(p, q)
+        for key, value in ref.state[p].items():
+            assert torch.equal(opt.state[q][key], value)
+        for key, (shape, dtype) in opt.state_layout(q).items():
+            assert (opt.state[q][key].shape, opt.state[q][key].dtype) == (shape, dtype)
+    big = max(units, key=len)
+    with pytest.raises(ValueError, match="whole units"):
+        opt.begin_subset_step().step_params(big[:1])
+
+
+def test_metrics_and_timings():
+    params = _params(SHAPES)
+    opt = Muon(params, bucket_cap_bytes=3000, collect_timings=True)
+    _run(opt, params, steps=1)
+    assert sum(m.matrices for m in opt.metrics) == len(SHAPES)
+    for m in opt.metrics:
+        assert m.bytes_sent == m.bytes_received == 0 and m.workspace_bytes > 0
+        assert min(m.exchange_s, m.ns_s, m.apply_s) >= 0.0
+    _run(Muon(params), params, steps=1)
+
+
+def test_offloaded_muon_is_bitwise_equal_to_plain():
+    offload = pytest.importorskip("offload")
+    results = []
+    for chunk_bytes in (None, 2**40, 3000, 1):
+        params = _params(SHAPES + [(6,)])
+        groups = [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}]
+        opt = Muon(groups, lr=0.02, bucket_cap_bytes=4000)
+        if chunk_bytes is not None:
+            opt = offload.CPUOffloadOptimizer(opt, chunk_bytes=chunk_bytes)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            scheduler.step()
+        results.append((params, opt.state_dict()))
+    for params, state in results[1:]:
+        for p, q in zip(results[0][0], params, strict=True):
+            assert torch.equal(p, q)
+        for index, entries in results[0][1]["state"].items():
+            for key, value in entries.items():
+                assert torch.equal(state["state"][index][key], value), (index, key)
+
+
+def test_param_group_helper():
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(10, 8)
+            self.qkv_proj = torch.nn.Linear(8, 16, bias=False)
+            self.o_proj = torch.nn.Linear(8, 8)
+            self.input_norm = torch.nn.LayerNorm(8)
+            self.router = torch.nn.Linear(8, 4, bias=False)
+            self.experts = torch.nn.Parameter(torch.zeros(4, 6, 8))
+            self.lm_head = torch.nn.Linear(8, 10, bias=False)
+
+    model = Block()
+    groups = muon_param_groups(
+        model, row_blocks={r"qkv_proj\.weight$": (8, 4, 4)}, adamw_options={"lr": 3e-4}
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_group = [sorted(names[id(p)] for p in g["params"]) for g in groups]
+    assert by_group == [
+        ["experts", "o_proj.weight"],
+        ["qkv_proj.weight"],
+        [
+            "embed_tokens.weight",
+            "input_norm.bias",
+            "input_norm.weight",
+            "lm_head.weight",
+            "o_proj.bias",
+            "router.weight",
+        ],
+    ]
+    assert groups[1]["row_blocks"] == (8, 4, 4)
+    assert groups[2]["algorithm"] == "adamw" and groups[2]["lr"] == 3e-4
+    Muon(groups).step()
+    with pytest.raises(ValueError, match="matches no Muon param"):
+        muon_param_groups(model, row_blocks={"nothing": (1,)})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lr": -1.0}, "Learning rate should be >= 0 but is: -1.0"),
+        ({"momentum": -0.5}, "momentum should be >= 0 but is: -0.5"),
+        ({"weight_decay": -0.1}, "weight decay should be >= 0 but is: -0.1"),
+        ({"eps": -1.0}, "eps should be >= 0 but is: -1.0"),
+        ({"adjust_lr_fn": "spectral"}, "spectral is not supported"),
+        ({"ns_coefficients": (1.0, 2.0)}, r"ns_coefficients should be \(a, b, c\)"),
+        ({"ns_steps": 100}, "ns_steps should be in"),
+        ({"ns_coefficients": POLAR_EXPRESS, "ns_steps": 3}, "ns_steps should be None or 5"),
+        ({"ns_dtype": torch.float16}, "ns_dtype should be"),
+        ({"bucket_cap_bytes": 0}, "bucket_cap_bytes should be > 0 but is: 0"),
+        ({"max_inflight": 0}, "max_inflight should be >= 1 but is: 0"),
+        ({"lr": torch.tensor(0.1)}, "Tensor lr"),
+    ],
+)
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Muon(_params([(3, 4)]), **kwargs)
+
+
+def test_group_errors():
+    with pytest.raises(ValueError, match="2-D and 3-D"):
+        Muon(_params([(4,)]))
+    with pytest.raises(ValueError, match="row_blocks should sum to 3"):
+        Muon([{"params": _params([(3, 4)]), "row_blocks": (1, 1)}])
+    with pytest.raises(ValueError, match="beta2 should be in"):
+        Muon([{"params": _params([(3,)]), "algorithm": "adamw", "betas": (0.9, 1.0)}])
+    with pytest.raises(ValueError, match="algorithm should be"):
+        Muon([{"params": _params([(3, 4)]), "algorithm": "sgd"}])
+    with pytest.raises(ValueError, match="at least one iteration"):
+        NewtonSchulzSchedule(())
