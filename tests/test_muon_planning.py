@@ -1,0 +1,184 @@
+"""Pure planning: owners, buckets and exchange splits, with ranks simulated in a loop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from muon.newton_schulz import ns_flops
+from muon.planning import MuonPlan, ParamLayout, assign_owners, chunk_range, plan_buckets
+
+
+def _layouts(specs, world: int, rank: int) -> list[ParamLayout]:
+    """(shape, shard dim or None, row_blocks) on a 1-D mesh of `world`, seen from `rank`."""
+    return [
+        ParamLayout(shape, blocks or (), (world,), (dim,), (rank,), mesh_key="mesh")
+        for shape, dim, blocks in specs
+    ]
+
+
+SPECS = [
+    ((10, 12), 0, None),
+    ((2, 9), 0, None),  # fewer rows than ranks
+    ((13, 6), 1, None),
+    ((16, 12), 0, (8, 4, 4)),
+    ((3, 7, 10), 0, None),  # experts sharded on the expert dim: local
+    ((2, 9, 6), 1, None),
+    ((64, 64), 0, None),
+]
+
+
+def test_chunk_range_is_torch_chunk():
+    for size in range(0, 12):
+        for chunks in range(1, 6):
+            pieces = torch.arange(size).chunk(chunks)
+            for index in range(chunks):
+                start, stop = chunk_range(size, chunks, index)
+                expected = pieces[index].tolist() if index < len(pieces) else []
+                assert list(range(start, stop)) == expected
+
+
+def test_owners_balance_flops_not_counts_and_ignore_input_order():
+    assert assign_owners([100, 1, 1, 1], 2) == (0, 1, 1, 1)  # round-robin would give (0, 1, 0, 1)
+    shapes = [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (512, 512), (300, 700)]
+    costs = [ns_flops(*s) + i for i, s in enumerate(shapes * 3)]  # distinct costs
+    owners = assign_owners(costs, 4)
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(4)]
+    assert max(loads) <= 4 / 3 * max(sum(costs) / 4, max(costs))  # LPT bound
+    for seed in range(5):
+        order = list(range(len(costs)))
+        random.Random(seed).shuffle(order)
+        shuffled = assign_owners([costs[i] for i in order], 4)
+        assert {costs[i]: o for i, o in zip(order, shuffled, strict=True)} == dict(
+            zip(costs, owners, strict=True)
+        )
+    # equal loads: the rank that owned less in earlier buckets goes first
+    assert assign_owners([5], 3, prior_load=[7, 2, 9]) == (1,)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_plan_is_rank_invariant_and_buckets_respect_the_cap(world):
+    cap = 400
+    plans = [MuonPlan.build(_layouts(SPECS, world, r), cap) for r in range(world)]
+    for plan in plans[1:]:
+        assert plan.buckets == plans[0].buckets
+        for bucket, mine, first in zip(plan.buckets, plan.matrices, plans[0].matrices, strict=True):
+            if bucket.axis is not None:  # local buckets hold this rank's own experts
+                assert mine == first
+    buckets = plans[0].buckets
+    assert [p for b in buckets for p in sorted(b.params)] == sorted(range(len(SPECS)))
+    for bucket in buckets:
+        assert bucket.nbytes <= cap or len(bucket.params) == 1
+        assert list(bucket.params) == sorted(bucket.params)
+    # the 3-D stack sharded on the expert dim is alone in a local bucket
+    local = [b for b in buckets if b.axis is None]
+    assert [b.params for b in local] == [(4,)]
+    assert plan_buckets(_layouts(SPECS, world, 0), 10**9)[0].params == (0, 1, 2, 3, 5, 6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_simulated_exchange_reassembles_every_matrix(world):
+    """Pack on every rank, move bytes by split sizes, assemble at owners: the full matrices."""
+    fulls = [
+        torch.randn(shape, generator=torch.Generator().manual_seed(i))
+        for i, (shape, _, _) in enumerate(SPECS)
+    ]
+    plans = [MuonPlan.build(_layouts(SPECS, world, r), 300) for r in range(world)]
+    for b, bucket in enumerate(plans[0].buckets):
+        if bucket.axis is None:
+            continue
+        active = frozenset(bucket.params)
+        ex = [plan.exchange(b, active) for plan in plans]
+        sends = []
+        for r, plan in enumerate(ex):
+            layouts = plans[r].layouts
+            buf = torch.zeros(plan.send_numel)
+            for piece in plan.send_pieces:
+                m = plan.matrices[piece.matrix]
+                layout = layouts[m.param]
+                local = fulls[m.param][
+                    tuple(slice(*layout.dim_range(d)) for d in range(layout.ndim))
+                ]
+                block = local if local.ndim == 2 else local[m.expert]
+                rows, cols = piece.shape
+                r0, c0 = piece.local_row0, piece.local_col0
+                buf[piece.offset : piece.offset + piece.numel] = block[
+                    r0 : r0 + rows, c0 : c0 + cols
+                ].flatten()
+            sends.append(buf)
+        for r, plan in enumerate(ex):
+            for d in range(world):  # split sizes agree pairwise
+                assert plan.send_splits[d] == ex[d].recv_splits[r]
+            chunks = []
+            for s in range(world):
+                start = sum(ex[s].send_splits[:r])
+                chunks.append(sends[s][start : start + ex[s].send_splits[r]])
+            recv = torch.cat(chunks)
+            assert recv.numel() == plan.recv_numel
+            assembled = {
+                i: torch.full((m.rows, m.cols), float("nan"))
+                for i, m in enumerate(plan.matrices)
+                if m.owner == r
+            }
+            for piece in plan.recv_pieces:
+                view = assembled[piece.matrix][
+                    piece.rows[0] : piece.rows[1], piece.cols[0] : piece.cols[1]
+                ]
+                view.copy_(recv[piece.offset : piece.offset + piece.numel].view(piece.shape))
+            for i, got in assembled.items():
+                m = plan.matrices[i]
+                full = fulls[m.param] if fulls[m.param].ndim == 2 else fulls[m.param][m.expert]
+                assert torch.equal(got, full[m.row0 : m.row0 + m.rows]), (b, r, m)
+            assert plan.owned == len(assembled) and plan.full_numel == sum(
+                g.numel() for g in assembled.values()
+            )
+
+
+def test_remainder_batch_leaves_idle_ranks_without_bytes_or_matrices():
+    world, remainder = 4, 2
+    specs = [((24, 16), 0, None)] * remainder
+    plans = [
+        MuonPlan.build(_layouts(specs, world, r)).exchange(0, frozenset({0, 1}))
+        for r in range(world)
+    ]
+    busy = [p for p in plans if p.owned]
+    idle = [p for p in plans if not p.owned]
+    assert len(busy) == remainder and len(idle) == world - remainder
+    for plan in idle:
+        assert plan.recv_numel == 0 and plan.full_numel == 0
+        assert plan.send_numel == remainder * 6 * 16  # its own rows, nothing padded
+        assert plan.workspace_bytes == plan.send_numel * 2
+    for plan in busy:
+        assert plan.recv_numel == plan.full_numel == 24 * 16
+    # bytes on the wire: each piece out and back, self-sends excluded
+    assert sum(p.bytes_sent for p in plans) == 2 * remainder * 24 * 16 * 3 // 4 * 2
+
+
+def test_empty_shards_and_inactive_params():
+    plans = [
+        MuonPlan.build(_layouts([((2, 9), 0, None), ((5, 4), 0, None)], 4, r)) for r in range(4)
+    ]
+    for r in (2, 3):  # rows 0..1 live on ranks 0 and 1 only
+        ex = plans[r].exchange(0, frozenset({0}))
+        assert ex.send_numel == 0 and ex.send_pieces == ()
+    ex = plans[0].exchange(0, frozenset({1}))
+    assert [m.param for m in ex.matrices] == [1]
+    assert plans[0].exchange(0, frozenset()).matrices == ()
+
+
+def test_ep_fsdp_layouts():
+    # mesh (ep=2, fsdp=2); experts sharded on the expert dim by ep and on rows by fsdp
+    def layout(coord, dims):
+        return ParamLayout((4, 9, 6), (), (2, 2), dims, coord, mesh_key="m")
+
+    exchanged = [layout((e, f), (0, 1)) for e in range(2) for f in range(2)]
+    assert exchanged[0].exchange_axis == 1 and exchanged[0].local_shape() == (2, 5, 6)
+    assert exchanged[3].local_shape() == (2, 4, 6)
+    plan = MuonPlan.build([exchanged[0]])
+    assert len(plan.matrices[0]) == 2 and plan.buckets[0].nbytes == 2 * 9 * 6 * 2
+    local = layout((1, 1), (0, 0))
+    assert local.exchange_axis is None and local.local_shape() == (1, 9, 6)
+    with pytest.raises(ValueError, match="more than one mesh axis"):
+        layout((0, 0), (1, 2))
