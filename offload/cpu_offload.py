@@ -26,8 +26,8 @@ from offload.host_memory import allocate_host_slabs
 from offload.streams import CopyStreams
 from offload.subset_step import StateLayout, SubsetStep, local_tensor, subset_step_for
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20  # measured: copies of 16 MiB+ reach full PCIe rate
-DEFAULT_STAGING_SLOTS = 3  # one loading, one stepping, one writing back
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # bench/offload_step.py: 1.03x the copy floor with 4 slots
+DEFAULT_STAGING_SLOTS = 4  # 4 measured 3-7% faster than 3 at every chunk size
 
 
 def _shard_count(param: Tensor) -> int:
