@@ -1,0 +1,171 @@
+"""Muon step on Qwen3-8B matrix shapes: muon.Muon vs torch.optim.Muon, plus NS TFLOP/s.
+
+12 layers x (q, k, v, o, gate, up, down) = 84 fp32 matrices on one GPU, same
+schedule (Keller Jordan quintic, 5 steps, bf16). Each arm runs warmup steps,
+then timed steps (CUDA events, median). NS TFLOP/s uses REFERENCE.md's dense
+cost (4 m^2 n + 2 m^3 per iteration) against a bf16 8192^3 matmul measured in
+the same run. Prints a table, writes JSON. Runs in well under 2 minutes.
+
+    python bench/muon_step.py --out bench/results/muon_step.json
+    python bench/muon_step.py --device cpu --layers 1 --divisor 32   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from muon import KELLER_JORDAN, Muon, zeropower
+from muon.newton_schulz import ns_flops
+
+# Qwen3-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 12288.
+LAYER_SHAPES = [
+    (4096, 4096),  # q_proj
+    (1024, 4096),  # k_proj
+    (1024, 4096),  # v_proj
+    (4096, 4096),  # o_proj
+    (12288, 4096),  # gate_proj
+    (12288, 4096),  # up_proj
+    (4096, 12288),  # down_proj
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call: CUDA events on the GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+    return times
+
+
+def _params(shapes, device: torch.device) -> list[torch.nn.Parameter]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, device=device, generator=gen)
+        params.append(p)
+    return params
+
+
+def _matmul_tflops(device: torch.device, n: int, warmup: int, repeats: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    seconds = statistics.median(_time(lambda: a @ b, device, warmup, repeats))
+    return 2 * n**3 / seconds / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--divisor", type=int, default=1, help="divide every dim (smoke tests)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-cap-mib", type=int, default=None, help="muon.Muon bucket cap")
+    parser.add_argument("--out", default="bench/results/muon_step.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    shapes = [(r // args.divisor, c // args.divisor) for r, c in LAYER_SHAPES] * args.layers
+    flops = sum(ns_flops(r, c, KELLER_JORDAN.steps) for r, c in shapes)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"torch {torch.__version__}, {name}, {len(shapes)} matrices, "
+        f"NS {flops / 1e12:.1f} TFLOP per step"
+    )
+
+    peak = _matmul_tflops(device, 8192 // args.divisor, args.warmup, args.repeats)
+    results: dict[str, object] = {
+        "torch": torch.__version__,
+        "device": name,
+        "matrices": len(shapes),
+        "ns_tflop_per_step": flops / 1e12,
+        "matmul_peak_tflops": peak,
+    }
+
+    # Newton-Schulz alone, batched by shape as muon.Muon does on one device.
+    by_shape: dict[tuple[int, int], int] = {}
+    for shape in shapes:
+        by_shape[shape] = by_shape.get(shape, 0) + 1
+    stacks = [torch.randn(n, *s, device=device, dtype=torch.bfloat16) for s, n in by_shape.items()]
+    ns_s = statistics.median(
+        _time(
+            lambda s=stacks: [zeropower(x, KELLER_JORDAN) for x in s],
+            device,
+            args.warmup,
+            args.repeats,
+        )
+    )
+    del stacks
+    results["ns_batched_ms"] = 1e3 * ns_s
+    results["ns_tflops"] = flops / ns_s / 1e12
+
+    arms = {
+        "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=0.02),
+        "muon.Muon": lambda ps: Muon(
+            ps,
+            lr=0.02,
+            **(
+                {}
+                if args.bucket_cap_mib is None
+                else {"bucket_cap_bytes": args.bucket_cap_mib << 20}
+            ),
+        ),
+    }
+    for arm, make in arms.items():
+        params = _params(shapes, device)
+        opt = make(params)
+        times = _time(opt.step, device, args.warmup, args.repeats)
+        results[f"{arm}_ms"] = 1e3 * statistics.median(times)
+        results[f"{arm}_all_ms"] = [1e3 * t for t in times]
+        if device.type == "cuda":
+            results[f"{arm}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
+        del opt, params
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    speedup = results["torch.optim.Muon_ms"] / results["muon.Muon_ms"]
+    results["speedup"] = speedup
+    print(f"{'arm':<20} {'step ms':>9} {'NS TFLOP/s':>11}")
+    for arm in arms:
+        ms = results[f"{arm}_ms"]
+        print(f"{arm:<20} {ms:>9.1f} {flops / (ms / 1e3) / 1e12:>11.1f}")
+    print(
+        f"{'NS only (batched)':<20} {results['ns_batched_ms']:>9.1f} {results['ns_tflops']:>11.1f}"
+    )
+    print(
+        f"bf16 matmul peak {8192 // args.divisor}^3: {peak:.1f} TFLOP/s; "
+        f"NS at {100 * results['ns_tflops'] / peak:.0f}% of it; speedup {speedup:.2f}x"
+    )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
