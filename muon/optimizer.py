@@ -442,10 +442,8 @@ class MuonStep:
     def _finish(self, flight: _InFlight) -> None:
         plan = flight.plan
         bucket = self._plan.buckets[plan.bucket]
-        device = next(iter(flight.full.values()), _local(self._params[bucket.params[0]])).device
-        clock = _Clock(self._opt.collect_timings, device)
-        buffers = self._opt._buffers
-        send, recv, full = buffers.views(flight.slot, plan)
+        send, recv, full = self._opt._buffers.views(flight.slot, plan)
+        clock = _Clock(self._opt.collect_timings, full.device)
         if flight.work is not None:
             flight.work.wait()
             assemble(plan, recv, flight.full)
