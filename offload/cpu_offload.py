@@ -14,19 +14,21 @@ and the host never waits inside `step()`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
+from offload.forward_overlap import ForwardHooks, param_owners
 from offload.host_memory import allocate_host_slabs
 from offload.streams import CopyStreams
 from offload.subset_step import StateLayout, SubsetStep, local_tensor, subset_step_for
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bench/offload_step.py: 1.03x the copy floor with 4 slots
+OVERLAP_CHUNKS_UP_FRONT = 2  # x staging slots enqueued when an overlapped step() returns
 DEFAULT_STAGING_SLOTS = 4  # 4 measured 3-7% faster than 3 at every chunk size
 
 
@@ -97,6 +99,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
+        overlap_forward: nn.Module | None = None,
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
@@ -122,6 +125,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._staging: dict[torch.dtype, Tensor] = {}
         self._step_done: torch.Event | None = None
         self._hooks_for_lr_scheduler()
+        # Forward overlap: an overlapped step's chunks not yet enqueued, how many are,
+        # and whether the next forward must still wait for them.
+        self._pending: Iterator[None] | None = None
+        self._enqueued = 0
+        self._in_flight = False
+        self._owners: list[tuple[nn.Module, list[Tensor]]] = []
+        self._module_chunk: list[int] = []
+        self._chunk_done: list[torch.Event | None] = []
+        self._side_stream: torch.Stream | None = None
+        self._forward_hooks: ForwardHooks | None = None
+        if overlap_forward is not None:
+            if self._subset is None:
+                raise ValueError(
+                    f"overlap_forward needs an optimizer with a subset step; "
+                    f"{type(optimizer).__name__} has none (it would take the serial path)"
+                )
+            self._owners = param_owners(overlap_forward)
+            self._side_stream = self._streams.new_stream()
+            self._forward_hooks = ForwardHooks(
+                overlap_forward, self._owners, self._before_module, self._after_forward
+            )
 
     def _hooks_for_lr_scheduler(self) -> None:
         # What Optimizer.__init__ would have set and schedulers or hooks read.
@@ -150,6 +174,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return self._plan
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # zeroing in place would race the overlapped step's reads
+            self._wait_on_current_stream()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -159,7 +185,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
 
     def wait_for_optimizer_step(self) -> None:
-        """Block the host until the last step's write-back to host memory is done."""
+        """Block the host until the last step is done: params updated, state written back.
+
+        Call it before reading params or state outside a forward (checkpoint save,
+        weight export); `state_dict` and `load_state_dict` call it themselves.
+        """
+        self._advance(len(self._chunks))
+        self._in_flight = False
         if self._step_done is not None:
             self._step_done.synchronize()
 
@@ -211,15 +243,57 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._subset is None:
             self._serial_step()
-        else:
-            subset = self._subset.begin_subset_step()
-            self._ensure_plan(subset.units, self._subset.state_layout)
-            self._run_chunks(subset)
+            return loss
+        self._advance(len(self._chunks))  # the rest of an overlapped previous step
+        subset = self._subset.begin_subset_step()
+        self._ensure_plan(subset.units, self._subset.state_layout)
+        if self._forward_hooks is None:
+            for _ in self._enqueue_chunks(subset, self._streams.current()):
+                pass
+            return loss
+        # Overlapped: the side stream starts where the trainer's stream is now (grads
+        # reduced and clipped); grads the trainer drops must outlive the side stream's reads.
+        streams, side = self._streams, self._side_stream
+        streams.wait(side, streams.mark(streams.current()))
+        if side is not None:
+            for p in self._params:
+                if p.grad is not None:
+                    local_tensor(p.grad).record_stream(side)
+        self._pending = self._enqueue_chunks(subset, side)
+        self._enqueued = 0
+        self._in_flight = True
+        self._advance(OVERLAP_CHUNKS_UP_FRONT * self.staging_slots - 1)
         return loss
 
-    def _run_chunks(self, subset: SubsetStep) -> None:
+    def _advance(self, last: int) -> None:
+        """Enqueue the pending overlapped step's chunks up to index `last`."""
+        while self._pending is not None and self._enqueued <= last:
+            if next(self._pending, StopIteration) is StopIteration:
+                self._pending = None
+            else:
+                self._enqueued += 1
+
+    def _before_module(self, index: int) -> None:
+        chunk = self._module_chunk[index] if self._module_chunk else -1
+        if not self._in_flight or chunk < 0:
+            return
+        self._advance(chunk + self.staging_slots)  # keep a few chunks ahead of the forward
+        self._streams.wait(self._streams.current(), self._chunk_done[chunk])
+
+    def _after_forward(self) -> None:
+        if self._in_flight:
+            self._wait_on_current_stream()
+            self._in_flight = False
+
+    def _wait_on_current_stream(self) -> None:
+        """Enqueue every pending chunk; the trainer's stream waits for the last update."""
+        self._advance(len(self._chunks))
+        if self._in_flight and self._chunk_done:
+            self._streams.wait(self._streams.current(), self._chunk_done[-1])
+
+    def _enqueue_chunks(self, subset: SubsetStep, compute: torch.Stream | None) -> Iterator[None]:
+        """Enqueue the step chunk by chunk, yielding after each (lazily, when overlapped)."""
         streams = self._streams
-        compute = streams.current()
         ahead = max(1, self.staging_slots - 1)  # loads in flight ahead of the update
         state = self.optimizer.state
         loaded = [False] * len(self._chunks)
@@ -237,9 +311,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for param, key, _, _, staging in chunk.views:
                 if param in had_state:
                     state[param][key] = _as_state(param, staging)
-            subset.step_params(chunk.params)
-            self._adopt_new_state(chunk, had_state)
+            with streams.on(compute):
+                subset.step_params(chunk.params)
+                self._adopt_new_state(chunk, had_state)
             streams.record(streams.stepped[chunk.slot], compute)
+            if self._chunk_done:
+                streams.record(self._chunk_done[c], compute)
             with streams.on(streams.d2h):
                 streams.wait(streams.d2h, streams.stepped[chunk.slot])
                 for host, staging in chunk.host:
@@ -248,8 +325,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for param, key, _, host, _ in chunk.views:
                 if state.get(param):
                     state[param][key] = _as_state(param, host)
-        if streams.async_copies and self._chunks:
-            self._step_done = streams.freed[self._chunks[-1].slot]
+            if c == len(self._chunks) - 1:
+                self._step_done = streams.freed[chunk.slot]
+            yield
 
     def _load(self, chunk: _Chunk) -> bool:
         """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
@@ -286,6 +364,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self, units: Sequence[Sequence[Tensor]], layout: Callable[[Tensor], StateLayout]
     ) -> None:
         index = {p: i for i, p in enumerate(self._params)}
+        if self._owners:
+            # Chunks in the order the forward needs them (stable, so the same on every rank).
+            first_use = {p: i for i, (_, params) in enumerate(self._owners) for p in params}
+            last = len(self._owners)
+            units = sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
         units_key = tuple(tuple(index[p] for p in unit) for unit in units)
         if self._plan is not None:
             if units_key != self._units_key:
@@ -335,6 +418,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 )
             chunks.append(_Chunk([self._params[i] for i in layout.params], slot, host, views))
         self._plan, self._units_key, self._chunks = plan, units_key, chunks
+        if self._owners:
+            chunk_of = {p: c for c, chunk in enumerate(chunks) for p in chunk.params}
+            self._module_chunk = [
+                max((chunk_of[p] for p in params if p in chunk_of), default=-1)
+                for _, params in self._owners
+            ]
+            self._chunk_done = [self._streams.new_event() for _ in chunks]
         state = self.optimizer.state
         for chunk in chunks:
             for param, key, _, host_view, _ in chunk.views:

@@ -24,17 +24,23 @@ class CopyStreams:
     def __init__(self, device: torch.device, slots: int) -> None:
         self.device = device
         self.async_copies = device.type != "cpu"
-        self.h2d = self._stream()
-        self.d2h = self._stream()
-        self.loaded = [self._event() for _ in range(slots)]
-        self.stepped = [self._event() for _ in range(slots)]
-        self.freed = [self._event() for _ in range(slots)]
+        self.h2d = self.new_stream()
+        self.d2h = self.new_stream()
+        self.loaded = [self.new_event() for _ in range(slots)]
+        self.stepped = [self.new_event() for _ in range(slots)]
+        self.freed = [self.new_event() for _ in range(slots)]
 
-    def _stream(self) -> torch.Stream | None:
+    def new_stream(self) -> torch.Stream | None:
         return torch.Stream(device=self.device) if self.async_copies else None
 
-    def _event(self) -> torch.Event | None:
+    def new_event(self) -> torch.Event | None:
         return torch.Event(device=self.device) if self.async_copies else None
+
+    def mark(self, stream: torch.Stream | None) -> torch.Event | None:
+        """A fresh event recorded on `stream` now."""
+        event = self.new_event()
+        self.record(event, stream)
+        return event
 
     def current(self) -> torch.Stream | None:
         return torch.accelerator.current_stream(self.device) if self.async_copies else None

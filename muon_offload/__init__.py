@@ -1,0 +1,5 @@
+"""Config-driven setup of Muon / AdamW with optional CPU offload of their state."""
+
+from muon_offload.config import OptimizerConfig, model_row_blocks, setup_optimizer
+
+__all__ = ["OptimizerConfig", "model_row_blocks", "setup_optimizer"]

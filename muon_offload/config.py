@@ -1,0 +1,171 @@
+"""The optimizer config users set, and `setup_optimizer`, which builds from it.
+
+This is the one place that imports both `muon` and `offload`: they stay
+independent of each other and meet here (and only through the subset-step
+protocol at run time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from muon import SCHEDULES, Muon, muon_param_groups
+from offload import CPUOffloadOptimizer
+from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
+
+OPTIMIZER_TYPES = ("adamw", "muon")
+OFFLOAD_MODES = ("none", "optimizer")
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """What to optimize with, and whether its state lives on the host."""
+
+    type: str = "adamw"
+    """"adamw", or "muon" (Muon for hidden matrices and expert stacks, AdamW for the rest)."""
+    lr: float = 3e-4
+    """Learning rate of every group (Muon's is scaled per matrix by `adjust_lr_fn`)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, every group."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (also Muon's AdamW groups)."""
+    eps: float = 1e-8
+    """AdamW epsilon (also Muon's AdamW groups)."""
+    momentum: float = 0.95
+    """Muon momentum."""
+    nesterov: bool = True
+    """Muon Nesterov momentum."""
+    ns_schedule: str = "keller_jordan"
+    """Newton-Schulz schedule, one of `muon.SCHEDULES`."""
+    adjust_lr_fn: str = "match_rms_adamw"
+    """Muon per-matrix lr scale: "match_rms_adamw" (0.2 * sqrt(max(rows, cols)), so one lr
+    serves Muon and AdamW groups) or "original" (sqrt(max(1, rows / cols)))."""
+    offload: str = "none"
+    """"optimizer": keep optimizer state in pinned host memory (CPUOffloadOptimizer)."""
+    offload_overlap_forward: bool = False
+    """With offload: run the step's chunks alongside the next forward."""
+    offload_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """With offload: state bytes per streamed chunk."""
+    offload_staging_slots: int = DEFAULT_STAGING_SLOTS
+    """With offload: GPU staging slots in the ring."""
+    muon_options: dict[str, Any] = field(default_factory=dict)
+    """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
+
+    def __post_init__(self) -> None:
+        _one_of("type", self.type, OPTIMIZER_TYPES)
+        _one_of("offload", self.offload, OFFLOAD_MODES)
+        _one_of("ns_schedule", self.ns_schedule, tuple(SCHEDULES))
+        _one_of("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
+        if not self.lr >= 0:
+            raise ValueError(f"lr should be >= 0 but is: {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay should be >= 0 but is: {self.weight_decay}")
+        if self.offload_overlap_forward and self.offload != "optimizer":
+            raise ValueError(
+                "offload_overlap_forward=True needs offload='optimizer' (it overlaps the "
+                "offloaded step with the next forward); set offload='optimizer' or turn it off"
+            )
+        if self.offload_chunk_bytes <= 0:
+            raise ValueError(f"offload_chunk_bytes should be > 0 but is: {self.offload_chunk_bytes}")
+        if self.offload_staging_slots < 1:
+            raise ValueError(
+                f"offload_staging_slots should be >= 1 but is: {self.offload_staging_slots}"
+            )
+        if self.muon_options and self.type != "muon":
+            raise ValueError(f"muon_options is set but type is {self.type!r}; use type='muon'")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag` per field (`--offload-overlap-forward`, ...) to `parser`."""
+        for f in dataclasses.fields(cls):
+            if f.name == "muon_options":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif isinstance(default, tuple):
+                parser.add_argument(flag, type=float, nargs=len(default), default=default)
+            else:
+                parser.add_argument(flag, type=type(default), default=default)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OptimizerConfig:
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "muon_options"]
+        values = {name: getattr(args, name) for name in names}
+        values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: str, table: str = "optimizer") -> OptimizerConfig:
+        """Read the `[optimizer]` table of a TOML file (unknown keys are an error)."""
+        import tomllib  # Python >= 3.11
+
+        with open(path, "rb") as f:
+            values = tomllib.load(f).get(table, {})
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown keys in [{table}] of {path}: {sorted(unknown)}")
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} should be one of {list(choices)} but is: {value!r}")
+
+
+def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Fused params' logical row blocks, declared by modules as `row_blocks = {name: rows}`.
+
+    Returns name patterns for `muon_param_groups`, one per distinct block layout.
+    """
+    by_blocks: dict[tuple[int, ...], list[str]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, rows in getattr(module, "row_blocks", {}).items():
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            by_blocks.setdefault(tuple(rows), []).append(re.escape(full))
+    return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items()}
+
+
+def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """Build the optimizer `config` asks for over `model`'s trainable params."""
+    if config.type == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            params, lr=config.lr, betas=config.betas, eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+    else:
+        groups = muon_param_groups(
+            model,
+            row_blocks=model_row_blocks(model),
+            adamw_options={"betas": config.betas, "eps": config.eps},
+        )
+        optimizer = Muon(
+            groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            ns_coefficients=SCHEDULES[config.ns_schedule],
+            adjust_lr_fn=config.adjust_lr_fn,
+            **config.muon_options,
+        )
+    if config.offload == "none":
+        return optimizer
+    return CPUOffloadOptimizer(
+        optimizer,
+        chunk_bytes=config.offload_chunk_bytes,
+        staging_slots=config.offload_staging_slots,
+        overlap_forward=model if config.offload_overlap_forward else None,
+    )

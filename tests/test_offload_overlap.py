@@ -1,0 +1,118 @@
+"""Forward overlap: the step's chunks run as the next forward reaches them, bitwise unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload import CPUOffloadOptimizer
+from offload.forward_overlap import param_owners
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Embedding(40, 16)]
+    for _ in range(4):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(16, 5))
+    return torch.nn.Sequential(*layers)
+
+
+def batches(steps: int):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 40, (3, 4), generator=gen) for _ in range(steps)]
+
+
+def run(model, optimizer, data, after_step=None):
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    losses = []
+    for tokens in data:
+        optimizer.zero_grad()
+        loss = model(tokens).square().mean()
+        losses.append(loss.item())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        optimizer.step()
+        sched.step()
+        if after_step is not None:
+            after_step()
+    return losses
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_overlapped_step_is_lazy_and_bitwise_equal(make):
+    data = batches(5)
+    plain_model, model = make_model(), make_model()
+    plain = CPUOffloadOptimizer(make(plain_model.parameters()), chunk_bytes=1, staging_slots=2)
+    overlapped = CPUOffloadOptimizer(
+        make(model.parameters()), chunk_bytes=1, staging_slots=2, overlap_forward=model
+    )
+    head = model[-1].weight
+    lazy = []
+
+    def check_lazy():
+        # the last layer's chunk is not run until the next forward reaches it
+        lazy.append(overlapped._enqueued < len(overlapped._chunks))
+        lazy.append(not torch.equal(head, plain_model[-1].weight))
+
+    ref_losses = run(plain_model, plain, data)
+    losses = run(model, overlapped, data, after_step=check_lazy)
+    assert losses == ref_losses
+    assert all(lazy)
+    overlapped.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ref, got = plain.state_dict(), overlapped.state_dict()
+    for index, entries in ref["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(value, got["state"][index][key])
+
+
+def test_chunks_follow_forward_order():
+    model = make_model()
+    # param_groups list the head first; the forward needs the embedding first
+    params = list(model.parameters())
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(params[::-1]), chunk_bytes=1, overlap_forward=model
+    )
+    model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
+    opt.step()
+    opt.wait_for_optimizer_step()
+    owners = param_owners(model)
+    assert [m for m, _ in owners] == [m for m in model if any(True for _ in m.parameters())]
+    module_of = {id(p): i for i, (_, ps) in enumerate(owners) for p in ps}
+    order = [module_of[id(p)] for chunk in opt._chunks for p in chunk.params]
+    assert order == sorted(order) and len(order) == len(params)
+
+
+def test_overlap_needs_a_subset_step():
+    class Custom(torch.optim.SGD):
+        pass
+
+    model = make_model()
+    with pytest.raises(ValueError, match="subset step"):
+        CPUOffloadOptimizer(Custom(model.parameters(), lr=0.1), overlap_forward=model)
+
+
+def test_zero_grad_in_place_finishes_the_step_first():
+    data = batches(2)
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
+    )
+    for m, opt in ((plain_model, plain), (model, overlapped)):
+        for tokens in data:
+            opt.zero_grad(set_to_none=False)  # would zero the grads the pending chunks read
+            m(tokens).sum().backward()
+            opt.step()
+    overlapped.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
