@@ -74,7 +74,9 @@ class OptimizerConfig:
                 "offloaded step with the next forward); set offload='optimizer' or turn it off"
             )
         if self.offload_chunk_bytes <= 0:
-            raise ValueError(f"offload_chunk_bytes should be > 0 but is: {self.offload_chunk_bytes}")
+            raise ValueError(
+                f"offload_chunk_bytes should be > 0 but is: {self.offload_chunk_bytes}"
+            )
         if self.offload_staging_slots < 1:
             raise ValueError(
                 f"offload_staging_slots should be >= 1 but is: {self.offload_staging_slots}"
