@@ -202,6 +202,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the host slabs in place; nothing is staged on the GPU."""
         self.wait_for_optimizer_step()
+        # State is keyed by whatever the saved groups list as params (indices, or FQNs
+        # from torch.distributed.checkpoint); match them to params by position, as torch does.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        if len(saved_ids) != len(self._params):
+            raise ValueError(
+                f"state_dict has {len(saved_ids)} params, this optimizer {len(self._params)}"
+            )
+        param_of = dict(zip(saved_ids, self._params, strict=True))
         offloaded = {
             (index, key): value
             for index, entries in state_dict["state"].items()
@@ -210,8 +218,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         }
         views = self._host_views()
         for (index, key), value in offloaded.items():
-            param = self._params[index]
-            target = views.get((param, key))
+            target = views.get((param_of[index], key))
             if target is not None and local_tensor(value).shape != target.shape:
                 raise ValueError(
                     f"state {key!r} of param {index} has shape {tuple(local_tensor(value).shape)}, "
@@ -226,7 +233,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         }
         self.optimizer.load_state_dict(light)
         for (index, key), value in offloaded.items():
-            param = self._params[index]
+            param = param_of[index]
             target = views.get((param, key))
             if target is None:  # no slab yet: held on the host until the first step adopts it
                 target = torch.empty_like(local_tensor(value), device="cpu")
