@@ -273,12 +273,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _advance(self, last: int) -> None:
-        """Enqueue the pending overlapped step's chunks up to index `last`."""
-        while self._pending is not None and self._enqueued <= last:
-            if next(self._pending, StopIteration) is StopIteration:
-                self._pending = None
-            else:
-                self._enqueued += 1
+        """Enqueue the pending overlapped step's chunks up to index `last`.
+
+        Called from forward hooks too, so the trainer's grad mode and autocast
+        are switched off: the update math must not change with where it runs.
+        """
+        if self._pending is None or self._enqueued > last:
+            return
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            while self._pending is not None and self._enqueued <= last:
+                if next(self._pending, StopIteration) is StopIteration:
+                    self._pending = None
+                else:
+                    self._enqueued += 1
 
     def _before_module(self, index: int) -> None:
         chunk = self._module_chunk[index] if self._module_chunk else -1
@@ -301,7 +308,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _enqueue_chunks(self, subset: SubsetStep, compute: torch.Stream | None) -> Iterator[None]:
         """Enqueue the step chunk by chunk, yielding after each (lazily, when overlapped)."""
         streams = self._streams
-        ahead = max(1, self.staging_slots - 1)  # loads in flight ahead of the update
+        ahead = self.staging_slots - 1  # loads in flight ahead of the update (0: load, then step)
         state = self.optimizer.state
         loaded = [False] * len(self._chunks)
         for c in range(min(ahead, len(self._chunks))):

@@ -61,13 +61,14 @@ def assert_same_state(plain: torch.optim.Optimizer, offloaded: CPUOffloadOptimiz
         assert g_ref == g_got
 
 
+@pytest.mark.parametrize("slots", [1, 3])
 @pytest.mark.parametrize("chunk_bytes", CHUNK_BYTES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_offloaded_step_is_bitwise_equal(name, chunk_bytes):
+def test_offloaded_step_is_bitwise_equal(name, chunk_bytes, slots):
     plain_model, offload_model = make_model(), make_model()
     plain = OPTIMIZERS[name](plain_model.parameters())
     offloaded = CPUOffloadOptimizer(
-        OPTIMIZERS[name](offload_model.parameters()), chunk_bytes=chunk_bytes, staging_slots=2
+        OPTIMIZERS[name](offload_model.parameters()), chunk_bytes=chunk_bytes, staging_slots=slots
     )
     train(plain_model, plain)
     train(offload_model, offloaded)

@@ -79,9 +79,7 @@ def test_chunks_follow_forward_order():
     model = make_model()
     # param_groups list the head first; the forward needs the embedding first
     params = list(model.parameters())
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(params[::-1]), chunk_bytes=1, overlap_forward=model
-    )
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(params[::-1]), chunk_bytes=1, overlap_forward=model)
     model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
     opt.step()
     opt.wait_for_optimizer_step()
@@ -115,4 +113,31 @@ def test_zero_grad_in_place_finishes_the_step_first():
             opt.step()
     overlapped.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_overlapped_chunks_ignore_the_forwards_autocast():
+    from muon import Muon, muon_param_groups
+
+    data = batches(3)
+    models = [make_model(), make_model()]
+    opts = []
+    for model, overlap in zip(models, (None, True), strict=True):
+        groups = muon_param_groups(model)
+        muon = Muon(groups, lr=1e-2, ns_dtype=torch.float32, bucket_cap_bytes=1)
+        opts.append(
+            CPUOffloadOptimizer(
+                muon, chunk_bytes=1, staging_slots=1, overlap_forward=overlap and model
+            )
+        )
+    for model, opt in zip(models, opts, strict=True):
+        for tokens in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # would turn NS matmuls bf16
+                loss = model(tokens).float().square().mean()
+            loss.backward()
+            opt.step()
+        opt.wait_for_optimizer_step()
+    assert len(opts[1]._chunks) > 2 * opts[1].staging_slots  # some chunks ran inside forward
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
