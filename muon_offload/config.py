@@ -109,7 +109,10 @@ class OptimizerConfig:
     @classmethod
     def from_toml(cls, path: str, table: str = "optimizer") -> OptimizerConfig:
         """Read the `[optimizer]` table of a TOML file (unknown keys are an error)."""
-        import tomllib  # Python >= 3.11
+        try:
+            import tomllib
+        except ImportError as err:  # Python 3.10
+            raise RuntimeError("reading TOML configs needs Python >= 3.11") from err
 
         with open(path, "rb") as f:
             values = tomllib.load(f).get(table, {})
@@ -144,7 +147,10 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
     if config.type == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            params, lr=config.lr, betas=config.betas, eps=config.eps,
+            params,
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
             weight_decay=config.weight_decay,
         )
     else:

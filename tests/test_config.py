@@ -1,0 +1,119 @@
+"""OptimizerConfig validation and setup_optimizer's groups and wrapping."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from muon import Muon
+from muon_offload import OptimizerConfig, model_row_blocks, setup_optimizer
+from offload import CPUOffloadOptimizer
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 16 + 8 + 8, bias=False)
+        self.row_blocks = {"qkv.weight": (16, 8, 8)}
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 16)
+        self.attn = torch.nn.ModuleList([Attention(), Attention()])
+        self.mlp = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.experts = torch.nn.Parameter(torch.zeros(3, 8, 16))
+        self.lm_head = torch.nn.Linear(16, 10, bias=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"type": "sgd"}, "type should be one of"),
+        ({"offload": "everything"}, "offload should be one of"),
+        ({"offload_overlap_forward": True}, "needs offload='optimizer'"),
+        ({"ns_schedule": "newton"}, "ns_schedule should be one of"),
+        ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn should be one of"),
+        ({"lr": -1.0}, "lr should be >= 0"),
+        ({"offload": "optimizer", "offload_chunk_bytes": 0}, "offload_chunk_bytes"),
+        ({"offload": "optimizer", "offload_staging_slots": 0}, "offload_staging_slots"),
+        ({"muon_options": {"max_inflight": 2}}, "use type='muon'"),
+    ],
+)
+def test_contradictory_configs_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**kwargs)
+
+
+def test_muon_setup_groups_every_param_once():
+    model = Net()
+    opt = setup_optimizer(model, OptimizerConfig(type="muon", lr=0.02))
+    assert isinstance(opt, Muon)
+    by_param = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert p not in by_param
+            by_param[p] = group
+    assert set(by_param) == set(model.parameters())
+    for p in (model.embed.weight, model.norm.weight, model.lm_head.weight, model.mlp.bias):
+        assert by_param[p]["algorithm"] == "adamw"
+    for p in (model.mlp.weight, model.experts):
+        assert by_param[p]["algorithm"] == "muon" and by_param[p]["row_blocks"] is None
+    for attn in model.attn:
+        assert by_param[attn.qkv.weight]["row_blocks"] == (16, 8, 8)
+    assert all(g["lr"] == 0.02 for g in opt.param_groups)
+
+
+def test_row_blocks_collected_from_modules():
+    patterns = model_row_blocks(Net())
+    assert list(patterns.values()) == [(16, 8, 8)]
+    (pattern,) = patterns
+    import re
+
+    assert re.search(pattern, "attn.1.qkv.weight") and not re.search(pattern, "attn.1.qkv.bias")
+
+
+def test_offload_wraps_and_overlap_registers_hooks():
+    model = Net()
+    opt = setup_optimizer(model, OptimizerConfig(offload="optimizer", offload_chunk_bytes=4096))
+    assert isinstance(opt, CPUOffloadOptimizer) and isinstance(opt.optimizer, torch.optim.AdamW)
+    assert opt.chunk_bytes == 4096 and opt._forward_hooks is None
+    overlapped = setup_optimizer(
+        model, OptimizerConfig(type="muon", offload="optimizer", offload_overlap_forward=True)
+    )
+    assert isinstance(overlapped.optimizer, Muon) and overlapped._forward_hooks is not None
+
+
+def test_config_from_cli_flags_and_toml(tmp_path):
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--type",
+            "muon",
+            "--lr",
+            "0.01",
+            "--offload",
+            "optimizer",
+            "--offload-overlap-forward",
+            "--betas",
+            "0.8",
+            "0.9",
+        ]
+    )
+    config = OptimizerConfig.from_args(args)
+    assert config == OptimizerConfig(
+        type="muon", lr=0.01, offload="optimizer", offload_overlap_forward=True, betas=(0.8, 0.9)
+    )
+    path = tmp_path / "train.toml"
+    path.write_text('[optimizer]\ntype = "muon"\nlr = 0.01\nbetas = [0.8, 0.9]\n')
+    assert OptimizerConfig.from_toml(str(path)) == OptimizerConfig(
+        type="muon", lr=0.01, betas=(0.8, 0.9)
+    )
+    path.write_text("[optimizer]\nlearning_rate = 0.01\n")
+    with pytest.raises(ValueError, match="learning_rate"):
+        OptimizerConfig.from_toml(str(path))
