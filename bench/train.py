@@ -252,11 +252,13 @@ def run(rank: int, world: int, args: argparse.Namespace, device: torch.device) -
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps, args.warmup))
     data = MarkovData(config.vocab_size, config.seq_len, args.batch, rank=rank, seed=args.seed)
+    # Two copies of one stream: the evals before and after training see the same batches.
     eval_data = [
-        MarkovData(config.vocab_size, config.seq_len, args.batch, rank=rank, seed=args.seed,
-                   stream=1)
+        MarkovData(
+            config.vocab_size, config.seq_len, args.batch, rank=rank, seed=args.seed, stream=1
+        )
         for _ in range(2)
-    ]  # two copies of one stream: before and after training see the same batches
+    ]
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     lead = rank == 0
     if lead:
@@ -283,48 +285,13 @@ def run(rank: int, world: int, args: argparse.Namespace, device: torch.device) -
             progress.update(step, losses[-1], step_times)
     wait_for_optimizer(optimizer)
     eval_after = evaluate(model, eval_data[1], args.eval_batches, device)
-    peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    if lead:
-        report(args, config, opt_config, world, device, losses, times, eval_before, eval_after,
-               peak_bytes, data.entropy_rate())
-
-
-def report(
-    args: argparse.Namespace,
-    config: ModelConfig,
-    opt_config: OptimizerConfig,
-    world: int,
-    device: torch.device,
-    losses: list[float],
-    times: list[StepTimes],
-    eval_before: float,
-    eval_after: float,
-    peak_bytes: int | None,
-    entropy_rate: float,
-) -> None:
+    if not lead:
+        return
     timed = times[WARMUP_STEPS:] or times
     mean_ms = {
         phase: 1e3 * statistics.mean(getattr(t, phase) for t in timed)
         for phase in ("forward", "backward", "optimizer", "total")
     }
-    tokens_per_s = world * args.batch * config.seq_len / (mean_ms["total"] / 1e3)
-    rows = [
-        ("train loss, first -> last step", f"{losses[0]:.3f} -> {losses[-1]:.3f}"),
-        ("eval loss, before -> after", f"{eval_before:.3f} -> {eval_after:.3f}"),
-        ("loss floor (chain entropy)", f"{entropy_rate:.3f}"),
-        (
-            f"mean step ms (steps {len(times) - len(timed) + 1}-{len(times)})",
-            f"{mean_ms['total']:.1f} = fwd {mean_ms['forward']:.1f} + bwd "
-            f"{mean_ms['backward']:.1f} + opt {mean_ms['optimizer']:.1f}",
-        ),
-        ("tokens / s (all ranks)", f"{tokens_per_s:,.0f}"),
-    ]
-    if peak_bytes is not None:
-        rows.append(("peak GPU memory, rank 0", f"{peak_bytes / 2**30:.2f} GiB"))
-    width = max(len(name) for name, _ in rows)
-    print()
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
     result = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -338,15 +305,44 @@ def report(
         "losses": losses,
         "step_times_s": [asdict(t) for t in times],
         "mean_step_ms": mean_ms,
-        "tokens_per_s": tokens_per_s,
+        "mean_over_steps": [len(times) - len(timed) + 1, len(times)],
+        "tokens_per_s": world * args.batch * config.seq_len / (mean_ms["total"] / 1e3),
         "eval_loss_before": eval_before,
         "eval_loss_after": eval_after,
-        "entropy_rate": entropy_rate,
-        "peak_gpu_bytes": peak_bytes,
+        "entropy_rate": data.entropy_rate(),
+        "peak_gpu_bytes": (
+            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        ),
     }
+    print_summary(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.json}")
+
+
+def print_summary(result: dict) -> None:
+    losses, mean_ms = result["losses"], result["mean_step_ms"]
+    first, last = result["mean_over_steps"]
+    rows = [
+        ("train loss, first -> last step", f"{losses[0]:.3f} -> {losses[-1]:.3f}"),
+        (
+            "eval loss, before -> after",
+            f"{result['eval_loss_before']:.3f} -> {result['eval_loss_after']:.3f}",
+        ),
+        ("loss floor (chain entropy)", f"{result['entropy_rate']:.3f}"),
+        (
+            f"mean step ms (steps {first}-{last})",
+            f"{mean_ms['total']:.1f} = fwd {mean_ms['forward']:.1f} + bwd "
+            f"{mean_ms['backward']:.1f} + opt {mean_ms['optimizer']:.1f}",
+        ),
+        ("tokens / s (all ranks)", f"{result['tokens_per_s']:,.0f}"),
+    ]
+    if result["peak_gpu_bytes"] is not None:
+        rows.append(("peak GPU memory, rank 0", f"{result['peak_gpu_bytes'] / 2**30:.2f} GiB"))
+    width = max(len(name) for name, _ in rows)
+    print()
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
 
 
 def free_port() -> int:
