@@ -9,6 +9,7 @@ matrix through `zeropower` equals torch.optim.Muon's result bit for bit on CPU.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -82,12 +83,52 @@ SCHEDULES: dict[str, NewtonSchulzSchedule] = {
 }
 
 
-def zeropower(x: Tensor, schedule: NewtonSchulzSchedule, eps: float = DEFAULT_EPS) -> Tensor:
+BACKENDS = ("auto", "torch", "triton")
+"""Newton-Schulz implementations: "torch" is the plain path below (the default on CPU and
+what CI tests); "triton" is `muon.ns_triton` (symmetric Triton kernels, CUDA, bf16/fp16);
+"auto" takes "triton" only where `muon.ns_triton.wins` says it was measured to win."""
+
+_backend = os.environ.get("MUON_NS_BACKEND", "auto")
+if _backend not in BACKENDS:
+    raise ValueError(f"MUON_NS_BACKEND should be one of {BACKENDS} but is: {_backend!r}")
+
+
+def set_backend(backend: str) -> str:
+    """Set the process-wide default backend of `zeropower`; returns the previous one."""
+    global _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend should be one of {BACKENDS} but is: {backend!r}")
+    previous, _backend = _backend, backend
+    return previous
+
+
+def get_backend() -> str:
+    """The process-wide default backend (`MUON_NS_BACKEND`, else "auto")."""
+    return _backend
+
+
+def zeropower(
+    x: Tensor,
+    schedule: NewtonSchulzSchedule,
+    eps: float = DEFAULT_EPS,
+    backend: str | None = None,
+) -> Tensor:
     """Orthogonalize each matrix of `x` (shape (..., rows, cols)) in `x.dtype`.
 
     Tall matrices are transposed so the Gram matrix is the small one, then
     transposed back (the result may be a transposed view). `x` is not modified.
+    `backend` (default: `get_backend()`) picks the implementation, see `BACKENDS`.
     """
+    backend = _backend if backend is None else backend
+    if backend != "torch":
+        if backend not in BACKENDS:
+            raise ValueError(f"backend should be one of {BACKENDS} but is: {backend!r}")
+        # CPU tensors never import triton under "auto".
+        if backend == "triton" or x.is_cuda:
+            from muon import ns_triton
+
+            if backend == "triton" or ns_triton.wins(x):
+                return ns_triton.zeropower_triton(x, schedule, eps)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT

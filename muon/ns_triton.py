@@ -1,0 +1,328 @@
+"""Newton-Schulz with symmetric Triton kernels (CUDA; Hopper measured).
+
+Per quintic iteration on X (m x n, m <= n after orientation):
+
+    A = X X^T                   sym_matmul(X)                     (symmetric: half the tiles)
+    B = b A + c A A             sym_matmul(A, c=A, alpha=c, beta=b) (A symmetric: A A = A A^T)
+    X = a X + B X               torch.baddbmm (cuBLAS, beta epilogue fused)
+
+`sym_matmul` launches only the lower-triangular output tiles (i >= j) of
+`x @ x^T`, one program per (tile, matrix of the batch), accumulates in fp32,
+applies `alpha * acc + beta * c` in fp32 (one rounding, as cuBLAS' addmm), and
+writes each tile to (i, j) and, transposed, to (j, i): the result is exactly
+symmetric. Configurations are fixed per shape class (`config_for`); nothing is
+autotuned at step time. The first call of each (config, K-divisibility, epilogue)
+variant JIT-compiles (about a second each; Triton's disk cache makes later
+processes load in milliseconds); `bench/newton_schulz.py` prints the cost.
+
+Triton is imported lazily; `available()` is False where it is missing and the
+plain torch path in `muon.newton_schulz` is used instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+try:  # ships with CUDA builds of torch; this module is imported only off the CPU default path
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = tl = None
+
+if TYPE_CHECKING:
+    from muon.newton_schulz import NewtonSchulzSchedule
+
+# `backend="auto"` uses this path only on GPUs of these compute capabilities
+# (major) where it was measured to win, and only when the Gram side is at least
+# AUTO_MIN_SIZE. Conservative until the H200 bench (bench/newton_schulz.py) sets them.
+AUTO_CAPABILITIES = frozenset({9})
+AUTO_MIN_SIZE = 1024
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SymConfig:
+    """One fixed launch configuration of the symmetric kernel (square output tiles)."""
+
+    block: int
+    """Output tile edge (BLOCK x BLOCK; square so a tile's mirror is a tile)."""
+    block_k: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+    """Load operands through host-side TMA descriptors (Hopper+), else pointer loads."""
+
+    @property
+    def name(self) -> str:
+        return (
+            f"b{self.block}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+            + ("tma" if self.tma else "")
+        )
+
+
+CONFIGS: dict[str, SymConfig] = {
+    c.name: c
+    for c in (
+        SymConfig(128, 64, 8, 3),
+        SymConfig(128, 64, 8, 4),
+        SymConfig(128, 64, 4, 3),
+        SymConfig(128, 128, 8, 3),
+        SymConfig(64, 64, 4, 4),
+        SymConfig(128, 64, 8, 3, tma=True),
+        SymConfig(128, 64, 8, 4, tma=True),
+        SymConfig(128, 128, 8, 3, tma=True),
+    )
+}
+"""Candidates the bench times; `config_for` picks among them by shape class."""
+
+LARGE_CONFIG = "b128k64w8s3"
+"""m >= 512 (the Qwen3-8B shapes)."""
+SMALL_CONFIG = "b64k64w4s4"
+"""m < 512: more, smaller tiles to fill the SMs."""
+
+
+def config_for(m: int, k: int) -> SymConfig:
+    """The fixed configuration for an m x m output with reduction length k."""
+    del k  # one class per m for now; the bench reports per (m, k)
+    return CONFIGS[LARGE_CONFIG if m >= 512 else SMALL_CONFIG]
+
+
+def available() -> bool:
+    """Whether triton imports (it ships with CUDA builds of torch)."""
+    return triton is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def wins(x: Tensor) -> bool:
+    """Whether `backend="auto"` takes this path for `x` (shape (..., rows, cols))."""
+    if not x.is_cuda or x.dtype not in SUPPORTED_DTYPES or x.ndim not in (2, 3):
+        return False
+    if min(x.shape[-2:]) < AUTO_MIN_SIZE:
+        return False
+    if _capability_major(x.device.index or 0) not in AUTO_CAPABILITIES:
+        return False
+    return available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(pid):
+        # pid -> (i, j), i >= j, row-major over the lower triangle; fp32 sqrt then fix by one.
+        i = ((tl.sqrt(8.0 * pid.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+        i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
+        i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
+        return i, pid - i * (i + 1) // 2
+
+    @triton.jit
+    def _epilogue(
+        acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son, alpha, beta,
+        HAS_C: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        offs_i = i * BLOCK + tl.arange(0, BLOCK)
+        offs_j = j * BLOCK + tl.arange(0, BLOCK)
+        mask = (offs_i[:, None] < M) & (offs_j[None, :] < M)
+        acc = acc * alpha
+        if HAS_C:
+            c_tile = tl.load(
+                c_ptr + bid * scb + offs_i[:, None] * scm + offs_j[None, :] * scn,
+                mask=mask,
+                other=0.0,
+            )
+            acc = acc + beta * c_tile.to(tl.float32)
+        out = acc.to(out_ptr.dtype.element_ty)
+        out_base = out_ptr + bid * sob
+        tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
+        if i != j:
+            mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
+            tl.store(
+                out_base + offs_j[:, None] * som + offs_i[None, :] * son,
+                tl.trans(out),
+                mask=mask_t,
+            )
+
+    @triton.jit
+    def _sym_kernel(
+        x_ptr, c_ptr, out_ptr, M, K,
+        sxb, sxm, sxk, scb, scm, scn, sob, som, son,
+        alpha, beta,
+        HAS_C: tl.constexpr, EVEN_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        i, j = _tile(tl.program_id(0))
+        bid = tl.program_id(1).to(tl.int64)
+        # Rows past M wrap (their outputs are masked at the store): no load masks on M.
+        rows_i = (i * BLOCK + tl.arange(0, BLOCK)) % M
+        rows_j = (j * BLOCK + tl.arange(0, BLOCK)) % M
+        offs_k = tl.arange(0, BLOCK_K)
+        x_base = x_ptr + bid * sxb
+        a_ptrs = x_base + rows_i[:, None] * sxm + offs_k[None, :] * sxk
+        b_ptrs = x_base + rows_j[:, None] * sxm + offs_k[None, :] * sxk
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_mask = offs_k[None, :] < K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask, other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K * sxk
+            b_ptrs += BLOCK_K * sxk
+        _epilogue(
+            acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son, alpha, beta,
+            HAS_C, BLOCK,
+        )  # fmt: skip
+
+    @triton.jit
+    def _sym_kernel_tma(
+        x_desc, c_ptr, out_ptr, M, K,
+        scb, scm, scn, sob, som, son,
+        alpha, beta,
+        HAS_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        # x_desc views the batch as (batch * M, K): rows past a matrix's M read the next
+        # matrix (or TMA's zero fill) and only reach masked outputs; K is zero-filled.
+        i, j = _tile(tl.program_id(0))
+        bid = tl.program_id(1).to(tl.int64)
+        row_i = (bid * M + i * BLOCK).to(tl.int32)
+        row_j = (bid * M + j * BLOCK).to(tl.int32)
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = x_desc.load([row_i, k * BLOCK_K])
+            b = x_desc.load([row_j, k * BLOCK_K])
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc)
+        _epilogue(
+            acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son, alpha, beta,
+            HAS_C, BLOCK,
+        )  # fmt: skip
+
+
+def _check(x: Tensor) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton path takes bfloat16 or float16 but got: {x.dtype}")
+    if not (x.is_cuda or _interpreting()):
+        raise ValueError(f"the Triton path needs a CUDA tensor (or TRITON_INTERPRET=1): {x.device}")
+    if not available():
+        raise RuntimeError("the Triton Newton-Schulz path needs triton, which is not importable")
+
+
+def sym_matmul(
+    x: Tensor,
+    c: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    *,
+    out: Tensor | None = None,
+    config: SymConfig | str | None = None,
+) -> Tensor:
+    """`beta * c + alpha * (x @ x^T)` for x of shape (m, k) or (batch, m, k), fp32 accumulation.
+
+    `c`, when given, must be symmetric (only its lower-triangular tiles are read, and
+    mirrored). The result has x's dtype and is exactly symmetric.
+    """
+    _check(x)
+    squeeze = x.ndim == 2
+    if squeeze:
+        x = x.unsqueeze(0)
+        c = None if c is None else c.unsqueeze(0)
+        out = None if out is None else out.unsqueeze(0)
+    if x.ndim != 3:
+        raise ValueError(f"sym_matmul takes (m, k) or (batch, m, k) but got: {tuple(x.shape)}")
+    batch, m, k = x.shape
+    if out is None:
+        out = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
+    if out.shape != (batch, m, m) or (c is not None and c.shape != (batch, m, m)):
+        raise ValueError("out and c must have shape (batch, m, m)")
+    if isinstance(config, str):
+        config = CONFIGS[config]
+    cfg = config or config_for(m, k)
+    tiles = -(-m // cfg.block)
+    grid = (tiles * (tiles + 1) // 2, batch)
+    has_c = c is not None
+    # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: upcast there only.
+    upcast = _interpreting()
+    cc = c if has_c else out  # never read when HAS_C is False
+    if cfg.tma and (k * x.element_size()) % 16 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x2 = x.contiguous().view(batch * m, k)
+        desc = TensorDescriptor.from_tensor(x2, [cfg.block, cfg.block_k])
+        _sym_kernel_tma[grid](
+            desc, cc, out, m, k,
+            cc.stride(0), cc.stride(1), cc.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            float(alpha), float(beta),
+            HAS_C=has_c, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
+            UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _sym_kernel[grid](
+            x, cc, out, m, k,
+            x.stride(0), x.stride(1), x.stride(2),
+            cc.stride(0), cc.stride(1), cc.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            float(alpha), float(beta),
+            HAS_C=has_c, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
+            UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out.squeeze(0) if squeeze else out
+
+
+def zeropower_triton(
+    x: Tensor,
+    schedule: NewtonSchulzSchedule,
+    eps: float,
+    *,
+    config: SymConfig | str | None = None,
+) -> Tensor:
+    """`muon.newton_schulz.zeropower` with the two symmetric products on `sym_matmul`.
+
+    Same orientation, normalization and schedule loop as the plain path; agrees with
+    it to bf16 rounding (not bitwise). Returns x's dtype (a transposed view for tall x).
+    """
+    _check(x)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"zeropower takes (rows, cols) or (batch, rows, cols): {tuple(x.shape)}")
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    if schedule.norm_scale != 1.0:
+        norm = norm * schedule.norm_scale
+    x = (x / norm.clamp(min=eps)).contiguous()
+    squeeze = x.ndim == 2
+    if squeeze:
+        x = x.unsqueeze(0)
+    batch, m, n = x.shape
+    gram = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
+    update = torch.empty_like(gram)
+    spare = torch.empty_like(x)
+    for a, b, c in schedule.coefficients:
+        sym_matmul(x, out=gram, config=config)
+        sym_matmul(gram, gram, alpha=c, beta=b, out=update, config=config)
+        torch.baddbmm(x, update, x, beta=a, out=spare)
+        x, spare = spare, x
+    if squeeze:
+        x = x.squeeze(0)
+    return x.mT if tall else x

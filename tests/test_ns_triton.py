@@ -1,0 +1,262 @@
+"""The Triton Newton-Schulz path (muon/ns_triton.py) and the backend dispatch.
+
+- dispatch tests run everywhere (CPU "auto" never leaves the plain path);
+- interpreter tests run the kernels on CPU tensors under TRITON_INTERPRET=1; without
+  that variable one test re-runs this file in a subprocess with it set (skipped
+  where triton is missing), since triton reads it when the kernels are decorated;
+- `gpu` tests compare against an fp64 reference on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from muon.newton_schulz import (
+    SCHEDULES,
+    NewtonSchulzSchedule,
+    get_backend,
+    set_backend,
+    zeropower,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except Exception:
+    HAVE_TRITON = False
+
+interp = pytest.mark.skipif(not (INTERPRET and HAVE_TRITON), reason="needs TRITON_INTERPRET=1")
+
+
+def _numpy24_interpreter_shim() -> None:
+    """Triton 3.6's interpreter does int() on 1-element arrays, an error since numpy 2.4."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_muon_shim", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._muon_shim = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET and HAVE_TRITON:
+    _numpy24_interpreter_shim()
+
+
+def _fp64_reference(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Tensor:
+    return zeropower(x.double(), schedule, backend="torch")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# -- dispatch (everywhere) ------------------------------------------------------------------------
+
+
+def test_cpu_auto_is_the_plain_path_bitwise():
+    x = torch.randn(3, 24, 40, dtype=torch.bfloat16)
+    for schedule in SCHEDULES.values():
+        plain = zeropower(x, schedule, backend="torch")
+        assert torch.equal(zeropower(x, schedule), plain)
+        assert torch.equal(zeropower(x, schedule, backend="auto"), plain)
+
+
+def test_backend_setting():
+    assert get_backend() in ("auto", "torch", "triton")
+    previous = set_backend("torch")
+    try:
+        assert get_backend() == "torch"
+        with pytest.raises(ValueError):
+            set_backend("cutlass")
+    finally:
+        set_backend(previous)
+    with pytest.raises(ValueError):
+        zeropower(torch.randn(4, 8), SCHEDULES["keller_jordan"], backend="nope")
+
+
+@pytest.mark.skipif(INTERPRET or not HAVE_TRITON, reason="needs triton; runs the interpreter")
+def test_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interp_", "-p", "no:cacheprovider"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+
+
+# -- interpreter (CPU tensors, TRITON_INTERPRET=1) ------------------------------------------------
+
+
+def _interp_configs():
+    from muon.ns_triton import SymConfig
+
+    return [SymConfig(16, 16, 4, 2), SymConfig(16, 32, 4, 2, tma=True)]
+
+
+# The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): 1 ulp.
+BF16_ULP = 2.0**-7
+
+
+@interp
+@pytest.mark.parametrize("shape", [(40, 72), (3, 37, 50), (2, 32, 64), (1, 17, 8)])
+def test_interp_sym_matmul(shape):
+    from muon.ns_triton import sym_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen).bfloat16()
+    ref = x.float() @ x.float().mT
+    for config in _interp_configs():
+        out = sym_matmul(x, config=config)
+        assert out.shape == ref.shape and out.dtype == torch.bfloat16
+        assert torch.equal(out, out.mT)
+        torch.testing.assert_close(out.float(), ref, rtol=BF16_ULP, atol=1e-3)
+
+
+@interp
+@pytest.mark.parametrize("shape", [(3, 37, 37), (40, 40)])
+def test_interp_sym_matmul_epilogue(shape):
+    from muon.ns_triton import sym_matmul
+
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(*shape, generator=gen)
+    a = ((g + g.mT) / shape[-1]).bfloat16()  # symmetric
+    alpha, beta = 2.0315, -4.7750
+    ref = beta * a.float() + alpha * (a.float() @ a.float())
+    for config in _interp_configs():
+        out = sym_matmul(a, a, alpha=alpha, beta=beta, config=config)
+        assert torch.equal(out, out.mT)
+        tol = 2 * BF16_ULP * ref.abs().max().item()
+        torch.testing.assert_close(out.float(), ref, rtol=BF16_ULP, atol=tol)
+
+
+@interp
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48), (2, 20, 36)])
+def test_interp_zeropower(name, shape):
+    # fp16 (the interpreter rounds it to nearest, as the GPU does): as accurate as the plain path
+    from muon.ns_triton import SymConfig, zeropower_triton
+
+    schedule = SCHEDULES[name]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, generator=gen).half()
+    fast = zeropower_triton(x, schedule, 1e-7, config=SymConfig(16, 16, 4, 2))
+    assert fast.shape == x.shape and fast.dtype == torch.float16
+    plain = zeropower(x, schedule, backend="torch")
+    ref = _fp64_reference(x, schedule)
+    assert _rel(fast, ref) <= 1.1 * _rel(plain, ref) + 1e-3
+    assert _rel(fast, plain) <= 5e-3
+
+
+@interp
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_interp_zeropower_bf16_dispatch(name):
+    # bf16 through zeropower(backend="triton"); the interpreter truncates fp32 -> bf16
+    # (biased, where the GPU rounds to nearest), so only a loose bound holds here
+    schedule = SCHEDULES[name]
+    x = torch.randn(2, 20, 36, generator=torch.Generator().manual_seed(3)).bfloat16()
+    fast = zeropower(x, schedule, backend="triton")
+    assert fast.dtype == torch.bfloat16
+    plain = zeropower(x, schedule, backend="torch")
+    ref = _fp64_reference(x, schedule)
+    assert _rel(fast, ref) <= 4 * _rel(plain, ref) + 1e-2
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+GPU_SHAPES = {
+    "tall": (2048, 768),
+    "wide": (768, 2048),
+    "square": (1024, 1024),
+    "batched": (4, 640, 1280),
+    "batched_tall_ragged": (3, 1000, 300),
+}
+
+
+def _gpu_input(shape, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("kind", sorted(GPU_SHAPES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_fp64_reference(kind, name):
+    schedule = SCHEDULES[name]
+    x = _gpu_input(GPU_SHAPES[kind])
+    ref = _fp64_reference(x, schedule)
+    plain = zeropower(x, schedule, backend="torch")
+    fast = zeropower(x, schedule, backend="triton")
+    assert fast.shape == x.shape and fast.dtype == torch.bfloat16
+    err_plain, err_fast = _rel(plain, ref), _rel(fast, ref)
+    assert err_fast <= 1.1 * err_plain + 2e-3, (err_fast, err_plain)
+    # fast == plain within bf16 tolerance
+    assert _rel(fast, plain) <= 2.5e-2
+    # singular values in the same band as the plain path's
+    sv_plain = torch.linalg.svdvals(plain.float())
+    sv_fast = torch.linalg.svdvals(fast.float())
+    assert abs(sv_fast.max().item() - sv_plain.max().item()) <= 0.05
+    assert abs(sv_fast.min().item() - sv_plain.min().item()) <= 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_every_config():
+    from muon.ns_triton import CONFIGS, sym_matmul
+
+    for shape in [(2, 640, 1000), (1024, 4096)]:
+        x = _gpu_input(shape, seed=3)
+        ref = (x.float() @ x.float().mT).to(torch.bfloat16)
+        a = (ref.float() / ref.float().abs().max()).bfloat16()
+        ref_b = (-4.775 * a.float() + 2.0315 * (a.float() @ a.float())).bfloat16()
+        for cfg in CONFIGS.values():
+            out = sym_matmul(x, config=cfg)
+            assert torch.equal(out, out.mT), cfg.name
+            torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2, msg=cfg.name)
+            out_b = sym_matmul(a, a, alpha=2.0315, beta=-4.775, config=cfg)
+            torch.testing.assert_close(out_b, ref_b, rtol=1.6e-2, atol=2e-2, msg=cfg.name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_auto_dispatch_and_muon():
+    from muon import Muon, ns_triton
+
+    small = _gpu_input((256, 512))
+    assert not ns_triton.wins(small)
+    assert not ns_triton.wins(_gpu_input((1024, 2048)).float())
+    schedule = SCHEDULES["keller_jordan"]
+    assert torch.equal(zeropower(small, schedule), zeropower(small, schedule, backend="torch"))
+    # muon.Muon under the triton backend stays close to the plain one
+    shapes = [(1024, 2048), (2048, 1024), (1024, 2048)]
+    params = {}
+    for backend in ("torch", "triton"):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen)) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+        previous = set_backend(backend)
+        try:
+            Muon(ps, lr=0.02).step()
+        finally:
+            set_backend(previous)
+        params[backend] = ps
+    for p, q in zip(params["torch"], params["triton"], strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-3)
