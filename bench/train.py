@@ -217,9 +217,14 @@ def build(
     *,
     mixed_precision: bool = False,
     activation_checkpointing: bool = False,
+    cpu_offload_policy: bool = False,
     seed: int = 0,
 ) -> tuple[Transformer, torch.optim.Optimizer]:
-    """The model, identically initialized on every rank, FSDP2-sharded, and its optimizer."""
+    """The model, identically initialized on every rank, FSDP2-sharded, and its optimizer.
+
+    With `cpu_offload_policy` FSDP2 keeps the sharded params (and so the optimizer
+    and its state) on the host: torch's alternative to offloading optimizer state only.
+    """
     torch.manual_seed(seed)
     with torch.device(device):
         model = Transformer(config)
@@ -228,7 +233,7 @@ def build(
         mesh,
         mixed_precision=mixed_precision,
         activation_checkpointing=activation_checkpointing,
-        cpu_offload_policy=False,
+        cpu_offload_policy=cpu_offload_policy,
     )
     return model, setup_optimizer(model, opt_config)
 
