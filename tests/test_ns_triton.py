@@ -91,7 +91,8 @@ def test_backend_setting():
 def test_interpreter_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "interp_", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=", "-k", "interp_"]
+        + ["-p", "no:cacheprovider"],
         env=env,
         capture_output=True,
         text=True,
