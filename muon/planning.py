@@ -26,7 +26,7 @@ rank 1 sends [4, 0] and receives [0, 0]: it allocates no full matrix.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from muon.newton_schulz import ns_flops
@@ -287,21 +287,34 @@ class ExchangePlan:
         return self.bytes_sent
 
     @property
+    def ns_numel(self) -> int:
+        """Peak elements `zeropower` allocates on top of the buffers (see `ns_workspace_numel`)."""
+        return ns_workspace_numel([(len(b.matrices), b.rows, b.cols) for b in self.batches])
+
+    @property
     def workspace_bytes(self) -> int:
-        """Peak bytes this bucket needs on this rank: buffers plus Newton-Schulz temporaries.
-
-        Send and receive buffers, the full matrices, and per batch the NS
-        iterate, its successor and two Gram-sized temporaries (m x m, m <= n).
-        """
-        ns = sum(
-            len(b.matrices) * (2 * b.rows * b.cols + 2 * min(b.rows, b.cols) ** 2)
-            for b in self.batches
-        )
-        return (self.send_numel + self.recv_numel + self.full_numel + ns) * self.itemsize
+        """Peak bytes this bucket needs on this rank: its buffer views plus Newton-Schulz's."""
+        return (self.send_numel + self.recv_numel + self.full_numel + self.ns_numel) * self.itemsize
 
 
-def bucket_matrices(layouts: Sequence[ParamLayout], bucket: Bucket) -> list[Matrix]:
-    """The logical matrices of a bucket on this rank's exchange group, owner unset (-1)."""
+def ns_workspace_numel(batches: Iterable[tuple[int, int, int]]) -> int:
+    """Peak elements `zeropower` allocates for (count, rows, cols) batches run in this order.
+
+    Each batch's result stays alive until the bucket is applied; while batch j
+    iterates, its iterate, the successor and two Gram-sized temporaries
+    (m x m, m = min(rows, cols)) are alive on top of the earlier results.
+    """
+    peak = done = 0
+    for count, rows, cols in batches:
+        peak = max(peak, done + count * (2 * rows * cols + 2 * min(rows, cols) ** 2))
+        done += count * rows * cols
+    return peak
+
+
+def bucket_matrices(
+    layouts: Sequence[ParamLayout], bucket: Bucket, owner: int = -1
+) -> list[Matrix]:
+    """The logical matrices of a bucket on this rank's exchange group, all given `owner`."""
     matrices = []
     for index in bucket.params:
         layout = layouts[index]
@@ -310,7 +323,7 @@ def bucket_matrices(layouts: Sequence[ParamLayout], bucket: Bucket) -> list[Matr
         for expert in range(experts):
             row0 = 0
             for rows in layout.blocks:
-                matrices.append(Matrix(index, expert, row0, rows, cols, -1))
+                matrices.append(Matrix(index, expert, row0, rows, cols, owner))
                 row0 += rows
     return matrices
 
@@ -347,17 +360,16 @@ class MuonPlan:
         prior: dict[tuple[Hashable, int | None], list[int]] = {}
         planned = []
         for bucket in buckets:
+            if bucket.axis is None:  # this rank's own matrices; it is their owner
+                planned.append(tuple(bucket_matrices(layouts, bucket, owner=0)))
+                continue
             matrices = bucket_matrices(layouts, bucket)
-            first = layouts[bucket.params[0]]
-            if bucket.axis is None:
-                owners: tuple[int, ...] = (0,) * len(matrices)
-            else:
-                world = first.mesh_shape[bucket.axis]
-                load = prior.setdefault((bucket.mesh_key, bucket.axis), [0] * world)
-                costs = [cost_fn(m.rows, m.cols) for m in matrices]
-                owners = assign_owners(costs, world, load)
-                for owner, cost in zip(owners, costs, strict=True):
-                    load[owner] += cost
+            world = layouts[bucket.params[0]].mesh_shape[bucket.axis]
+            load = prior.setdefault((bucket.mesh_key, bucket.axis), [0] * world)
+            costs = [cost_fn(m.rows, m.cols) for m in matrices]
+            owners = assign_owners(costs, world, load)
+            for owner, cost in zip(owners, costs, strict=True):
+                load[owner] += cost
             planned.append(
                 tuple(
                     Matrix(m.param, m.expert, m.row0, m.rows, m.cols, o)
@@ -365,6 +377,28 @@ class MuonPlan:
                 )
             )
         return cls(layouts, buckets, tuple(planned), itemsize)
+
+    def seen_from(self, layouts: Sequence[ParamLayout]) -> MuonPlan:
+        """This plan on the rank whose layouts (same params, other coordinates) are `layouts`.
+
+        Equal to `MuonPlan.build(layouts, ...)` with this plan's settings, without
+        redoing the owner assignment: buckets, and owners of exchanged matrices
+        where the rank holds as many experts of each exchanged stack (checked), do
+        not depend on the rank; only local buckets (its own experts) are recomputed.
+        """
+        layouts = tuple(layouts)
+        for mine, theirs in zip(self.layouts, layouts, strict=True):
+            if mine.ndim == 3 and mine.exchange_axis is not None:
+                if mine.local_shape()[0] != theirs.local_shape()[0]:
+                    raise ValueError(
+                        f"a rank holding {theirs.local_shape()[0]} experts of {theirs.shape} "
+                        f"exchanges other matrices than one holding {mine.local_shape()[0]}"
+                    )
+        matrices = tuple(
+            tuple(bucket_matrices(layouts, bucket, owner=0)) if bucket.axis is None else planned
+            for bucket, planned in zip(self.buckets, self.matrices, strict=True)
+        )
+        return MuonPlan(layouts, self.buckets, matrices, self.itemsize)
 
     def exchange(self, bucket: int, active: frozenset[int]) -> ExchangePlan:
         """This rank's exchange plan for `bucket` when only params in `active` step."""
@@ -431,11 +465,13 @@ def plan_exchange(
     send_splits = [0] * world
     recv_splits = [0] * world
     if axis is not None:
+        by_owner: list[list[int]] = [[] for _ in range(world)]
+        for i, m in enumerate(matrices):
+            by_owner[m.owner].append(i)
         offset = 0
         for owner in range(world):  # my pieces, in (owner, matrix) order
-            for i, m in enumerate(matrices):
-                if m.owner != owner:
-                    continue
+            for i in by_owner[owner]:
+                m = matrices[i]
                 geometry = _piece(layouts[m.param], m, first.coord)
                 if geometry is not None:
                     r0, r1, c0, c1, lr0, lc0 = geometry
@@ -446,9 +482,8 @@ def plan_exchange(
         offset = 0
         for sender in range(world):  # pieces of matrices I own, in (sender, matrix) order
             coord = first.peer_coord(axis, sender)
-            for i, m in enumerate(matrices):
-                if m.owner != me:
-                    continue
+            for i in by_owner[me]:
+                m = matrices[i]
                 geometry = _piece(layouts[m.param], m, coord)
                 if geometry is not None:
                     r0, r1, c0, c1, lr0, lc0 = geometry

@@ -1,0 +1,232 @@
+"""Parameter names and shapes of decoder models, without building them.
+
+Three sources give the same thing, a tuple of `ParamShape` in the order
+`named_parameters()` would yield them: a Hugging Face style `config.json`
+(dense and MoE decoders: Qwen3 / Qwen3-MoE / Llama-like attention, DeepSeek
+MLA), a live `nn.Module`, or a built-in preset. Names follow Hugging Face, so
+`muon.muon_param_groups`' AdamW patterns (embed, lm_head, norm, bias, router
+`gate.weight`) classify them; routed experts are 3-D stacks (E, out, in) named
+`...mlp.experts.{gate,up,down}_proj`, as `muon.Muon` takes them.
+
+`meta_module` turns shapes back into an `nn.Module` on the meta device, so the
+planner groups params with `muon_param_groups` itself rather than a copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ParamShape:
+    """One trainable param: its dotted name and global shape."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# Hugging Face config.json values of the presets (only the keys `from_config` reads).
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+    "deepseek-v3": {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "topk_method": "noaux_tc",
+        "vocab_size": 129280,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """A `config.json` as a dict; a multimodal config's `text_config` if it has one."""
+    config = json.loads(Path(path).read_text())
+    return config.get("text_config", config)
+
+
+def from_preset(name: str) -> tuple[ParamShape, ...]:
+    if name not in PRESETS:
+        raise ValueError(f"preset should be one of {sorted(PRESETS)} but is: {name!r}")
+    return from_config(PRESETS[name])
+
+
+def from_module(module: nn.Module) -> tuple[ParamShape, ...]:
+    """The trainable params of a live module (meta, CPU or GPU; not yet sharded)."""
+    return tuple(
+        ParamShape(name, tuple(p.shape)) for name, p in module.named_parameters() if p.requires_grad
+    )
+
+
+def _num_experts(config: Mapping[str, Any]) -> int:
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if config.get(key):
+            return int(config[key])
+    return 0
+
+
+def _is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
+    """Qwen-MoE (`decoder_sparse_step`, `mlp_only_layers`) and DeepSeek (`first_k_dense_replace`,
+    `moe_layer_freq`) rules for which decoder layers hold routed experts."""
+    return (
+        _num_experts(config) > 0
+        and layer not in config.get("mlp_only_layers", ())
+        and (layer + 1) % (config.get("decoder_sparse_step") or 1) == 0
+        and layer >= (config.get("first_k_dense_replace") or 0)
+        and layer % (config.get("moe_layer_freq") or 1) == 0
+    )
+
+
+def _attention(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    bias = bool(config.get("attention_bias", False))
+    out: list[ParamShape] = []
+
+    def linear(name: str, rows: int, cols: int, with_bias: bool = False) -> None:
+        out.append(ParamShape(f"{prefix}.{name}.weight", (rows, cols)))
+        if with_bias:
+            out.append(ParamShape(f"{prefix}.{name}.bias", (rows,)))
+
+    if config.get("kv_lora_rank"):  # DeepSeek multi-head latent attention
+        qk_head = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+        q_rank, kv_rank = config.get("q_lora_rank"), config["kv_lora_rank"]
+        if q_rank:
+            linear("q_a_proj", q_rank, hidden, bias)
+            out.append(ParamShape(f"{prefix}.q_a_layernorm.weight", (q_rank,)))
+            linear("q_b_proj", heads * qk_head, q_rank)
+        else:
+            linear("q_proj", heads * qk_head, hidden)
+        linear("kv_a_proj_with_mqa", kv_rank + config["qk_rope_head_dim"], hidden, bias)
+        out.append(ParamShape(f"{prefix}.kv_a_layernorm.weight", (kv_rank,)))
+        linear("kv_b_proj", heads * (config["qk_nope_head_dim"] + config["v_head_dim"]), kv_rank)
+        linear("o_proj", hidden, heads * config["v_head_dim"], bias)
+        return out
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    linear("q_proj", heads * head_dim, hidden, bias)
+    linear("k_proj", kv_heads * head_dim, hidden, bias)
+    linear("v_proj", kv_heads * head_dim, hidden, bias)
+    linear("o_proj", hidden, heads * head_dim)
+    if str(config.get("model_type", "")).startswith("qwen3"):  # per-head RMSNorm on q and k
+        out.append(ParamShape(f"{prefix}.q_norm.weight", (head_dim,)))
+        out.append(ParamShape(f"{prefix}.k_norm.weight", (head_dim,)))
+    return out
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> list[ParamShape]:
+    return [
+        ParamShape(f"{prefix}.gate_proj.weight", (inter, hidden)),
+        ParamShape(f"{prefix}.up_proj.weight", (inter, hidden)),
+        ParamShape(f"{prefix}.down_proj.weight", (hidden, inter)),
+    ]
+
+
+def _moe(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
+    hidden, experts = config["hidden_size"], _num_experts(config)
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    out = [ParamShape(f"{prefix}.gate.weight", (experts, hidden))]  # the router
+    if config.get("topk_method") == "noaux_tc":
+        out.append(ParamShape(f"{prefix}.gate.e_score_correction_bias", (experts,)))
+    out += [
+        ParamShape(f"{prefix}.experts.gate_proj", (experts, inter, hidden)),
+        ParamShape(f"{prefix}.experts.up_proj", (experts, inter, hidden)),
+        ParamShape(f"{prefix}.experts.down_proj", (experts, hidden, inter)),
+    ]
+    if config.get("n_shared_experts"):
+        out += _mlp(f"{prefix}.shared_experts", hidden, inter * config["n_shared_experts"])
+    return out
+
+
+def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
+    """Params of a decoder-only model from Hugging Face config keys (see `PRESETS`)."""
+    missing = [
+        key
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        if key not in config
+    ]
+    if missing:
+        raise ValueError(f"config is missing keys {missing}")
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    shapes = [ParamShape("model.embed_tokens.weight", (vocab, hidden))]
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        shapes += _attention(config, f"{prefix}.self_attn")
+        if _is_moe_layer(config, layer):
+            shapes += _moe(config, f"{prefix}.mlp")
+        else:
+            shapes += _mlp(f"{prefix}.mlp", hidden, config["intermediate_size"])
+        shapes.append(ParamShape(f"{prefix}.input_layernorm.weight", (hidden,)))
+        shapes.append(ParamShape(f"{prefix}.post_attention_layernorm.weight", (hidden,)))
+    shapes.append(ParamShape("model.norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings", False):
+        shapes.append(ParamShape("lm_head.weight", (vocab, hidden)))
+    return tuple(shapes)
+
+
+def meta_module(shapes: Sequence[ParamShape]) -> nn.Module:
+    """An `nn.Module` on the meta device whose `named_parameters()` are exactly `shapes`."""
+    root = nn.Module()
+    for spec in shapes:
+        *path, leaf = spec.name.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        module.register_parameter(leaf, nn.Parameter(torch.empty(spec.shape, device="meta")))
+    named = [name for name, _ in root.named_parameters()]
+    if named != [spec.name for spec in shapes]:
+        raise ValueError("param names must be unique and list a module's own params first")
+    return root
