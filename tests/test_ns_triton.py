@@ -220,7 +220,9 @@ def test_gpu_fp64_reference(kind, name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
 def test_gpu_every_config():
-    from muon.ns_triton import CONFIGS, sym_matmul
+    import triton.runtime.errors
+
+    from muon.ns_triton import CONFIGS, LARGE_CONFIG, SMALL_CONFIG, sym_matmul
 
     for shape in [(2, 640, 1000), (1024, 4096)]:
         x = _gpu_input(shape, seed=3)
@@ -228,7 +230,12 @@ def test_gpu_every_config():
         a = (ref.float() / ref.float().abs().max()).bfloat16()
         ref_b = (-4.775 * a.float() + 2.0315 * (a.float() @ a.float())).bfloat16()
         for cfg in CONFIGS.values():
-            out = sym_matmul(x, config=cfg)
+            try:
+                out = sym_matmul(x, config=cfg)
+            except triton.runtime.errors.OutOfResources:
+                # a candidate too big for this GPU's shared memory: never a default
+                assert cfg.name not in (LARGE_CONFIG, SMALL_CONFIG), cfg.name
+                continue
             assert torch.equal(out, out.mT), cfg.name
             torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2, msg=cfg.name)
             out_b = sym_matmul(a, a, alpha=2.0315, beta=-4.775, config=cfg)

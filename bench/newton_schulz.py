@@ -1,0 +1,280 @@
+"""Newton-Schulz on Qwen3-8B shapes: plain torch path vs symmetric Triton path vs torch's own.
+
+Per shape: `zeropower(backend="torch")` (the plain path), `muon.ns_triton` under every
+fixed configuration in `ns_triton.CONFIGS` (first-call compile cost reported, cold
+Triton cache unless --warm-cache), and torch.optim._muon._zeropower_via_newtonschulz
+(one matrix at a time; it takes no batch). TFLOP/s counts full-GEMM FLOPs
+(REFERENCE.md: 4 m^2 n + 2 m^3 per iteration, m <= n), so the symmetric saving shows as
+more than the plain rate; `peak` is a bf16 8192^3 matmul measured in the same run.
+Then the whole Muon step for 12 Qwen3-8B layers (84 matrices): torch.optim.Muon,
+muon.Muon plain, muon.Muon triton (default configs, and the fastest one if different).
+Prints tables, writes JSON. Keller Jordan schedule, 5 steps, bf16.
+
+    python bench/newton_schulz.py --out bench/results/newton_schulz_h200.json
+    python bench/newton_schulz.py --device cpu --divisor 32 --skip-triton   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+if "--warm-cache" not in sys.argv:  # before anything imports triton
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ns_bench_triton_")
+
+import torch
+
+from muon import KELLER_JORDAN, Muon
+from muon.newton_schulz import ns_flops, set_backend, zeropower
+
+# Qwen3-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 12288.
+LAYER_SHAPES = [
+    (4096, 4096),  # q_proj
+    (1024, 4096),  # k_proj
+    (1024, 4096),  # v_proj
+    (4096, 4096),  # o_proj
+    (12288, 4096),  # gate_proj
+    (12288, 4096),  # up_proj
+    (4096, 12288),  # down_proj
+]
+# (batch, rows, cols)
+NS_SHAPES = [
+    (1, 4096, 4096),
+    (1, 1024, 4096),
+    (8, 1024, 4096),
+    (1, 4096, 12288),
+    (1, 12288, 4096),
+    (16, 768, 2048),
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _first_call(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _params(shapes, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, device=device, generator=gen)
+        params.append(p)
+    return params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--divisor", type=int, default=1, help="divide every dim (smoke tests)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--step-repeats", type=int, default=5)
+    parser.add_argument("--configs", default="all", help="comma-separated ns_triton config names")
+    parser.add_argument("--skip-triton", action="store_true")
+    parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument("--warm-cache", action="store_true", help="keep Triton's disk cache")
+    parser.add_argument("--out", default="bench/results/newton_schulz.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    d = args.divisor
+    schedule = KELLER_JORDAN
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results: dict[str, object] = {"torch": torch.__version__, "device": name}
+    ns_triton = None
+    if not args.skip_triton:
+        from muon import ns_triton
+
+        if not ns_triton.available():
+            print("triton not importable: triton arms skipped")
+            ns_triton = None
+        else:
+            import triton
+
+            results["triton"] = triton.__version__
+    print(f"torch {torch.__version__}, triton {results.get('triton')}, {name}")
+    if device.type == "cuda":
+        results["capability"] = list(torch.cuda.get_device_capability(device))
+
+    n = 8192 // d
+    mat = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    peak_s = statistics.median(_time(lambda m=mat: m @ m, device, args.warmup, args.repeats))
+    peak = 2 * n**3 / peak_s / 1e12
+    results["matmul_peak_tflops"] = peak
+    print(f"bf16 matmul {n}^3: {peak:.1f} TFLOP/s")
+    del mat
+
+    configs = []
+    if ns_triton is not None:
+        names = list(ns_triton.CONFIGS) if args.configs == "all" else args.configs.split(",")
+        configs = [ns_triton.CONFIGS[c] for c in names]
+    try:
+        from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
+    except ImportError:
+        torch_ns = None
+    a_, b_, c_ = schedule.coefficients[0]
+
+    rows_out = []
+    per_shape: dict[str, dict[str, object]] = {}
+    for batch, rows, cols in NS_SHAPES:
+        rows, cols = rows // d, cols // d
+        key = f"{batch}x{rows}x{cols}" if batch > 1 else f"{rows}x{cols}"
+        shape = (batch, rows, cols) if batch > 1 else (rows, cols)
+        x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+        flops = batch * ns_flops(rows, cols, schedule.steps)
+        entry: dict[str, object] = {"flops": flops, "m": min(rows, cols)}
+        arms = {"plain": lambda x=x: zeropower(x, schedule, backend="torch")}
+        if torch_ns is not None:
+            mats = list(x.reshape(-1, rows, cols).unbind(0))
+            arms["torch._zeropower"] = lambda mats=mats: [
+                torch_ns(m, (a_, b_, c_), schedule.steps, 1e-7) for m in mats
+            ]
+        for cfg in configs:
+            arms[f"triton:{cfg.name}"] = lambda x=x, cfg=cfg: ns_triton.zeropower_triton(
+                x, schedule, 1e-7, config=cfg
+            )
+        for arm, fn in arms.items():
+            try:
+                first = _first_call(fn, device)
+                seconds = statistics.median(_time(fn, device, args.warmup - 1, args.repeats))
+            except Exception as e:  # a config that does not compile here: report, go on
+                print(f"{key} {arm}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                entry[arm] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                continue
+            tflops = flops / seconds / 1e12
+            entry[arm] = {
+                "ms": 1e3 * seconds,
+                "tflops": tflops,
+                "pct_peak": 100 * tflops / peak,
+                "first_call_s": first,
+            }
+            rows_out.append((key, arm, 1e3 * seconds, tflops, 100 * tflops / peak, first))
+        tri = {k: v for k, v in entry.items() if k.startswith("triton:") and "ms" in v}
+        if tri:
+            best = min(tri, key=lambda k: tri[k]["ms"])
+            entry["best_triton"] = best
+            entry["best_vs_plain"] = entry["plain"]["ms"] / tri[best]["ms"]
+            default = f"triton:{ns_triton.config_for(min(rows, cols), max(rows, cols)).name}"
+            if default in tri:
+                entry["default_vs_plain"] = entry["plain"]["ms"] / tri[default]["ms"]
+        per_shape[key] = entry
+        del x
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["shapes"] = per_shape
+
+    print(f"\n{'shape':<16} {'arm':<24} {'ms':>9} {'TFLOP/s':>9} {'%peak':>6} {'first s':>8}")
+    for key, arm, ms, tf, pct, first in rows_out:
+        print(f"{key:<16} {arm:<24} {ms:>9.3f} {tf:>9.1f} {pct:>6.0f} {first:>8.2f}")
+    for key, entry in per_shape.items():
+        if "best_triton" in entry:
+            print(
+                f"{key:<16} best {entry['best_triton']} {entry['best_vs_plain']:.2f}x plain; "
+                f"default {entry.get('default_vs_plain', float('nan')):.2f}x plain"
+            )
+
+    # Suggested fixed configs: per m class, the config with the least total time.
+    if configs:
+        totals: dict[str, dict[str, float]] = {}
+        for entry in per_shape.values():
+            cls = "large" if entry["m"] >= 512 // d else "small"
+            for arm, v in entry.items():
+                if arm.startswith("triton:") and isinstance(v, dict) and "ms" in v:
+                    totals.setdefault(cls, {}).setdefault(arm, 0.0)
+                    totals[cls][arm] += v["ms"]
+        results["suggested"] = {cls: min(t, key=t.get) for cls, t in totals.items()}
+        print(f"suggested configs per class (least total ms): {results['suggested']}")
+
+    if not args.skip_step:
+        shapes = [(r // d, c // d) for r, c in LAYER_SHAPES] * args.layers
+        step_flops = sum(ns_flops(r, c, schedule.steps) for r, c in shapes)
+        step_arms = {"torch.optim.Muon": ("torch", None), "muon.Muon plain": ("torch", None)}
+        if ns_triton is not None:
+            step_arms["muon.Muon triton"] = ("triton", None)
+            best = results.get("suggested", {}).get("large")
+            if best is not None and best[len("triton:") :] != ns_triton.LARGE_CONFIG:
+                step_arms[f"muon.Muon triton {best[7:]}"] = ("triton", best[7:])
+        step: dict[str, object] = {"matrices": len(shapes), "ns_tflop": step_flops / 1e12}
+        for arm, (backend, large) in step_arms.items():
+            saved = ns_triton.LARGE_CONFIG if ns_triton is not None else None
+            previous = set_backend(backend)
+            try:
+                if large is not None:
+                    ns_triton.LARGE_CONFIG = large
+                params = _params(shapes, device)
+                opt = (
+                    torch.optim.Muon(params, lr=0.02)
+                    if arm == "torch.optim.Muon"
+                    else Muon(params, lr=0.02)
+                )
+                first = _first_call(opt.step, device)
+                times = _time(opt.step, device, 1, args.step_repeats)
+            except Exception as e:
+                print(f"step {arm}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                step[arm] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                continue
+            finally:
+                set_backend(previous)
+                if saved is not None:
+                    ns_triton.LARGE_CONFIG = saved
+            step[arm] = {
+                "ms": 1e3 * statistics.median(times),
+                "all_ms": [1e3 * t for t in times],
+                "first_step_s": first,
+            }
+            if device.type == "cuda":
+                step[arm]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                torch.cuda.reset_peak_memory_stats(device)
+            del opt, params
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        results["muon_step"] = step
+        print(f"\nMuon step, {len(shapes)} matrices, NS {step_flops / 1e12:.1f} TFLOP (dense)")
+        print(f"{'arm':<34} {'step ms':>9} {'NS-equiv TFLOP/s':>17} {'first step s':>13}")
+        for arm, v in step.items():
+            if isinstance(v, dict) and "ms" in v:
+                tf = step_flops / (v["ms"] / 1e3) / 1e12
+                print(f"{arm:<34} {v['ms']:>9.1f} {tf:>17.1f} {v['first_step_s']:>13.2f}")
+
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
