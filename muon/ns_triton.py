@@ -39,10 +39,13 @@ if TYPE_CHECKING:
     from muon.newton_schulz import NewtonSchulzSchedule
 
 # `backend="auto"` uses this path only on GPUs of these compute capabilities
-# (major) where it was measured to win, and only when the Gram side is at least
-# AUTO_MIN_SIZE. Conservative until the H200 bench (bench/newton_schulz.py) sets them.
+# (major) where it was measured to win, and only when a launch has at least
+# AUTO_MIN_PROGRAMS lower-triangle tiles (over the batch) to fill the SMs.
+# H200, bench/newton_schulz.py (bench/measured/newton_schulz_h200.log): one
+# 1024x1024 Gram (36 tiles) ran 0.66x the plain path; 8 of them (288 tiles)
+# 1.07x; 16 x 768 (336 tiles) 1.30x; 4096 and up (528+ tiles) 1.23-1.32x.
 AUTO_CAPABILITIES = frozenset({9})
-AUTO_MIN_SIZE = 1024
+AUTO_MIN_PROGRAMS = 256
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -81,7 +84,7 @@ CONFIGS: dict[str, SymConfig] = {
 }
 """Candidates the bench times; `config_for` picks among them by shape class."""
 
-LARGE_CONFIG = "b128k64w8s3"
+LARGE_CONFIG = "b128k64w4s3"  # least total time over the Qwen3-8B shapes on the H200
 """m >= 512 (the Qwen3-8B shapes)."""
 SMALL_CONFIG = "b64k64w4s4"
 """m < 512: more, smaller tiles to fill the SMs."""
@@ -111,7 +114,10 @@ def wins(x: Tensor) -> bool:
     """Whether `backend="auto"` takes this path for `x` (shape (..., rows, cols))."""
     if not x.is_cuda or x.dtype not in SUPPORTED_DTYPES or x.ndim not in (2, 3):
         return False
-    if min(x.shape[-2:]) < AUTO_MIN_SIZE:
+    m = min(x.shape[-2:])
+    tiles = -(-m // config_for(m, max(x.shape[-2:])).block)
+    batch = x.shape[0] if x.ndim == 3 else 1
+    if batch * tiles * (tiles + 1) // 2 < AUTO_MIN_PROGRAMS:
         return False
     if _capability_major(x.device.index or 0) not in AUTO_CAPABILITIES:
         return False
