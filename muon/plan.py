@@ -336,7 +336,8 @@ def _bucket_loads(
     return tuple(loads)
 
 
-def _padded(plan: MuonPlan, bucket: int) -> PaddedAlternative | None:
+def padded_alternative(plan: MuonPlan, bucket: int) -> PaddedAlternative | None:
+    """What a padded all-to-all would cost for `bucket` of `plan`; None for a local bucket."""
     b = plan.buckets[bucket]
     if b.axis is None:
         return None
@@ -396,7 +397,7 @@ def build_plan(
         plans.append(plan)
         loads.append(mine)
         ranks.append(_rank_memory(plan, mine, local_numels, adamw, mesh, settings, rank))
-    padded = tuple(_padded(plans[0], b) for b in range(len(plans[0].buckets)))
+    padded = tuple(padded_alternative(plans[0], b) for b in range(len(plans[0].buckets)))
     names = tuple(name for name, _, _, _ in muon)
     return ModelPlan(mesh, settings, names, tuple(plans), tuple(loads), tuple(ranks), padded)
 
