@@ -1,0 +1,162 @@
+"""muon.plan's estimated step memory vs `torch.cuda.max_memory_allocated`, one GPU.
+
+Qwen3-8B shapes (`--layers` decoder layers, embeddings, lm_head and norms in
+the AdamW group), fp32 params and grads, Muon with its defaults. The params are
+DTensors Shard(0) on a 1-rank NCCL mesh (FSDP2 at world 1), so every bucket
+takes the exchange path (send, receive and full buffers). Step 1 creates
+state, buffers and cuBLAS workspaces; step 2 is measured, whole and per phase
+(Muon buckets, AdamW group):
+
+    measured = max_memory_allocated during the phase - memory_allocated before it
+    step peak = measured(step) + exchange buffers (held since step 1)
+
+and compared with `muon.plan`'s busiest-rank estimate for the same shapes and
+mesh. Prints a table and writes JSON. CUDA only; well under a minute.
+
+    python bench/plan_vs_measured.py --out bench/results/plan_vs_measured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+os.environ.setdefault("MUON_NS_BACKEND", "torch")  # the estimate models the torch NS path
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from muon import Muon, muon_param_groups  # noqa: E402
+from muon.model_shapes import PRESETS, from_config, from_module, meta_module  # noqa: E402
+from muon.plan import MeshSpec, StepSettings, build_plan  # noqa: E402
+
+
+def _model(layers: int, device: torch.device) -> torch.nn.Module:
+    shapes = from_config({**PRESETS["qwen3-8b"], "num_hidden_layers": layers})
+    module = meta_module(shapes).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    return module
+
+
+def _distribute(module: torch.nn.Module, mesh) -> None:
+    """Every param as a DTensor Shard(0) on the 1-rank mesh (what FSDP2 gives at world 1)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name, p in list(module.named_parameters()):
+        *path, leaf = name.split(".")
+        param = torch.nn.Parameter(DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False))
+        setattr(module.get_submodule(".".join(path)), leaf, param)
+
+
+def _set_grads(module: torch.nn.Module, seed: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for p in module.parameters():
+        p.grad = None  # free the old grad before the new one exists
+        local = torch.randn(p.to_local().shape, device="cuda", generator=gen)
+        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+
+
+def _measure(fn) -> int:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def run(layers: int, cap_mib: float, max_inflight: int) -> dict:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    module = _model(layers, device)
+    shapes = from_module(module)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _distribute(module, init_device_mesh("cuda", (1,)))
+    settings = StepSettings(bucket_cap_bytes=int(cap_mib * 2**20), max_inflight=max_inflight)
+    plan = build_plan(shapes, MeshSpec(1), settings)
+    estimate = plan.busiest
+    opt = Muon(
+        muon_param_groups(module),
+        lr=0.02,
+        bucket_cap_bytes=settings.bucket_cap_bytes,
+        max_inflight=max_inflight,
+    )
+
+    _set_grads(module, 1)
+    first = _measure(opt.step)  # creates state, exchange buffers, cuBLAS workspaces
+    buffers = opt._buffers.nbytes
+    _set_grads(module, 2)
+    step = _measure(opt.step)
+    _set_grads(module, 3)
+    subset = opt.begin_subset_step()
+    buckets = len(plan.plans[0].buckets)
+    muon_units = [p for unit in subset.units[:buckets] for p in unit]
+    adamw_units = [p for unit in subset.units[buckets:] for p in unit]
+    muon = _measure(lambda: subset.step_params(muon_units))
+    adamw = _measure(lambda: subset.step_params(adamw_units))
+
+    rows = [
+        ("step peak (buffers + transient)", estimate.step_peak_bytes, step + buffers),
+        ("Muon buckets transient", estimate.muon_transient_bytes, muon),
+        ("AdamW transient", estimate.adamw_transient_bytes, adamw),
+        ("exchange buffers", estimate.buffer_bytes, buffers),
+    ]
+    return {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device),
+        "layers": layers,
+        "buckets": buckets,
+        "first_step_bytes": first,
+        "first_step_estimate_bytes": estimate.state_bytes + estimate.step_peak_bytes,
+        "rows": [
+            {"phase": name, "estimate": est, "measured": got, "ratio": got / est}
+            for name, est, got in rows
+        ],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--bucket-cap-mib", type=float, default=512)
+    p.add_argument("--max-inflight", type=int, default=2)
+    p.add_argument("--out", help="JSON path")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("plan_vs_measured needs a CUDA device")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'init')}"
+        dist.init_process_group("nccl", init_method=init, rank=0, world_size=1)
+        try:
+            result = run(args.layers, args.bucket_cap_mib, args.max_inflight)
+        finally:
+            dist.destroy_process_group()
+    gib = 2**30
+    print(f"Qwen3-8B x {args.layers} layers, {result['buckets']} buckets, 1-rank NCCL mesh")
+    print(f"{'phase':<34} {'estimate GiB':>12} {'measured GiB':>12} {'ratio':>7}")
+    for row in result["rows"]:
+        print(
+            f"{row['phase']:<34} {row['estimate'] / gib:>12.3f} {row['measured'] / gib:>12.3f} "
+            f"{row['ratio']:>7.3f}"
+        )
+    print(
+        f"first step (state created): estimate {result['first_step_estimate_bytes'] / gib:.3f} "
+        f"GiB, measured {result['first_step_bytes'] / gib:.3f} GiB (not asserted)"
+    )
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
