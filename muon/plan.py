@@ -492,7 +492,7 @@ def bucket_rows(plan: ModelPlan) -> list[dict[str, Any]]:
                 "params": len(bucket.params),
                 "shapes": _shapes(plan.plans[busy.rank], b),
                 "nbytes": bucket.nbytes,
-                "owners": len({x.rank for x in loads if x.owned}),
+                "owners": None if bucket.axis is None else len({x.rank for x in loads if x.owned}),
                 "busy": sides["busy"],
                 "idle": sides["idle"],
                 "padded": None if padded is None else asdict(padded),
@@ -541,7 +541,8 @@ def print_plan(plan: ModelPlan, rows: Sequence[dict[str, Any]], offload: bool) -
         busy, idle, padded = row["busy"], row["idle"], row["padded"]
         print(
             f"{row['bucket']:>3} {row['kind']:<8} {row['layers']:>7} {busy['matrices']:>5} "
-            f"{row['owners']:>6} {row['shapes'][:34]:<34} {_mib(busy['bytes_sent']):>9} "
+            f"{'-' if row['owners'] is None else row['owners']:>6} {row['shapes'][:34]:<34} "
+            f"{_mib(busy['bytes_sent']):>9} "
             f"{_mib(busy['buffer_bytes']):>9} {_mib(idle['buffer_bytes']):>9} "
             f"{_mib(busy['ns_bytes']):>8} {_mib(idle['ns_bytes']):>8} "
             f"{'-' if padded is None else _mib(padded['wire_bytes']):>9}"
