@@ -81,6 +81,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         chunk_bytes: target state bytes per chunk (rank-invariant count; a unit
             larger than this is a chunk of its own).
         staging_slots: GPU staging slots in the ring (>= 2 to overlap copies).
+        overlap_forward: the model whose next forward the step overlaps. `step()`
+            then returns once the first chunks are queued; the rest update on a
+            side stream as the forward reaches the modules that read them. Needs
+            a subset step. Read params or state outside a forward only after
+            `wait_for_optimizer_step()`.
 
     GPU memory for state: `staging_slots` chunks; on the first step, while the
     optimizer creates its state chunk by chunk, one more chunk.
