@@ -363,6 +363,9 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         run(rank, world, args, torch.device("cpu"))
+        # Tear down together: a gloo rank that destroys its group while a peer is
+        # still busy (rank 0 writing the report) can abort ("terminate called").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -40,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -147,17 +148,19 @@ def run_arm(
     start = time.perf_counter()
     returns = [step() for _ in range(steps)]
     sync()
+    window_s = time.perf_counter() - start
     result: dict[str, Any] = {
         "optimizer": opt,
         "arm": arm,
         "warmup_steps": len(warm_s),
         "timed_steps": steps,
-        "step_ms": 1e3 * (time.perf_counter() - start) / steps,
+        "step_ms": 1e3 * window_s / steps,
         "step_returns_ms": 1e3 * statistics.median(returns),
         "fwd_bwd_ms": None,
         "optimizer_ms": None,
     }
-    if passes == 2:
+    # The phase pass only if the window left room in the arm's budget (slow host steps).
+    if passes == 2 and window_s < args.arm_budget_s / 2:
         phases = [train_step(model, optimizer, inputs, targets, sync)[1] for _ in range(steps)]
         result["fwd_bwd_ms"] = 1e3 * statistics.median(t.forward + t.backward for t in phases)
         result["optimizer_ms"] = 1e3 * statistics.median(t.optimizer for t in phases)
@@ -167,7 +170,10 @@ def run_arm(
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    base = {r["optimizer"]: r for r in results if r["arm"] == "none"}
+    results = sorted(
+        results, key=lambda r: (OPTIMIZERS.index(r["optimizer"]), ARMS.index(r["arm"]))
+    )
+    base = {r["optimizer"]: r for r in results if r["arm"] == "none" and "error" not in r}
 
     def ratio(r: dict[str, Any], key: str) -> str:
         b = base.get(r["optimizer"])
@@ -182,6 +188,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
+        if "error" in r:
+            print(f"{r['optimizer']:<9} {r['arm']:<17} FAILED: {r['error']}")
+            continue
         print(
             f"{r['optimizer']:<9} {r['arm']:<17} {r['step_ms']:>8.0f} {ratio(r, 'step_ms'):>8} "
             f"{ms(r['fwd_bwd_ms']):>8} {ms(r['optimizer_ms']):>8} {r['step_returns_ms']:>8.0f} "
@@ -219,13 +228,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = []
         for opt, arm in arms:
             started = time.perf_counter()
-            results.append(run_arm(opt, arm, config, args, mesh, device))
-            r = results[-1]
-            print(
-                f"{opt}/{arm}: step {r['step_ms']:.0f} ms, peak {r['peak_gib']:.2f} GiB "
-                f"({time.perf_counter() - started:.0f} s)",
-                flush=True,
-            )
+            try:
+                r = run_arm(opt, arm, config, args, mesh, device)
+                summary = f"step {r['step_ms']:.0f} ms, peak {r['peak_gib']:.2f} GiB"
+            except Exception as error:  # one broken arm should not cost the other arms' run
+                traceback.print_exc()
+                r = {"optimizer": opt, "arm": arm, "error": f"{type(error).__name__}: {error}"}
+                summary = "FAILED"
+            results.append(r)
+            print(f"{opt}/{arm}: {summary} ({time.perf_counter() - started:.0f} s)", flush=True)
             gc.collect()  # the arm's model and optimizer (and pinned host slabs) go here
             torch.cuda.empty_cache()
     finally:

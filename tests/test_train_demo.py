@@ -119,6 +119,7 @@ def _worker(rank: int, world: int, port: int, result_dir: str) -> None:
                     for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
                         if not torch.equal(a, b):
                             failures.append(f"{tag}/{arm_name}: param {i} differs")
+        dist.barrier()  # tear down together (see bench.train._spawned)
     finally:
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write("\n".join(failures))
