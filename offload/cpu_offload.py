@@ -44,19 +44,31 @@ def invariant_numel(param: Tensor) -> int:
 
 
 def _as_state(param: Tensor, local: Tensor) -> Tensor:
-    """`local` shaped as the optimizer keeps it: a DTensor like `param`, or itself."""
+    """`local` shaped as the optimizer keeps it: a DTensor like `param`, or itself.
+
+    The DTensor wraps `local` where it lies: `DTensor.from_local` would copy a
+    host view to the mesh's device, leaving a stale GPU copy in the state.
+    """
     if not hasattr(param, "placements") or local.shape != local_tensor(param).shape:
         return local
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    return DTensor.from_local(
-        local,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+@dataclass
+class _View:
+    """One state tensor's two homes, raw and as the optimizer keeps them, built once."""
+
+    param: Tensor
+    spec: StateSpec
+    host: Tensor
+    staging: Tensor
+    host_state: Tensor
+    staging_state: Tensor
 
 
 @dataclass
@@ -66,7 +78,7 @@ class _Chunk:
     params: list[Tensor]
     slot: int
     host: list[tuple[Tensor, Tensor]]  # per dtype: (host slab range, staging slot range)
-    views: list[tuple[Tensor, str, StateSpec, Tensor, Tensor]]  # param, key, spec, host, staging
+    views: list[_View]
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):
@@ -223,11 +235,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         }
         views = self._host_views()
         for (index, key), value in offloaded.items():
-            target = views.get((param_of[index], key))
-            if target is not None and local_tensor(value).shape != target.shape:
+            view = views.get((param_of[index], key))
+            if view is not None and local_tensor(value).shape != view.host.shape:
                 raise ValueError(
                     f"state {key!r} of param {index} has shape {tuple(local_tensor(value).shape)}, "
-                    f"expected {tuple(target.shape)}"
+                    f"expected {tuple(view.host.shape)}"
                 )
         light = {
             "state": {
@@ -239,11 +251,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(light)
         for (index, key), value in offloaded.items():
             param = param_of[index]
-            target = views.get((param, key))
-            if target is None:  # no slab yet: held on the host until the first step adopts it
-                target = torch.empty_like(local_tensor(value), device="cpu")
-            target.copy_(local_tensor(value))
-            self.optimizer.state[param][key] = _as_state(param, target)
+            view = views.get((param, key))
+            if view is None:  # no slab yet: held on the host until the first step adopts it
+                held = torch.empty_like(local_tensor(value), device="cpu")
+                held.copy_(local_tensor(value))
+                self.optimizer.state[param][key] = _as_state(param, held)
+            else:
+                view.host.copy_(local_tensor(value))
+                self.optimizer.state[param][key] = view.host_state
 
     # -- stepping -----------------------------------------------------------------------
 
@@ -327,9 +342,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             ready = streams.loaded if loaded[c] else streams.freed
             streams.wait(compute, ready[chunk.slot])
             had_state = {p for p in chunk.params if state.get(p)}
-            for param, key, _, _, staging in chunk.views:
-                if param in had_state:
-                    state[param][key] = _as_state(param, staging)
+            for view in chunk.views:
+                if view.param in had_state:
+                    state[view.param][view.spec.key] = view.staging_state
             with streams.on(compute):
                 subset.step_params(chunk.params)
                 self._adopt_new_state(chunk, had_state)
@@ -341,9 +356,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 for host, staging in chunk.host:
                     host.copy_(staging, non_blocking=True)
                 streams.record(streams.freed[chunk.slot], streams.d2h)
-            for param, key, _, host, _ in chunk.views:
-                if state.get(param):
-                    state[param][key] = _as_state(param, host)
+            for view in chunk.views:
+                if state.get(view.param):
+                    state[view.param][view.spec.key] = view.host_state
             if c == len(self._chunks) - 1:
                 self._step_done = streams.freed[chunk.slot]
             yield
@@ -364,7 +379,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _adopt_new_state(self, chunk: _Chunk, had_state: set[Tensor]) -> None:
         """State the step just created goes into the chunk's staging slot, then home."""
         state = self.optimizer.state
-        for param, key, spec, _, staging in chunk.views:
+        for view in chunk.views:
+            param, key, spec = view.param, view.spec.key, view.spec
             if param in had_state or not state.get(param):
                 continue
             created = local_tensor(state[param][key])
@@ -374,8 +390,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{tuple(created.shape)} {created.dtype}, but its state_layout promised "
                     f"{tuple(spec.shape)} {spec.dtype}"
                 )
-            staging.copy_(created)
-            state[param][key] = _as_state(param, staging)
+            view.staging.copy_(created)
+            state[param][key] = view.staging_state
 
     # -- planning and allocation --------------------------------------------------------
 
@@ -422,19 +438,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     )
                 )
             for view in layout.views:
-                spec = view.spec
+                spec, param = view.spec, self._params[view.param]
                 base = slot * plan.slot_numel[spec.dtype]
-                h = self._host_slabs[spec.dtype][view.host_offset : view.host_offset + spec.numel]
+                h = self._host_slabs[spec.dtype][view.host_offset :][: spec.numel]
                 s = self._staging[spec.dtype][base + view.staging_offset :][: spec.numel]
-                views.append(
-                    (
-                        self._params[view.param],
-                        spec.key,
-                        spec,
-                        h.view(spec.shape),
-                        s.view(spec.shape),
-                    )
-                )
+                h, s = h.view(spec.shape), s.view(spec.shape)
+                views.append(_View(param, spec, h, s, _as_state(param, h), _as_state(param, s)))
             chunks.append(_Chunk([self._params[i] for i in layout.params], slot, host, views))
         self._plan, self._units_key, self._chunks = plan, units_key, chunks
         if self._owners:
@@ -446,13 +455,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._chunk_done = [self._streams.new_event() for _ in chunks]
         state = self.optimizer.state
         for chunk in chunks:
-            for param, key, _, host_view, _ in chunk.views:
-                if state.get(param) and key in state[param]:
-                    host_view.copy_(local_tensor(state[param][key]))
-                    state[param][key] = _as_state(param, host_view)
+            for view in chunk.views:
+                entries = state.get(view.param)
+                if entries and view.spec.key in entries:
+                    view.host.copy_(local_tensor(entries[view.spec.key]))
+                    entries[view.spec.key] = view.host_state
 
-    def _host_views(self) -> dict[tuple[Tensor, str], Tensor]:
-        return {(p, key): host for chunk in self._chunks for p, key, _, host, _ in chunk.views}
+    def _host_views(self) -> dict[tuple[Tensor, str], _View]:
+        return {(v.param, v.spec.key): v for chunk in self._chunks for v in chunk.views}
 
     # -- serial path --------------------------------------------------------------------
 

@@ -130,3 +130,44 @@ def test_cuda_step_never_syncs_the_host_and_overlap_is_bitwise(overlap):
     opt.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_fsdp2_state_stays_on_the_host():
+    """DTensor state must wrap the pinned host views, never a GPU copy of them."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        model = make_model()
+        mesh = init_device_mesh("cuda", (1,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_bytes=2 * MiB)
+        state_bytes = 2 * sum(p.numel() * 4 for p in model.parameters())
+        x = torch.randn(8, 512, device="cuda")
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            opt.step()
+            torch.cuda.synchronize()
+            grown = torch.cuda.memory_allocated() - before
+        assert grown == 0  # nothing left behind on the GPU after a step
+        assert opt.plan.staging_bytes(opt.staging_slots) < state_bytes
+        for p in model.parameters():
+            local = opt.state[p]["exp_avg"].to_local()
+            assert local.device.type == "cpu" and local.is_pinned()
+    finally:
+        dist.destroy_process_group()
