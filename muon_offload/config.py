@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from muon import SCHEDULES, Muon, muon_param_groups
+from muon.planning import DEFAULT_BUCKET_CAP_BYTES
 from offload import CPUOffloadOptimizer
-from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
+from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS, invariant_numel
 
 OPTIMIZER_TYPES = ("adamw", "muon")
 OFFLOAD_MODES = ("none", "optimizer")
@@ -142,6 +143,14 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items()}
 
 
+def _bucket_cap_for_offload(model: nn.Module, config: OptimizerConfig) -> int:
+    """A Muon bucket is one offload unit, and the staging ring holds its largest unit
+    `offload_staging_slots` times: cap buckets so a unit's fp32 momentum shard (twice
+    the bf16 bytes the cap counts, over the shards) fits one chunk."""
+    shards = max((p.numel() // max(1, invariant_numel(p)) for p in model.parameters()), default=1)
+    return min(DEFAULT_BUCKET_CAP_BYTES, config.offload_chunk_bytes * shards // 2)
+
+
 def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     """Build the optimizer `config` asks for over `model`'s trainable params."""
     if config.type == "adamw":
@@ -159,6 +168,9 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             row_blocks=model_row_blocks(model),
             adamw_options={"betas": config.betas, "eps": config.eps},
         )
+        options = dict(config.muon_options)
+        if config.offload == "optimizer":
+            options.setdefault("bucket_cap_bytes", _bucket_cap_for_offload(model, config))
         optimizer = Muon(
             groups,
             lr=config.lr,
@@ -167,7 +179,7 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             nesterov=config.nesterov,
             ns_coefficients=SCHEDULES[config.ns_schedule],
             adjust_lr_fn=config.adjust_lr_fn,
-            **config.muon_options,
+            **options,
         )
     if config.offload == "none":
         return optimizer

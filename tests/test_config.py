@@ -117,3 +117,15 @@ def test_config_from_cli_flags_and_toml(tmp_path):
     path.write_text("[optimizer]\nlearning_rate = 0.01\n")
     with pytest.raises(ValueError, match="learning_rate"):
         OptimizerConfig.from_toml(str(path))
+
+
+def test_offloaded_muon_buckets_fit_a_chunk():
+    model = Net()
+    config = OptimizerConfig(type="muon", offload="optimizer", offload_chunk_bytes=4096)
+    opt = setup_optimizer(model, config)
+    assert opt.optimizer.bucket_cap_bytes == 2048  # fp32 momentum of a bucket: 4096 bytes
+    explicit = OptimizerConfig(
+        type="muon", offload="optimizer", muon_options={"bucket_cap_bytes": 10**6}
+    )
+    assert setup_optimizer(model, explicit).optimizer.bucket_cap_bytes == 10**6
+    assert setup_optimizer(model, OptimizerConfig(type="muon")).bucket_cap_bytes > 2**20
