@@ -1,13 +1,19 @@
 """Muon step on Qwen3-8B matrix shapes: muon.Muon vs torch.optim.Muon, plus NS TFLOP/s.
 
 12 layers x (q, k, v, o, gate, up, down) = 84 fp32 matrices on one GPU, same
-schedule (Keller Jordan quintic, 5 steps, bf16). Each arm runs warmup steps,
-then timed steps (CUDA events, median). NS TFLOP/s uses REFERENCE.md's dense
-cost (4 m^2 n + 2 m^3 per iteration) against a bf16 8192^3 matmul measured in
-the same run. Prints a table, writes JSON. Runs in well under 2 minutes.
+schedule (Keller Jordan quintic, 5 steps, bf16). Arms: torch.optim.Muon, and
+muon.Muon with each (elementwise, Newton-Schulz) backend pair: torch/torch,
+torch/triton, fused/triton (`muon.elementwise`, `muon.newton_schulz`). Each arm
+runs warmup steps, then timed steps (CUDA events, median). NS-only times the
+batched Newton-Schulz alone per backend; the step minus it is the elementwise and
+exchange overhead. NS TFLOP/s uses REFERENCE.md's dense cost (4 m^2 n + 2 m^3 per
+iteration) against a bf16 8192^3 matmul measured in the same run. Parity: the
+first layer's params and momentum after the timed steps, fused/triton vs
+torch/triton (same inputs, same NS). Prints a table, writes JSON. Runs in well
+under 2 minutes.
 
     python bench/muon_step.py --out bench/results/muon_step.json
-    python bench/muon_step.py --device cpu --layers 1 --divisor 32   # smoke test
+    python bench/muon_step.py --device cpu --layers 1 --divisor 32 --no-triton  # smoke test
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import time
 
 import torch
 
-from muon import KELLER_JORDAN, Muon, zeropower
-from muon.newton_schulz import ns_flops
+from muon import KELLER_JORDAN, Muon, elementwise, zeropower
+from muon.newton_schulz import ns_flops, set_backend
 
 # Qwen3-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 12288.
 LAYER_SHAPES = [
@@ -78,6 +84,15 @@ def _matmul_tflops(device: torch.device, n: int, warmup: int, repeats: int) -> f
     return 2 * n**3 / seconds / 1e12
 
 
+def _with_backends(elementwise_backend: str, ns_backend: str, fn):
+    previous = elementwise.set_backend(elementwise_backend), set_backend(ns_backend)
+    try:
+        return fn()
+    finally:
+        elementwise.set_backend(previous[0])
+        set_backend(previous[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -86,6 +101,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-cap-mib", type=int, default=None, help="muon.Muon bucket cap")
+    parser.add_argument("--no-triton", action="store_true", help="torch backends only")
     parser.add_argument("--out", default="bench/results/muon_step.json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -105,40 +121,47 @@ def main() -> None:
         "ns_tflop_per_step": flops / 1e12,
         "matmul_peak_tflops": peak,
     }
+    ns_backends = ["torch"] if args.no_triton else ["torch", "triton"]
 
     # Newton-Schulz alone, batched by shape as muon.Muon does on one device.
     by_shape: dict[tuple[int, int], int] = {}
     for shape in shapes:
         by_shape[shape] = by_shape.get(shape, 0) + 1
     stacks = [torch.randn(n, *s, device=device, dtype=torch.bfloat16) for s, n in by_shape.items()]
-    ns_s = statistics.median(
-        _time(
-            lambda s=stacks: [zeropower(x, KELLER_JORDAN) for x in s],
-            device,
-            args.warmup,
-            args.repeats,
+    for backend in ns_backends:
+        ns_s = statistics.median(
+            _time(
+                lambda s=stacks, b=backend: [zeropower(x, KELLER_JORDAN, backend=b) for x in s],
+                device,
+                args.warmup,
+                args.repeats,
+            )
         )
-    )
+        results[f"ns_{backend}_ms"] = 1e3 * ns_s
+        results[f"ns_{backend}_tflops"] = flops / ns_s / 1e12
     del stacks
-    results["ns_batched_ms"] = 1e3 * ns_s
-    results["ns_tflops"] = flops / ns_s / 1e12
 
-    arms = {
-        "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=0.02),
-        "muon.Muon": lambda ps: Muon(
-            ps,
-            lr=0.02,
-            **(
-                {}
-                if args.bucket_cap_mib is None
-                else {"bucket_cap_bytes": args.bucket_cap_mib << 20}
-            ),
-        ),
-    }
-    for arm, make in arms.items():
+    cap = {} if args.bucket_cap_mib is None else {"bucket_cap_bytes": args.bucket_cap_mib << 20}
+    arms: dict[str, tuple[str, str] | None] = {"torch.optim.Muon": None}
+    for pair in [("torch", "torch")] + [("torch", b) for b in ns_backends[1:]]:
+        arms["muon.Muon {}/{}".format(*pair)] = pair
+    if not args.no_triton:
+        arms["muon.Muon fused/triton"] = ("triton", "triton")
+    layer = len(LAYER_SHAPES)
+    kept: dict[str, list[torch.Tensor]] = {}
+    for arm, pair in arms.items():
         params = _params(shapes, device)
-        opt = make(params)
-        times = _time(opt.step, device, args.warmup, args.repeats)
+        if pair is None:
+            opt = torch.optim.Muon(params, lr=0.02)
+            times = _time(opt.step, device, args.warmup, args.repeats)
+        else:
+            opt = Muon(params, lr=0.02, **cap)
+            times = _with_backends(
+                *pair, lambda o=opt: _time(o.step, device, args.warmup, args.repeats)
+            )
+            if pair[1] == ns_backends[-1]:  # same NS: parity of the elementwise backends
+                bufs = [opt.state[p]["momentum_buffer"] for p in params[:layer]]
+                kept[pair[0]] = [t.detach().clone() for t in params[:layer] + bufs]
         results[f"{arm}_ms"] = 1e3 * statistics.median(times)
         results[f"{arm}_all_ms"] = [1e3 * t for t in times]
         if device.type == "cuda":
@@ -147,20 +170,35 @@ def main() -> None:
         del opt, params
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if len(kept) == 2:
+        pairs = list(zip(kept["triton"], kept["torch"], strict=True))
+        results["fused_vs_torch_bitwise"] = all(torch.equal(a, b) for a, b in pairs)
+        results["fused_vs_torch_max_abs_diff"] = max((a - b).abs().max().item() for a, b in pairs)
 
-    speedup = results["torch.optim.Muon_ms"] / results["muon.Muon_ms"]
+    best = list(arms)[-1]
+    speedup = results["torch.optim.Muon_ms"] / results[f"{best}_ms"]
     results["speedup"] = speedup
-    print(f"{'arm':<20} {'step ms':>9} {'NS TFLOP/s':>11}")
-    for arm in arms:
+    ns_last = results[f"ns_{ns_backends[-1]}_ms"]
+    print(f"{'arm':<24} {'step ms':>9} {'NS TFLOP/s':>11} {'step - NS ms':>13}")
+    for arm, pair in arms.items():
         ms = results[f"{arm}_ms"]
-        print(f"{arm:<20} {ms:>9.1f} {flops / (ms / 1e3) / 1e12:>11.1f}")
-    print(
-        f"{'NS only (batched)':<20} {results['ns_batched_ms']:>9.1f} {results['ns_tflops']:>11.1f}"
-    )
+        overhead = "" if pair is None else f"{ms - results[f'ns_{pair[1]}_ms']:>13.1f}"
+        print(f"{arm:<24} {ms:>9.1f} {flops / (ms / 1e3) / 1e12:>11.1f} {overhead}")
+    for backend in ns_backends:
+        label = f"NS only ({backend})"
+        ms, tflops = results[f"ns_{backend}_ms"], results[f"ns_{backend}_tflops"]
+        print(f"{label:<24} {ms:>9.1f} {tflops:>11.1f}")
     print(
         f"bf16 matmul peak {8192 // args.divisor}^3: {peak:.1f} TFLOP/s; "
-        f"NS at {100 * results['ns_tflops'] / peak:.0f}% of it; speedup {speedup:.2f}x"
+        f"NS at {100 * flops / (ns_last / 1e3) / 1e12 / peak:.0f}% of it; "
+        f"speedup {best} vs torch.optim.Muon {speedup:.2f}x"
     )
+    if "fused_vs_torch_bitwise" in results:
+        print(
+            f"parity fused vs torch elementwise (layer 0 params + momentum): bitwise "
+            f"{results['fused_vs_torch_bitwise']}, max abs diff "
+            f"{results['fused_vs_torch_max_abs_diff']:.3g}"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -4,13 +4,14 @@ The buffers are allocated once, at the largest bucket this rank sees, for
 `slots` buckets in flight, and every bucket uses views of them. One bucket's
 round trip, for an `ExchangePlan`:
 
-1. `send_to_owners`: pack this rank's pieces in (owner, matrix) order into
-   `send`, start `all_to_all_single` into `recv` with the plan's split sizes.
+1. `send_to_owners`: with this rank's pieces packed in (owner, matrix) order
+   into their `send_slots`, start `all_to_all_single` into `recv` with the
+   plan's split sizes.
 2. `assemble`: at the owner, copy received pieces into the full matrices
    (row pieces into row slices, Shard(1) pieces into column slices).
 3. `return_results`: pack the owner's result pieces into `recv` (same layout
    it arrived in) and start the reverse `all_to_all_single` into `send`; each
-   rank then finds its result pieces where it packed its inputs.
+   rank then finds its result pieces where it packed its inputs (`send_slots`).
 
 The collectives are asynchronous: on NCCL `Work.wait()` only orders the
 current stream after the collective, so nothing here syncs the host.
@@ -67,19 +68,19 @@ def _slot(buffer: Tensor, piece: Piece) -> Tensor:
     return buffer[piece.offset : piece.offset + piece.numel].view(piece.shape)
 
 
-def send_to_owners(
-    plan: ExchangePlan,
-    sources: Sequence[Tensor],
-    send: Tensor,
-    recv: Tensor,
-    group: dist.ProcessGroup,
-) -> dist.Work:
-    """Pack `sources[matrix]` (this rank's local 2-D block of each matrix) and start the exchange.
+def send_slots(plan: ExchangePlan, send: Tensor) -> list[tuple[Piece, Tensor]]:
+    """This rank's pieces with their views in `send`.
 
-    Casting to the buffer dtype happens in the pack copy.
+    The caller packs each piece there before `send_to_owners`; after
+    `return_results` completes, each holds that piece of the result.
     """
-    for piece in plan.send_pieces:
-        _slot(send, piece).copy_(local_rect(sources[piece.matrix], piece))
+    return [(piece, _slot(send, piece)) for piece in plan.send_pieces]
+
+
+def send_to_owners(
+    plan: ExchangePlan, send: Tensor, recv: Tensor, group: dist.ProcessGroup
+) -> dist.Work:
+    """Start the exchange of the packed `send` (see `send_slots`) into `recv`."""
     return dist.all_to_all_single(
         recv,
         send,
@@ -114,8 +115,3 @@ def return_results(
         group=group,
         async_op=True,
     )
-
-
-def returned_pieces(plan: ExchangePlan, send: Tensor) -> list[tuple[Piece, Tensor]]:
-    """This rank's result pieces with their views in `send`, valid after the reverse exchange."""
-    return [(piece, _slot(send, piece)) for piece in plan.send_pieces]

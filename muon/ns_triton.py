@@ -316,7 +316,8 @@ def zeropower_triton(
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     if schedule.norm_scale != 1.0:
         norm = norm * schedule.norm_scale
-    x = (x / norm.clamp(min=eps)).contiguous()
+    # one pass into a contiguous iterate (x / norm of a tall x.mT would keep its layout)
+    x = torch.div(x, norm.clamp(min=eps), out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
     squeeze = x.ndim == 2
     if squeeze:
         x = x.unsqueeze(0)

@@ -34,12 +34,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adamw import adamw
 
+from muon import elementwise
 from muon.exchange import (
     ExchangeBuffers,
     assemble,
     local_rect,
     return_results,
-    returned_pieces,
+    send_slots,
     send_to_owners,
 )
 from muon.newton_schulz import (
@@ -103,6 +104,13 @@ def _local_grad(p: Tensor) -> Tensor | None:
 def _stack(t: Tensor) -> Tensor:
     """A 2-D tensor as a stack of one matrix; a 3-D tensor as is."""
     return t.unsqueeze(0) if t.ndim == 2 else t
+
+
+def _rect(t: Tensor, m: Matrix, origin: tuple[int, int], like: Tensor) -> Tensor:
+    """The `like`-shaped rectangle at local `origin` of `t`'s local 2-D block holding `m`."""
+    row0, col0 = origin
+    rows, cols = like.shape
+    return _stack(_local(t))[m.expert][row0 : row0 + rows, col0 : col0 + cols]
 
 
 def _zeros_like_local(p: Tensor, dtype: torch.dtype) -> Tensor:
@@ -405,10 +413,9 @@ class MuonStep:
         plan = self._plan.exchange(index, active)
         if not plan.matrices:
             return None
-        clock = _Clock(self._opt.collect_timings, self._grads[next(iter(active))].device)
-        updates = {i: _stack(self._momentum_update(i)) for i in sorted(active)}
-        sources = [updates[m.param][m.expert] for m in plan.matrices]
-        buffers = self._opt._exchange_buffers(sources[0].device)
+        device = self._grads[next(iter(active))].device
+        clock = _Clock(self._opt.collect_timings, device)
+        buffers = self._opt._exchange_buffers(device)
         slot = self._slot % self._opt.max_inflight
         self._slot += 1
         send, recv, full = buffers.views(slot, plan)
@@ -418,23 +425,61 @@ class MuonStep:
             for k, matrix in enumerate(batch.matrices):
                 start = batch.offset + k * size
                 views[matrix] = full[start : start + size].view(batch.rows, batch.cols)
-        if plan.axis is None:
-            for i, m in enumerate(plan.matrices):
-                views[i].copy_(sources[i][m.row0 : m.row0 + m.rows])
-            work = None
-        else:
+        if plan.axis is None:  # each matrix goes whole into its full view
+            targets = [(i, (m.row0, 0), views[i]) for i, m in enumerate(plan.matrices)]
+        else:  # each local piece goes into its send slot
+            targets = [
+                (piece.matrix, (piece.local_row0, piece.local_col0), view)
+                for piece, view in send_slots(plan, send)
+            ]
+        self._pack(plan, sorted(active), targets, elementwise.use_fused(device))
+        work = None
+        if plan.axis is not None:
             group = self._params[bucket.params[0]].device_mesh.get_group(plan.axis)
-            work = send_to_owners(plan, sources, send, recv, group)
+            work = send_to_owners(plan, send, recv, group)
         return _InFlight(plan, slot, work, views, clock.lap())
 
-    def _momentum_update(self, param: int) -> Tensor:
-        """fp32 momentum on the local shard; returns the Newton-Schulz input (local, fp32)."""
-        hp = self._hp(param)
+    def _pack(
+        self,
+        plan: ExchangePlan,
+        active: Sequence[int],
+        targets: Sequence[tuple[int, tuple[int, int], Tensor]],
+        use_fused: bool,
+    ) -> None:
+        """Momentum for the active params; each (matrix, local origin, destination) target
+        receives its rectangle of the Newton-Schulz input, cast to the destination's dtype."""
+        if use_fused:
+            from muon import fused
+
+            bufs = {i: self._momentum_buffer(i) for i in active}  # state even for empty shards
+            for matrix, origin, dest in targets:
+                m = plan.matrices[matrix]
+                hp = self._hp(m.param)
+                fused.momentum_(
+                    _rect(self._grads[m.param], m, origin, dest),
+                    _rect(bufs[m.param], m, origin, dest),
+                    dest,
+                    hp["momentum"],
+                    hp["nesterov"],
+                )
+            return
+        updates = {i: self._momentum_update(i) for i in active}
+        for matrix, origin, dest in targets:
+            m = plan.matrices[matrix]
+            dest.copy_(_rect(updates[m.param], m, origin, dest))
+
+    def _momentum_buffer(self, param: int) -> Tensor:
+        """The local fp32 momentum buffer of `param`, created (zeros) on first use."""
         p = self._params[param]
         state = self._opt.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = _zeros_like_local(p, torch.float32)
-        buf = _local(state["momentum_buffer"])
+        return _local(state["momentum_buffer"])
+
+    def _momentum_update(self, param: int) -> Tensor:
+        """fp32 momentum on the local shard; returns the Newton-Schulz input (local, fp32)."""
+        hp = self._hp(param)
+        buf = self._momentum_buffer(param)
         grad = self._grads[param].to(torch.float32)
         buf.lerp_(grad, 1 - hp["momentum"])
         return grad.lerp(buf, hp["momentum"]) if hp["nesterov"] else buf
@@ -463,13 +508,24 @@ class MuonStep:
             return_results(plan, results, send, recv, group).wait()
         exchange_s = _add(exchange_s, clock.lap())
 
-        for param in sorted({m.param for m in plan.matrices}):
-            hp = self._hp(param)
-            _local(self._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
-        for i, target, update in self._result_targets(plan, send, results):
-            m = plan.matrices[i]
-            hp = self._hp(m.param)
-            target.add_(update, alpha=-adjusted_lr(hp["lr"], hp["adjust_lr_fn"], m.rows, m.cols))
+        targets = self._result_targets(plan, send, results)
+        if elementwise.use_fused(full.device):
+            from muon import fused
+
+            for i, target, update in targets:
+                m = plan.matrices[i]
+                hp = self._hp(m.param)
+                alr = adjusted_lr(hp["lr"], hp["adjust_lr_fn"], m.rows, m.cols)
+                fused.apply_(target, update, 1 - hp["lr"] * hp["weight_decay"], -alr)
+        else:
+            for param in sorted({m.param for m in plan.matrices}):
+                hp = self._hp(param)
+                _local(self._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
+            for i, target, update in targets:
+                m = plan.matrices[i]
+                hp = self._hp(m.param)
+                alr = adjusted_lr(hp["lr"], hp["adjust_lr_fn"], m.rows, m.cols)
+                target.add_(update, alpha=-alr)
         apply_s = clock.lap()
 
         self._opt.metrics.append(
@@ -497,7 +553,7 @@ class MuonStep:
             ]
         return [
             (piece.matrix, local_rect(self._block(plan.matrices[piece.matrix]), piece), view)
-            for piece, view in returned_pieces(plan, send)
+            for piece, view in send_slots(plan, send)
         ]
 
     def _block(self, m: Matrix) -> Tensor:
