@@ -5,7 +5,10 @@ computes, in the same order. On DTensor params it keeps those semantics
 exactly: momentum is updated on the local shard in fp32, each logical matrix is
 sent (in `ns_dtype`) to one owner rank, orthogonalized whole there, and each
 rank applies its piece of the result. See `muon.planning` for how matrices,
-buckets and owners are chosen and `muon.exchange` for how bytes move.
+buckets and owners are chosen and `muon.exchange` for how bytes move. On CUDA
+the elementwise work (momentum, the cast into the exchange or Newton-Schulz
+buffer, weight decay and update) runs as two fused Triton kernels with torch's
+arithmetic (`muon.fused`; `muon.elementwise` selects them).
 
 Differences from torch.optim.Muon, by design:
 - 3-D params (E, out, in) are E matrices, and `row_blocks` splits a fused param
