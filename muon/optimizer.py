@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.adamw import adamw
 
 from muon import elementwise
@@ -119,11 +120,16 @@ def _rect(t: Tensor, m: Matrix, origin: tuple[int, int], like: Tensor) -> Tensor
 def _zeros_like_local(p: Tensor, dtype: torch.dtype) -> Tensor:
     """Zeros shaped like `p`'s local shard; a DTensor on `p`'s mesh and placements if `p` is one."""
     local = torch.zeros(_local(p).shape, dtype=dtype, device=_local(p).device)
-    if isinstance(p, DTensor):
-        return DTensor.from_local(
-            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
-    return local
+    if not isinstance(p, DTensor):
+        return local
+    # Wrap where the shard lies: DTensor.from_local would move a host shard (FSDP2's
+    # CPUOffloadPolicy) to the mesh's device.
+    meta = TensorMeta(p.shape, p.stride(), dtype)
+    return DTensor(
+        local,
+        DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=meta),
+        requires_grad=False,
+    )
 
 
 def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLayout:
@@ -353,7 +359,9 @@ class MuonStep:
     """One step of `Muon`, to be run unit by unit (the subset-step protocol).
 
     `units` are Muon's buckets (exchanged or local, params kept whole) and one
-    unit per AdamW group, identical on every rank. `step_params` updates a
+    unit per param of the AdamW groups (AdamW's update of a param reads only its
+    own grad and state; small units keep an offload staging slot small),
+    identical on every rank. `step_params` updates a
     union of whole units with the same result, bit for bit, as `Muon.step`.
     Every rank must call it with the same units, in the same order.
     """
@@ -365,14 +373,16 @@ class MuonStep:
         self._groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._params = [p for p, _ in optimizer._muon_params()]
         self._grads = [_local_grad(p) for p in self._params]
-        self._adamw: list[tuple[int, list[Tensor], list[Tensor | None]]] = [
-            (i, list(g["params"]), [_local_grad(p) for p in g["params"]])
+        # (group index, param, grad) per AdamW param, one unit each.
+        self._adamw: list[tuple[int, Tensor, Tensor | None]] = [
+            (i, p, _local_grad(p))
             for i, g in enumerate(groups)
-            if g["algorithm"] == "adamw" and g["params"]
+            if g["algorithm"] == "adamw"
+            for p in g["params"]
         ]
         self.units: list[list[Tensor]] = [
             [self._params[i] for i in bucket.params] for bucket in plan.buckets
-        ] + [params for _, params, _ in self._adamw]
+        ] + [[p] for _, p, _ in self._adamw]
         self._slot = 0
         optimizer.metrics = []
 
@@ -390,22 +400,33 @@ class MuonStep:
         with torch.no_grad():
             buckets = [i for i in chosen if i < len(self._plan.buckets)]
             self._run_buckets(buckets)
+            by_group: dict[int, tuple[list[Tensor], list[Tensor | None]]] = {}
             for i in chosen[len(buckets) :]:
-                self._adamw_group(*self._adamw[i - len(self._plan.buckets)])
+                group, p, grad = self._adamw[i - len(self._plan.buckets)]
+                params, grads = by_group.setdefault(group, ([], []))
+                params.append(p)
+                grads.append(grad)
+            for group, (params, grads) in by_group.items():
+                self._adamw_group(group, params, grads)
 
     # -- Muon buckets ----------------------------------------------------------------------------
 
     def _run_buckets(self, buckets: Sequence[int]) -> None:
         """Start bucket k+1 (momentum, pack, exchange) before finishing bucket k (NS, apply)."""
-        alive: deque[_InFlight] = deque()
+        # A bucket with nothing on this rank keeps its place (None) in the queue, so
+        # every rank finishes bucket k at the same point and the ranks' collectives
+        # stay in the same order.
+        alive: deque[_InFlight | None] = deque()
         for index in buckets:
             if len(alive) == self._opt.max_inflight:
-                self._finish(alive.popleft())
-            started = self._start(index)
-            if started is not None:
-                alive.append(started)
+                self._finish_if_started(alive.popleft())
+            alive.append(self._start(index))
         while alive:
-            self._finish(alive.popleft())
+            self._finish_if_started(alive.popleft())
+
+    def _finish_if_started(self, flight: _InFlight | None) -> None:
+        if flight is not None:
+            self._finish(flight)
 
     def _hp(self, param: int) -> dict[str, Any]:
         return self._groups[self._plan.layouts[param].group]
