@@ -16,8 +16,9 @@ Memory of the step, per rank (what `Muon.step` allocates, in order):
 - exchange buffers (allocated on the first step, then held): `max_inflight`
   slots of (send, receive, full matrices), each at the largest bucket;
 - transient: per bucket, the momentum step's fp32 results (Nesterov) while it
-  packs, then Newton-Schulz's temporaries (`ExchangePlan.ns_numel`); after the
-  buckets, AdamW's foreach `sqrt(exp_avg_sq)` copy of its group.
+  packs (none with the fused kernel on CUDA), then Newton-Schulz's temporaries
+  (`ExchangePlan.ns_numel`); after the buckets, AdamW's foreach
+  `sqrt(exp_avg_sq)` copy of its group.
 The step's peak is buffers + the largest transient; `torch.cuda.max_memory_allocated`
 around a step, minus what was allocated before it (buffers not counted), measures it.
 
@@ -141,6 +142,10 @@ class StepSettings:
     param_itemsize: int = 4
     """Bytes per element of params and grads (and so of AdamW's moments)."""
     nesterov: bool = True
+    fused_elementwise: bool = True
+    """The fused momentum kernel (`muon.elementwise`, chosen on CUDA with Triton) writes the
+    Newton-Schulz input straight into the exchange buffers; the torch path (CPU) keeps
+    fp32 results alive while it packs."""
     offload_chunk_bytes: int = OFFLOAD_CHUNK_BYTES
     offload_slots: int = OFFLOAD_STAGING_SLOTS
 
@@ -272,6 +277,8 @@ def _split(
 
 def _momentum_bytes(numels: Sequence[int], settings: StepSettings) -> int:
     """Peak of the bucket's momentum step: results kept (Nesterov), a grad cast if not fp32."""
+    if settings.fused_elementwise:
+        return 0
     cast = settings.param_itemsize != MOMENTUM_ITEMSIZE
     alive = peak = 0
     for n in numels:  # params in index order, as `MuonStep._start` updates them
@@ -647,6 +654,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--fused-elementwise", action=argparse.BooleanOptionalAction, default=True,
+        help="the fused CUDA momentum kernel (default on CUDA with Triton; off on CPU)",
+    )
     p.add_argument("--offload", action="store_true", help="show state on host vs GPU")
     p.add_argument("--offload-chunk-mib", type=float, default=OFFLOAD_CHUNK_BYTES / 2**20)
     p.add_argument("--offload-slots", type=int, default=OFFLOAD_STAGING_SLOTS)
@@ -665,6 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns_itemsize=DTYPES[args.ns_dtype].itemsize,
         param_itemsize=DTYPES[args.param_dtype].itemsize,
         nesterov=args.nesterov,
+        fused_elementwise=args.fused_elementwise,
         offload_chunk_bytes=int(args.offload_chunk_mib * 2**20),
         offload_slots=args.offload_slots,
     )

@@ -202,7 +202,9 @@ def _check_world(world: int) -> None:
     for spec in meshes:
         module = meta_module(from_config(TINY_MOE)).to_empty(device="cpu")
         # fp32 Newton-Schulz: CPU bf16 matmuls allocate packing buffers of their own
-        settings = StepSettings(bucket_cap_bytes=CAP, max_inflight=2, ns_itemsize=4)
+        settings = StepSettings(
+            bucket_cap_bytes=CAP, max_inflight=2, ns_itemsize=4, fused_elementwise=False
+        )
         plan = build_plan(from_module(module), spec, settings)
         dense_shape = (spec.fsdp,) if spec.replicate == 1 else (spec.replicate, spec.fsdp)
         inner = (spec.ep, spec.fsdp // spec.ep)
