@@ -22,12 +22,18 @@ import argparse
 import json
 import os
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from muon import KELLER_JORDAN, Muon, elementwise, zeropower
-from muon.newton_schulz import ns_flops, set_backend
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.timing import matmul_tflops, time_calls  # noqa: E402
+from muon import KELLER_JORDAN, Muon, elementwise, zeropower  # noqa: E402
+from muon.newton_schulz import ns_flops, set_backend  # noqa: E402
 
 # Qwen3-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 12288.
 LAYER_SHAPES = [
@@ -41,32 +47,6 @@ LAYER_SHAPES = [
 ]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call: CUDA events on the GPU, perf_counter on the CPU."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            start_s = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start_s)
-    return times
-
-
 def _params(shapes, device: torch.device) -> list[torch.nn.Parameter]:
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
@@ -75,13 +55,6 @@ def _params(shapes, device: torch.device) -> list[torch.nn.Parameter]:
         p.grad = torch.randn(shape, device=device, generator=gen)
         params.append(p)
     return params
-
-
-def _matmul_tflops(device: torch.device, n: int, warmup: int, repeats: int) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    seconds = statistics.median(_time(lambda: a @ b, device, warmup, repeats))
-    return 2 * n**3 / seconds / 1e12
 
 
 def _with_backends(elementwise_backend: str, ns_backend: str, fn):
@@ -113,7 +86,7 @@ def main() -> None:
         f"NS {flops / 1e12:.1f} TFLOP per step"
     )
 
-    peak = _matmul_tflops(device, 8192 // args.divisor, args.warmup, args.repeats)
+    peak = matmul_tflops(device, 8192 // args.divisor, args.warmup, args.repeats)
     results: dict[str, object] = {
         "torch": torch.__version__,
         "device": name,
@@ -130,7 +103,7 @@ def main() -> None:
     stacks = [torch.randn(n, *s, device=device, dtype=torch.bfloat16) for s, n in by_shape.items()]
     for backend in ns_backends:
         ns_s = statistics.median(
-            _time(
+            time_calls(
                 lambda s=stacks, b=backend: [zeropower(x, KELLER_JORDAN, backend=b) for x in s],
                 device,
                 args.warmup,
@@ -153,11 +126,11 @@ def main() -> None:
         params = _params(shapes, device)
         if pair is None:
             opt = torch.optim.Muon(params, lr=0.02)
-            times = _time(opt.step, device, args.warmup, args.repeats)
+            times = time_calls(opt.step, device, args.warmup, args.repeats)
         else:
             opt = Muon(params, lr=0.02, **cap)
             times = _with_backends(
-                *pair, lambda o=opt: _time(o.step, device, args.warmup, args.repeats)
+                *pair, lambda o=opt: time_calls(o.step, device, args.warmup, args.repeats)
             )
             if pair[1] == ns_backends[-1]:  # same NS: parity of the elementwise backends
                 bufs = [opt.state[p]["momentum_buffer"] for p in params[:layer]]

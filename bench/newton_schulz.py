@@ -23,14 +23,20 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 if "--warm-cache" not in sys.argv:  # before anything imports triton
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ns_bench_triton_")
 
 import torch
 
-from muon import KELLER_JORDAN, Muon
-from muon.newton_schulz import ns_flops, set_backend, zeropower
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.timing import matmul_tflops, sync, time_calls  # noqa: E402
+from muon import KELLER_JORDAN, Muon  # noqa: E402
+from muon.newton_schulz import ns_flops, set_backend, zeropower  # noqa: E402
 
 # Qwen3-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 12288.
 LAYER_SHAPES = [
@@ -53,36 +59,11 @@ NS_SHAPES = [
 ]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 def _first_call(fn, device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 
@@ -131,12 +112,9 @@ def main() -> None:
         results["capability"] = list(torch.cuda.get_device_capability(device))
 
     n = 8192 // d
-    mat = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    peak_s = statistics.median(_time(lambda m=mat: m @ m, device, args.warmup, args.repeats))
-    peak = 2 * n**3 / peak_s / 1e12
+    peak = matmul_tflops(device, n, args.warmup, args.repeats)
     results["matmul_peak_tflops"] = peak
     print(f"bf16 matmul {n}^3: {peak:.1f} TFLOP/s")
-    del mat
 
     configs = []
     if ns_triton is not None:
@@ -170,7 +148,7 @@ def main() -> None:
         for arm, fn in arms.items():
             try:
                 first = _first_call(fn, device)
-                seconds = statistics.median(_time(fn, device, args.warmup - 1, args.repeats))
+                seconds = statistics.median(time_calls(fn, device, args.warmup - 1, args.repeats))
             except Exception as e:  # a config that does not compile here: report, go on
                 print(f"{key} {arm}: FAILED {type(e).__name__}: {str(e)[:200]}")
                 entry[arm] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
@@ -242,7 +220,7 @@ def main() -> None:
                     else Muon(params, lr=0.02)
                 )
                 first = _first_call(opt.step, device)
-                times = _time(opt.step, device, 1, args.step_repeats)
+                times = time_calls(opt.step, device, 1, args.step_repeats)
             except Exception as e:
                 print(f"step {arm}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 step[arm] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}

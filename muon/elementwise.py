@@ -9,37 +9,32 @@ triton under "auto".
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+from muon.backend import BACKENDS, BackendSetting
 
-_backend = os.environ.get("MUON_ELEMENTWISE_BACKEND", "auto")
-if _backend not in BACKENDS:
-    raise ValueError(f"MUON_ELEMENTWISE_BACKEND should be one of {BACKENDS} but is: {_backend!r}")
+__all__ = ["BACKENDS", "get_backend", "set_backend", "use_fused"]
+
+_setting = BackendSetting("MUON_ELEMENTWISE_BACKEND")
 
 
 def set_backend(backend: str) -> str:
     """Set the process-wide elementwise backend; returns the previous one."""
-    global _backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend should be one of {BACKENDS} but is: {backend!r}")
-    previous, _backend = _backend, backend
-    return previous
+    return _setting.set(backend)
 
 
 def get_backend() -> str:
     """The process-wide elementwise backend (`MUON_ELEMENTWISE_BACKEND`, else "auto")."""
-    return _backend
+    return _setting.value
 
 
 def use_fused(device: torch.device) -> bool:
     """Whether the Muon step runs `muon.fused`'s kernels for tensors on `device`."""
-    if _backend == "auto":
+    backend = _setting.value
+    if backend == "auto":
         if device.type != "cuda":
             return False
         from muon import fused
 
         return fused.available()
-    return _backend == "triton"
+    return backend == "triton"

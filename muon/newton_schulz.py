@@ -9,11 +9,12 @@ matrix through `zeropower` equals torch.optim.Muon's result bit for bit on CPU.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from muon.backend import BACKENDS, BackendSetting
 
 Coefficients = tuple[float, float, float]
 
@@ -83,28 +84,21 @@ SCHEDULES: dict[str, NewtonSchulzSchedule] = {
 }
 
 
-BACKENDS = ("auto", "torch", "triton")
-"""Newton-Schulz implementations: "torch" is the plain path below (the default on CPU and
-what CI tests); "triton" is `muon.ns_triton` (symmetric Triton kernels, CUDA, bf16/fp16);
-"auto" takes "triton" only where `muon.ns_triton.wins` says it was measured to win."""
-
-_backend = os.environ.get("MUON_NS_BACKEND", "auto")
-if _backend not in BACKENDS:
-    raise ValueError(f"MUON_NS_BACKEND should be one of {BACKENDS} but is: {_backend!r}")
+# Newton-Schulz implementations (`muon.backend.BACKENDS`): "torch" is the plain path
+# below (the default on CPU and what CI tests); "triton" is `muon.ns_triton` (symmetric
+# Triton kernels, CUDA, bf16/fp16); "auto" takes "triton" only where
+# `muon.ns_triton.wins` says it was measured to win.
+_setting = BackendSetting("MUON_NS_BACKEND")
 
 
 def set_backend(backend: str) -> str:
     """Set the process-wide default backend of `zeropower`; returns the previous one."""
-    global _backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend should be one of {BACKENDS} but is: {backend!r}")
-    previous, _backend = _backend, backend
-    return previous
+    return _setting.set(backend)
 
 
 def get_backend() -> str:
     """The process-wide default backend (`MUON_NS_BACKEND`, else "auto")."""
-    return _backend
+    return _setting.value
 
 
 def zeropower(
@@ -119,7 +113,7 @@ def zeropower(
     transposed back (the result may be a transposed view). `x` is not modified.
     `backend` (default: `get_backend()`) picks the implementation, see `BACKENDS`.
     """
-    backend = _backend if backend is None else backend
+    backend = _setting.value if backend is None else backend
     if backend != "torch":
         if backend not in BACKENDS:
             raise ValueError(f"backend should be one of {BACKENDS} but is: {backend!r}")
