@@ -162,6 +162,7 @@ def _worker(rank: int, world: int, init_file: str, error_file: str) -> None:
             for config in CONFIGS:
                 _check_case(mesh, specs, config, name)
         _check_fully_shard(init_device_mesh("cpu", (world,)))
+        dist.barrier()  # no rank tears down while a peer still talks
     except Exception:
         with open(f"{error_file}.{rank}", "w") as f:
             f.write(traceback.format_exc())

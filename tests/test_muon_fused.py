@@ -304,6 +304,7 @@ def _distributed_worker(rank: int, world: int, init_file: str, error_file: str) 
         assert elementwise.use_fused(torch.device("cpu"))
         mesh = init_device_mesh("cpu", (world,))
         _check_case(mesh, ONE_D, CONFIGS[0], "1d fused")  # bf16, Nesterov, several buckets
+        dist.barrier()  # no rank tears down while a peer still talks
     except Exception:
         with open(f"{error_file}.{rank}", "w") as f:
             f.write(traceback.format_exc())

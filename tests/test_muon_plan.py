@@ -275,6 +275,7 @@ def _worker(rank: int, world: int, init_file: str, error_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         _check_world(world)
+        dist.barrier()  # no rank tears down while a peer still talks
     except Exception:
         with open(f"{error_file}.{rank}", "w") as f:
             f.write(traceback.format_exc())

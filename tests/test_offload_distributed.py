@@ -92,6 +92,7 @@ def _worker(rank: int, world: int, port: int, result_dir: str) -> None:
                             failures.append(f"{name}/{chunk_bytes}: state {index}.{key}")
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write("\n".join(failures))
+        dist.barrier()  # no rank tears down while a peer still talks
     finally:
         dist.destroy_process_group()
 
