@@ -161,6 +161,7 @@ def test_fsdp2_state_stays_on_the_host_and_dcp_resumes_bitwise(tmp_path):
             opt = CPUOffloadOptimizer(
                 torch.optim.AdamW(model.parameters()),
                 chunk_bytes=2 * MiB,
+                staging_slots=2,
                 overlap_forward=model if overlap else None,
             )
             return model, opt
@@ -201,8 +202,14 @@ def test_fsdp2_state_stays_on_the_host_and_dcp_resumes_bitwise(tmp_path):
             resumed, ropt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
         )
         torch.cuda.synchronize()
-        # Loading creates state once, chunk by chunk (ring + a chunk), never all of it.
-        assert torch.cuda.max_memory_allocated() - before < state_bytes / 2
+        # DCP's state init steps once on zero grads, creating state chunk by chunk (ring +
+        # a chunk + AdamW's temporaries for one), and loads into host memory: never all state.
+        staging = ropt.plan.staging_bytes(ropt.staging_slots)
+        largest_chunk = staging // ropt.staging_slots
+        grad_bytes = state_bytes // 2
+        peak = torch.cuda.max_memory_allocated() - before
+        assert peak <= grad_bytes + staging + 2 * largest_chunk + MiB, peak
+        assert staging + 2 * largest_chunk < state_bytes
         train(resumed, ropt, 2)
         for a, b in zip(reference, resumed.parameters(), strict=True):
             assert torch.equal(a, b.to_local())
