@@ -31,8 +31,15 @@ from offload.host_memory import allocate_host_slabs
 GiB = 2**30
 MiB = 2**20
 # Qwen3-8B decoder layer: q, k, v, o, gate, up, down (hidden 4096, 8 KV heads, MLP 12288)
-QWEN3_8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
-                  (12288, 4096), (12288, 4096), (4096, 12288)]
+QWEN3_8B_LAYER = [
+    (4096, 4096),
+    (1024, 4096),
+    (1024, 4096),
+    (4096, 4096),
+    (12288, 4096),
+    (12288, 4096),
+    (4096, 12288),
+]
 
 
 class SerialAdamW(torch.optim.AdamW):
@@ -116,14 +123,22 @@ def main() -> None:
     params = make_params(args.layers)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     state_bytes = 2 * param_bytes  # exp_avg + exp_avg_sq, fp32
-    print(f"{len(params)} matrices, {param_bytes / GiB:.2f} GiB params, "
-          f"{state_bytes / GiB:.2f} GiB AdamW state")
+    print(
+        f"{len(params)} matrices, {param_bytes / GiB:.2f} GiB params, "
+        f"{state_bytes / GiB:.2f} GiB AdamW state"
+    )
 
     floor = copy_floor(state_bytes)
     gc.collect()
     torch.cuda.empty_cache()
-    rows = [{"arm": "copy floor (H2D + D2H at once)", "step_s": floor["both_s"], "host_s": None,
-             "peak_gib": None}]
+    rows = [
+        {
+            "arm": "copy floor (H2D + D2H at once)",
+            "step_s": floor["both_s"],
+            "host_s": None,
+            "peak_gib": None,
+        }
+    ]
 
     def run_arm(name: str, optimizer) -> None:
         seconds, host, peak = time_steps(optimizer.step, args.steps, args.warmup)
@@ -138,8 +153,11 @@ def main() -> None:
     torch.cuda.empty_cache()
     for mib in args.chunk_mib:
         for slots in args.slots:
-            opt = CPUOffloadOptimizer(torch.optim.AdamW(params, lr=1e-4, foreach=True),
-                                      chunk_bytes=mib * MiB, staging_slots=slots)
+            opt = CPUOffloadOptimizer(
+                torch.optim.AdamW(params, lr=1e-4, foreach=True),
+                chunk_bytes=mib * MiB,
+                staging_slots=slots,
+            )
             run_arm(f"chunked {mib} MiB x {slots} slots", opt)
             del opt
             gc.collect()
@@ -161,20 +179,36 @@ def main() -> None:
         "d2h_gib_s": state_bytes / GiB / floor["d2h_s"],
         "both_total_gib_s": 2 * state_bytes / GiB / floor["both_s"],
     }
-    print(f"\n{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; pinned H2D "
-          f"{bandwidth['h2d_gib_s']:.1f} GiB/s, D2H {bandwidth['d2h_gib_s']:.1f} GiB/s, "
-          f"both at once {bandwidth['both_total_gib_s']:.1f} GiB/s total")
-    print(f"{'arm':34} {'step ms':>9} {'host ms':>8} {'x floor':>8} {'x faster than serial':>21} "
-          f"{'peak GiB':>9}")
+    print(
+        f"\n{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; pinned H2D "
+        f"{bandwidth['h2d_gib_s']:.1f} GiB/s, D2H {bandwidth['d2h_gib_s']:.1f} GiB/s, "
+        f"both at once {bandwidth['both_total_gib_s']:.1f} GiB/s total"
+    )
+    print(
+        f"{'arm':34} {'step ms':>9} {'host ms':>8} {'x floor':>8} {'x faster than serial':>21} "
+        f"{'peak GiB':>9}"
+    )
     for row in rows:
         peak = f"{row['peak_gib']:.2f}" if row["peak_gib"] is not None else "-"
         host = f"{row['host_s'] * 1e3:.1f}" if row["host_s"] is not None else "-"
-        print(f"{row['arm']:34} {row['step_s'] * 1e3:9.1f} {host:>8} {row['vs_floor']:8.2f} "
-              f"{row['serial_speedup']:21.2f} {peak:>9}")
+        print(
+            f"{row['arm']:34} {row['step_s'] * 1e3:9.1f} {host:>8} {row['vs_floor']:8.2f} "
+            f"{row['serial_speedup']:21.2f} {peak:>9}"
+        )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"env": env, "state_bytes": state_bytes, "param_bytes": param_bytes,
-                   "bandwidth": bandwidth, "floor": floor, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "env": env,
+                "state_bytes": state_bytes,
+                "param_bytes": param_bytes,
+                "bandwidth": bandwidth,
+                "floor": floor,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {args.out}")
 
 
