@@ -9,14 +9,9 @@ the plain step.
 
 from __future__ import annotations
 
-import os
-import tempfile
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import run_on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -148,27 +143,17 @@ def _check_case(mesh, specs, config, case: str) -> None:
     assert [m.bucket for m in opt.metrics] == sorted(m.bucket for m in opt.metrics)
 
 
-def _worker(rank: int, world: int, init_file: str, error_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        cases = [("1d", init_device_mesh("cpu", (world,)), ONE_D)]
-        if world == 4:
-            cases.append(("hsdp", init_device_mesh("cpu", (2, 2)), HSDP))
-            cases.append(("ep_fsdp", init_device_mesh("cpu", (2, 2)), EP_FSDP))
-        for name, mesh, specs in cases:
-            for config in CONFIGS:
-                _check_case(mesh, specs, config, name)
-        _check_fully_shard(init_device_mesh("cpu", (world,)))
-        dist.barrier()  # no rank tears down while a peer still talks
-    except Exception:
-        with open(f"{error_file}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    cases = [("1d", init_device_mesh("cpu", (world,)), ONE_D)]
+    if world == 4:
+        cases.append(("hsdp", init_device_mesh("cpu", (2, 2)), HSDP))
+        cases.append(("ep_fsdp", init_device_mesh("cpu", (2, 2)), EP_FSDP))
+    for name, mesh, specs in cases:
+        for config in CONFIGS:
+            _check_case(mesh, specs, config, name)
+    _check_fully_shard(init_device_mesh("cpu", (world,)))
 
 
 def _check_fully_shard(mesh) -> None:
@@ -213,14 +198,4 @@ def _check_fully_shard(mesh) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_distributed_matches_single_process_bitwise(world):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file, error_file = os.path.join(tmp, "init"), os.path.join(tmp, "error")
-        try:
-            mp.spawn(_worker, args=(world, init_file, error_file), nprocs=world, join=True)
-        except Exception:
-            errors = [
-                open(os.path.join(tmp, name)).read()
-                for name in sorted(os.listdir(tmp))
-                if name.startswith("error")
-            ]
-            pytest.fail("\n".join(errors) or "a rank failed")
+    run_on_ranks(_worker, world)

@@ -14,12 +14,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
-import traceback
 
 import numpy as np
 import pytest
 import torch
+from spawn_ranks import run_on_ranks
 
 from muon import Muon, elementwise
 
@@ -292,40 +291,20 @@ def test_interp_muon_step_bitwise():
             _bitwise(fused_opt.state[p][key], value, f"{key} {tuple(p.shape)}")
 
 
-def _distributed_worker(rank: int, world: int, init_file: str, error_file: str) -> None:
-    import torch.distributed as dist
+def _distributed_worker(rank: int, world: int) -> None:
     from test_muon_distributed import CONFIGS, ONE_D, _check_case
+    from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        assert elementwise.use_fused(torch.device("cpu"))
-        mesh = init_device_mesh("cpu", (world,))
-        _check_case(mesh, ONE_D, CONFIGS[0], "1d fused")  # bf16, Nesterov, several buckets
-        dist.barrier()  # no rank tears down while a peer still talks
-    except Exception:
-        with open(f"{error_file}.{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    assert elementwise.use_fused(torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (world,))
+    _check_case(mesh, ONE_D, CONFIGS[0], "1d fused")  # bf16, Nesterov, several buckets
 
 
 @interp
 def test_interp_distributed_equals_single_process(monkeypatch):
     # the fused kernels on pieces (exchange) and whole matrices (local) == one process, bitwise
-    import torch.multiprocessing as mp
-
     monkeypatch.setenv("MUON_ELEMENTWISE_BACKEND", "triton")  # for the spawned workers
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file, error_file = os.path.join(tmp, "init"), os.path.join(tmp, "error")
-        try:
-            mp.spawn(_distributed_worker, args=(3, init_file, error_file), nprocs=3, join=True)
-        except Exception:
-            names = sorted(n for n in os.listdir(tmp) if n.startswith("error"))
-            pytest.fail("\n".join(open(os.path.join(tmp, n)).read() for n in names) or "died")
+    run_on_ranks(_distributed_worker, 3)
 
 
 # -- GPU ------------------------------------------------------------------------------------------

@@ -5,13 +5,9 @@ mid-run resumes bitwise."""
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
 
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import run_on_ranks
 
 WORLD = 2
 STEPS = 4
@@ -34,12 +30,6 @@ class TinyLM(torch.nn.Module):
         for block in self.blocks:
             h = h + block(h)
         return self.lm_head(self.norm(h))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(mesh, config_kwargs):
@@ -77,65 +67,52 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _worker(rank: int, port: int, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, world: int, ckpt_root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
     failures = []
-    try:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        from torch.distributed.device_mesh import init_device_mesh
+    for opt_type in ("adamw", "muon"):
+        model, opt = _build(mesh, {"type": opt_type})
+        _train(model, opt, rank, range(STEPS))
+        reference = _locals(model)
+        for overlap in (False, True):
+            name = f"{opt_type}/overlap={overlap}"
+            offload = {
+                "type": opt_type,
+                "offload": "optimizer",
+                "offload_overlap_forward": overlap,
+                "offload_chunk_bytes": 512,
+            }
+            model, opt = _build(mesh, offload)
+            _train(model, opt, rank, range(RESUME_AT))
+            ckpt = os.path.join(ckpt_root, f"{opt_type}-{overlap}")
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+            _train(model, opt, rank, range(RESUME_AT, STEPS))
+            if not _same(reference, _locals(model)):
+                failures.append(f"{name}: offloaded run differs from plain")
 
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for opt_type in ("adamw", "muon"):
-            model, opt = _build(mesh, {"type": opt_type})
-            _train(model, opt, rank, range(STEPS))
-            reference = _locals(model)
-            for overlap in (False, True):
-                name = f"{opt_type}/overlap={overlap}"
-                offload = {
-                    "type": opt_type,
-                    "offload": "optimizer",
-                    "offload_overlap_forward": overlap,
-                    "offload_chunk_bytes": 512,
-                }
-                model, opt = _build(mesh, offload)
-                _train(model, opt, rank, range(RESUME_AT))
-                ckpt = os.path.join(result_dir, f"{opt_type}-{overlap}")
-                model_sd, optim_sd = get_state_dict(model, opt)
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
-                _train(model, opt, rank, range(RESUME_AT, STEPS))
-                if not _same(reference, _locals(model)):
-                    failures.append(f"{name}: offloaded run differs from plain")
-
-                resumed, ropt = _build(mesh, offload)
-                model_sd, optim_sd = get_state_dict(resumed, ropt)
-                state = {"model": model_sd, "optim": optim_sd}
-                dcp.load(state, checkpoint_id=ckpt)
-                set_state_dict(
-                    resumed,
-                    ropt,
-                    model_state_dict=state["model"],
-                    optim_state_dict=state["optim"],
-                )
-                slabs = {d: t.data_ptr() for d, t in ropt._host_slabs.items()}
-                _train(resumed, ropt, rank, range(RESUME_AT, STEPS))
-                if not _same(reference, _locals(resumed)):
-                    failures.append(f"{name}: resumed run differs from uninterrupted")
-                if {d: t.data_ptr() for d, t in ropt._host_slabs.items()} != slabs:
-                    failures.append(f"{name}: host slabs were reallocated")
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("\n".join(failures))
-        dist.barrier()  # no rank tears down while a peer still talks
-    finally:
-        dist.destroy_process_group()
+            resumed, ropt = _build(mesh, offload)
+            model_sd, optim_sd = get_state_dict(resumed, ropt)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=ckpt)
+            set_state_dict(
+                resumed,
+                ropt,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
+            slabs = {d: t.data_ptr() for d, t in ropt._host_slabs.items()}
+            _train(resumed, ropt, rank, range(RESUME_AT, STEPS))
+            if not _same(reference, _locals(resumed)):
+                failures.append(f"{name}: resumed run differs from uninterrupted")
+            if {d: t.data_ptr() for d, t in ropt._host_slabs.items()} != slabs:
+                failures.append(f"{name}: host slabs were reallocated")
+    assert not failures, failures
 
 
-@pytest.mark.parametrize("world", [WORLD])
-def test_offload_overlap_and_dcp_resume_are_bitwise(world):
-    with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_worker, args=(_free_port(), result_dir), nprocs=world, join=True)
-        for rank in range(world):
-            with open(os.path.join(result_dir, f"rank{rank}.txt")) as f:
-                assert f.read() == "", f"rank {rank}"
+def test_offload_overlap_and_dcp_resume_are_bitwise(tmp_path):
+    run_on_ranks(_worker, WORLD, str(tmp_path))

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import run_on_ranks
 
 from offload import CPUOffloadOptimizer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -50,57 +40,45 @@ def _train(model, optimizer, rank: int, steps: int = 5) -> None:
         scheduler.step()
 
 
-def _worker(rank: int, world: int, port: int, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
-        failures = []
-        for name, make in {
-            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
-            "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
-        }.items():
-            for chunk_bytes in (2**40, 2048, 1):
-                plain_model, offload_model = _shard(_model(0), mesh), _shard(_model(0), mesh)
-                plain = make(plain_model.parameters())
-                offloaded = CPUOffloadOptimizer(
-                    make(offload_model.parameters()), chunk_bytes=chunk_bytes
-                )
-                _train(plain_model, plain, rank)
-                _train(offload_model, offloaded, rank)
-                chunks = [tuple(c.units) for c in offloaded.plan.chunks]
-                gathered = [None] * world
-                dist.all_gather_object(gathered, chunks)
-                if any(g != chunks for g in gathered):
-                    failures.append(f"{name}/{chunk_bytes}: chunk plans differ: {gathered}")
-                for a, b in zip(plain_model.parameters(), offload_model.parameters(), strict=True):
-                    if not torch.equal(a.to_local(), b.to_local()):
-                        failures.append(f"{name}/{chunk_bytes}: params differ")
-                ref, got = plain.state_dict()["state"], offloaded.state_dict()["state"]
-                for index, entries in ref.items():
-                    for key, value in entries.items():
-                        other = got[index][key]
-                        if hasattr(value, "to_local"):
-                            if type(other) is not type(value) or not torch.equal(
-                                value.to_local(), other.to_local()
-                            ):
-                                failures.append(f"{name}/{chunk_bytes}: state {index}.{key}")
-                        elif not torch.equal(value, other):
+    mesh = init_device_mesh("cpu", (world,))
+    failures = []
+    for name, make in {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }.items():
+        for chunk_bytes in (2**40, 2048, 1):
+            plain_model, offload_model = _shard(_model(0), mesh), _shard(_model(0), mesh)
+            plain = make(plain_model.parameters())
+            offloaded = CPUOffloadOptimizer(
+                make(offload_model.parameters()), chunk_bytes=chunk_bytes
+            )
+            _train(plain_model, plain, rank)
+            _train(offload_model, offloaded, rank)
+            chunks = [tuple(c.units) for c in offloaded.plan.chunks]
+            gathered = [None] * world
+            dist.all_gather_object(gathered, chunks)
+            if any(g != chunks for g in gathered):
+                failures.append(f"{name}/{chunk_bytes}: chunk plans differ: {gathered}")
+            for a, b in zip(plain_model.parameters(), offload_model.parameters(), strict=True):
+                if not torch.equal(a.to_local(), b.to_local()):
+                    failures.append(f"{name}/{chunk_bytes}: params differ")
+            ref, got = plain.state_dict()["state"], offloaded.state_dict()["state"]
+            for index, entries in ref.items():
+                for key, value in entries.items():
+                    other = got[index][key]
+                    if hasattr(value, "to_local"):
+                        if type(other) is not type(value) or not torch.equal(
+                            value.to_local(), other.to_local()
+                        ):
                             failures.append(f"{name}/{chunk_bytes}: state {index}.{key}")
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("\n".join(failures))
-        dist.barrier()  # no rank tears down while a peer still talks
-    finally:
-        dist.destroy_process_group()
+                    elif not torch.equal(value, other):
+                        failures.append(f"{name}/{chunk_bytes}: state {index}.{key}")
+    assert not failures, failures
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_offload_matches_plain_bitwise(world):
-    with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_worker, args=(world, _free_port(), result_dir), nprocs=world, join=True)
-        for rank in range(world):
-            with open(os.path.join(result_dir, f"rank{rank}.txt")) as f:
-                assert f.read() == "", f"rank {rank}"
+    run_on_ranks(_worker, world)
