@@ -22,7 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
-from offload.forward_overlap import ForwardHooks, param_owners
+from offload.forward_overlap import (
+    ForwardHooks,
+    fsdp_all_gather_streams,
+    param_owners,
+    waited_params,
+)
 from offload.host_memory import allocate_host_slabs
 from offload.streams import CopyStreams
 from offload.subset_step import StateLayout, SubsetStep, local_tensor, subset_step_for
@@ -174,6 +179,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()  # step hooks registered on the wrapper run once a step
 
     # -- the wrapped optimizer's surface ------------------------------------------------
 
@@ -295,12 +301,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _advance(self, last: int) -> None:
         """Enqueue the pending overlapped step's chunks up to index `last`.
 
-        Called from forward hooks too, so the trainer's grad mode and autocast
-        are switched off: the update math must not change with where it runs.
+        Called from forward hooks too, so the trainer's grad mode, inference mode
+        and autocast are switched off: the update must not change with where it runs.
         """
         if self._pending is None or self._enqueued > last:
             return
-        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+        with (
+            torch.inference_mode(False),
+            torch.no_grad(),
+            torch.autocast(self.device.type, enabled=False),
+        ):
             while self._pending is not None and self._enqueued <= last:
                 if next(self._pending, StopIteration) is StopIteration:
                     self._pending = None
@@ -312,7 +322,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not self._in_flight or chunk < 0:
             return
         self._advance(chunk + self.staging_slots)  # keep a few chunks ahead of the forward
-        self._streams.wait(self._streams.current(), self._chunk_done[chunk])
+        done = self._chunk_done[chunk]
+        self._streams.wait(self._streams.current(), done)
+        if done is not None:
+            for stream in fsdp_all_gather_streams(self._owners[index][0]):
+                stream.wait_event(done)
 
     def _after_forward(self) -> None:
         if self._in_flight:
@@ -418,11 +432,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ]
         self._build(plan_offload(units_key, specs, self.chunk_bytes), units_key)
 
-    def _build(self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...]) -> None:
-        """Allocate slabs and staging once, carve views, and move any existing state home."""
+    def _build(
+        self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...], ring: bool = True
+    ) -> None:
+        """Allocate slabs and staging once, carve views, and move any existing state home.
+
+        The serial path stages all state per step instead of through the ring, so
+        without `ring` the staging buffers live on the meta device and take no memory.
+        """
         self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
+        ring_device = self.device if ring else torch.device("meta")
         self._staging = {
-            dtype: torch.empty(self.staging_slots * n, dtype=dtype, device=self.device)
+            dtype: torch.empty(self.staging_slots * n, dtype=dtype, device=ring_device)
             for dtype, n in plan.slot_numel.items()
         }
         chunks = []
@@ -449,8 +470,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._owners:
             chunk_of = {p: c for c, chunk in enumerate(chunks) for p in chunk.params}
             self._module_chunk = [
-                max((chunk_of[p] for p in params if p in chunk_of), default=-1)
-                for _, params in self._owners
+                max((chunk_of[p] for p in waited_params(module) if p in chunk_of), default=-1)
+                for module, _ in self._owners
             ]
             self._chunk_done = [self._streams.new_event() for _ in chunks]
         state = self.optimizer.state
@@ -467,39 +488,47 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     # -- serial path --------------------------------------------------------------------
 
     def _serial_step(self) -> None:
-        """All state in, step, all state out, on the current stream (no subset step)."""
-        state = self.optimizer.state
-        homed = self._host_views()
-        if self._plan is None or any(
-            (p, k) not in homed
-            for p in self._params
-            for k, v in state.get(p, {}).items()
-            if isinstance(v, Tensor) and v.ndim >= 1
-        ):
-            self.optimizer.step()  # creates state on the device, then it moves home
+        """All state in, step, all state out, on the current stream (no subset step).
+
+        Its layout is learned from the state the optimizer creates, so the slabs are
+        (re)built after a step that created state for a param: the first step, and
+        any step where a param gets its first grad.
+        """
+        if self._plan is None and self._unhomed_state():  # loaded before the first step
             self._build_serial_plan()
-            return
-        plan = self._plan
-        staging = {
-            dtype: torch.empty(n, dtype=dtype, device=self.device)
-            for dtype, n in plan.slot_numel.items()
-        }
-        (layout,) = plan.chunks
-        views = []
-        for view in layout.views:
-            spec, param = view.spec, self._params[view.param]
-            s = staging[spec.dtype][view.staging_offset :][: spec.numel].view(spec.shape)
-            h = self._host_slabs[spec.dtype][view.host_offset :][: spec.numel].view(spec.shape)
-            s.copy_(h, non_blocking=True)
-            state[param][spec.key] = _as_state(param, s)
-            views.append((param, spec.key, h, s))
+        state = self.optimizer.state
+        staged = []
+        if self._plan is not None:
+            (layout,) = self._plan.chunks
+            staging = {
+                dtype: torch.empty(n, dtype=dtype, device=self.device)
+                for dtype, n in self._plan.slot_numel.items()
+            }
+            for view in layout.views:
+                spec, param = view.spec, self._params[view.param]
+                s = staging[spec.dtype][view.staging_offset :][: spec.numel].view(spec.shape)
+                h = self._host_slabs[spec.dtype][view.host_offset :][: spec.numel]
+                h = h.view(spec.shape)
+                s.copy_(h, non_blocking=True)
+                state[param][spec.key] = _as_state(param, s)
+                staged.append((param, spec.key, h, s))
         self.optimizer.step()
-        for param, key, h, s in views:
+        for param, key, h, s in staged:
             h.copy_(s, non_blocking=True)
             state[param][key] = _as_state(param, h)
+        if self._unhomed_state():  # created on the device by this step: move it home
+            self._build_serial_plan()
         if self._streams.async_copies:
-            self._step_done = torch.Event(device=self.device)
-            self._step_done.record(self._streams.current())
+            self._step_done = self._streams.mark(self._streams.current())
+
+    def _unhomed_state(self) -> bool:
+        homed = self._host_views()
+        return any(
+            (p, k) not in homed
+            for p in self._params
+            for k, v in self.optimizer.state.get(p, {}).items()
+            if isinstance(v, Tensor) and v.ndim >= 1
+        )
 
     def _build_serial_plan(self) -> None:
         state = self.optimizer.state
@@ -515,4 +544,4 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for p in self._params
         ]
         units = tuple((i,) for i in range(len(self._params)))
-        self._build(plan_offload(units, specs, chunk_bytes=2**62), units)
+        self._build(plan_offload(units, specs, chunk_bytes=2**62), units, ring=False)

@@ -80,8 +80,14 @@ class GroupStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
+        # Tensor hyperparameters are copied: a scheduler updates them in place.
         self._groups = [
-            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+            {
+                k: v.clone() if isinstance(v, Tensor) else v
+                for k, v in group.items()
+                if k != "params"
+            }
+            for group in optimizer.param_groups
         ]
         self._group_of: dict[Tensor, int] = {}
         self._grads: dict[Tensor, Tensor | None] = {}

@@ -209,3 +209,44 @@ def test_invalid_arguments():
         CPUOffloadOptimizer(opt)
     with pytest.raises(NotImplementedError):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_serial_path_homes_state_created_on_later_steps_and_loaded_state():
+    def run(offload: bool, load_from=None):
+        model = make_model()
+        inner = ScaledSign(model.parameters())
+        opt = CPUOffloadOptimizer(inner) if offload else inner
+        if load_from is not None:
+            opt.load_state_dict(load_from)
+        gen = torch.Generator().manual_seed(2)
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randint(0, 50, (2, 3), generator=gen)).sum().backward()
+            if step < 2:  # the head's weight gets its first grad on step 2
+                model[4].weight.grad = None
+            opt.step()
+        return model, opt
+
+    plain_model, plain = run(offload=False)
+    model, opt = run(offload=True)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+    slab = opt._host_slabs[torch.float32].untyped_storage().data_ptr()
+    for entries in opt.state.values():
+        assert entries["trace"].untyped_storage().data_ptr() == slab
+    # loaded before the first serial step: adopted into the slabs, then stepped
+    _, resumed = run(offload=True, load_from=copy.deepcopy(plain.state_dict()))
+    _, reference = run(offload=False, load_from=copy.deepcopy(plain.state_dict()))
+    assert_same_state(reference, resumed)
+
+
+def test_step_hooks_on_the_wrapper_run_once_a_step():
+    model = make_model()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_bytes=1)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
+    opt.step()
+    assert calls == ["pre", "post"] and len(opt.plan.chunks) > 1

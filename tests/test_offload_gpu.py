@@ -215,3 +215,23 @@ def test_fsdp2_state_stays_on_the_host_and_dcp_resumes_bitwise(tmp_path):
             assert torch.equal(a, b.to_local())
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_serial_path_with_state_created_on_a_later_step():
+    class SerialAdamW(torch.optim.AdamW):
+        """Unknown to the adapter: takes the serial path."""
+
+    plain_params, offload_params = make_params(layers=4), make_params(layers=4)
+    plain = torch.optim.AdamW(plain_params, lr=1e-3)
+    offloaded = CPUOffloadOptimizer(SerialAdamW(offload_params, lr=1e-3))
+    for step in range(4):
+        set_grads(plain_params, step)
+        set_grads(offload_params, step)
+        if step < 2:  # the last param gets its first grad on step 2
+            plain_params[-1].grad = offload_params[-1].grad = None
+        plain.step()
+        offloaded.step()
+    for a, b in zip(plain_params, offload_params, strict=True):
+        assert torch.equal(a, b)
+    for entries in offloaded.state.values():
+        assert entries["exp_avg"].device.type == "cpu" and entries["exp_avg"].is_pinned()

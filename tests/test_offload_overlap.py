@@ -141,3 +141,98 @@ def test_overlapped_chunks_ignore_the_forwards_autocast():
     assert len(opts[1]._chunks) > 2 * opts[1].staging_slots  # some chunks ran inside forward
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def _encoder(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
+        torch.nn.Linear(16, 3),
+    )
+
+
+def _train_encoder(model, opt, steps: int = 4, compiled=None):
+    run = compiled or model
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(2, 5, 8, generator=gen)
+        opt.zero_grad()
+        loss = run(x).square().mean()
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("case", ["functional_reads", "tensor_lr"])
+def test_overlap_is_bitwise_in_harder_cases(case):
+    # functional_reads: nn.MultiheadAttention reads out_proj.weight without out_proj's forward;
+    # tensor_lr: a scheduler updates a tensor lr in place while chunks are pending.
+    def make(params):
+        lr = torch.tensor(1e-2) if case == "tensor_lr" else 1e-2
+        return torch.optim.AdamW(params, lr=lr)
+
+    plain_model, model = _encoder(), _encoder()
+    plain = CPUOffloadOptimizer(make(plain_model.parameters()), chunk_bytes=1, staging_slots=1)
+    overlapped = CPUOffloadOptimizer(
+        make(model.parameters()), chunk_bytes=1, staging_slots=1, overlap_forward=model
+    )
+    scheds = [torch.optim.lr_scheduler.ExponentialLR(o, 0.5) for o in (plain, overlapped)]
+    results = []
+    for m, opt, sched in ((plain_model, plain, scheds[0]), (model, overlapped, scheds[1])):
+        gen = torch.Generator().manual_seed(5)
+        losses = []
+        for _ in range(4):
+            x = torch.randn(2, 5, 8, generator=gen)
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            sched.step()
+        opt.wait_for_optimizer_step()
+        results.append(losses)
+    assert results[0] == results[1]
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_overlap_under_torch_compile_is_bitwise():
+    plain_model, model = _encoder(), _encoder()
+    plain = CPUOffloadOptimizer(torch.optim.AdamW(plain_model.parameters()), chunk_bytes=1)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), chunk_bytes=1, staging_slots=1, overlap_forward=model
+    )
+    ref = _train_encoder(plain_model, plain)
+    got = _train_encoder(model, overlapped, compiled=torch.compile(model, backend="eager"))
+    overlapped.wait_for_optimizer_step()
+    assert ref == got
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_chunks_enqueued_by_an_inference_forward_make_normal_state():
+    def run(overlap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+        opt = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_bytes=1,
+            staging_slots=2,
+            overlap_forward=model if overlap else None,
+        )
+        x = torch.randn(4, 8)
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.inference_mode():  # validation right after the step
+                model(x)
+        opt.wait_for_optimizer_step()
+        assert not any(t.is_inference() for s in opt.state.values() for t in s.values())
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
