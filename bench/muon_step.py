@@ -31,20 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
+from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
 from bench.timing import matmul_tflops, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower  # noqa: E402
 from muon.newton_schulz import ns_flops, set_backend  # noqa: E402
-
-# Qwen3-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 12288.
-LAYER_SHAPES = [
-    (4096, 4096),  # q_proj
-    (1024, 4096),  # k_proj
-    (1024, 4096),  # v_proj
-    (4096, 4096),  # o_proj
-    (12288, 4096),  # gate_proj
-    (12288, 4096),  # up_proj
-    (4096, 12288),  # down_proj
-]
 
 
 def _params(shapes, device: torch.device) -> list[torch.nn.Parameter]:
@@ -78,7 +68,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/muon_step.json")
     args = parser.parse_args()
     device = torch.device(args.device)
-    shapes = [(r // args.divisor, c // args.divisor) for r, c in LAYER_SHAPES] * args.layers
+    shapes = [(r // args.divisor, c // args.divisor) for r, c in QWEN3_8B_LAYER] * args.layers
     flops = sum(ns_flops(r, c, KELLER_JORDAN.steps) for r, c in shapes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
@@ -120,7 +110,7 @@ def main() -> None:
         arms["muon.Muon {}/{}".format(*pair)] = pair
     if not args.no_triton:
         arms["muon.Muon fused/triton"] = ("triton", "triton")
-    layer = len(LAYER_SHAPES)
+    layer = len(QWEN3_8B_LAYER)
     kept: dict[str, list[torch.Tensor]] = {}
     for arm, pair in arms.items():
         params = _params(shapes, device)

@@ -34,20 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
+from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
 from bench.timing import matmul_tflops, sync, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon  # noqa: E402
 from muon.newton_schulz import ns_flops, set_backend, zeropower  # noqa: E402
 
-# Qwen3-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 12288.
-LAYER_SHAPES = [
-    (4096, 4096),  # q_proj
-    (1024, 4096),  # k_proj
-    (1024, 4096),  # v_proj
-    (4096, 4096),  # o_proj
-    (12288, 4096),  # gate_proj
-    (12288, 4096),  # up_proj
-    (4096, 12288),  # down_proj
-]
 # (batch, rows, cols)
 NS_SHAPES = [
     (1, 4096, 4096),
@@ -198,7 +189,7 @@ def main() -> None:
         print(f"suggested configs per class (least total ms): {results['suggested']}")
 
     if not args.skip_step:
-        shapes = [(r // d, c // d) for r, c in LAYER_SHAPES] * args.layers
+        shapes = [(r // d, c // d) for r, c in QWEN3_8B_LAYER] * args.layers
         step_flops = sum(ns_flops(r, c, schedule.steps) for r, c in shapes)
         step_arms = {"torch.optim.Muon": ("torch", None), "muon.Muon plain": ("torch", None)}
         if ns_triton is not None:

@@ -21,25 +21,22 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from offload import CPUOffloadOptimizer
-from offload.host_memory import allocate_host_slabs
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
+from offload import CPUOffloadOptimizer  # noqa: E402
+from offload.host_memory import allocate_host_slabs  # noqa: E402
 
 GiB = 2**30
 MiB = 2**20
-# Qwen3-8B decoder layer: q, k, v, o, gate, up, down (hidden 4096, 8 KV heads, MLP 12288)
-QWEN3_8B_LAYER = [
-    (4096, 4096),
-    (1024, 4096),
-    (1024, 4096),
-    (4096, 4096),
-    (12288, 4096),
-    (12288, 4096),
-    (4096, 12288),
-]
 
 
 class SerialAdamW(torch.optim.AdamW):
