@@ -2,18 +2,21 @@
 
 Per quintic iteration on X (m x n, m <= n after orientation):
 
-    A = X X^T                   sym_matmul(X)                     (symmetric: half the tiles)
-    B = b A + c A A             sym_matmul(A, c=A, alpha=c, beta=b) (A symmetric: A A = A A^T)
-    X = a X + B X               torch.baddbmm (cuBLAS, beta epilogue fused)
+    A = X X^T                   sym_matmul(X)                             (half the tiles)
+    P = a I + b A + c A A       sym_matmul(A, c=A, alpha=c, beta=b, diag=a) (A A = A A^T)
+    X = P X                     torch.bmm (cuBLAS)
 
 `sym_matmul` launches only the lower-triangular output tiles (i >= j) of
 `x @ x^T`, one program per (tile, matrix of the batch), accumulates in fp32,
-applies `alpha * acc + beta * c` in fp32 (one rounding, as cuBLAS' addmm), and
-writes each tile to (i, j) and, transposed, to (j, i): the result is exactly
-symmetric. Configurations are fixed per shape class (`config_for`); nothing is
-autotuned at step time. The first call of each (config, K-divisibility, epilogue)
-variant JIT-compiles (about a second each; Triton's disk cache makes later
-processes load in milliseconds); `bench/newton_schulz.py` prints the cost.
+applies the epilogue `s * (alpha * acc + beta * c + diag * I)` in fp32 (one
+rounding), and writes each tile to (i, j) and, transposed, to (j, i): the result
+is exactly symmetric. Folding `a X` into P as `a I` leaves cuBLAS a plain product
+(`baddbmm` would first copy X into its output to add `a X`), and folding 1/||X||
+into the first iteration's epilogues spares the normalized copy of X. Configurations
+are fixed per shape class (`config_for`); nothing is autotuned at step time. The
+first call of each (config, K-divisibility, epilogue) variant JIT-compiles (about a
+second each; Triton's disk cache makes later processes load in milliseconds);
+`bench/newton_schulz.py` prints the cost.
 
 Triton is imported lazily; `available()` is False where it is missing and the
 plain torch path in `muon.newton_schulz` is used instead.
@@ -136,8 +139,9 @@ if triton is not None:
 
     @triton.jit
     def _epilogue(
-        acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son, alpha, beta,
-        HAS_C: tl.constexpr, BLOCK: tl.constexpr,
+        acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
+        alpha, beta, diag,
+        HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         offs_i = i * BLOCK + tl.arange(0, BLOCK)
         offs_j = j * BLOCK + tl.arange(0, BLOCK)
@@ -150,6 +154,13 @@ if triton is not None:
                 other=0.0,
             )
             acc = acc + beta * c_tile.to(tl.float32)
+        if i == j:
+            acc = tl.where(offs_i[:, None] == offs_j[None, :], acc + diag, acc)
+        if SCALE_POWER > 0:
+            s = tl.load(scale_ptr + bid)
+            if SCALE_POWER == 2:
+                s = s * s
+            acc = acc * s
         out = acc.to(out_ptr.dtype.element_ty)
         out_base = out_ptr + bid * sob
         tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
@@ -163,11 +174,11 @@ if triton is not None:
 
     @triton.jit
     def _sym_kernel(
-        x_ptr, c_ptr, out_ptr, M, K,
+        x_ptr, c_ptr, out_ptr, scale_ptr, M, K,
         sxb, sxm, sxk, scb, scm, scn, sob, som, son,
-        alpha, beta,
-        HAS_C: tl.constexpr, EVEN_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-        UPCAST: tl.constexpr,
+        alpha, beta, diag,
+        HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         i, j = _tile(tl.program_id(0))
         bid = tl.program_id(1).to(tl.int64)
@@ -193,17 +204,17 @@ if triton is not None:
             a_ptrs += BLOCK_K * sxk
             b_ptrs += BLOCK_K * sxk
         _epilogue(
-            acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son, alpha, beta,
-            HAS_C, BLOCK,
+            acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
+            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
         )  # fmt: skip
 
     @triton.jit
     def _sym_kernel_tma(
-        x_desc, c_ptr, out_ptr, M, K,
+        x_desc, c_ptr, out_ptr, scale_ptr, M, K,
         scb, scm, scn, sob, som, son,
-        alpha, beta,
-        HAS_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-        UPCAST: tl.constexpr,
+        alpha, beta, diag,
+        HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         # x_desc views the batch as (batch * M, K): rows past a matrix's M read the next
         # matrix (or TMA's zero fill) and only reach masked outputs; K is zero-filled.
@@ -219,8 +230,8 @@ if triton is not None:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc)
         _epilogue(
-            acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son, alpha, beta,
-            HAS_C, BLOCK,
+            acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
+            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
         )  # fmt: skip
 
 
@@ -239,13 +250,19 @@ def sym_matmul(
     alpha: float = 1.0,
     beta: float = 0.0,
     *,
+    diag: float = 0.0,
+    scale: Tensor | None = None,
+    scale_power: int = 1,
     out: Tensor | None = None,
     config: SymConfig | str | None = None,
 ) -> Tensor:
-    """`beta * c + alpha * (x @ x^T)` for x of shape (m, k) or (batch, m, k), fp32 accumulation.
+    """`s**scale_power * (alpha * x @ x^T + beta * c + diag * I)`, fp32 accumulation.
 
-    `c`, when given, must be symmetric (only its lower-triangular tiles are read, and
-    mirrored). The result has x's dtype and is exactly symmetric.
+    x has shape (m, k) or (batch, m, k), any strides (a transposed view is read in
+    place). `scale`, when given, is a float32 tensor with one `s` per matrix of the
+    batch (else s = 1); `scale_power` is 1 or 2. `c`, when given, must be symmetric
+    (only its lower-triangular tiles are read, and mirrored). The epilogue runs in fp32
+    and rounds once; the result has x's dtype and is exactly symmetric.
     """
     _check(x)
     squeeze = x.ndim == 2
@@ -260,6 +277,12 @@ def sym_matmul(
         out = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
     if out.shape != (batch, m, m) or (c is not None and c.shape != (batch, m, m)):
         raise ValueError("out and c must have shape (batch, m, m)")
+    if scale is not None and (
+        scale.shape != (batch,) or scale.dtype != torch.float32 or not scale.is_contiguous()
+    ):
+        raise ValueError(f"scale must be a contiguous float32 tensor of shape ({batch},)")
+    if scale_power not in (1, 2):
+        raise ValueError(f"scale_power should be 1 or 2 but is: {scale_power}")
     if isinstance(config, str):
         config = CONFIGS[config]
     cfg = config or config_for(m, k)
@@ -269,28 +292,31 @@ def sym_matmul(
     # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: upcast there only.
     upcast = _interpreting()
     cc = c if has_c else out  # never read when HAS_C is False
-    if cfg.tma and (k * x.element_size()) % 16 == 0:
+    power = 0 if scale is None else scale_power
+    scale_arg = out if scale is None else scale  # never read when SCALE_POWER is 0
+    scalars = (float(alpha), float(beta), float(diag))
+    if cfg.tma and x.is_contiguous() and (k * x.element_size()) % 16 == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        x2 = x.contiguous().view(batch * m, k)
-        desc = TensorDescriptor.from_tensor(x2, [cfg.block, cfg.block_k])
+        desc = TensorDescriptor.from_tensor(x.view(batch * m, k), [cfg.block, cfg.block_k])
         _sym_kernel_tma[grid](
-            desc, cc, out, m, k,
+            desc, cc, out, scale_arg, m, k,
             cc.stride(0), cc.stride(1), cc.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            float(alpha), float(beta),
-            HAS_C=has_c, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
+            *scalars,
+            HAS_C=has_c, SCALE_POWER=power, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
             UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _sym_kernel[grid](
-            x, cc, out, m, k,
+            x, cc, out, scale_arg, m, k,
             x.stride(0), x.stride(1), x.stride(2),
             cc.stride(0), cc.stride(1), cc.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            float(alpha), float(beta),
-            HAS_C=has_c, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
-            UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *scalars,
+            HAS_C=has_c, SCALE_POWER=power, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block,
+            BLOCK_K=cfg.block_k, UPCAST=upcast,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.squeeze(0) if squeeze else out
 
@@ -302,10 +328,19 @@ def zeropower_triton(
     *,
     config: SymConfig | str | None = None,
 ) -> Tensor:
-    """`muon.newton_schulz.zeropower` with the two symmetric products on `sym_matmul`.
+    """`muon.newton_schulz.zeropower` with symmetric products and fused epilogues.
 
-    Same orientation, normalization and schedule loop as the plain path; agrees with
-    it to bf16 rounding (not bitwise). Returns x's dtype (a transposed view for tall x).
+    Same orientation, norm and schedule as the plain path, regrouped so that no pass
+    is spent outside the matrix products: each iteration is
+
+        A = X X^T              sym_matmul(X)
+        P = a I + b A + c A A  sym_matmul(A, c=A, alpha=c, beta=b, diag=a)
+        X = P X                torch.bmm (cuBLAS, no epilogue, no copy of X)
+
+    and the normalization X / ||X|| is folded into the first iteration (A scaled by
+    1/||X||^2 and P by 1/||X|| in their epilogues), so a tall input is read through a
+    transposed view and never copied. Agrees with the plain path to bf16 rounding
+    (not bitwise). Returns x's dtype (a transposed view for tall x).
     """
     _check(x)
     if x.ndim not in (2, 3):
@@ -313,23 +348,23 @@ def zeropower_triton(
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    if schedule.norm_scale != 1.0:
-        norm = norm * schedule.norm_scale
-    # one pass into a contiguous iterate (x / norm of a tall x.mT would keep its layout)
-    x = torch.div(x, norm.clamp(min=eps), out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
     squeeze = x.ndim == 2
     if squeeze:
         x = x.unsqueeze(0)
     batch, m, n = x.shape
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1))
+    if schedule.norm_scale != 1.0:
+        norm = norm * schedule.norm_scale
+    inv_norm = norm.clamp(min=eps).float().reciprocal()
     gram = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
-    update = torch.empty_like(gram)
-    spare = torch.empty_like(x)
-    for a, b, c in schedule.coefficients:
-        sym_matmul(x, out=gram, config=config)
-        sym_matmul(gram, gram, alpha=c, beta=b, out=update, config=config)
-        torch.baddbmm(x, update, x, beta=a, out=spare)
-        x, spare = spare, x
+    poly = torch.empty_like(gram)
+    buffers = [torch.empty(batch, m, n, device=x.device, dtype=x.dtype) for _ in range(2)]
+    for step, (a, b, c) in enumerate(schedule.coefficients):
+        first = step == 0
+        scale = inv_norm if first else None
+        sym_matmul(x, out=gram, scale=scale, scale_power=2, config=config)
+        sym_matmul(gram, gram, alpha=c, beta=b, diag=a, scale=scale, out=poly, config=config)
+        x = torch.bmm(poly, x, out=buffers[step % 2])
     if squeeze:
         x = x.squeeze(0)
     return x.mT if tall else x

@@ -148,6 +148,36 @@ def test_interp_sym_matmul_epilogue(shape):
 
 
 @interp
+@pytest.mark.parametrize("scale_power", [1, 2])
+def test_interp_sym_matmul_diag_and_scale(scale_power):
+    # s**p * (alpha x x^T + beta c + diag I), one s per matrix, x read through a transposed view
+    from muon.ns_triton import sym_matmul
+
+    gen = torch.Generator().manual_seed(4)
+    stored = torch.randn(3, 50, 37, generator=gen).bfloat16()
+    x = stored.mT  # (3, 37, 50), not contiguous
+    g = torch.randn(3, 37, 37, generator=gen)
+    c = ((g + g.mT) / 2).bfloat16()
+    scale = torch.tensor([0.5, 2.0, 0.125])
+    alpha, beta, diag = 0.75, -1.5, 3.4445
+    eye = torch.eye(37)
+    s = scale.view(3, 1, 1) ** scale_power
+    ref = s * (alpha * (x.float() @ x.float().mT) + beta * c.float() + diag * eye)
+    for config in _interp_configs():
+        out = sym_matmul(
+            x, c, alpha=alpha, beta=beta, diag=diag, scale=scale, scale_power=scale_power,
+            config=config,
+        )  # fmt: skip
+        assert torch.equal(out, out.mT)
+        tol = 2 * BF16_ULP * ref.abs().amax(dim=(-2, -1), keepdim=True)
+        assert ((out.float() - ref).abs() <= tol).all()
+    with pytest.raises(ValueError, match="scale"):
+        sym_matmul(x, scale=scale.double())
+    with pytest.raises(ValueError, match="scale_power"):
+        sym_matmul(x, scale=scale, scale_power=3)
+
+
+@interp
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("shape", [(48, 32), (32, 48), (2, 20, 36)])
 def test_interp_zeropower(name, shape):
