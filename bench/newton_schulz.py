@@ -5,7 +5,10 @@ fixed configuration in `ns_triton.CONFIGS` (first-call compile cost reported, co
 Triton cache unless --warm-cache), and torch.optim._muon._zeropower_via_newtonschulz
 (one matrix at a time; it takes no batch). TFLOP/s counts full-GEMM FLOPs
 (REFERENCE.md: 4 m^2 n + 2 m^3 per iteration, m <= n), so the symmetric saving shows as
-more than the plain rate; `peak` is a bf16 8192^3 matmul measured in the same run.
+more than the plain rate; `peak` is a bf16 8192^3 matmul measured in the same run. The
+step section also prints the floor: the symmetric kernels' FLOPs (3 m^2 n + m^3 per
+iteration) at the sustained matmul rate (back to back for ~0.6 s, the power-limited
+clock a step runs at).
 Then the whole Muon step for 12 Qwen3-8B layers (84 matrices): torch.optim.Muon,
 muon.Muon plain, muon.Muon triton (default configs, and the fastest one if different).
 Prints tables, writes JSON. Keller Jordan schedule, 5 steps, bf16.
@@ -35,9 +38,9 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
 from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
-from bench.timing import matmul_tflops, sync, time_calls  # noqa: E402
+from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon  # noqa: E402
-from muon.newton_schulz import ns_flops, set_backend, zeropower  # noqa: E402
+from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend, zeropower  # noqa: E402
 
 # (batch, rows, cols)
 NS_SHAPES = [
@@ -231,6 +234,11 @@ def main() -> None:
             del opt, params
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        sym_flops = sum(ns_flops_symmetric(r, c, schedule.steps) for r, c in shapes)
+        sustained = sustained_matmul_tflops(device, n)
+        step["matmul_sustained_tflops"] = sustained
+        step["ns_symmetric_tflop"] = sym_flops / 1e12
+        step["ns_floor_sustained_ms"] = floor = 1e3 * sym_flops / (sustained * 1e12)
         results["muon_step"] = step
         print(f"\nMuon step, {len(shapes)} matrices, NS {step_flops / 1e12:.1f} TFLOP (dense)")
         print(f"{'arm':<34} {'step ms':>9} {'NS-equiv TFLOP/s':>17} {'first step s':>13}")
@@ -238,6 +246,11 @@ def main() -> None:
             if isinstance(v, dict) and "ms" in v:
                 tf = step_flops / (v["ms"] / 1e3) / 1e12
                 print(f"{arm:<34} {v['ms']:>9.1f} {tf:>17.1f} {v['first_step_s']:>13.2f}")
+        print(
+            f"symmetric NS is {sym_flops / 1e12:.1f} TFLOP: {floor:.1f} ms at the sustained "
+            f"bf16 matmul rate ({sustained:.1f} TFLOP/s back to back for ~0.6 s), "
+            f"{1e3 * sym_flops / (peak * 1e12):.1f} ms at the burst rate"
+        )
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

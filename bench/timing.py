@@ -43,3 +43,17 @@ def matmul_tflops(device: torch.device, n: int, warmup: int, repeats: int) -> fl
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     seconds = statistics.median(time_calls(lambda: a @ b, device, warmup, repeats))
     return 2 * n**3 / seconds / 1e12
+
+
+def sustained_matmul_tflops(device: torch.device, n: int, seconds: float = 0.6) -> float:
+    """bf16 n^3 matmuls back to back for about `seconds`, timed as one region.
+
+    Long enough for the GPU to reach its power-limited clock, as a Muon step does: the
+    ceiling for work that keeps the tensor cores busy for hundreds of milliseconds.
+    """
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    one = statistics.median(time_calls(lambda: a @ b, device, 2, 3))
+    calls = max(1, round(seconds / one))
+    total = time_calls(lambda: [a @ b for _ in range(calls)], device, 0, 1)[0]
+    return 2 * n**3 * calls / total / 1e12

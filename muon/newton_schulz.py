@@ -146,3 +146,12 @@ def ns_flops(rows: int, cols: int, steps: int = 1) -> int:
     """FLOPs of `steps` quintic iterations on a rows x cols matrix (dense kernels, no symmetry)."""
     m, n = min(rows, cols), max(rows, cols)
     return steps * (4 * m * m * n + 2 * m * m * m)
+
+
+def ns_flops_symmetric(rows: int, cols: int, steps: int = 1) -> int:
+    """FLOPs of `steps` iterations when X X^T and A A compute only half (the symmetric kernels).
+
+    Per iteration: m^2 n for X X^T, m^3 for A A, 2 m^2 n for P X (m <= n).
+    """
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (3 * m * m * n + m * m * m)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from muon.newton_schulz import ns_flops
+from muon.newton_schulz import ns_flops, ns_flops_symmetric
 from muon.planning import MuonPlan, ParamLayout, assign_owners, chunk_range, plan_buckets
 
 
@@ -182,3 +182,12 @@ def test_ep_fsdp_layouts():
     assert local.exchange_axis is None and local.local_shape() == (1, 9, 6)
     with pytest.raises(ValueError, match="more than one mesh axis"):
         layout((0, 0), (1, 2))
+
+
+def test_ns_flop_counts():
+    # REFERENCE.md: 4 m^2 n + 2 m^3 dense per iteration (m <= n); the symmetric kernels
+    # compute half of X X^T and of A A: 3 m^2 n + m^3
+    assert ns_flops(4096, 12288, 5) == 5 * (4 * 4096**2 * 12288 + 2 * 4096**3)
+    assert ns_flops(12288, 4096) == ns_flops(4096, 12288)
+    assert ns_flops_symmetric(12288, 4096, 5) == 5 * (3 * 4096**2 * 12288 + 4096**3)
+    assert ns_flops_symmetric(4096, 4096) / ns_flops(4096, 4096) == 4 / 6
