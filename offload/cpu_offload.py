@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
 from offload.forward_overlap import (
     ForwardHooks,
+    forward_prefetched,
     fsdp_all_gather_streams,
     param_owners,
     waited_params,
@@ -164,6 +165,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
             self._owners = param_owners(overlap_forward)
+            self._owner_index = {module: i for i, (module, _) in enumerate(self._owners)}
             self._side_stream = self._streams.new_stream()
             self._forward_hooks = ForwardHooks(
                 overlap_forward, self._owners, self._before_module, self._after_forward
@@ -318,14 +320,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     self._enqueued += 1
 
     def _before_module(self, index: int) -> None:
-        chunk = self._module_chunk[index] if self._module_chunk else -1
-        if not self._in_flight or chunk < 0:
+        if not self._in_flight or not self._module_chunk:
+            return
+        module = self._owners[index][0]
+        # FSDP2 all-gathers the modules it prefetches from here before their own hooks run.
+        prefetched = (self._owner_index.get(m) for m in forward_prefetched(module))
+        indices = [index] + [i for i in prefetched if i is not None]
+        chunk = max(self._module_chunk[i] for i in indices)
+        if chunk < 0:
             return
         self._advance(chunk + self.staging_slots)  # keep a few chunks ahead of the forward
         done = self._chunk_done[chunk]
         self._streams.wait(self._streams.current(), done)
         if done is not None:
-            for stream in fsdp_all_gather_streams(self._owners[index][0]):
+            for stream in fsdp_all_gather_streams(module):
                 stream.wait_event(done)
 
     def _after_forward(self) -> None:

@@ -3,7 +3,8 @@
 With forward overlap the offloaded step's chunks update params on a side stream
 while the next forward runs. A module must not read (FSDP2: all-gather) its
 params before the chunk holding them has stepped, so a forward pre-hook,
-prepended so it runs before FSDP2's own unshard hook, waits for that chunk.
+prepended so it runs before FSDP2's own unshard hook, waits for that chunk (and for
+the chunks of the modules FSDP2 prefetches from there).
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def fsdp_all_gather_streams(module: nn.Module) -> list[torch.Stream]:
     context = getattr(module._get_fsdp_state(), "_comm_ctx", None)
     names = ("all_gather_copy_in_stream", "all_gather_stream")
     return [getattr(context, n) for n in names if getattr(context, n, None) is not None]
+
+
+def forward_prefetched(module: nn.Module) -> list[nn.Module]:
+    """Modules whose all-gather FSDP2 issues in `module`'s pre-forward.
+
+    Set by `set_modules_to_forward_prefetch`, possibly after the optimizer is built,
+    so it is read at each forward. Private API (`_states_to_forward_prefetch`).
+    """
+    if not _is_fsdp(module):
+        return []
+    states = getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ())
+    return [m for state in states for m in getattr(state, "_modules", ())]
 
 
 class ForwardHooks:

@@ -82,3 +82,37 @@ def _worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_offload_matches_plain_bitwise(world):
     run_on_ranks(_worker, world)
+
+
+def _deep_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(8)))
+
+
+def _prefetch_worker(rank: int, world: int, ahead: int) -> None:
+    # FSDP2 all-gathers a prefetched module in an earlier module's pre-forward: with
+    # forward overlap, that module's chunk must have stepped by then.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    layers = list(model)
+    for i, layer in enumerate(layers[:-ahead]):
+        layer.set_modules_to_forward_prefetch([layers[i + ahead]])
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    _train(plain_model, plain, rank)
+    _train(model, overlapped, rank)
+    overlapped.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+
+
+@pytest.mark.parametrize("ahead", [1, 4])
+def test_fsdp2_forward_prefetch_waits_for_the_prefetched_chunk(ahead):
+    run_on_ranks(_prefetch_worker, 2, ahead)
