@@ -23,14 +23,13 @@ import json
 import os
 import tempfile
 
-os.environ.setdefault("MUON_NS_BACKEND", "torch")  # the estimate models the torch NS path
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from muon import Muon, muon_param_groups  # noqa: E402
-from muon.model_shapes import PRESETS, from_config, from_module, meta_module  # noqa: E402
-from muon.plan import MeshSpec, StepSettings, build_plan  # noqa: E402
+from muon import Muon, muon_param_groups
+from muon.model_shapes import PRESETS, from_config, from_module, meta_module
+from muon.newton_schulz import set_backend
+from muon.plan import MeshSpec, StepSettings, build_plan
 
 
 def _model(layers: int, device: torch.device) -> torch.nn.Module:
@@ -128,16 +127,22 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--bucket-cap-mib", type=float, default=512)
     p.add_argument("--max-inflight", type=int, default=2)
+    p.add_argument(
+        "--ns-backend", default="auto", choices=("auto", "torch", "triton"),
+        help="Newton-Schulz path (both allocate the same workspace, which the plan models)",
+    )  # fmt: skip
     p.add_argument("--out", help="JSON path")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("plan_vs_measured needs a CUDA device")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    set_backend(args.ns_backend)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, NS {args.ns_backend}")
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'init')}"
         dist.init_process_group("nccl", init_method=init, rank=0, world_size=1)
         try:
             result = run(args.layers, args.bucket_cap_mib, args.max_inflight)
+            result["ns_backend"] = args.ns_backend
         finally:
             dist.destroy_process_group()
     gib = 2**30

@@ -302,7 +302,9 @@ def ns_workspace_numel(batches: Iterable[tuple[int, int, int]]) -> int:
 
     Each batch's result stays alive until the bucket is applied; while batch j
     iterates, its iterate, the successor and two Gram-sized temporaries
-    (m x m, m = min(rows, cols)) are alive on top of the earlier results.
+    (m x m, m = min(rows, cols)) are alive on top of the earlier results. The torch
+    and Triton paths hold the same: the Triton path allocates its two iterates and
+    two Gram-sized buffers up front and reads a tall input through a view.
     """
     peak = done = 0
     for count, rows, cols in batches:

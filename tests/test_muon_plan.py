@@ -283,13 +283,13 @@ def test_optimizer_builds_the_planned_plan(world):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_estimated_step_peak_within_10_percent_on_gpu(tmp_path):
+@pytest.mark.parametrize("ns_backend", ["torch", "triton"])
+def test_estimated_step_peak_within_10_percent_on_gpu(tmp_path, ns_backend):
     out = tmp_path / "plan_vs_measured.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "bench", "plan_vs_measured.py")
-    subprocess.run(
-        [sys.executable, script, "--layers", "2", "--out", str(out)], check=True, timeout=300
-    )
+    args = ["--layers", "2", "--ns-backend", ns_backend, "--out", str(out)]
+    subprocess.run([sys.executable, script, *args], check=True, timeout=300)
     result = json.loads(out.read_text())
     for row in result["rows"]:
         assert 0.9 <= row["ratio"] <= 1.1, row
