@@ -50,6 +50,11 @@ NS_SHAPES = [
     (1, 4096, 12288),
     (1, 12288, 4096),
     (16, 768, 2048),
+    # near `ns_triton.AUTO_MIN_PROGRAMS`, where "auto" starts taking the Triton path
+    (4, 1024, 1024),
+    (8, 1024, 1024),
+    (2, 2048, 2048),
+    (1, 3072, 3072),
 ]
 
 
@@ -163,6 +168,7 @@ def main() -> None:
             default = f"triton:{ns_triton.config_for(min(rows, cols), max(rows, cols)).name}"
             if default in tri:
                 entry["default_vs_plain"] = entry["plain"]["ms"] / tri[default]["ms"]
+            entry["auto_takes_triton"] = device.type == "cuda" and ns_triton.wins(x)
         per_shape[key] = entry
         del x
         if device.type == "cuda":
@@ -174,9 +180,13 @@ def main() -> None:
         print(f"{key:<16} {arm:<24} {ms:>9.3f} {tf:>9.1f} {pct:>6.0f} {first:>8.2f}")
     for key, entry in per_shape.items():
         if "best_triton" in entry:
+            default = entry.get("default_vs_plain", float("nan"))
+            auto = "takes Triton" if entry["auto_takes_triton"] else "keeps plain"
+            slower = entry["auto_takes_triton"] and default < 1
+            slower = " (SLOWER than plain where auto takes it)" if slower else ""
             print(
                 f"{key:<16} best {entry['best_triton']} {entry['best_vs_plain']:.2f}x plain; "
-                f"default {entry.get('default_vs_plain', float('nan')):.2f}x plain"
+                f"default {default:.2f}x plain; auto {auto}{slower}"
             )
 
     # Suggested fixed configs: per m class, the config with the least total time.
