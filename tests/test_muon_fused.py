@@ -19,18 +19,16 @@ import numpy as np
 import pytest
 import torch
 from spawn_ranks import run_on_ranks
+from triton_interpreter import (
+    HAVE_TRITON,
+    INTERPRET,
+    interp,
+    rerun_under_interpreter,
+    runs_interpreter,
+)
 
 from muon import Muon, elementwise
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except Exception:
-    HAVE_TRITON = False
-
-interp = pytest.mark.skipif(not (INTERPRET and HAVE_TRITON), reason="needs TRITON_INTERPRET=1")
 needs_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA and triton"
 )
@@ -131,19 +129,9 @@ def test_cpu_step_does_not_import_fused():
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
-@pytest.mark.skipif(INTERPRET or not HAVE_TRITON, reason="needs triton; runs the interpreter")
+@runs_interpreter
 def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=", "-k", "interp_"]
-        + ["-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+    rerun_under_interpreter(__file__)
 
 
 # -- kernels vs torch ops (interpreter and GPU) ---------------------------------------------------

@@ -9,12 +9,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import (
+    HAVE_TRITON,
+    INTERPRET,
+    interp,
+    rerun_under_interpreter,
+    runs_interpreter,
+)
 
 from muon.newton_schulz import (
     SCHEDULES,
@@ -23,16 +26,6 @@ from muon.newton_schulz import (
     set_backend,
     zeropower,
 )
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except Exception:
-    HAVE_TRITON = False
-
-interp = pytest.mark.skipif(not (INTERPRET and HAVE_TRITON), reason="needs TRITON_INTERPRET=1")
 
 
 def _numpy24_interpreter_shim() -> None:
@@ -87,19 +80,9 @@ def test_backend_setting():
         zeropower(torch.randn(4, 8), SCHEDULES["keller_jordan"], backend="nope")
 
 
-@pytest.mark.skipif(INTERPRET or not HAVE_TRITON, reason="needs triton; runs the interpreter")
+@runs_interpreter
 def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=", "-k", "interp_"]
-        + ["-p", "no:cacheprovider"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+    rerun_under_interpreter(__file__)
 
 
 # -- interpreter (CPU tensors, TRITON_INTERPRET=1) ------------------------------------------------
