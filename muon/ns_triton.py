@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 AUTO_CAPABILITIES = frozenset({9})
 AUTO_MIN_PROGRAMS = 256
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_MATRIX_NUMEL = 2**31 - 1
+"""Offsets within one matrix are int32 in the kernels (the batch offset is int64)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ def _capability_major(index: int) -> int:
 def wins(x: Tensor) -> bool:
     """Whether `backend="auto"` takes this path for `x` (shape (..., rows, cols))."""
     if not x.is_cuda or x.dtype not in SUPPORTED_DTYPES or x.ndim not in (2, 3):
+        return False
+    if x.shape[-2] * x.shape[-1] > MAX_MATRIX_NUMEL:
         return False
     m = min(x.shape[-2:])
     tiles = -(-m // config_for(m, max(x.shape[-2:])).block)
@@ -242,6 +246,11 @@ def _check(x: Tensor) -> None:
         raise ValueError(f"the Triton path needs a CUDA tensor (or TRITON_INTERPRET=1): {x.device}")
     if not available():
         raise RuntimeError("the Triton Newton-Schulz path needs triton, which is not importable")
+    if x.ndim >= 2 and x.shape[-2] * x.shape[-1] > MAX_MATRIX_NUMEL:
+        raise ValueError(
+            f"the Triton path takes matrices of at most 2**31 - 1 elements: {tuple(x.shape)}; "
+            "use the torch path"
+        )
 
 
 def sym_matmul(

@@ -161,6 +161,17 @@ def test_interp_sym_matmul_diag_and_scale(scale_power):
 
 
 @interp
+def test_interp_rejects_matrices_past_int32_offsets():
+    from muon.ns_triton import sym_matmul, zeropower_triton
+
+    huge = torch.empty(1, dtype=torch.bfloat16).expand(2**16, 2**15 + 1)  # no memory
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        sym_matmul(huge)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        zeropower_triton(huge, SCHEDULES["keller_jordan"], 1e-7)
+
+
+@interp
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("shape", [(48, 32), (32, 48), (2, 20, 36)])
 def test_interp_zeropower(name, shape):
@@ -262,6 +273,8 @@ def test_gpu_auto_dispatch_and_muon():
 
     small = _gpu_input((256, 512))
     assert not ns_triton.wins(small)
+    huge = torch.empty(1, device="cuda", dtype=torch.bfloat16).expand(2**16, 2**15 + 1)
+    assert not ns_triton.wins(huge)  # past int32 offsets: the plain path
     assert not ns_triton.wins(_gpu_input((1024, 2048)).float())
     schedule = SCHEDULES["keller_jordan"]
     assert torch.equal(zeropower(small, schedule), zeropower(small, schedule, backend="torch"))
