@@ -16,6 +16,7 @@ torch/triton (same inputs, same NS). Prints a table, writes JSON. Runs in well
 under 2 minutes.
 
     python bench/muon_step.py --out bench/results/muon_step.json
+    python bench/muon_step.py --profile   # also: device time per kernel of one step
     python bench/muon_step.py --device cpu --layers 1 --divisor 32 --no-triton  # smoke test
 """
 
@@ -35,7 +36,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
 from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
-from bench.timing import matmul_tflops, sustained_matmul_tflops, time_calls  # noqa: E402
+from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower  # noqa: E402
 from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend  # noqa: E402
 
@@ -59,6 +60,25 @@ def _with_backends(elementwise_backend: str, ns_backend: str, fn):
         set_backend(previous[1])
 
 
+def _profile(step, device: torch.device) -> list[dict[str, object]]:
+    """Device (CPU: host) time per kernel over one step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        sync(device)
+    rows = [
+        {
+            "kernel": e.key,
+            "ms": (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3,
+            "calls": e.count,
+        }
+        for e in prof.key_averages()
+    ]
+    return sorted((r for r in rows if r["ms"] > 0), key=lambda r: -r["ms"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -68,6 +88,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-cap-mib", type=int, default=None, help="muon.Muon bucket cap")
     parser.add_argument("--no-triton", action="store_true", help="torch backends only")
+    parser.add_argument(
+        "--profile", action="store_true", help="per-kernel device time of one step, last arm"
+    )
     parser.add_argument("--out", default="bench/results/muon_step.json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -138,6 +161,9 @@ def main() -> None:
         if device.type == "cuda":
             results[f"{arm}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
+        if args.profile and arm == list(arms)[-1]:
+            step = opt.step if pair is None else lambda o=opt, b=pair: _with_backends(*b, o.step)
+            results["profile"] = _profile(step, device)
         del opt, params
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -177,6 +203,11 @@ def main() -> None:
             f"{results['fused_vs_torch_bitwise']}, max abs diff "
             f"{results['fused_vs_torch_max_abs_diff']:.3g}"
         )
+    if "profile" in results:
+        print(f"\none step of {best}, device time per kernel (torch.profiler):")
+        print(f"{'kernel':<64} {'ms':>8} {'calls':>6}")
+        for row in results["profile"][:12]:
+            print(f"{row['kernel'][:64]:<64} {row['ms']:>8.1f} {row['calls']:>6}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
