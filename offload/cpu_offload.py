@@ -14,6 +14,7 @@ and the host never waits inside `step()`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,10 @@ class _Chunk:
     slot: int
     host: list[tuple[Tensor, Tensor]]  # per dtype: (host slab range, staging slot range)
     views: list[_View]
+
+
+OVERSIZED_UNIT_WARN_BYTES = 64 << 20
+"""Warn when a unit bigger than twice `chunk_bytes` makes a staging slot bigger than this."""
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):
@@ -448,6 +453,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         The serial path stages all state per step instead of through the ring, so
         without `ring` the staging buffers live on the meta device and take no memory.
         """
+        slot_bytes = plan.staging_bytes(1)
+        if ring and slot_bytes > max(2 * self.chunk_bytes, OVERSIZED_UNIT_WARN_BYTES):
+            mib = 2**20
+            warnings.warn(
+                f"a unit of the wrapped optimizer holds {slot_bytes / mib:.0f} MiB of state, "
+                f"more than chunk_bytes ({self.chunk_bytes / mib:.0f} MiB), and a unit is never "
+                f"split: the GPU staging ring takes {self.staging_slots} x "
+                f"{slot_bytes / mib:.0f} MiB. Give the optimizer smaller units (muon.Muon: "
+                f"bucket_cap_bytes; muon_offload.setup_optimizer caps it for you) or raise "
+                f"chunk_bytes.",
+                stacklevel=3,
+            )
         self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
         ring_device = self.device if ring else torch.device("meta")
         self._staging = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -250,3 +251,16 @@ def test_step_hooks_on_the_wrapper_run_once_a_step():
     model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
     opt.step()
     assert calls == ["pre", "post"] and len(opt.plan.chunks) > 1
+
+
+def test_a_unit_far_larger_than_a_chunk_warns_about_the_staging_ring():
+    # a unit is never split, so the ring holds staging_slots of the largest one
+    big = torch.nn.Parameter(torch.zeros(5000, 4096))  # AdamW state: 156 MiB, one unit
+    big.grad = torch.ones_like(big)
+    small = CPUOffloadOptimizer(torch.optim.AdamW([big]), chunk_bytes=16 << 20, staging_slots=2)
+    with pytest.warns(UserWarning, match=r"staging ring takes 2 x 156 MiB"):
+        small.step()
+    roomy = CPUOffloadOptimizer(torch.optim.AdamW([big]), staging_slots=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        roomy.step()
