@@ -115,11 +115,15 @@ def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def _fits_int32(x: Tensor) -> bool:
+    return x.shape[-2] * x.shape[-1] <= MAX_MATRIX_NUMEL
+
+
 def wins(x: Tensor) -> bool:
     """Whether `backend="auto"` takes this path for `x` (shape (..., rows, cols))."""
     if not x.is_cuda or x.dtype not in SUPPORTED_DTYPES or x.ndim not in (2, 3):
         return False
-    if x.shape[-2] * x.shape[-1] > MAX_MATRIX_NUMEL:
+    if not _fits_int32(x):
         return False
     m = min(x.shape[-2:])
     tiles = -(-m // config_for(m, max(x.shape[-2:])).block)
@@ -246,7 +250,7 @@ def _check(x: Tensor) -> None:
         raise ValueError(f"the Triton path needs a CUDA tensor (or TRITON_INTERPRET=1): {x.device}")
     if not available():
         raise RuntimeError("the Triton Newton-Schulz path needs triton, which is not importable")
-    if x.ndim >= 2 and x.shape[-2] * x.shape[-1] > MAX_MATRIX_NUMEL:
+    if x.ndim >= 2 and not _fits_int32(x):
         raise ValueError(
             f"the Triton path takes matrices of at most 2**31 - 1 elements: {tuple(x.shape)}; "
             "use the torch path"

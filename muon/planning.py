@@ -435,6 +435,29 @@ def _piece(
     return r0 - matrix.row0, r1 - matrix.row0, held_cols[0], held_cols[1], r0 - held_rows[0], 0
 
 
+def _lay_out(
+    layouts: Sequence[ParamLayout],
+    matrices: Sequence[Matrix],
+    world: int,
+    order: Iterable[tuple[int, int, tuple[int, ...]]],
+) -> tuple[tuple[Piece, ...], tuple[int, ...]]:
+    """Pieces packed back to back for (peer, matrix, coord of the holder) in `order`,
+    and the elements each peer's range holds (the all-to-all split sizes)."""
+    pieces: list[Piece] = []
+    splits = [0] * world
+    offset = 0
+    for peer, i, coord in order:
+        m = matrices[i]
+        geometry = _piece(layouts[m.param], m, coord)
+        if geometry is not None:
+            r0, r1, c0, c1, lr0, lc0 = geometry
+            piece = Piece(i, peer, (r0, r1), (c0, c1), lr0, lc0, offset)
+            pieces.append(piece)
+            splits[peer] += piece.numel
+            offset += piece.numel
+    return tuple(pieces), tuple(splits)
+
+
 def plan_exchange(
     layouts: Sequence[ParamLayout],
     bucket: Bucket,
@@ -462,45 +485,35 @@ def plan_exchange(
         batches.append(Batch(tuple(members), rows, cols, group, slot))
         slot += len(members) * rows * cols
 
-    send_pieces: list[Piece] = []
-    recv_pieces: list[Piece] = []
-    send_splits = [0] * world
-    recv_splits = [0] * world
+    send_pieces: tuple[Piece, ...] = ()
+    recv_pieces: tuple[Piece, ...] = ()
+    send_splits = recv_splits = (0,) * world
     if axis is not None:
         by_owner: list[list[int]] = [[] for _ in range(world)]
         for i, m in enumerate(matrices):
             by_owner[m.owner].append(i)
-        offset = 0
-        for owner in range(world):  # my pieces, in (owner, matrix) order
-            for i in by_owner[owner]:
-                m = matrices[i]
-                geometry = _piece(layouts[m.param], m, first.coord)
-                if geometry is not None:
-                    r0, r1, c0, c1, lr0, lc0 = geometry
-                    piece = Piece(i, owner, (r0, r1), (c0, c1), lr0, lc0, offset)
-                    send_pieces.append(piece)
-                    send_splits[owner] += piece.numel
-                    offset += piece.numel
-        offset = 0
-        for sender in range(world):  # pieces of matrices I own, in (sender, matrix) order
-            coord = first.peer_coord(axis, sender)
-            for i in by_owner[me]:
-                m = matrices[i]
-                geometry = _piece(layouts[m.param], m, coord)
-                if geometry is not None:
-                    r0, r1, c0, c1, lr0, lc0 = geometry
-                    piece = Piece(i, sender, (r0, r1), (c0, c1), lr0, lc0, offset)
-                    recv_pieces.append(piece)
-                    recv_splits[sender] += piece.numel
-                    offset += piece.numel
+        # my pieces, in (owner, matrix) order
+        send_pieces, send_splits = _lay_out(
+            layouts, matrices, world,
+            ((owner, i, first.coord) for owner in range(world) for i in by_owner[owner]),
+        )  # fmt: skip
+        # pieces of matrices I own, in (sender, matrix) order
+        recv_pieces, recv_splits = _lay_out(
+            layouts, matrices, world,
+            (
+                (sender, i, first.peer_coord(axis, sender))
+                for sender in range(world)
+                for i in by_owner[me]
+            ),
+        )  # fmt: skip
     return ExchangePlan(
         bucket.index,
         axis,
         matrices,
-        tuple(send_splits),
-        tuple(recv_splits),
-        tuple(send_pieces),
-        tuple(recv_pieces),
+        send_splits,
+        recv_splits,
+        send_pieces,
+        recv_pieces,
         tuple(batches),
         me,
         itemsize,
