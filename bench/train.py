@@ -368,6 +368,11 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The rank's work is done and reported. Skip interpreter finalization, where
+    # gloo's C++ threads sometimes abort the process after a clean teardown.
+    os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -17,29 +19,40 @@ import torch.multiprocessing as mp
 def run_on_ranks(body: Callable[..., None], world: int, *args: Any) -> None:
     """`body(rank, world, *args)` in `world` spawned processes on one gloo group.
 
-    `body` must be a module-level function (spawn pickles it by name).
+    `body` must be a module-level function (spawn pickles it by name). A rank that
+    raises leaves its traceback; one killed by a signal leaves its Python stacks.
     """
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.spawn(_rank_main, args=(world, tmp, body, args), nprocs=world, join=True)
         except Exception as err:
-            errors = [
-                open(os.path.join(tmp, name)).read()
-                for name in sorted(os.listdir(tmp))
-                if name.startswith("error")
-            ]
-            pytest.fail("\n".join(errors) or f"a rank failed: {err}")
+            reports = []
+            for name in sorted(os.listdir(tmp)):
+                if name.startswith(("error", "fault")):
+                    with open(os.path.join(tmp, name)) as f:
+                        text = f.read()
+                    if text:
+                        reports.append(f"--- {name}\n{text}")
+            pytest.fail("\n".join([f"a rank failed: {err}", *reports]))
 
 
 def _rank_main(rank: int, world: int, tmp: str, body: Callable[..., None], args: tuple) -> None:
     torch.set_num_threads(1)
+    fault_log = open(os.path.join(tmp, f"fault.{rank}"), "w")  # open until the process exits
+    faulthandler.enable(file=fault_log, all_threads=True)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    exit_code = 0
     try:
         body(rank, world, *args)
-        dist.barrier()  # no rank tears down while a peer still talks (gloo aborts at exit)
+        dist.barrier()  # no rank tears down while a peer still talks
     except Exception:
         with open(os.path.join(tmp, f"error.{rank}"), "w") as f:
             f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+        exit_code = 1
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: there, gloo's C++ threads sometimes abort the
+    # process ("terminate called without an active exception", no Python frame on
+    # the stack) after the rank's work is done and reported.
+    os._exit(exit_code)

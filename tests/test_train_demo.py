@@ -4,22 +4,20 @@ ranks, offloaded training (with and without forward overlap) == plain training b
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # `bench` is a folder of scripts, not an installed package: import it from the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from spawn_ranks import run_on_ranks  # noqa: E402
+
 from bench.data import MarkovData  # noqa: E402
 from bench.model import ModelConfig, Transformer  # noqa: E402
-from bench.train import build, free_port, train_step  # noqa: E402
+from bench.train import build, train_step  # noqa: E402
 from muon_offload import OptimizerConfig  # noqa: E402
 
 # Small enough for seconds on 2 cores; head dim 8, GQA, and a seq the chain can fill.
@@ -94,42 +92,29 @@ def _train(config: ModelConfig, opt: str, arm: dict, mesh, rank: int):
     return losses, [p.to_local().clone() for p in model.parameters()], initial
 
 
-def _worker(rank: int, world: int, port: int, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    failures = []
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
-        for config_name, config in {"dense": DENSE, "moe": MOE}.items():
-            for opt in ("adamw", "muon"):
-                ref_losses, ref_params, initial = _train(config, opt, ARMS["none"], mesh, rank)
-                tag = f"{config_name}/{opt}"
-                if all(torch.equal(a, b) for a, b in zip(ref_params, initial, strict=True)):
-                    failures.append(f"{tag}: training left every param unchanged")
-                if not ref_losses[-1] < ref_losses[0]:
-                    failures.append(f"{tag}: loss did not fall: {ref_losses}")
-                for arm_name in ("offload", "offload+overlap"):
-                    losses, params, _ = _train(config, opt, ARMS[arm_name], mesh, rank)
-                    for step, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
-                        if not torch.equal(a, b):
-                            failures.append(f"{tag}/{arm_name}: loss of step {step} differs")
-                    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
-                        if not torch.equal(a, b):
-                            failures.append(f"{tag}/{arm_name}: param {i} differs")
-        dist.barrier()  # tear down together (see bench.train._spawned)
-    finally:
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("\n".join(failures))
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    failures = []
+    for config_name, config in {"dense": DENSE, "moe": MOE}.items():
+        for opt in ("adamw", "muon"):
+            ref_losses, ref_params, initial = _train(config, opt, ARMS["none"], mesh, rank)
+            tag = f"{config_name}/{opt}"
+            if all(torch.equal(a, b) for a, b in zip(ref_params, initial, strict=True)):
+                failures.append(f"{tag}: training left every param unchanged")
+            if not ref_losses[-1] < ref_losses[0]:
+                failures.append(f"{tag}: loss did not fall: {ref_losses}")
+            for arm_name in ("offload", "offload+overlap"):
+                losses, params, _ = _train(config, opt, ARMS[arm_name], mesh, rank)
+                for step, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
+                    if not torch.equal(a, b):
+                        failures.append(f"{tag}/{arm_name}: loss of step {step} differs")
+                for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+                    if not torch.equal(a, b):
+                        failures.append(f"{tag}/{arm_name}: param {i} differs")
+    assert not failures, failures
 
 
 def test_offloaded_training_matches_plain_bitwise():
-    world = 2
-    with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_worker, args=(world, free_port(), result_dir), nprocs=world, join=True)
-        for rank in range(world):
-            with open(os.path.join(result_dir, f"rank{rank}.txt")) as f:
-                assert f.read() == "", f"rank {rank}"
+    run_on_ranks(_worker, 2)
