@@ -19,8 +19,10 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,12 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Shard
 
 from muon import Muon
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.report import exit_spawned_rank, write_json  # noqa: E402
 
 ITEMSIZE = 2  # bf16 on the wire
 
@@ -112,7 +120,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, init: str, out: str
         )
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    exit_spawned_rank()
 
 
 def main() -> None:
@@ -173,22 +181,18 @@ def main() -> None:
         "ours ms is a whole Muon step (momentum, exchange, NS, apply); pad / agrs ms are the "
         "bare collectives. Buffers: exchange buffers only, NS temporaries excluded."
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "torch": torch.__version__,
-                "backend": args.backend,
-                "world": args.world,
-                "rows": args.rows,
-                "cols": args.cols,
-                "results": summary,
-                "per_rank": rows,
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {args.out}")
+    write_json(
+        args.out,
+        {
+            "torch": torch.__version__,
+            "backend": args.backend,
+            "world": args.world,
+            "rows": args.rows,
+            "cols": args.cols,
+            "results": summary,
+            "per_rank": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

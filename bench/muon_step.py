@@ -23,8 +23,6 @@ under 2 minutes.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -35,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
+from bench.report import write_json  # noqa: E402
 from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower  # noqa: E402
@@ -208,10 +207,7 @@ def main() -> None:
         print(f"{'kernel':<64} {'ms':>8} {'calls':>6}")
         for row in results["profile"][:12]:
             print(f"{row['kernel'][:64]:<64} {row['ms']:>8.1f} {row['calls']:>6}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

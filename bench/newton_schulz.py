@@ -20,7 +20,6 @@ Prints tables, writes JSON. Keller Jordan schedule, 5 steps, bf16.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
+from bench.report import write_json  # noqa: E402
 from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon  # noqa: E402
@@ -262,10 +262,7 @@ def main() -> None:
             f"{1e3 * sym_flops / (peak * 1e12):.1f} ms at the burst rate"
         )
 
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ each result. Gaussian inputs, one seed per shape. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `muon` importable from a checkout
     sys.path.insert(0, str(ROOT))
 
+from bench.report import write_json  # noqa: E402
 from muon.newton_schulz import SCHEDULES, zeropower  # noqa: E402
 
 SHAPES = {
@@ -83,10 +82,7 @@ def main() -> None:
         if "triton" in backends:
             line += f" {row['triton_rel_err'] / row['torch_rel_err']:>12.2f}"
         print(line)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "device": name, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"torch": torch.__version__, "device": name, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
+from bench.report import write_json  # noqa: E402
 from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
 from offload import CPUOffloadOptimizer  # noqa: E402
 from offload.host_memory import allocate_host_slabs  # noqa: E402
@@ -192,21 +192,17 @@ def main() -> None:
             f"{row['arm']:34} {row['step_s'] * 1e3:9.1f} {host:>8} {row['vs_floor']:8.2f} "
             f"{row['serial_speedup']:21.2f} {peak:>9}"
         )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "env": env,
-                "state_bytes": state_bytes,
-                "param_bytes": param_bytes,
-                "bandwidth": bandwidth,
-                "floor": floor,
-                "rows": rows,
-            },
-            f,
-            indent=2,
-        )
-    print(f"wrote {args.out}")
+    write_json(
+        args.out,
+        {
+            "env": env,
+            "state_bytes": state_bytes,
+            "param_bytes": param_bytes,
+            "bandwidth": bandwidth,
+            "floor": floor,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

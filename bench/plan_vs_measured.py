@@ -19,9 +19,10 @@ mesh. Prints a table and writes JSON. CUDA only; well under a minute.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,12 @@ from muon import Muon, muon_param_groups
 from muon.model_shapes import PRESETS, from_config, from_module, meta_module
 from muon.newton_schulz import set_backend
 from muon.plan import MeshSpec, StepSettings, build_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.report import write_json  # noqa: E402
 
 
 def _model(layers: int, device: torch.device) -> torch.nn.Module:
@@ -158,9 +165,7 @@ def main() -> None:
         f"GiB, measured {result['first_step_bytes'] / gib:.3f} GiB (not asserted)"
     )
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

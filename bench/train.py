@@ -13,7 +13,6 @@ few dozen steps. Rank 0 prints a progress bar, the loss and each step's split
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -38,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from bench.data import MarkovData  # noqa: E402
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize  # noqa: E402
+from bench.report import exit_spawned_rank, write_json  # noqa: E402
 from muon_offload import OptimizerConfig, setup_optimizer  # noqa: E402
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "train.json"
@@ -320,9 +320,8 @@ def run(rank: int, world: int, args: argparse.Namespace, device: torch.device) -
         ),
     }
     print_summary(result)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.json}")
+    print()
+    write_json(args.json, result)
 
 
 def print_summary(result: dict) -> None:
@@ -363,16 +362,10 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         run(rank, world, args, torch.device("cpu"))
-        # Tear down together: a gloo rank that destroys its group while a peer is
-        # still busy (rank 0 writing the report) can abort ("terminate called").
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The rank's work is done and reported. Skip interpreter finalization, where
-    # gloo's C++ threads sometimes abort the process after a clean teardown.
-    os._exit(0)
+        raise
+    exit_spawned_rank()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import os
 import statistics
@@ -54,6 +53,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
 
 from bench.data import random_tokens  # noqa: E402
 from bench.model import ModelConfig, loss_fn  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from bench.train import build, free_port, train_step  # noqa: E402
 from muon_offload import OptimizerConfig  # noqa: E402
 
@@ -252,9 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "activation_checkpointing": True,
         "results": results,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {args.json}")
+    print()
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":
