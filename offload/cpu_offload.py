@@ -14,6 +14,7 @@ and the host never waits inside `step()`.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -463,7 +464,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"{slot_bytes / mib:.0f} MiB. Give the optimizer smaller units (muon.Muon: "
                 f"bucket_cap_bytes; muon_offload.setup_optimizer caps it for you) or raise "
                 f"chunk_bytes.",
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
         self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
         ring_device = self.device if ring else torch.device("meta")
@@ -570,3 +571,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ]
         units = tuple((i,) for i in range(len(self._params)))
         self._build(plan_offload(units, specs, chunk_bytes=2**62), units, ring=False)
+
+
+def _user_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, called from a warning's site, that points at
+    the first caller outside this library and torch (the user's `step()` call)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+        "offload",
+        "muon",
+        "muon_offload",
+        "torch",
+    ):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -258,8 +258,9 @@ def test_a_unit_far_larger_than_a_chunk_warns_about_the_staging_ring():
     big = torch.nn.Parameter(torch.zeros(5000, 4096))  # AdamW state: 156 MiB, one unit
     big.grad = torch.ones_like(big)
     small = CPUOffloadOptimizer(torch.optim.AdamW([big]), chunk_bytes=16 << 20, staging_slots=2)
-    with pytest.warns(UserWarning, match=r"staging ring takes 2 x 156 MiB"):
+    with pytest.warns(UserWarning, match=r"staging ring takes 2 x 156 MiB") as caught:
         small.step()
+    assert caught[0].filename == __file__  # points at the user's step() call
     roomy = CPUOffloadOptimizer(torch.optim.AdamW([big]), staging_slots=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
