@@ -34,20 +34,10 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
 from bench.report import write_json  # noqa: E402
-from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
+from bench.shapes import QWEN3_8B_LAYER, params_with_grads  # noqa: E402
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower  # noqa: E402
 from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend  # noqa: E402
-
-
-def _params(shapes, device: torch.device) -> list[torch.nn.Parameter]:
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = []
-    for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
-        p.grad = torch.randn(shape, device=device, generator=gen)
-        params.append(p)
-    return params
 
 
 def _with_backends(elementwise_backend: str, ns_backend: str, fn):
@@ -143,7 +133,7 @@ def main() -> None:
     layer = len(QWEN3_8B_LAYER)
     kept: dict[str, list[torch.Tensor]] = {}
     for arm, pair in arms.items():
-        params = _params(shapes, device)
+        params = params_with_grads(shapes, device)
         if pair is None:
             opt = torch.optim.Muon(params, lr=0.02)
             times = time_calls(opt.step, device, args.warmup, args.repeats)

@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
 from bench.report import write_json  # noqa: E402
-from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
+from bench.shapes import QWEN3_8B_LAYER, params_with_grads  # noqa: E402
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
 from muon import KELLER_JORDAN, Muon  # noqa: E402
 from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend, zeropower  # noqa: E402
@@ -64,16 +64,6 @@ def _first_call(fn, device: torch.device) -> float:
     fn()
     sync(device)
     return time.perf_counter() - t0
-
-
-def _params(shapes, device):
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = []
-    for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
-        p.grad = torch.randn(shape, device=device, generator=gen)
-        params.append(p)
-    return params
 
 
 def main() -> None:
@@ -217,7 +207,7 @@ def main() -> None:
             try:
                 if large is not None:
                     ns_triton.LARGE_CONFIG = large
-                params = _params(shapes, device)
+                params = params_with_grads(shapes, device)
                 opt = (
                     torch.optim.Muon(params, lr=0.02)
                     if arm == "torch.optim.Muon"

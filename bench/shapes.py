@@ -1,4 +1,8 @@
-"""Model shapes the benchmarks share."""
+"""Model shapes the benchmarks share, and parameters built from them."""
+
+from __future__ import annotations
+
+import torch
 
 # Qwen3-8B decoder layer matrices: hidden 4096, 32 query / 8 KV heads of 128, MLP 12288.
 QWEN3_8B_LAYER = [
@@ -10,3 +14,14 @@ QWEN3_8B_LAYER = [
     (12288, 4096),  # up_proj
     (4096, 12288),  # down_proj
 ]
+
+
+def params_with_grads(shapes, device: torch.device) -> list[torch.nn.Parameter]:
+    """Seeded params (std 0.02) with random grads, one per shape."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, device=device, generator=gen)
+        params.append(p)
+    return params
