@@ -6,10 +6,11 @@ Shard(0) over the ranks, one bucket: bytes on the wire per rank and exchange
 buffer bytes on busy and idle ranks. Ours is measured from the optimizer's
 plan and its allocated buffers, with the step time of a real `Muon.step`;
 padded all-to-all and all-gather + reduce-scatter are computed for the same
-matrices and timed with the bare collectives. Prints a table (seeds/002's
-shape), writes JSON.
+matrices and timed with the bare collectives. Prints a table (time per step and memory
+per rank for each strategy
+), writes JSON.
 
-    python bench/muon_comm.py --rows 256 --cols 192 --out bench/results/muon_comm.json
+    python -m bench.muon_comm --rows 256 --cols 192 --out bench/results/muon_comm.json
 """
 
 from __future__ import annotations
@@ -19,23 +20,16 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Shard
 
+from bench.report import exit_spawned_rank, write_json
 from muon import Muon
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.report import exit_spawned_rank, write_json  # noqa: E402
 
 ITEMSIZE = 2  # bf16 on the wire
 

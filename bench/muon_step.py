@@ -15,29 +15,23 @@ first layer's params and momentum after the timed steps, fused/triton vs
 torch/triton (same inputs, same NS). Prints a table, writes JSON. Runs in well
 under 2 minutes.
 
-    python bench/muon_step.py --out bench/results/muon_step.json
-    python bench/muon_step.py --profile   # also: device time per kernel of one step
-    python bench/muon_step.py --device cpu --layers 1 --divisor 32 --no-triton  # smoke test
+    python -m bench.muon_step --out bench/results/muon_step.json
+    python -m bench.muon_step --profile   # also: device time per kernel of one step
+    python -m bench.muon_step --device cpu --layers 1 --divisor 32 --no-triton  # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.report import write_json  # noqa: E402
-from bench.shapes import QWEN3_8B_LAYER, params_with_grads  # noqa: E402
-from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
-from muon import KELLER_JORDAN, Muon, elementwise, zeropower  # noqa: E402
-from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend  # noqa: E402
+from bench.report import write_json
+from bench.shapes import QWEN3_8B_LAYER, params_with_grads
+from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls
+from muon import KELLER_JORDAN, Muon, elementwise, zeropower
+from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend
 
 
 def _with_backends(elementwise_backend: str, ns_backend: str, fn):

@@ -13,8 +13,8 @@ Then the whole Muon step for 12 Qwen3-8B layers (84 matrices): torch.optim.Muon,
 muon.Muon plain, muon.Muon triton (default configs, and the fastest one if different).
 Prints tables, writes JSON. Keller Jordan schedule, 5 steps, bf16.
 
-    python bench/newton_schulz.py --out bench/results/newton_schulz_h200.json
-    python bench/newton_schulz.py --device cpu --divisor 32 --skip-triton   # smoke test
+    python -m bench.newton_schulz --out bench/results/newton_schulz_h200.json
+    python -m bench.newton_schulz --device cpu --divisor 32 --skip-triton   # smoke test
 """
 
 from __future__ import annotations
@@ -25,22 +25,17 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 if "--warm-cache" not in sys.argv:  # before anything imports triton
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="ns_bench_triton_")
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.report import write_json  # noqa: E402
-from bench.shapes import QWEN3_8B_LAYER, params_with_grads  # noqa: E402
-from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls  # noqa: E402
-from muon import KELLER_JORDAN, Muon  # noqa: E402
-from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend, zeropower  # noqa: E402
+from bench.report import write_json
+from bench.shapes import QWEN3_8B_LAYER, params_with_grads
+from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls
+from muon import KELLER_JORDAN, Muon
+from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend, zeropower
 
 # (batch, rows, cols)
 NS_SHAPES = [

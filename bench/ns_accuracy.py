@@ -5,24 +5,18 @@ the relative Frobenius error of each bf16 path against the same iteration run in
 fp64 (`zeropower(x.double(), backend="torch")`), and the band of singular values of
 each result. Gaussian inputs, one seed per shape. Prints a table, writes JSON.
 
-    python bench/ns_accuracy.py --out bench/results/ns_accuracy.json
-    python bench/ns_accuracy.py --device cpu --divisor 16 --skip-triton   # smoke test
+    python -m bench.ns_accuracy --out bench/results/ns_accuracy.json
+    python -m bench.ns_accuracy --device cpu --divisor 16 --skip-triton   # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `muon` importable from a checkout
-    sys.path.insert(0, str(ROOT))
-
-from bench.report import write_json  # noqa: E402
-from muon.newton_schulz import SCHEDULES, zeropower  # noqa: E402
+from bench.report import write_json
+from muon.newton_schulz import SCHEDULES, zeropower
 
 SHAPES = {
     "tall": (2048, 768),

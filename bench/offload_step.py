@@ -20,20 +20,14 @@ import gc
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.report import write_json  # noqa: E402
-from bench.shapes import QWEN3_8B_LAYER  # noqa: E402
-from offload import CPUOffloadOptimizer  # noqa: E402
-from offload.host_memory import allocate_host_slabs  # noqa: E402
+from bench.report import write_json
+from bench.shapes import QWEN3_8B_LAYER
+from offload import CPUOffloadOptimizer
+from offload.host_memory import allocate_host_slabs
 
 GiB = 2**30
 MiB = 2**20

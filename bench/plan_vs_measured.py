@@ -13,30 +13,23 @@ state, buffers and cuBLAS workspaces; step 2 is measured, whole and per phase
 and compared with `muon.plan`'s busiest-rank estimate for the same shapes and
 mesh. Prints a table and writes JSON. CUDA only; well under a minute.
 
-    python bench/plan_vs_measured.py --out bench/results/plan_vs_measured.json
+    python -m bench.plan_vs_measured --out bench/results/plan_vs_measured.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from bench.report import write_json
 from muon import Muon, muon_param_groups
 from muon.model_shapes import PRESETS, from_config, from_module, meta_module
 from muon.newton_schulz import set_backend
 from muon.plan import MeshSpec, StepSettings, build_plan
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.report import write_json  # noqa: E402
 
 
 def _model(layers: int, device: torch.device) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Train a small decoder with FSDP2 and Muon / AdamW, optimizer state offloaded to the host.
 
-    python bench/train.py                      # CPU demo: spawns 2 gloo ranks, ~1-2 min
+    python -m bench.train                      # CPU demo: spawns 2 gloo ranks, ~1-2 min
     torchrun --nproc-per-node 8 bench/train.py --model llama-0.85b --batch 4   # GPUs, NCCL
 
 Without torchrun's env (RANK, WORLD_SIZE) it spawns `--world` CPU ranks on
@@ -29,16 +29,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-# Run as `python bench/train.py`, the script's own folder is on sys.path, not the
-# repo root that `bench.*` (and an uninstalled checkout's packages) resolve from.
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.data import MarkovData
+from bench.model import ModelConfig, Transformer, loss_fn, parallelize
+from bench.report import exit_spawned_rank, write_json
+from muon_offload import OptimizerConfig, setup_optimizer
 
-from bench.data import MarkovData  # noqa: E402
-from bench.model import ModelConfig, Transformer, loss_fn, parallelize  # noqa: E402
-from bench.report import exit_spawned_rank, write_json  # noqa: E402
-from muon_offload import OptimizerConfig, setup_optimizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "train.json"
 WARMUP_STEPS = 2  # excluded from the mean step split: they build plans and allocate state

@@ -1,7 +1,7 @@
 """Full training step on one GPU: optimizer-state offload vs no offload vs FSDP2's CPUOffloadPolicy.
 
-    python bench/train_step.py                 # all arms, batch 16 x 2048, ~5-8 min on an H200
-    python bench/train_step.py --batch 4 --arms muon/none,muon/offload+overlap
+    python -m bench.train_step                 # all arms, batch 16 x 2048, ~5-8 min on an H200
+    python -m bench.train_step --batch 4 --arms muon/none,muon/offload+overlap
 
 The llama-0.85b decoder (`bench.model`), bf16 mixed precision, activation
 checkpointing, FSDP2 on a world-1 process group, random tokens. Arms, for
@@ -37,7 +37,6 @@ import gc
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -47,15 +46,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
-    sys.path.insert(0, str(ROOT))
+from bench.data import random_tokens
+from bench.model import ModelConfig, loss_fn
+from bench.report import write_json
+from bench.train import build, free_port, train_step
+from muon_offload import OptimizerConfig
 
-from bench.data import random_tokens  # noqa: E402
-from bench.model import ModelConfig, loss_fn  # noqa: E402
-from bench.report import write_json  # noqa: E402
-from bench.train import build, free_port, train_step  # noqa: E402
-from muon_offload import OptimizerConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OPTIMIZERS = ("adamw", "muon")
 ARMS = ("none", "offload", "offload+overlap", "fsdp_cpu_offload")

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from muon.newton_schulz import ns_flops
 
 # Default cap on the bytes of full matrices a bucket holds on one exchange
-# group (bf16): small enough to bound the workspace (seeds/000: 512 MiB - 1 GiB
-# per rank), large enough to batch many matrices per all-to-all.
+# group (bf16): small enough to bound the workspace (512 MiB - 1 GiB
+# per rank is the usual budget), large enough to batch many matrices per all-to-all.
 DEFAULT_BUCKET_CAP_BYTES = 512 * 2**20
 
 

@@ -4,21 +4,15 @@ ranks, offloaded training (with and without forward overlap) == plain training b
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from spawn_ranks import run_on_ranks
 
-# `bench` is a folder of scripts, not an installed package: import it from the repo root.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from spawn_ranks import run_on_ranks  # noqa: E402
-
-from bench.data import MarkovData  # noqa: E402
-from bench.model import ModelConfig, Transformer  # noqa: E402
-from bench.train import build, train_step  # noqa: E402
-from muon_offload import OptimizerConfig  # noqa: E402
+from bench.data import MarkovData
+from bench.model import ModelConfig, Transformer
+from bench.train import build, train_step
+from muon_offload import OptimizerConfig
 
 # Small enough for seconds on 2 cores; head dim 8, GQA, and a seq the chain can fill.
 DENSE = ModelConfig(

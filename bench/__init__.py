@@ -1,0 +1,1 @@
+"""Benchmarks, the demo model and data, and the training demo (`python -m bench.train`)."""
