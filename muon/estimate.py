@@ -1,0 +1,559 @@
+"""Muon's memory, wire bytes and Newton-Schulz work per rank, estimated before the run.
+
+Every figure comes from the planning code the optimizer runs: params are grouped
+by `muon_param_groups`; each rank's `ParamLayout`s are what `Muon` derives from
+the DTensors of the mesh `MeshSpec` describes; `MuonPlan.build` (or `seen_from`
+for a rank with the same exchanged matrices) assigns buckets and owners; each
+rank's `MuonPlan.exchange` gives the bucket's `ExchangePlan`, whose fields are
+the step's; with offload, `offload.chunk_plan.plan_offload` cuts the units
+exactly as `MuonStep` makes them (one per bucket, one per AdamW param) into the
+chunks `CPUOffloadOptimizer` streams.
+
+Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
+- kept between steps: the state (fp32 momentum of the local shards, AdamW's two
+  moments); with offload the state lives on the host and the GPU keeps the
+  staging ring (`staging_slots` x the largest chunk) instead;
+- transient, per bucket in flight: send, receive and full buffers of exactly
+  that bucket's `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`),
+  allocated when the bucket starts and freed when it finishes; a local bucket
+  (`axis` None) allocates no send or receive buffer. `MuonStep` starts bucket
+  k+1 before finishing bucket k, so up to `max_inflight` buckets are alive;
+  finishing one adds its Newton-Schulz temporaries (`ExchangePlan.ns_numel`),
+  starting one on the torch path (CPU) its fp32 momentum-step results while it
+  packs. After the buckets, torch's AdamW on CUDA (foreach) copies
+  `sqrt(exp_avg_sq)` of every param of the call; on CPU (single tensor) one
+  param at a time. With offload all of this runs per chunk.
+The step's peak is kept + the largest transient. Not modelled: the caching
+allocator's rounding and fragmentation, the first step's creation of state
+(with offload, one more chunk then), cuBLAS workspaces, and with
+`overlap_forward` the chunk order (units sorted by the forward's first use).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from muon.model_shapes import ParamShape, meta_module
+from muon.newton_schulz import ns_flops
+from muon.optimizer import DEFAULT_MAX_INFLIGHT
+from muon.param_groups import muon_param_groups
+from muon.planning import (
+    DEFAULT_BUCKET_CAP_BYTES,
+    ExchangePlan,
+    MuonPlan,
+    ParamLayout,
+    chunk_range,
+)
+
+# The one import of `offload` from `muon`: the estimate of what CPUOffloadOptimizer
+# stages must come from its own pure chunk planner and defaults (one source of truth).
+# `muon.estimate` is imported by the planner CLI only, never by `muon` itself.
+from offload.chunk_plan import ParamSpec, StateSpec, plan_offload
+from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
+
+EXPERT_SHARDS = ("auto", "experts", "rows")
+DEVICES = ("cuda", "cpu")
+MOMENTUM_DTYPE = torch.float32  # Muon keeps fp32 momentum whatever the param dtype
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """The device mesh as FSDP2 (+ HSDP, + EP) lays params out, torchtitan style.
+
+    Dense params: Shard(0) over `fsdp` ranks (mesh (replicate, fsdp) for HSDP).
+    Expert stacks (E, out, in): Shard(0) over `ep`, then over the `fsdp // ep`
+    ranks of each EP group on the expert dim ("experts": whole matrices, no
+    exchange) or on rows ("rows": exchanged); "auto" takes rows only when the
+    experts are fewer than `fsdp` (torchtitan's rule). Global rank r of a replica
+    sits at fsdp index r, EP coordinate r // (fsdp // ep).
+    """
+
+    fsdp: int
+    replicate: int = 1
+    ep: int = 1
+    expert_shard: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("fsdp", "replicate", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} should be >= 1 but is: {getattr(self, name)}")
+        if self.fsdp % self.ep:
+            raise ValueError(f"fsdp {self.fsdp} should be a multiple of ep {self.ep}")
+        if self.expert_shard not in EXPERT_SHARDS:
+            raise ValueError(
+                f"expert_shard should be one of {EXPERT_SHARDS} but is: {self.expert_shard!r}"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.fsdp
+
+    def _axes(self, sizes: tuple[int, ...], dims: tuple[int | None, ...], coord: tuple[int, ...]):
+        if self.replicate == 1:
+            return sizes, dims, coord
+        return (self.replicate, *sizes), (None, *dims), (0, *coord)
+
+    def layout(self, shape: tuple[int, ...], row_blocks: Sequence[int], group: int, rank: int):
+        """The `ParamLayout` `Muon` derives for a Muon param at fsdp index `rank`."""
+        if len(shape) == 3:
+            rows = self.expert_shard == "rows" or (
+                self.expert_shard == "auto" and shape[0] < self.fsdp
+            )
+            dim = 1 if rows else 0
+            if self.ep > 1:
+                inner = self.fsdp // self.ep
+                axes = self._axes((self.ep, inner), (0, dim), (rank // inner, rank % inner))
+                return ParamLayout(shape, tuple(row_blocks), *axes, "experts", group)
+            axes = self._axes((self.fsdp,), (dim,), (rank,))
+            return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
+        axes = self._axes((self.fsdp,), (0,), (rank,))
+        return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
+
+    def local_shape(self, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+        """A dense (AdamW) param's Shard(0) shard at fsdp index `rank`."""
+        start, stop = chunk_range(shape[0], self.fsdp, rank)
+        return (stop - start, *shape[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class StepSettings:
+    """Muon's bucket and dtype settings, and the offload wrapper's, as the run will use them."""
+
+    bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    ns_dtype: torch.dtype = torch.bfloat16
+    """On the wire and in Newton-Schulz."""
+    param_dtype: torch.dtype = torch.float32
+    """Of params and grads, and so of AdamW's moments."""
+    nesterov: bool = True
+    device: str = "cuda"
+    """"cuda": the fused momentum kernel (Triton) packs straight into the buffers and
+    torch's AdamW runs foreach; "cpu": the torch momentum path and single-tensor AdamW."""
+    offload_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    offload_slots: int = DEFAULT_STAGING_SLOTS
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_bytes <= 0:
+            raise ValueError(f"bucket_cap_bytes should be > 0 but is: {self.bucket_cap_bytes}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight should be >= 1 but is: {self.max_inflight}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device should be one of {DEVICES} but is: {self.device!r}")
+        if self.offload_chunk_bytes <= 0:
+            raise ValueError(
+                f"offload_chunk_bytes should be > 0 but is: {self.offload_chunk_bytes}"
+            )
+        if self.offload_slots < 1:
+            raise ValueError(f"offload_slots should be >= 1 but is: {self.offload_slots}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+            for name in self.__slots__
+            if (value := getattr(self, name)) is not None
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLoad:
+    """One bucket on one rank with every param active: its `ExchangePlan`'s numbers
+    (`BucketMetrics` names where they overlap)."""
+
+    bucket: int
+    rank: int
+    matrices: int
+    owned: int
+    bytes_sent: int
+    bytes_received: int
+    workspace_bytes: int
+    send_numel: int
+    recv_numel: int
+    full_numel: int
+    ns_numel: int
+    itemsize: int
+    momentum_bytes: int
+    """fp32 momentum-step results alive while the bucket packs (torch path, Nesterov)."""
+    ns_flops: int
+
+    @classmethod
+    def of(cls, plan: ExchangePlan, rank: int, momentum_bytes: int) -> BucketLoad:
+        return cls(
+            bucket=plan.bucket,
+            rank=rank,
+            matrices=len(plan.matrices),
+            owned=plan.owned,
+            bytes_sent=plan.bytes_sent,
+            bytes_received=plan.bytes_received,
+            workspace_bytes=plan.workspace_bytes,
+            send_numel=plan.send_numel,
+            recv_numel=plan.recv_numel,
+            full_numel=plan.full_numel,
+            ns_numel=plan.ns_numel,
+            itemsize=plan.itemsize,
+            momentum_bytes=momentum_bytes,
+            ns_flops=sum(len(b.matrices) * ns_flops(b.rows, b.cols) for b in plan.batches),
+        )
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Send, receive and full buffers while the bucket is in flight."""
+        return (self.send_numel + self.recv_numel + self.full_numel) * self.itemsize
+
+    @property
+    def ns_bytes(self) -> int:
+        return self.ns_numel * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Transient:
+    """What a step allocates on top of what is kept, at its peak, by kind."""
+
+    buffer_bytes: int = 0
+    """Exchange buffers (send, receive, full) of the buckets alive."""
+    ns_bytes: int = 0
+    """Newton-Schulz temporaries of the bucket finishing."""
+    other_bytes: int = 0
+    """Momentum-step results of the bucket starting (torch path), or AdamW's temporaries."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.buffer_bytes + self.ns_bytes + self.other_bytes
+
+
+def _larger(a: Transient, b: Transient) -> Transient:
+    return b if b.total_bytes > a.total_bytes else a
+
+
+def buckets_transient(
+    loads: Sequence[BucketLoad], order: Sequence[int], max_inflight: int
+) -> Transient:
+    """Peak of `MuonStep._run_buckets` over the buckets `order`, replayed event by event.
+
+    A bucket with no matrices on this rank keeps its place in the queue (as the
+    optimizer's None entry does) and allocates nothing.
+    """
+    peak = Transient()
+    alive: deque[BucketLoad | None] = deque()
+
+    def held() -> int:
+        return sum(load.buffer_bytes for load in alive if load is not None)
+
+    def finish() -> None:
+        nonlocal peak
+        load = alive[0]
+        if load is not None:
+            peak = _larger(peak, Transient(held(), load.ns_bytes, 0))
+        alive.popleft()
+
+    for b in order:
+        if len(alive) == max_inflight:
+            finish()
+        load = loads[b] if loads[b].matrices else None
+        if load is not None:
+            peak = _larger(peak, Transient(held() + load.buffer_bytes, 0, load.momentum_bytes))
+        alive.append(load)
+    while alive:
+        finish()
+    return peak
+
+
+def adamw_transient(group_bytes: Mapping[int, Sequence[int]], device: str) -> Transient:
+    """Temporaries of `MuonStep`'s AdamW calls (one per group): a `sqrt(exp_avg_sq)` copy
+    of the whole call on CUDA (foreach), of one param at a time on CPU (single tensor:
+    the root and its quotient)."""
+    if device == "cuda":
+        other = max((sum(sizes) for sizes in group_bytes.values()), default=0)
+    else:
+        other = 2 * max((max(sizes, default=0) for sizes in group_bytes.values()), default=0)
+    return Transient(other_bytes=other)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMemory:
+    """GPU bytes of one rank's optimizer: kept between steps, and the step's transient peak."""
+
+    state_bytes: int
+    """State on the GPU between steps (0 with offload: it lives on the host)."""
+    staging_bytes: int
+    """Offload's staging ring, kept between steps (0 without offload)."""
+    transient: Transient
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.state_bytes + self.staging_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.kept_bytes + self.transient.total_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RankEstimate:
+    """One rank of one replica."""
+
+    rank: int
+    loads: tuple[BucketLoad, ...]
+    """Per bucket."""
+    muon_state_bytes: int
+    adamw_state_bytes: int
+    no_offload: StepMemory
+    offload: StepMemory
+    offload_chunks: int
+
+    @property
+    def state_bytes(self) -> int:
+        """All optimizer state, wherever it lives."""
+        return self.muon_state_bytes + self.adamw_state_bytes
+
+    @property
+    def ns_flops(self) -> int:
+        return sum(load.ns_flops for load in self.loads)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank puts on the wire in one step (all buckets)."""
+        return sum(load.bytes_sent for load in self.loads)
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedAlternative:
+    """A padded all-to-all (XTuner style) for one bucket: per shape, matrices padded to a
+    multiple of the ranks, rows to a multiple of the ranks, equal splits."""
+
+    wire_bytes: int
+    """Per rank, out and back."""
+    buffer_bytes: int
+    """Per rank: padded send buffer + received and full matrices."""
+    padding_bytes: int
+    """Zeros among the matrices the ranks exchange, per rank."""
+    padded_bytes: int
+    """All matrix bytes the padded exchange holds, per rank (real + zeros)."""
+
+
+def padded_alternative(plan: MuonPlan, bucket: int) -> PaddedAlternative | None:
+    """What a padded all-to-all would cost for `bucket` of `plan`; None for a local bucket."""
+    b = plan.buckets[bucket]
+    if b.axis is None:
+        return None
+    world = plan.layouts[b.params[0]].mesh_shape[b.axis]
+    counts: dict[tuple[int, int], int] = {}
+    for m in plan.matrices[bucket]:
+        counts[(m.rows, m.cols)] = counts.get((m.rows, m.cols), 0) + 1
+    wire = buffer = padding = padded_total = 0
+    for (rows, cols), count in counts.items():
+        per_rank = math.ceil(count / world)  # padded matrices each rank owns
+        shard = math.ceil(rows / world) * cols
+        wire += 2 * per_rank * (world - 1) * shard
+        buffer += per_rank * world * shard + 2 * per_rank * shard * world
+        padded = per_rank * world * shard * world
+        padded_total += padded
+        padding += padded - count * rows * cols
+    size = plan.itemsize
+    return PaddedAlternative(
+        wire * size, buffer * size, padding * size // world, padded_total * size // world
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEstimate:
+    """Every rank of one replica (the replicas are identical)."""
+
+    mesh: MeshSpec
+    settings: StepSettings
+    names: tuple[str, ...]
+    """Muon params in the optimizer's order (`MuonPlan` indices)."""
+    plans: tuple[MuonPlan, ...]
+    """Per fsdp index, the `MuonPlan` `Muon` builds on that rank."""
+    ranks: tuple[RankEstimate, ...]
+    padded: tuple[PaddedAlternative | None, ...]
+    """Per bucket; None for a local bucket."""
+
+    def exchange(self, rank: int, bucket: int) -> ExchangePlan:
+        """The `ExchangePlan` of `rank` for `bucket`, every param active."""
+        plan = self.plans[rank]
+        return plan.exchange(bucket, frozenset(plan.buckets[bucket].params))
+
+    @property
+    def busiest(self) -> RankEstimate:
+        """The rank with the most Newton-Schulz FLOPs (the lowest such rank)."""
+        return max(self.ranks, key=lambda r: (r.ns_flops, -r.rank))
+
+    @property
+    def idlest(self) -> RankEstimate:
+        """The rank with the fewest Newton-Schulz FLOPs (the lowest such rank)."""
+        return min(self.ranks, key=lambda r: (r.ns_flops, r.rank))
+
+    def largest_peak(self, offload: bool) -> RankEstimate:
+        """The rank whose step peaks highest (the one a memory budget must fit)."""
+        return max(self.ranks, key=lambda r: (_memory(r, offload).peak_bytes, -r.rank))
+
+    @property
+    def imbalance(self) -> float:
+        """Max over mean of the ranks' Newton-Schulz FLOPs (1.0 is perfect)."""
+        flops = [r.ns_flops for r in self.ranks]
+        mean = sum(flops) / len(flops)
+        return max(flops) / mean if mean else 1.0
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of a padded all-to-all's matrix bytes that are zeros, over all buckets."""
+        padded = sum(p.padded_bytes for p in self.padded if p is not None)
+        zeros = sum(p.padding_bytes for p in self.padded if p is not None)
+        return zeros / padded if padded else 0.0
+
+
+def _memory(rank: RankEstimate, offload: bool) -> StepMemory:
+    return rank.offload if offload else rank.no_offload
+
+
+def _split(
+    module: nn.Module, row_blocks: Mapping[str, Sequence[int]] | None
+) -> tuple[list[tuple[str, tuple[int, ...], tuple[int, ...], int]], list[tuple[int, tuple]]]:
+    """Muon params as (name, shape, row_blocks, group) in the optimizer's order, and the
+    AdamW params as (group, shape), as `muon_param_groups` groups them."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    muon, adamw = [], []
+    for index, group in enumerate(muon_param_groups(module, row_blocks=row_blocks)):
+        for p in group["params"]:
+            if group.get("algorithm") == "adamw":
+                adamw.append((index, tuple(p.shape)))
+            else:
+                blocks = tuple(group.get("row_blocks") or ())
+                muon.append((names[id(p)], tuple(p.shape), blocks, index))
+    return muon, adamw
+
+
+def _momentum_bytes(numels: Sequence[int], settings: StepSettings) -> int:
+    """Peak of a bucket's momentum step on the torch path: results kept (Nesterov) while
+    it packs, and a grad's fp32 cast if the params are not fp32. None with the fused kernel."""
+    if settings.device == "cuda":
+        return 0
+    size = MOMENTUM_DTYPE.itemsize
+    cast = settings.param_dtype != MOMENTUM_DTYPE
+    alive = peak = 0
+    for n in numels:  # params in index order, as `MuonStep._pack` updates them
+        result = n * size if settings.nesterov else 0
+        peak = max(peak, alive + result + (n * size if cast else 0))
+        alive += result
+    return peak
+
+
+def _shards(layout: ParamLayout) -> int:
+    """Mesh ranks a param is sharded over (CPUOffloadOptimizer's `invariant_numel` divisor)."""
+    sizes = zip(layout.mesh_shape, layout.shard_dims, strict=True)
+    return math.prod(n for n, dim in sizes if dim is not None)
+
+
+def estimate(
+    shapes: Sequence[ParamShape] | nn.Module,
+    mesh: MeshSpec,
+    settings: StepSettings | None = None,
+    row_blocks: Mapping[str, Sequence[int]] | None = None,
+) -> ModelEstimate:
+    """Estimate a model (shapes or a live module) on `mesh` for every rank of one replica."""
+    settings = settings or StepSettings()
+    module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    muon, adamw = _split(module, row_blocks)
+    itemsize = settings.ns_dtype.itemsize
+    built: dict[tuple[int, ...], MuonPlan] = {}
+    plans, ranks = [], []
+    for rank in range(mesh.fsdp):
+        layouts = [mesh.layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
+        # ranks holding as many experts of each exchanged stack share one owner assignment
+        key = tuple(
+            layout.local_shape()[0]
+            for layout in layouts
+            if layout.ndim == 3 and layout.exchange_axis is not None
+        )
+        if key in built:
+            plan = built[key].seen_from(layouts)
+        else:
+            plan = built[key] = MuonPlan.build(layouts, settings.bucket_cap_bytes, itemsize)
+        plans.append(plan)
+        ranks.append(_rank(plan, layouts, adamw, mesh, settings, rank))
+    padded = tuple(padded_alternative(plans[0], b) for b in range(len(plans[0].buckets)))
+    names = tuple(name for name, _, _, _ in muon)
+    return ModelEstimate(mesh, settings, names, tuple(plans), tuple(ranks), padded)
+
+
+# Ranks with the same shard shapes get the same chunks; 64 ranks plan in well under a second.
+_plan_offload = lru_cache(maxsize=16)(plan_offload)
+
+
+def _rank(
+    plan: MuonPlan,
+    layouts: Sequence[ParamLayout],
+    adamw: Sequence[tuple[int, tuple[int, ...]]],
+    mesh: MeshSpec,
+    settings: StepSettings,
+    rank: int,
+) -> RankEstimate:
+    local_shapes = [layout.local_shape() for layout in layouts]
+    local = [math.prod(shape) for shape in local_shapes]
+    loads = tuple(
+        BucketLoad.of(
+            plan.exchange(b, frozenset(bucket.params)),
+            rank,
+            _momentum_bytes([local[i] for i in bucket.params], settings),
+        )
+        for b, bucket in enumerate(plan.buckets)
+    )
+    adamw_local = [math.prod(mesh.local_shape(shape, rank)) for _, shape in adamw]
+    moment = settings.param_dtype.itemsize
+    muon_state = sum(local) * MOMENTUM_DTYPE.itemsize
+    adamw_state = 2 * sum(adamw_local) * moment
+
+    # Units exactly as `MuonStep` makes them: each bucket, then each AdamW param.
+    buckets = len(plan.buckets)
+    units = [list(bucket.params) for bucket in plan.buckets]
+    units += [[len(layouts) + i] for i in range(len(adamw))]
+    specs = [
+        ParamSpec(
+            math.prod(layout.shape) // _shards(layout),
+            (StateSpec("momentum_buffer", torch.Size(shape), MOMENTUM_DTYPE),),
+        )
+        for layout, shape in zip(layouts, local_shapes, strict=True)
+    ] + [
+        ParamSpec(
+            math.prod(shape) // mesh.fsdp,
+            tuple(
+                StateSpec(k, torch.Size(mesh.local_shape(shape, rank)), settings.param_dtype)
+                for k in ("exp_avg", "exp_avg_sq")
+            ),
+        )
+        for _, shape in adamw
+    ]
+
+    def step_transient(unit_indices: Sequence[int]) -> Transient:
+        """`MuonStep.step_params` over these units: its buckets, then AdamW per group."""
+        groups: dict[int, list[int]] = {}
+        for u in unit_indices:
+            if u >= buckets:
+                group = adamw[u - buckets][0]
+                groups.setdefault(group, []).append(adamw_local[u - buckets] * moment)
+        ordered = [u for u in unit_indices if u < buckets]
+        return _larger(
+            buckets_transient(loads, ordered, settings.max_inflight),
+            adamw_transient(groups, settings.device),
+        )
+
+    offload = _plan_offload(tuple(map(tuple, units)), tuple(specs), settings.offload_chunk_bytes)
+    offload_transient = Transient()
+    for chunk in offload.chunks:
+        offload_transient = _larger(offload_transient, step_transient(chunk.units))
+    return RankEstimate(
+        rank=rank,
+        loads=loads,
+        muon_state_bytes=muon_state,
+        adamw_state_bytes=adamw_state,
+        no_offload=StepMemory(muon_state + adamw_state, 0, step_transient(range(len(units)))),
+        offload=StepMemory(0, offload.staging_bytes(settings.offload_slots), offload_transient),
+        offload_chunks=len(offload.chunks),
+    )
