@@ -1,17 +1,18 @@
-"""muon.plan's estimated step memory vs `torch.cuda.max_memory_allocated`, one GPU.
+"""muon.estimate's optimizer memory vs `torch.cuda` allocator statistics, one GPU.
 
 Qwen3-8B shapes (`--layers` decoder layers, embeddings, lm_head and norms in
-the AdamW group), fp32 params and grads, Muon with its defaults. The params are
-DTensors Shard(0) on a 1-rank NCCL mesh (FSDP2 at world 1), so every bucket
-takes the exchange path (send, receive and full buffers). Step 1 creates
-state, buffers and cuBLAS workspaces; step 2 is measured, whole and per phase
-(Muon buckets, AdamW group):
+the AdamW group), fp32 params and grads, Muon with its defaults, with and
+without `CPUOffloadOptimizer`. The params are DTensors Shard(0) on a 1-rank
+NCCL mesh (FSDP2 at world 1), so every bucket takes the exchange path. Per arm,
+a fresh optimizer steps twice:
 
-    measured = max_memory_allocated during the phase - memory_allocated before it
-    step peak = measured(step) + exchange buffers (held since step 1)
+    kept between steps = memory_allocated after step 1 - before it
+                         (state; with offload the staging ring, state on the host)
+    step transient     = max_memory_allocated during step 2 - memory_allocated before it
 
-and compared with `muon.plan`'s busiest-rank estimate for the same shapes and
-mesh. Prints a table and writes JSON. CUDA only; well under a minute.
+and both are compared with the estimate for the same shapes and mesh (the
+estimate leaves out cuBLAS workspaces and the first step's extra chunk).
+Prints a table and writes JSON. CUDA only; well under a minute.
 
     python -m bench.plan_vs_measured --out bench/results/plan_vs_measured.json
 """
@@ -27,9 +28,10 @@ import torch.distributed as dist
 
 from bench.report import write_json
 from muon import Muon, muon_param_groups
+from muon.estimate import MeshSpec, StepSettings, estimate
 from muon.model_shapes import PRESETS, from_config, from_module, meta_module
 from muon.newton_schulz import set_backend
-from muon.plan import MeshSpec, StepSettings, build_plan
+from offload import CPUOffloadOptimizer
 
 
 def _model(layers: int, device: torch.device) -> torch.nn.Module:
@@ -62,16 +64,45 @@ def _set_grads(module: torch.nn.Module, seed: int) -> None:
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
 
 
-def _measure(fn) -> int:
+def _allocated() -> int:
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    return torch.cuda.memory_allocated()
+
+
+def _measure(fn) -> int:
+    """Peak bytes `fn` allocates on top of what is allocated when it starts."""
+    before = _allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
 
 
-def run(layers: int, cap_mib: float, max_inflight: int) -> dict:
+def _arm(module, settings: StepSettings, offload: bool) -> tuple[int, int]:
+    """(kept after step 1, transient of step 2) of a fresh optimizer over `module`."""
+    opt = Muon(
+        muon_param_groups(module),
+        lr=0.02,
+        bucket_cap_bytes=settings.bucket_cap_bytes,
+        max_inflight=settings.max_inflight,
+    )
+    if offload:
+        opt = CPUOffloadOptimizer(
+            opt, chunk_bytes=settings.offload_chunk_bytes, staging_slots=settings.offload_slots
+        )
+    _set_grads(module, 1)
+    before = _allocated()
+    opt.step()  # creates state (on the host with offload) and the staging ring
+    kept = _allocated() - before
+    _set_grads(module, 2)
+    transient = _measure(opt.step)
+    if offload:
+        opt.wait_for_optimizer_step()
+    del opt
+    return kept, transient
+
+
+def run(layers: int, cap_mib: float, max_inflight: int, chunk_mib: float) -> dict:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     module = _model(layers, device)
@@ -79,42 +110,27 @@ def run(layers: int, cap_mib: float, max_inflight: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     _distribute(module, init_device_mesh("cuda", (1,)))
-    settings = StepSettings(bucket_cap_bytes=int(cap_mib * 2**20), max_inflight=max_inflight)
-    plan = build_plan(shapes, MeshSpec(1), settings)
-    estimate = plan.busiest
-    opt = Muon(
-        muon_param_groups(module),
-        lr=0.02,
-        bucket_cap_bytes=settings.bucket_cap_bytes,
+    settings = StepSettings(
+        bucket_cap_bytes=int(cap_mib * 2**20),
         max_inflight=max_inflight,
+        offload_chunk_bytes=int(chunk_mib * 2**20),
     )
-
-    _set_grads(module, 1)
-    first = _measure(opt.step)  # creates state, exchange buffers, cuBLAS workspaces
-    buffers = opt._buffers.nbytes
-    _set_grads(module, 2)
-    step = _measure(opt.step)
-    _set_grads(module, 3)
-    subset = opt.begin_subset_step()
-    buckets = len(plan.plans[0].buckets)
-    muon_units = [p for unit in subset.units[:buckets] for p in unit]
-    adamw_units = [p for unit in subset.units[buckets:] for p in unit]
-    muon = _measure(lambda: subset.step_params(muon_units))
-    adamw = _measure(lambda: subset.step_params(adamw_units))
-
-    rows = [
-        ("step peak (buffers + transient)", estimate.step_peak_bytes, step + buffers),
-        ("Muon buckets transient", estimate.muon_transient_bytes, muon),
-        ("AdamW transient", estimate.adamw_transient_bytes, adamw),
-        ("exchange buffers", estimate.buffer_bytes, buffers),
-    ]
+    (rank,) = estimate(shapes, MeshSpec(1), settings).ranks
+    rows = []
+    for offload in (False, True):
+        kept, transient = _arm(module, settings, offload)
+        expected = rank.offload if offload else rank.no_offload
+        arm = "offload" if offload else "no offload"
+        rows += [
+            (f"{arm}: kept between steps", expected.kept_bytes, kept),
+            (f"{arm}: step transient", expected.transient.total_bytes, transient),
+        ]
     return {
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device),
         "layers": layers,
-        "buckets": buckets,
-        "first_step_bytes": first,
-        "first_step_estimate_bytes": estimate.state_bytes + estimate.step_peak_bytes,
+        "buckets": len(rank.loads),
+        "offload_chunks": rank.offload_chunks,
         "rows": [
             {"phase": name, "estimate": est, "measured": got, "ratio": got / est}
             for name, est, got in rows
@@ -127,6 +143,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--bucket-cap-mib", type=float, default=512)
     p.add_argument("--max-inflight", type=int, default=2)
+    p.add_argument("--offload-chunk-mib", type=float, default=256)
     p.add_argument(
         "--ns-backend", default="auto", choices=("auto", "torch", "triton"),
         help="Newton-Schulz path (both allocate the same workspace, which the plan models)",
@@ -141,7 +158,9 @@ def main() -> None:
         init = f"file://{os.path.join(tmp, 'init')}"
         dist.init_process_group("nccl", init_method=init, rank=0, world_size=1)
         try:
-            result = run(args.layers, args.bucket_cap_mib, args.max_inflight)
+            result = run(
+                args.layers, args.bucket_cap_mib, args.max_inflight, args.offload_chunk_mib
+            )
             result["ns_backend"] = args.ns_backend
         finally:
             dist.destroy_process_group()
@@ -153,10 +172,6 @@ def main() -> None:
             f"{row['phase']:<34} {row['estimate'] / gib:>12.3f} {row['measured'] / gib:>12.3f} "
             f"{row['ratio']:>7.3f}"
         )
-    print(
-        f"first step (state created): estimate {result['first_step_estimate_bytes'] / gib:.3f} "
-        f"GiB, measured {result['first_step_bytes'] / gib:.3f} GiB (not asserted)"
-    )
     if args.out:
         write_json(args.out, result)
 
