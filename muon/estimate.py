@@ -387,8 +387,9 @@ class ModelEstimate:
 
     @property
     def idlest(self) -> RankEstimate:
-        """The rank with the fewest Newton-Schulz FLOPs (the lowest such rank)."""
-        return min(self.ranks, key=lambda r: (r.ns_flops, r.rank))
+        """The rank with the fewest Newton-Schulz FLOPs (the highest such rank, so that with
+        balanced FLOPs it is not the busiest)."""
+        return min(self.ranks, key=lambda r: (r.ns_flops, -r.rank))
 
     def largest_peak(self, offload: bool) -> RankEstimate:
         """The rank whose step peaks highest (the one a memory budget must fit)."""

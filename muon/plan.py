@@ -67,12 +67,12 @@ def _shapes(plan: MuonPlan, bucket: int) -> str:
 
 def bucket_rows(model: ModelEstimate) -> list[dict[str, Any]]:
     """Per bucket: what it holds, and the ranks with the most and fewest Newton-Schulz
-    FLOPs in it (`BucketMetrics` names; ties go to the lowest rank)."""
+    FLOPs in it (`BucketMetrics` names; ties: the lowest rank is busy, the highest idle)."""
     rows = []
     for b, bucket in enumerate(model.plans[0].buckets):
         loads = [rank.loads[b] for rank in model.ranks]
         busy = max(loads, key=lambda x: (x.ns_flops, -x.rank))
-        idle = min(loads, key=lambda x: (x.ns_flops, x.rank))
+        idle = min(loads, key=lambda x: (x.ns_flops, -x.rank))
         sides = {}
         for side, load in (("busy", busy), ("idle", idle)):
             ex = model.exchange(load.rank, b)
