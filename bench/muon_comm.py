@@ -192,7 +192,7 @@ def _model_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[
 
 def _print_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     def mib(n: int | None) -> str:
-        return "n/a" if n is None else f"{n / MIB:,.1f}"
+        return "n/a" if n is None else f"{n / MIB:,.2f}"
 
     print(
         f"{'model':<14} {'strategy':<8} {'rank':<9} {'step ms':>8} {'exch ms':>8} "
