@@ -4,15 +4,15 @@ Two experiments, each on `--world` ranks (gloo on CPU, or NCCL with one GPU per 
 
 - `--experiment model` (default): the Muon params of a model slice, Qwen3-8B
   (`--layers` dense layers) and a Qwen3-30B-A3B-shaped MoE slice (`--moe-layers`
-  layers with 3-D expert stacks), as FSDP2 lays them out on the mesh `muon.estimate`
+  layers with 3-D expert stacks), as FSDP2 lays them out on the mesh `muon_offload.estimate`
   describes (Shard(0); experts on the expert dim or, `--expert-shard rows`, on rows).
   Per strategy: time per step, exchange time, bytes sent per rank, and memory per rank
   for the busy and the idle rank (most / fewest Newton-Schulz FLOPs), each estimated
-  by `muon.estimate` for the same mesh and measured. Ours: a real `Muon.step` (time),
+  by `muon_offload.estimate` for the same mesh and measured. Ours: a real `Muon.step` (time),
   the same with `collect_timings` (exchange time: packing, all-to-all, unpacking),
   `Muon.metrics` (bytes the all-to-alls were given), and on CUDA the allocator's peak
   during the step over what was allocated before it (the Muon buckets' transient).
-  Padded: the bare all-to-alls of `muon.estimate.padded_alternative` (equal splits,
+  Padded: the bare all-to-alls of `muon_offload.estimate.padded_alternative` (equal splits,
   matrices and rows padded to the ranks), out and back per exchanged bucket; its
   memory is the estimate's (buffers of `max_inflight` buckets), not measured.
   `--scale` divides the model's widths (and experts) for CPU runs.
@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from bench.report import exit_spawned_rank, write_json
 from muon import Muon, muon_param_groups
-from muon.estimate import EXPERT_SHARDS, MeshSpec, StepSettings, buckets_transient, estimate
 from muon.model_shapes import PRESETS, from_config, meta_module
+from muon_offload.estimate import EXPERT_SHARDS, MeshSpec, StepSettings, buckets_transient, estimate
 
 ITEMSIZE = 2  # bf16 on the wire
 MIB = 2**20

@@ -1,10 +1,10 @@
-"""Per-rank optimizer memory from `muon.estimate` as a PNG: the busy and the idle rank,
+"""Per-rank optimizer memory from `muon_offload.estimate` as a PNG: the busy and the idle rank,
 with and without offload, one stacked bar each.
 
     python -m bench.plan_plot --preset qwen3-8b --fsdp 8 \
         --out bench/measured/plan_qwen3-8b_fsdp8.png
 
-Takes `python -m muon.plan`'s arguments. Each bar stacks what the optimizer holds on
+Takes `python -m muon_offload.plan`'s arguments. Each bar stacks what the optimizer holds on
 the GPU at the step's peak: kept between steps (state, or offload's staging ring),
 then the step's transient (exchange buffers of the buckets in flight, Newton-Schulz
 workspace, momentum / AdamW temporaries). Needs matplotlib (`pip install -e .[plot]`).
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from muon.estimate import ModelEstimate, StepMemory
-from muon.plan import estimate_from, parser
+from muon_offload.estimate import ModelEstimate, StepMemory
+from muon_offload.plan import estimate_from, parser
 
 # (label, bytes of a StepMemory, colour)
 PARTS = (

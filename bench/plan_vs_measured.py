@@ -1,4 +1,4 @@
-"""muon.estimate's optimizer memory vs `torch.cuda` allocator statistics, one GPU.
+"""muon_offload.estimate's optimizer memory vs `torch.cuda` allocator statistics, one GPU.
 
 Qwen3-8B shapes (`--layers` decoder layers, embeddings, lm_head and norms in
 the AdamW group), fp32 params and grads, Muon with its defaults, with and
@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from bench.report import write_json
 from muon import Muon, muon_param_groups
-from muon.estimate import MeshSpec, StepSettings, estimate
 from muon.model_shapes import PRESETS, from_config, from_module, meta_module
 from muon.newton_schulz import set_backend
+from muon_offload.estimate import MeshSpec, StepSettings, estimate
 from offload import CPUOffloadOptimizer
 
 

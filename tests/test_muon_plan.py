@@ -14,7 +14,9 @@ import torch.distributed as dist
 from spawn_ranks import run_on_ranks
 
 from muon import BucketMetrics, Muon, muon_param_groups
-from muon.estimate import (
+from muon.model_shapes import from_config, from_module, from_preset, meta_module
+from muon.planning import MuonPlan, ParamLayout
+from muon_offload.estimate import (
     BucketLoad,
     MeshSpec,
     StepSettings,
@@ -23,9 +25,7 @@ from muon.estimate import (
     estimate,
     padded_alternative,
 )
-from muon.model_shapes import from_config, from_module, from_preset, meta_module
-from muon.plan import main
-from muon.planning import MuonPlan, ParamLayout
+from muon_offload.plan import main
 from offload import CPUOffloadOptimizer
 
 # DeepSeek-like: MLA, a dense first layer, routed experts + a shared one, router bias.

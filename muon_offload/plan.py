@@ -1,10 +1,10 @@
 """The Muon plan before the run: buckets, owners, bytes and memory per rank (CLI and report).
 
-    python -m muon.plan --preset qwen3-30b-a3b --fsdp 64 --ep 8
-    python -m muon.plan --config config.json --fsdp 32 --replicate 4 --json
-    python -m muon.plan --preset qwen3-8b --sweep-fsdp 8,16,32,64 --offload --budget-gib 20
+    python -m muon_offload.plan --preset qwen3-30b-a3b --fsdp 64 --ep 8
+    python -m muon_offload.plan --config config.json --fsdp 32 --replicate 4 --json
+    python -m muon_offload.plan --preset qwen3-8b --sweep-fsdp 8,16,32,64 --offload --budget-gib 20
 
-The figures are `muon.estimate`'s, computed by the planning code the optimizer
+The figures are `muon_offload.estimate`'s, computed by the planning code the optimizer
 runs; this module only prints them. Per bucket the table shows the rank with
 the most and the one with the fewest Newton-Schulz FLOPs in that bucket, under
 `BucketMetrics`' field names, so a run's `Muon.metrics` can be held against it.
@@ -25,7 +25,10 @@ from typing import Any
 
 import torch
 
-from muon.estimate import (
+from muon.model_shapes import PRESETS, from_config, from_preset, load_config
+from muon.optimizer import DEFAULT_MAX_INFLIGHT
+from muon.planning import DEFAULT_BUCKET_CAP_BYTES, MuonPlan
+from muon_offload.estimate import (
     EXPERT_SHARDS,
     MeshSpec,
     ModelEstimate,
@@ -34,9 +37,6 @@ from muon.estimate import (
     StepSettings,
     estimate,
 )
-from muon.model_shapes import PRESETS, from_config, from_preset, load_config
-from muon.optimizer import DEFAULT_MAX_INFLIGHT
-from muon.planning import DEFAULT_BUCKET_CAP_BYTES, MuonPlan
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LAYER = re.compile(r"layers\.(\d+)\.")
@@ -292,7 +292,7 @@ def print_sweep(rows: Sequence[dict[str, Any]]) -> None:
         )
 
 
-def parser(prog: str = "python -m muon.plan") -> argparse.ArgumentParser:
+def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser:
     """The planner's arguments (bench.plan_plot takes the same)."""
     p = argparse.ArgumentParser(
         prog=prog,

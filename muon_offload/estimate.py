@@ -52,9 +52,8 @@ from muon.planning import (
     chunk_range,
 )
 
-# The one import of `offload` from `muon`: the estimate of what CPUOffloadOptimizer
-# stages must come from its own pure chunk planner and defaults (one source of truth).
-# `muon.estimate` is imported by the planner CLI only, never by `muon` itself.
+# What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
+# (one source of truth); this module joins muon and offload, so it lives in muon_offload.
 from offload.chunk_plan import ParamSpec, StateSpec, plan_offload
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
 
