@@ -56,6 +56,13 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
 
     The DTensor wraps `local` where it lies: `DTensor.from_local` would copy a
     host view to the mesh's device, leaving a stale GPU copy in the state.
+
+    Its wrapper is built with storage offset 0, as `DTensor.from_local` of an
+    unsliced tensor gives. torch 2.13's `DTensor.__new__` copies the local
+    tensor's offset onto the storage-less wrapper, so a slab view's DTensor has
+    a nonzero `data_ptr()`, and DCP's async stager then copies the wrapper's
+    null storage ("copy_() on an invalid python storage"). Private API, checked
+    on torch 2.11 and 2.13.
     """
     if not hasattr(param, "placements") or local.shape != local_tensor(param).shape:
         return local
@@ -64,7 +71,18 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
 
     meta = TensorMeta(param.shape, param.stride(), local.dtype)
     spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
+    state = torch.Tensor._make_wrapper_subclass(
+        DTensor,
+        meta.shape,
+        strides=meta.stride,
+        storage_offset=0,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=False,
+    )
+    state._spec, state._local_tensor = spec, local
+    return state
 
 
 @dataclass
