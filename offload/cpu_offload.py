@@ -266,6 +266,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if isinstance(value, Tensor) and value.ndim >= 1
         }
         views = self._host_views()
+        self._check_complete_state(state_dict["state"], param_of, views)
         for (index, key), value in offloaded.items():
             view = views.get((param_of[index], key))
             if view is not None and local_tensor(value).shape != view.host.shape:
@@ -291,6 +292,36 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             else:
                 view.host.copy_(local_tensor(value))
                 self.optimizer.state[param][key] = view.host_state
+
+    def _check_complete_state(
+        self,
+        saved: dict[Any, dict[str, Any]],
+        param_of: dict[Any, Tensor],
+        views: dict[tuple[Tensor, str], _View],
+    ) -> None:
+        """Every param with saved state has every state tensor the step will read.
+
+        A missing one would be staged from its slab unchanged (zeros, or the last
+        run's values); plain torch optimizers raise a KeyError at the next step.
+        """
+        homed: dict[Tensor, set[str]] = {}
+        for param, key in views:
+            homed.setdefault(param, set()).add(key)
+        for index, entries in saved.items():
+            if not entries:
+                continue
+            param = param_of[index]
+            expected = homed.get(param, set())
+            if not expected and self._subset is not None:
+                expected = set(self._subset.state_layout(param))
+            missing = sorted(expected - set(entries))
+            if missing:
+                raise KeyError(
+                    f"state_dict's state of param {index} lacks {missing[0]!r} (it has "
+                    f"{sorted(entries)}; {type(self.optimizer).__name__} keeps {sorted(expected)} "
+                    f"for it): load a state_dict saved from the same optimizer, or drop param "
+                    f"{index}'s entry to start its state afresh"
+                )
 
     # -- stepping -----------------------------------------------------------------------
 
