@@ -109,3 +109,11 @@ def test_serial_path_checks_host_memory_before_the_params_change(monkeypatch):
     with pytest.raises(HostMemoryError, match="needs 288 bytes"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_staging_ring_larger_than_free_gpu_memory_fails_at_construction():
+    model = torch.nn.Linear(1024, 1024, device="cuda")  # AdamW: 8 MiB of state for the weight
+    with pytest.raises(torch.OutOfMemoryError, match=r"needs \d+ bytes .* on cuda:0, but only"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), staging_slots=10**6)
