@@ -19,6 +19,7 @@ each window (host clock on the CPU, where every op is synchronous).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -27,7 +28,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -479,6 +480,24 @@ def compare_runs(
 COMPARE_FAILED = 3  # exit status of a --compare whose runs differ
 
 
+@contextlib.contextmanager
+def comparable(device: torch.device) -> Iterator[None]:
+    """On CUDA, what two runs need to be comparable bit for bit (two plain runs with
+    the fused attention kernels already differ): deterministic algorithms, and the
+    math attention kernel. `main` sets cuBLAS's workspace config before CUDA starts."""
+    if device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def arm_name(config: OptimizerConfig) -> str:
     return f"offload={config.offload}" + (" + overlap" if config.offload_overlap_forward else "")
 
@@ -506,7 +525,8 @@ def run(rank: int, world: int, args: argparse.Namespace, device: torch.device) -
     for arm in arms:
         if lead:
             print(f"\n{arm_name(arm)}", flush=True)
-        result, losses, params = train_arm(args, config, arm, mesh, rank, device)
+        with comparable(device) if args.compare else contextlib.nullcontext():
+            result, losses, params = train_arm(args, config, arm, mesh, rank, device)
         results.append(result)
         runs.append((losses, params))
         if lead:
@@ -632,6 +652,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         launch(args)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # under torchrun
+    if args.compare:  # deterministic cuBLAS, read when CUDA starts (see `comparable`)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
