@@ -62,8 +62,9 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
     unsliced tensor gives. torch 2.13's `DTensor.__new__` copies the local
     tensor's offset onto the storage-less wrapper, so a slab view's DTensor has
     a nonzero `data_ptr()`, and DCP's async stager then copies the wrapper's
-    null storage ("copy_() on an invalid python storage"). Private API, checked
-    on torch 2.11 and 2.13.
+    null storage ("copy_() on an invalid python storage"). Private API (the
+    wrapper `DTensor.__new__` builds), checked on torch 2.13; the GPU tests run
+    it on 2.11.
     """
     if not hasattr(param, "placements") or local.shape != local_tensor(param).shape:
         return local
