@@ -19,8 +19,8 @@ def write_json(path: str | Path, payload: Any) -> None:
     print(f"wrote {path}")
 
 
-def exit_spawned_rank() -> NoReturn:
-    """End a spawned rank whose work is done: tear down together, then exit.
+def exit_spawned_rank(status: int = 0) -> NoReturn:
+    """End a spawned rank whose work is done: tear down together, then exit with `status`.
 
     The barrier keeps a rank from destroying its group while a peer still talks.
     `os._exit` skips interpreter finalization, where gloo's C++ threads sometimes
@@ -31,4 +31,4 @@ def exit_spawned_rank() -> NoReturn:
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

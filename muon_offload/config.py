@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,17 @@ from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS, inva
 OPTIMIZER_TYPES = ("adamw", "muon")
 OFFLOAD_MODES = ("none", "optimizer")
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
+# Muon arguments the config sets from its own fields; muon_options may set the rest.
+_MUON_ARGS_FROM_FIELDS = {
+    "self",
+    "params",
+    "lr",
+    "weight_decay",
+    "momentum",
+    "nesterov",
+    "ns_coefficients",
+    "adjust_lr_fn",
+}
 
 
 @dataclass(kw_only=True)
@@ -61,6 +75,9 @@ class OptimizerConfig:
     """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
 
     def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name], _field_default(f))
         _one_of("type", self.type, OPTIMIZER_TYPES)
         _one_of("offload", self.offload, OFFLOAD_MODES)
         _one_of("ns_schedule", self.ns_schedule, tuple(SCHEDULES))
@@ -69,6 +86,13 @@ class OptimizerConfig:
             raise ValueError(f"lr should be >= 0 but is: {self.lr}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay should be >= 0 but is: {self.weight_decay}")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas[{i}] should be in [0, 1) but is: {beta}")
+        if not self.eps >= 0:
+            raise ValueError(f"eps should be >= 0 but is: {self.eps}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum should be in [0, 1) but is: {self.momentum}")
         if self.offload_overlap_forward and self.offload != "optimizer":
             raise ValueError(
                 "offload_overlap_forward=True needs offload='optimizer' (it overlaps the "
@@ -84,6 +108,7 @@ class OptimizerConfig:
             )
         if self.muon_options and self.type != "muon":
             raise ValueError(f"muon_options is set but type is {self.type!r}; use type='muon'")
+        _check_muon_options(self.muon_options)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -109,20 +134,94 @@ class OptimizerConfig:
 
     @classmethod
     def from_toml(cls, path: str, table: str = "optimizer") -> OptimizerConfig:
-        """Read the `[optimizer]` table of a TOML file (unknown keys are an error)."""
+        """Read the `[optimizer]` table of a TOML file.
+
+        A missing table or an unknown key in it is an error; other tables (a
+        trainer's own) are left alone.
+        """
         try:
             import tomllib
         except ImportError as err:  # Python 3.10
             raise RuntimeError("reading TOML configs needs Python >= 3.11") from err
 
         with open(path, "rb") as f:
-            values = tomllib.load(f).get(table, {})
-        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+            document = tomllib.load(f)
+        if not isinstance(document.get(table), dict):
+            tables = sorted(k for k, v in document.items() if isinstance(v, dict))
+            raise ValueError(
+                f"{path} has no [{table}] table (found tables {tables}); put the optimizer "
+                f"fields under [{table}]"
+            )
+        values = document[table]
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(values) - set(names)
         if unknown:
-            raise ValueError(f"unknown keys in [{table}] of {path}: {sorted(unknown)}")
+            raise ValueError(
+                f"unknown keys in [{table}] of {path}: {sorted(unknown)}; the fields are {names}"
+            )
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
         return cls(**values)
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether `value` has type `hint` (strictly: a bool is not a number, nor "no" a bool)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:  # an int is a float too (TOML's `lr = 1`)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is tuple:
+        return (
+            isinstance(value, tuple)
+            and len(value) == len(args)
+            and all(_matches(v, a) for v, a in zip(value, args, strict=True))
+        )
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items()
+        )
+    return isinstance(value, origin or hint)
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type) and not typing.get_args(hint):
+        module = hint.__module__
+        return hint.__qualname__ if module == "builtins" else f"{module}.{hint.__qualname__}"
+    return str(hint).replace("typing.", "")
+
+
+def _check_type(name: str, value: Any, hint: Any, example: Any) -> None:
+    if not _matches(value, hint):
+        raise ValueError(
+            f"{name} should be of type {_type_name(hint)} but is: {value!r} "
+            f"({type(value).__name__}); set it like {example!r}"
+        )
+
+
+def _check_muon_options(options: dict[str, Any]) -> None:
+    """`muon_options` against `muon.Muon`'s signature: known names, values of its types."""
+    signature = inspect.signature(Muon.__init__)
+    hints = typing.get_type_hints(Muon.__init__)
+    allowed = [name for name in signature.parameters if name not in _MUON_ARGS_FROM_FIELDS]
+    for name, value in options.items():
+        if name not in allowed:
+            raise ValueError(
+                f"muon_options has {name!r}, which muon.Muon does not take from muon_options; "
+                f"it takes {allowed} (lr, momentum, ... are config fields)"
+            )
+        default = signature.parameters[name].default
+        _check_type(f"muon_options[{name!r}]", value, hints[name], default)
 
 
 def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:

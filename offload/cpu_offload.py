@@ -31,7 +31,8 @@ from offload.forward_overlap import (
     param_owners,
     waited_params,
 )
-from offload.host_memory import allocate_host_slabs
+from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
+from offload.state_estimate import dry_run_state_bytes
 from offload.streams import CopyStreams
 from offload.subset_step import StateLayout, SubsetStep, local_tensor, subset_step_for
 
@@ -56,6 +57,14 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
 
     The DTensor wraps `local` where it lies: `DTensor.from_local` would copy a
     host view to the mesh's device, leaving a stale GPU copy in the state.
+
+    Its wrapper is built with storage offset 0, as `DTensor.from_local` of an
+    unsliced tensor gives. torch 2.13's `DTensor.__new__` copies the local
+    tensor's offset onto the storage-less wrapper, so a slab view's DTensor has
+    a nonzero `data_ptr()`, and DCP's async stager then copies the wrapper's
+    null storage ("copy_() on an invalid python storage"). Private API (the
+    wrapper `DTensor.__new__` builds), checked on torch 2.13; the GPU tests run
+    it on 2.11.
     """
     if not hasattr(param, "placements") or local.shape != local_tensor(param).shape:
         return local
@@ -64,7 +73,18 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
 
     meta = TensorMeta(param.shape, param.stride(), local.dtype)
     spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
+    state = torch.Tensor._make_wrapper_subclass(
+        DTensor,
+        meta.shape,
+        strides=meta.stride,
+        storage_offset=0,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=False,
+    )
+    state._spec, state._local_tensor = spec, local
+    return state
 
 
 @dataclass
@@ -141,11 +161,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = chunk_bytes
         self.staging_slots = staging_slots
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self._params:
+            raise ValueError(
+                f"{type(optimizer).__name__} has no params to optimize (its param groups are "
+                "empty); give it the model's params before wrapping it"
+            )
         devices = {local_tensor(p).device for p in self._params}
         if len(devices) != 1:
             raise ValueError(f"all params must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop()
         self._subset = subset_step_for(optimizer)
+        self._check_ring_fits()
         self._streams = CopyStreams(self.device, staging_slots)
         self._plan: OffloadPlan | None = None
         self._units_key: tuple[tuple[int, ...], ...] | None = None
@@ -176,6 +202,49 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._forward_hooks = ForwardHooks(
                 overlap_forward, self._owners, self._before_module, self._after_forward
             )
+
+    def _check_ring_fits(self) -> None:
+        """Fail at construction if the staging ring cannot fit on the device.
+
+        A slot holds at least the largest param's state (a chunk is whole units),
+        so `staging_slots` times that is a floor on the ring the first step allocates.
+        """
+        if self._subset is None:  # the serial path stages state per step, no ring
+            return
+        largest = max(
+            sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+            for layout in map(self._subset.state_layout, self._params)
+        )
+        check_device_memory(
+            self.staging_slots * largest,
+            self.device,
+            f"the staging ring ({self.staging_slots} slots of at least {largest} bytes, the "
+            "largest param's state)",
+            "lower staging_slots (2 to 4 overlap the copies)",
+        )
+
+    def _check_step_inputs(self) -> None:
+        """Refuse, before anything changes, a step the wrapper cannot take exactly."""
+        current = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(current) != len(self._params) or any(
+            a is not b for a, b in zip(current, self._params, strict=True)
+        ):
+            raise RuntimeError(
+                f"the wrapped {type(self.optimizer).__name__}'s params changed after wrapping "
+                f"({len(self._params)} params then, {len(current)} now): CPUOffloadOptimizer "
+                "plans its host slabs once. Call add_param_group on the optimizer before "
+                "wrapping it, or wrap a new optimizer (load the old one's state_dict into it)"
+            )
+        if type(self.optimizer) is torch.optim.SGD:
+            for group in self.optimizer.param_groups:
+                sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
+                if group["momentum"] != 0 and sparse:
+                    raise ValueError(
+                        f"param {self._params.index(sparse[0])} has a sparse grad, for which "
+                        f"SGD(momentum={group['momentum']}) keeps a sparse momentum_buffer; "
+                        "offloaded state lives in dense host slabs. Use dense grads "
+                        "(nn.Embedding(sparse=False)), momentum=0, or do not offload this optimizer"
+                    )
 
     def _hooks_for_lr_scheduler(self) -> None:
         # What Optimizer.__init__ would have set and schedulers or hooks read.
@@ -248,6 +317,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if isinstance(value, Tensor) and value.ndim >= 1
         }
         views = self._host_views()
+        self._check_complete_state(state_dict["state"], param_of, views)
         for (index, key), value in offloaded.items():
             view = views.get((param_of[index], key))
             if view is not None and local_tensor(value).shape != view.host.shape:
@@ -274,17 +344,47 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 view.host.copy_(local_tensor(value))
                 self.optimizer.state[param][key] = view.host_state
 
+    def _check_complete_state(
+        self,
+        saved: dict[Any, dict[str, Any]],
+        param_of: dict[Any, Tensor],
+        views: dict[tuple[Tensor, str], _View],
+    ) -> None:
+        """Every param with saved state has every state tensor the step will read.
+
+        A missing one would be staged from its slab unchanged (zeros, or the last
+        run's values); plain torch optimizers raise a KeyError at the next step.
+        """
+        homed: dict[Tensor, set[str]] = {}
+        for param, key in views:
+            homed.setdefault(param, set()).add(key)
+        for index, entries in saved.items():
+            if not entries:
+                continue
+            param = param_of[index]
+            expected = homed.get(param, set())
+            if not expected and self._subset is not None:
+                expected = set(self._subset.state_layout(param))
+            missing = sorted(expected - set(entries))
+            if missing:
+                raise KeyError(
+                    f"state_dict's state of param {index} lacks {missing[0]!r} (it has "
+                    f"{sorted(entries)}; {type(self.optimizer).__name__} keeps {sorted(expected)} "
+                    f"for it): load a state_dict saved from the same optimizer, or drop param "
+                    f"{index}'s entry to start its state afresh"
+                )
+
     # -- stepping -----------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        self._check_step_inputs()
+        if self._subset is None:  # the wrapped step calls the closure (LBFGS: many times)
+            return self._serial_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._subset is None:
-            self._serial_step()
-            return loss
         self._advance(len(self._chunks))  # the rest of an overlapped previous step
         subset = self._subset.begin_subset_step()
         self._ensure_plan(subset.units, self._subset.state_layout)
@@ -513,15 +613,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     # -- serial path --------------------------------------------------------------------
 
-    def _serial_step(self) -> None:
-        """All state in, step, all state out, on the current stream (no subset step).
+    def _serial_step(self, closure: Callable[[], float] | None) -> float | None:
+        """All state in, step (with the closure), all state out, on the current stream.
 
         Its layout is learned from the state the optimizer creates, so the slabs are
         (re)built after a step that created state for a param: the first step, and
-        any step where a param gets its first grad.
+        any step where a param gets its first grad. The host's memory for them is
+        checked before that step, from a dry run, where the optimizer allows one.
         """
         if self._plan is None and self._unhomed_state():  # loaded before the first step
             self._build_serial_plan()
+        self._check_host_memory_for_new_state()
         state = self.optimizer.state
         staged = []
         if self._plan is not None:
@@ -537,15 +639,41 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 h = h.view(spec.shape)
                 s.copy_(h, non_blocking=True)
                 state[param][spec.key] = _as_state(param, s)
-                staged.append((param, spec.key, h, s))
-        self.optimizer.step()
-        for param, key, h, s in staged:
-            h.copy_(s, non_blocking=True)
+                staged.append((param, spec.key, h))
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        for param, key, h in staged:
+            # The step may have replaced the tensor rather than updated it (LBFGS's "d").
+            now = local_tensor(state[param][key])
+            if now.shape != h.shape or now.dtype != h.dtype:
+                raise RuntimeError(
+                    f"{type(self.optimizer).__name__} changed state {key!r} of param "
+                    f"{self._params.index(param)} from {tuple(h.shape)} {h.dtype} to "
+                    f"{tuple(now.shape)} {now.dtype}; its state cannot live in fixed host slabs"
+                )
+            h.copy_(now, non_blocking=True)
             state[param][key] = _as_state(param, h)
         if self._unhomed_state():  # created on the device by this step: move it home
             self._build_serial_plan()
         if self._streams.async_copies:
             self._step_done = self._streams.mark(self._streams.current())
+        return loss
+
+    def _check_host_memory_for_new_state(self) -> None:
+        """If this step will create state, check the host holds all state after it."""
+        state = self.optimizer.state
+        fresh = [p for p in self._params if p.grad is not None and not state.get(p)]
+        if not fresh:
+            return
+        new_bytes = dry_run_state_bytes(self.optimizer, fresh)
+        if new_bytes is None:  # cannot be known in advance: checked when the slabs are built
+            return
+        held = sum(
+            local_tensor(v).numel() * v.element_size()
+            for p in self._params
+            for v in state.get(p, {}).values()
+            if isinstance(v, Tensor) and v.ndim >= 1
+        )
+        check_host_memory(held + new_bytes)
 
     def _unhomed_state(self) -> bool:
         homed = self._host_views()

@@ -35,6 +35,29 @@ def check_host_memory(needed_bytes: int, what: str = "offloaded optimizer state"
         )
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes `device` can still allocate, where that can be known: a CUDA device's free
+    memory plus what torch's caching allocator holds unused; the host's available
+    memory when the device is the host; None elsewhere."""
+    if device.type == "cpu":
+        return psutil.virtual_memory().available
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return None
+
+
+def check_device_memory(needed_bytes: int, device: torch.device, what: str, fix: str) -> None:
+    """Raise before allocating if `device` has less free memory than needed (where known)."""
+    free = free_device_bytes(device)
+    if free is not None and needed_bytes > free:
+        error = HostMemoryError if device.type == "cpu" else torch.OutOfMemoryError
+        raise error(
+            f"{what} needs {needed_bytes} bytes ({needed_bytes / 2**30:.2f} GiB) on {device}, "
+            f"but only {free} bytes ({free / 2**30:.2f} GiB) are free; {fix}"
+        )
+
+
 def _pin(slab: torch.Tensor) -> None:
     cudart = torch.cuda.cudart()
     nbytes = slab.numel() * slab.element_size()

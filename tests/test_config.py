@@ -42,6 +42,19 @@ class Net(torch.nn.Module):
         ({"offload": "optimizer", "offload_chunk_bytes": 0}, "offload_chunk_bytes"),
         ({"offload": "optimizer", "offload_staging_slots": 0}, "offload_staging_slots"),
         ({"muon_options": {"max_inflight": 2}}, "use type='muon'"),
+        ({"nesterov": "no"}, r"nesterov should be of type bool but is: 'no'"),
+        ({"lr": "abc"}, r"lr should be of type float but is: 'abc'"),
+        ({"betas": (0.9,)}, r"betas should be of type tuple\[float, float\].*like \(0.9, 0.95\)"),
+        ({"betas": (0.9, 1.5)}, r"betas\[1\] should be in \[0, 1\)"),
+        ({"offload_chunk_bytes": 1.5}, "offload_chunk_bytes should be of type int but is: 1.5"),
+        ({"offload_overlap_forward": 1}, "offload_overlap_forward should be of type bool"),
+        ({"momentum": 1.0}, r"momentum should be in \[0, 1\)"),
+        (
+            {"type": "muon", "muon_options": {"ns_dtype": "bfloat16"}},
+            r"muon_options\['ns_dtype'\] should be of type torch.dtype.*like torch.bfloat16",
+        ),
+        ({"type": "muon", "muon_options": {"lr": 0.1}}, "muon.Muon does not take"),
+        ({"type": "muon", "muon_options": {"bucket_cap_bytes": "1M"}}, "bucket_cap_bytes"),
     ],
 )
 def test_contradictory_configs_fail_at_construction(kwargs, message):
@@ -129,3 +142,32 @@ def test_offloaded_muon_buckets_fit_a_chunk():
     )
     assert setup_optimizer(model, explicit).optimizer.bucket_cap_bytes == 10**6
     assert setup_optimizer(model, OptimizerConfig(type="muon")).bucket_cap_bytes > 2**20
+
+
+def test_valid_muon_options_and_int_lr_are_accepted():
+    config = OptimizerConfig(
+        type="muon", lr=1, muon_options={"ns_dtype": torch.float32, "ns_steps": None}
+    )
+    assert config.lr == 1 and config.muon_options["ns_dtype"] is torch.float32
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[optimiser]\ntype = "muon"\n',
+            r"no \[optimizer\] table \(found tables \['optimiser'\]\)",
+        ),
+        ('type = "muon"\n', r"no \[optimizer\] table \(found tables \[\]\)"),
+        ("[optimizer]\nnesterov = 'no'\n", "nesterov should be of type bool"),
+        (
+            "[optimizer]\ntype = 'muon'\n[optimizer.muon_options]\nns_dtype = 'bfloat16'\n",
+            "ns_dtype",
+        ),
+    ],
+)
+def test_toml_with_a_wrong_table_or_value_fails_naming_it(tmp_path, text, message):
+    path = tmp_path / "train.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig.from_toml(str(path))

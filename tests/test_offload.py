@@ -190,9 +190,10 @@ def test_host_memory_check_names_bytes(monkeypatch):
     class Tiny:
         available = 1000
 
-    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: Tiny)
     model = make_model()
     opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    # After construction: on the CPU the staging ring is host memory, checked there.
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: Tiny)
     model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
     with pytest.raises(HostMemoryError, match=r"needs \d+ bytes .* only 1000 bytes"):
         opt.step()

@@ -1,6 +1,6 @@
 """End to end on 2 gloo ranks with FSDP2: offload (with and without forward overlap)
 trains bitwise like no offload, for AdamW and Muon, and a DCP checkpoint taken
-mid-run resumes bitwise."""
+mid-run (`dcp.save` or `dcp.async_save`) resumes bitwise."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, ckpt_root: str) -> None:
         _train(model, opt, rank, range(STEPS))
         reference = _locals(model)
         for overlap in (False, True):
-            name = f"{opt_type}/overlap={overlap}"
+            name = f"{opt_type}/overlap={overlap}/{'async_save' if overlap else 'save'}"
             offload = {
                 "type": opt_type,
                 "offload": "optimizer",
@@ -90,7 +90,11 @@ def _worker(rank: int, world: int, ckpt_root: str) -> None:
             _train(model, opt, rank, range(RESUME_AT))
             ckpt = os.path.join(ckpt_root, f"{opt_type}-{overlap}")
             model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+            state = {"model": model_sd, "optim": optim_sd}
+            if overlap:  # both ways to save, one per arm
+                dcp.async_save(state, checkpoint_id=ckpt).result()
+            else:
+                dcp.save(state, checkpoint_id=ckpt)
             _train(model, opt, rank, range(RESUME_AT, STEPS))
             if not _same(reference, _locals(model)):
                 failures.append(f"{name}: offloaded run differs from plain")

@@ -4,15 +4,35 @@ ranks, offloaded training (with and without forward overlap) == plain training b
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from spawn_ranks import run_on_ranks
 
 from bench.data import MarkovData
 from bench.model import ModelConfig, Transformer
-from bench.train import build, train_step
+from bench.train import (
+    Progress,
+    StepTimes,
+    Window,
+    build,
+    build_parser,
+    compare_runs,
+    default_json_path,
+    parse_args,
+    train_step,
+    window_ends,
+)
 from muon_offload import OptimizerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Small enough for seconds on 2 cores; head dim 8, GQA, and a seq the chain can fill.
 DENSE = ModelConfig(
@@ -112,3 +132,96 @@ def _worker(rank: int, world: int) -> None:
 
 def test_offloaded_training_matches_plain_bitwise():
     run_on_ranks(_worker, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world", "0"], "argument --world: should be >= 1 but is: 0"),
+        (["--steps", "0"], "argument --steps: should be >= 1 but is: 0"),
+        (["--log-every", "0"], "argument --log-every: should be >= 1 but is: 0"),
+        (["--offload", "none", "--overlap-forward"], "--overlap-forward needs --offload optimizer"),
+        (["--offload", "none", "--compare"], "--compare runs with and without offload"),
+        (["--json", "{file}/run.json"], "cannot create its folder"),
+        (["--json", "{dir}"], "not a writable file path"),
+    ],
+)
+def test_demo_flags_fail_before_training_in_one_line(tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("")
+    argv = [a.format(file=tmp_path / "file", dir=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error and error.startswith("python -m bench.train: error:")
+
+
+def test_demo_help_shows_defaults_and_results_are_named_per_run():
+    text = " ".join(build_parser().format_help().split())
+    assert "training steps (default: 80)" in text and "(default: muon)" in text
+    args = parse_args(["--optimizer", "adamw", "--overlap-forward", "--compare"])
+    assert args.json.parent == ROOT / "bench" / "results"
+    now = time.strptime("2026-12-01 02:03:04", "%Y-%m-%d %H:%M:%S")
+    path = default_json_path(args, now)
+    assert path.name == "train-adamw-optimizer-overlap-compare-20261201-020304.json"
+
+
+def test_steps_are_timed_as_windows():
+    assert window_ends(80, 10) == [2, 10, 20, 30, 40, 50, 60, 70, 80]
+    assert window_ends(1, 10) == [1]  # one step, no interval: still one window
+    assert window_ends(3, 1) == [1, 2, 3]
+
+
+def test_demo_line_is_the_window_mean(capsys):
+    window = Window(3, 10, seconds=0.8, phases=StepTimes(0.16, 0.24, 0.4), mean_loss=2.5)
+    progress = Progress(80)
+    progress.tty = False
+    progress.window(window)
+    line = capsys.readouterr().out
+    assert (
+        "mean of steps 3-10: loss  2.500  step   100.0 ms (fwd   20.0  bwd   30.0  opt   50.0)"
+        in line
+    )
+
+
+def test_compare_names_every_difference_bitwise():
+    losses, params = [torch.tensor(1.0), torch.tensor(2.0)], [torch.ones(3), torch.zeros(2)]
+    same = ([x.clone() for x in losses], [x.clone() for x in params])
+    assert compare_runs((losses, params), same) == []
+    nudged = torch.ones(3)
+    nudged[1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    other = ([losses[0], torch.tensor(2.5)], [nudged, params[1]])
+    assert compare_runs((losses, params), other) == ["loss of step 2", "param 0"]
+
+
+def test_sigint_to_the_launcher_stops_its_ranks(tmp_path):
+    tiny = "--dim 16 --layers 1 --heads 2 --kv-heads 1 --ffn 16 --vocab 16 --seq 8 --batch 1"
+    argv = [sys.executable, "-m", "bench.train", *tiny.split(), "--eval-batches", "1"]
+    argv += ["--steps", "100000", "--log-every", "100000", "--json", str(tmp_path / "r.json")]
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    ranks: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while "offload=optimizer" not in log.read_text():  # rank 0 is about to train
+            assert launcher.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        ranks = [
+            p
+            for p in psutil.Process(launcher.pid).children()
+            if "spawn_main" in " ".join(p.cmdline())
+        ]
+        assert len(ranks) == 2
+        os.kill(launcher.pid, signal.SIGINT)  # the launcher alone, not its process group
+        assert launcher.wait(timeout=60) == 130
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks still running after the launcher exited: {alive}"
+        assert "interrupted: stopped 2 ranks" in log.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for process in ranks:
+            if process.is_running():
+                process.kill()

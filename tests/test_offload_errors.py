@@ -1,0 +1,119 @@
+"""CPUOffloadOptimizer refuses what it cannot do right, at the earliest point, naming
+the param, key or argument and the fix; where the plain optimizer works, so does it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload import CPUOffloadOptimizer
+
+
+def _linear(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 4)
+
+
+def _backward(model: torch.nn.Module) -> None:
+    model(torch.ones(2, 8)).square().sum().backward()
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "after_a_step"])
+def test_load_state_dict_with_a_missing_state_key_raises(stepped):
+    source = _linear()
+    plain = torch.optim.AdamW(source.parameters(), lr=1e-2)
+    _backward(source)
+    plain.step()
+    saved = plain.state_dict()
+    del saved["state"][1]["exp_avg_sq"]
+    fresh_model = _linear()
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=1e-2)
+    fresh.load_state_dict(saved)
+    _backward(fresh_model)
+    with pytest.raises(KeyError, match="exp_avg_sq"):  # plain AdamW, at its next step
+        fresh.step()
+
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if stepped:
+        _backward(model)
+        opt.step()
+    with pytest.raises(KeyError, match=r"param 1 .*'exp_avg_sq'"):
+        opt.load_state_dict(saved)
+
+
+def test_a_staging_ring_that_cannot_fit_fails_at_construction():
+    model = torch.nn.Linear(64, 64)  # AdamW: 32 KiB of state for the weight
+    with pytest.raises(MemoryError, match=r"staging ring \(1000000000 slots of at least 32768"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), staging_slots=10**9)
+
+
+def test_an_optimizer_without_params_is_refused():
+    with pytest.raises(ValueError, match="AdamW has no params to optimize"):
+        CPUOffloadOptimizer(torch.optim.AdamW([{"params": []}]))
+
+
+def test_a_group_added_to_the_wrapped_optimizer_fails_at_the_next_step_naming_the_fix():
+    model, extra = _linear(), torch.nn.Linear(4, 4)
+    inner = torch.optim.AdamW(model.parameters())
+    opt = CPUOffloadOptimizer(inner)
+    inner.add_param_group({"params": extra.parameters()})
+    _backward(model)
+    with pytest.raises(RuntimeError, match=r"params changed after wrapping \(2 params then, 4 now"):
+        opt.step()
+
+
+def test_sgd_momentum_on_a_sparse_grad_is_refused_before_the_step():
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    before = embedding.weight.detach().clone()
+    opt = CPUOffloadOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9))
+    embedding(torch.tensor([1, 3])).sum().backward()
+    with pytest.raises(ValueError, match=r"param 0 has a sparse grad.*momentum=0.9"):
+        opt.step()
+    assert torch.equal(embedding.weight, before)
+
+
+def test_lbfgs_gets_the_closure_and_matches_plain_bitwise():
+    def run(wrap: bool) -> tuple[list[float], torch.Tensor]:
+        model = _linear()
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+        if wrap:
+            opt = CPUOffloadOptimizer(opt)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(torch.ones(2, 8)).square().sum()
+            loss.backward()
+            return loss
+
+        losses = [opt.step(closure).item() for _ in range(3)]
+        return losses, model.weight.detach()
+
+    assert run(wrap=True)[0] == run(wrap=False)[0]
+    assert torch.equal(run(wrap=True)[1], run(wrap=False)[1])
+
+
+def test_serial_path_checks_host_memory_before_the_params_change(monkeypatch):
+    import types
+
+    from offload import HostMemoryError, host_memory
+
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.Rprop(model.parameters()))  # no subset step: serial
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(model)
+    monkeypatch.setattr(
+        host_memory.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=100)
+    )
+    with pytest.raises(HostMemoryError, match="needs 288 bytes"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_staging_ring_larger_than_free_gpu_memory_fails_at_construction():
+    model = torch.nn.Linear(1024, 1024, device="cuda")  # AdamW: 8 MiB of state for the weight
+    with pytest.raises(torch.OutOfMemoryError, match=r"needs \d+ bytes .* on cuda:0, but only"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), staging_slots=10**6)
