@@ -655,7 +655,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
-        "--fused-elementwise", action=argparse.BooleanOptionalAction, default=True,
+        "--fused-elementwise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="the fused CUDA momentum kernel (default on CUDA with Triton; off on CPU)",
     )
     p.add_argument("--offload", action="store_true", help="show state on host vs GPU")
