@@ -307,10 +307,12 @@ def _gram_torch(
 ) -> Tensor:
     """Gram Newton-Schulz on x (m <= n) in `dtype`, plain products.
 
-    With Z_k = b R_k + c R_k^2, P_k = a I + Z_k; Q = q I + Qz is kept as a scalar and a
-    matrix so that a I is never formed: P Q = a q I + (q Z + Z Qz + a Qz), P^2 R =
-    P (a R + Z R), Q X = q X + Qz X, each a product with the a-term in its beta.
-    The `del`s keep the live m x m matrices at what `gram_workspace_numel` counts.
+    With Z = b R + c R^2 (one baddbmm), P = a I + Z enters every product through its
+    beta: P M = a M + Z M, so R <- P (P R) and Q <- P Q never form P. Only a segment's
+    first Q = P is formed (a added to Z's diagonal in place). Q is kept whole: splitting
+    it into q I + (Q - q I) cancels catastrophically in 16 bits (Q - q I has eigenvalues
+    near -q where Q's are near 1). The `del`s keep the live m x m matrices at what
+    `gram_workspace_numel` counts.
     """
     squeeze = x.ndim == 2
     if squeeze:
@@ -322,25 +324,29 @@ def _gram_torch(
     torch.div(x, norm.clamp(min=eps), out=xs)  # normalized and cast, rounded once
     for segment in schedule.gram_segments():
         r = xs @ xs.mT
-        q, qz = 1.0, None
+        q = None
         for k in segment:
             a, b, c = schedule.coefficients[k]
             z = torch.baddbmm(r, r, r, beta=b, alpha=c)
             last = k == segment[-1]
             if last:
                 del r
-            if qz is None:
-                q, qz = a, z
+            if q is None:
+                q = z
+                q.diagonal(dim1=-2, dim2=-1).add_(a)
             else:
-                qz = torch.baddbmm(z, z, qz, beta=q).add_(qz, alpha=a)
-                q *= a
+                q = torch.baddbmm(q, z, q, beta=a)
             if not last:
-                w = torch.baddbmm(r, z, r, beta=a)
-                r = torch.baddbmm(w, z, w, beta=a)
+                if z is q:  # P itself, formed: P R, then P (P R)
+                    w = torch.bmm(q, r)
+                    r = torch.bmm(q, w)
+                else:
+                    w = torch.baddbmm(r, z, r, beta=a)
+                    r = torch.baddbmm(w, z, w, beta=a)
                 del w
             del z
-        xs = torch.baddbmm(xs, qz, xs, beta=q)
-        del qz
+        xs = torch.bmm(q, xs)
+        del q
     return xs.squeeze(0) if squeeze else xs
 
 

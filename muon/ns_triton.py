@@ -395,7 +395,7 @@ def zeropower_gram_triton(
         R = X X^T                  sym_matmul(X)
         P = a I + b R + c R R      sym_matmul(R, c=R, alpha=c, beta=b, diag=a)
         Q = P Q                    torch.bmm (Q = P at the segment's first iteration)
-        R = R P^2                  sym_matmul(P) (P P^T = P^2), then torch.bmm
+        R = P R P                  torch.bmm twice
         X = Q X                    torch.bmm, once at the segment's end
 
     R is not updated after a segment's last iteration. a I is added in the fp32
@@ -421,10 +421,10 @@ def zeropower_gram_triton(
             if last:
                 del r
             q = p if q is None else torch.bmm(p, q)
-            if not last:
-                p2 = sym_matmul(p, config=config)
-                r = torch.bmm(r, p2)
-                del p2
+            if not last:  # P R P, not R P^2: P^2 rounded to 16 bits swamps P's small end
+                w = torch.bmm(r, p)
+                r = torch.bmm(p, w)
+                del w
             del p
         xs = torch.bmm(q, xs)
         del q

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from ns_alloc_tracker import PeakTracker
 
 from muon.newton_schulz import (
     DEEPSEEK_V4,
@@ -120,44 +118,6 @@ def test_ns_path_is_per_shape():
         cpu(8, 8, backend="cutlass")
 
 
-class _PeakTracker(TorchDispatchMode):
-    """Counts the elements of the storages ops allocate while they are alive; keeps the peak.
-
-    Tensors of at most `ignore_numel` elements (the per-matrix norms) are not counted.
-    """
-
-    def __init__(self, ignore_numel: int) -> None:
-        super().__init__()
-        self.ignore_numel = ignore_numel
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _free(self, key: int, numel: int) -> None:
-        self._seen.discard(key)
-        self.live -= numel
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            numel = storage.nbytes() // t.element_size()
-            if key in before or key in self._seen or numel <= self.ignore_numel:
-                continue
-            self._seen.add(key)
-            self.live += numel
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, key, numel)
-        return out
-
-
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
 @pytest.mark.parametrize("schedule", [KELLER_JORDAN, DEEPSEEK_V4], ids=["kj", "dsv4"])
 def test_workspace_model_is_what_the_torch_path_allocates(algorithm, schedule):
@@ -166,7 +126,7 @@ def test_workspace_model_is_what_the_torch_path_allocates(algorithm, schedule):
     for restarts in [schedule.gram_restarts, (1,), ()]:
         sched = dataclasses.replace(schedule, gram_restarts=restarts)
         inputs = [_randn(*b, seed=i) for i, b in enumerate(batches)]
-        tracker = _PeakTracker(ignore_numel=max(b[0] for b in batches))
+        tracker = PeakTracker(ignore_numel=max(b[0] for b in batches))
         results = []
         with tracker:
             for x in inputs:
@@ -187,7 +147,7 @@ def test_per_matrix_launches_match_the_batch_and_the_model(algorithm):
     batches = [(3, 24, 40), (2, 40, 16)]
     path = NewtonSchulzPath(algorithm, "torch", torch.float32, per_matrix=True)
     inputs = [_randn(*b, seed=i) for i, b in enumerate(batches)]
-    tracker = _PeakTracker(ignore_numel=3)
+    tracker = PeakTracker(ignore_numel=3)
     with tracker:
         results = [zeropower_along(x, KELLER_JORDAN, 1e-7, path) for x in inputs]
     assert tracker.peak == ns_workspace_numel(batches, KELLER_JORDAN, lambda r, c: path)
