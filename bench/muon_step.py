@@ -3,9 +3,11 @@
 12 layers x (q, k, v, o, gate, up, down) = 84 fp32 matrices on one GPU, same
 schedule (Keller Jordan quintic, 5 steps, bf16). Arms: torch.optim.Muon, and
 muon.Muon with each (elementwise, Newton-Schulz) backend pair: torch/torch,
-torch/triton, fused/triton (`muon.elementwise`, `muon.newton_schulz`). Each arm
+torch/triton, fused/triton (`muon.elementwise`, `muon.newton_schulz`), and, where
+muon.Muon takes `ns_algorithm`, the default backends with ns_algorithm standard, gram
+and auto (Gram Newton-Schulz, chosen per matrix shape under auto). Each arm
 runs warmup steps, then timed steps (CUDA events, median). NS-only times the
-batched Newton-Schulz alone per backend; the step minus it is the elementwise and
+batched Newton-Schulz alone per backend and algorithm; the step minus it is the elementwise and
 exchange overhead. NS TFLOP/s uses REFERENCE.md's dense cost (4 m^2 n + 2 m^3 per
 iteration) against a bf16 8192^3 matmul measured in the same run, in a burst and
 sustained (back to back for ~0.6 s, where the GPU sits at its power-limited clock as
@@ -23,6 +25,7 @@ under 2 minutes.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 
 import torch
@@ -105,17 +108,23 @@ def main() -> None:
     for shape in shapes:
         by_shape[shape] = by_shape.get(shape, 0) + 1
     stacks = [torch.randn(n, *s, device=device, dtype=torch.bfloat16) for s, n in by_shape.items()]
-    for backend in ns_backends:
+    ns_arms = [(b, "standard") for b in ns_backends] + [
+        (b, a) for b in [*ns_backends, "auto"] for a in ("gram", "auto")
+    ]
+    for backend, algorithm in ns_arms:
         ns_s = statistics.median(
             time_calls(
-                lambda s=stacks, b=backend: [zeropower(x, KELLER_JORDAN, backend=b) for x in s],
+                lambda s=stacks, b=backend, a=algorithm: [
+                    zeropower(x, KELLER_JORDAN, backend=b, algorithm=a) for x in s
+                ],
                 device,
                 args.warmup,
                 args.repeats,
             )
         )
-        results[f"ns_{backend}_ms"] = 1e3 * ns_s
-        results[f"ns_{backend}_tflops"] = flops / ns_s / 1e12
+        key = backend if algorithm == "standard" else f"{backend}_{algorithm}"
+        results[f"ns_{key}_ms"] = 1e3 * ns_s
+        results[f"ns_{key}_tflops"] = flops / ns_s / 1e12
     del stacks
 
     cap = {} if args.bucket_cap_mib is None else {"bucket_cap_bytes": args.bucket_cap_mib << 20}
@@ -124,6 +133,15 @@ def main() -> None:
         arms["muon.Muon {}/{}".format(*pair)] = pair
     if not args.no_triton:
         arms["muon.Muon fused/triton"] = ("triton", "triton")
+    # ns_algorithm arms: default backends ("auto": fused elementwise and, per shape, Triton)
+    algorithms: dict[str, str] = {}
+    if "ns_algorithm" in inspect.signature(Muon).parameters:
+        for algorithm in ("standard", "gram", "auto"):
+            arm = f"muon.Muon auto/auto {algorithm}"
+            arms[arm] = ("auto", "auto")
+            algorithms[arm] = algorithm
+    else:
+        print("muon.Muon takes no ns_algorithm: the standard/gram/auto arms are skipped")
     layer = len(QWEN3_8B_LAYER)
     kept: dict[str, list[torch.Tensor]] = {}
     for arm, pair in arms.items():
@@ -132,7 +150,8 @@ def main() -> None:
             opt = torch.optim.Muon(params, lr=0.02)
             times = time_calls(opt.step, device, args.warmup, args.repeats)
         else:
-            opt = Muon(params, lr=0.02, **cap)
+            algorithm = {"ns_algorithm": algorithms[arm]} if arm in algorithms else {}
+            opt = Muon(params, lr=0.02, **cap, **algorithm)
             times = _with_backends(
                 *pair, lambda o=opt: time_calls(o.step, device, args.warmup, args.repeats)
             )
@@ -159,15 +178,19 @@ def main() -> None:
     speedup = results["torch.optim.Muon_ms"] / results[f"{best}_ms"]
     results["speedup"] = speedup
     ns_last = results[f"ns_{ns_backends[-1]}_ms"]
-    print(f"{'arm':<24} {'step ms':>9} {'NS TFLOP/s':>11} {'step - NS ms':>13}")
+    print(f"{'arm':<32} {'step ms':>9} {'NS TFLOP/s':>11} {'step - NS ms':>13}")
     for arm, pair in arms.items():
         ms = results[f"{arm}_ms"]
-        overhead = "" if pair is None else f"{ms - results[f'ns_{pair[1]}_ms']:>13.1f}"
-        print(f"{arm:<24} {ms:>9.1f} {flops / (ms / 1e3) / 1e12:>11.1f} {overhead}")
-    for backend in ns_backends:
-        label = f"NS only ({backend})"
-        ms, tflops = results[f"ns_{backend}_ms"], results[f"ns_{backend}_tflops"]
-        print(f"{label:<24} {ms:>9.1f} {tflops:>11.1f}")
+        ns_key = None if pair is None else pair[1]
+        if arm in algorithms and algorithms[arm] != "standard":
+            ns_key = f"{pair[1]}_{algorithms[arm]}"
+        overhead = "" if ns_key is None else f"{ms - results[f'ns_{ns_key}_ms']:>13.1f}"
+        print(f"{arm:<32} {ms:>9.1f} {flops / (ms / 1e3) / 1e12:>11.1f} {overhead}")
+    for backend, algorithm in ns_arms:
+        key = backend if algorithm == "standard" else f"{backend}_{algorithm}"
+        label = f"NS only ({backend}, {algorithm})"
+        ms, tflops = results[f"ns_{key}_ms"], results[f"ns_{key}_tflops"]
+        print(f"{label:<32} {ms:>9.1f} {tflops:>11.1f}")
     print(
         f"bf16 matmul peak {8192 // args.divisor}^3: {peak:.1f} TFLOP/s; "
         f"NS at {100 * flops / (ns_last / 1e3) / 1e12 / peak:.0f}% of it; "

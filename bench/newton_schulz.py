@@ -13,8 +13,16 @@ Then the whole Muon step for 12 Qwen3-8B layers (84 matrices): torch.optim.Muon,
 muon.Muon plain, muon.Muon triton (default configs, and the fastest one if different).
 Prints tables, writes JSON. Keller Jordan schedule, 5 steps, bf16.
 
+`--aspect-sweep` instead times standard vs Gram Newton-Schulz (`algorithm=`), plain and
+Triton backends, over aspect ratios 1, 1.5, 2, 3, 4 (short side 4096, batch 4; short side
+2048, batch 8; wide and, at aspect 3, tall): standard in bf16, Gram in its path's dtype
+(fp16 on CUDA). It prints, per backend and short side, the smallest aspect from which
+Gram is faster: what `muon.newton_schulz.GRAM_MIN_ASPECT` should be.
+
     python -m bench.newton_schulz --out bench/results/newton_schulz_h200.json
+    python -m bench.newton_schulz --aspect-sweep --out bench/results/ns_aspect_h200.json
     python -m bench.newton_schulz --device cpu --divisor 32 --skip-triton   # smoke test
+    python -m bench.newton_schulz --device cpu --divisor 32 --skip-triton --aspect-sweep
 """
 
 from __future__ import annotations
@@ -35,7 +43,14 @@ from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER, params_with_grads
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls
 from muon import KELLER_JORDAN, Muon
-from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend, zeropower
+from muon.newton_schulz import (
+    GRAM_MIN_ASPECT,
+    ns_flops,
+    ns_flops_symmetric,
+    path_for,
+    set_backend,
+    zeropower,
+)
 
 # (batch, rows, cols)
 NS_SHAPES = [
@@ -45,7 +60,7 @@ NS_SHAPES = [
     (1, 4096, 12288),
     (1, 12288, 4096),
     (16, 768, 2048),
-    # near `ns_triton.AUTO_MIN_PROGRAMS`, where "auto" starts taking the Triton path
+    # around `ns_triton.AUTO_MIN_SIDE`, where "auto" starts taking the Triton path
     (4, 1024, 1024),
     (8, 1024, 1024),
     (2, 2048, 2048),
@@ -61,6 +76,74 @@ def _first_call(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+ASPECTS = (1.0, 1.5, 2.0, 3.0, 4.0)
+SWEEP_SIDES = ((4096, 4), (2048, 8))  # (short side, batch)
+
+
+def aspect_sweep(args, device: torch.device, backends: list[str]) -> dict[str, object]:
+    """Standard vs Gram per backend over aspect ratios; the aspect from which Gram wins."""
+    schedule = KELLER_JORDAN
+    rows_out, entries = [], []
+    for side, batch in SWEEP_SIDES:
+        short = side // args.divisor
+        for aspect in ASPECTS:
+            long = int(short * aspect)
+            for shape in [(batch, short, long)] + ([(batch, long, short)] if aspect == 3 else []):
+                x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+                entry: dict[str, object] = {"shape": list(shape), "aspect": aspect}
+                for backend in backends:
+                    for algorithm in ("standard", "gram"):
+
+                        def fn(x=x, b=backend, a=algorithm):
+                            return zeropower(x, schedule, backend=b, algorithm=a)
+
+                        arm = f"{algorithm}:{backend}"
+                        try:
+                            first = _first_call(fn, device)
+                            times = time_calls(fn, device, args.warmup - 1, args.repeats)
+                        except Exception as e:
+                            print(f"{shape} {arm}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                            entry[arm] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                            continue
+                        dtype = str(path_for(x, backend, algorithm).dtype).split(".")[-1]
+                        ms = 1e3 * statistics.median(times)
+                        entry[arm] = {"ms": ms, "first_call_s": first, "dtype": dtype}
+                    std, gram = entry.get(f"standard:{backend}"), entry.get(f"gram:{backend}")
+                    if std and gram and "ms" in std and "ms" in gram:
+                        entry[f"std/gram:{backend}"] = ratio = std["ms"] / gram["ms"]
+                        rows_out.append(
+                            (shape, backend, std["ms"], gram["ms"], ratio, gram["dtype"])
+                        )
+                entries.append(entry)
+                del x
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print(f"\n{'batch x rows x cols':<22} {'backend':<8} {'standard ms':>12} {'gram ms':>9} "
+          f"{'std/gram':>9} {'gram dtype':>10}")  # fmt: skip
+    for shape, backend, std_ms, gram_ms, ratio, dtype in rows_out:
+        key = "x".join(str(d) for d in shape)
+        print(f"{key:<22} {backend:<8} {std_ms:>12.3f} {gram_ms:>9.3f} {ratio:>9.2f} {dtype:>10}")
+    # Gram pays from the smallest aspect at which it wins at that aspect and every larger one.
+    pays: dict[str, object] = {}
+    for side, _ in SWEEP_SIDES:
+        short = side // args.divisor
+        for backend in backends:
+            wins = {}
+            for e in entries:
+                b, rows, cols = e["shape"]
+                if min(rows, cols) == short and rows <= cols and f"std/gram:{backend}" in e:
+                    wins[e["aspect"]] = e[f"std/gram:{backend}"] > 1.0
+            from_aspect = None
+            for aspect in sorted(wins, reverse=True):
+                if not wins[aspect]:
+                    break
+                from_aspect = aspect
+            pays[f"{short}:{backend}"] = from_aspect
+            print(f"short side {short}, {backend}: Gram faster from aspect {from_aspect} "
+                  f"(GRAM_MIN_ASPECT now {GRAM_MIN_ASPECT})")  # fmt: skip
+    return {"entries": entries, "gram_pays_from_aspect": pays}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -73,6 +156,9 @@ def main() -> None:
     parser.add_argument("--skip-triton", action="store_true")
     parser.add_argument("--skip-step", action="store_true")
     parser.add_argument("--warm-cache", action="store_true", help="keep Triton's disk cache")
+    parser.add_argument(
+        "--aspect-sweep", action="store_true", help="standard vs Gram over aspect ratios only"
+    )
     parser.add_argument("--out", default="bench/results/newton_schulz.json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -94,6 +180,12 @@ def main() -> None:
     print(f"torch {torch.__version__}, triton {results.get('triton')}, {name}")
     if device.type == "cuda":
         results["capability"] = list(torch.cuda.get_device_capability(device))
+
+    if args.aspect_sweep:
+        backends = ["torch"] if ns_triton is None else ["torch", "triton"]
+        results["aspect_sweep"] = aspect_sweep(args, device, backends)
+        write_json(args.out, results)
+        return
 
     n = 8192 // d
     peak = matmul_tflops(device, n, args.warmup, args.repeats)
@@ -153,7 +245,8 @@ def main() -> None:
             default = f"triton:{ns_triton.config_for(min(rows, cols), max(rows, cols)).name}"
             if default in tri:
                 entry["default_vs_plain"] = entry["plain"]["ms"] / tri[default]["ms"]
-            entry["auto_takes_triton"] = device.type == "cuda" and ns_triton.wins(x)
+            auto = path_for(x, "auto", "standard")
+            entry["auto_takes_triton"] = auto.backend == "triton"
         per_shape[key] = entry
         del x
         if device.type == "cuda":

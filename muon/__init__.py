@@ -5,7 +5,9 @@ from muon.newton_schulz import (
     KELLER_JORDAN,
     POLAR_EXPRESS,
     SCHEDULES,
+    NewtonSchulzPath,
     NewtonSchulzSchedule,
+    ns_path,
     zeropower,
 )
 from muon.optimizer import BucketMetrics, Muon, MuonStep
@@ -19,7 +21,9 @@ __all__ = [
     "BucketMetrics",
     "Muon",
     "MuonStep",
+    "NewtonSchulzPath",
     "NewtonSchulzSchedule",
     "muon_param_groups",
+    "ns_path",
     "zeropower",
 ]

@@ -3,12 +3,27 @@
 A schedule is the list of quintic coefficients (a, b, c), one triple per
 iteration, plus the factor the Frobenius norm is multiplied by before the
 first iteration. `zeropower` runs a schedule over a batch of same-shape
-matrices with torch.optim.Muon's arithmetic (the fused addmm form), so one
-matrix through `zeropower` equals torch.optim.Muon's result bit for bit on CPU.
+matrices by one of two algorithms, the same iteration in exact arithmetic:
+
+- "standard": torch.optim.Muon's arithmetic (the fused addmm form), so one matrix
+  through the plain path equals torch.optim.Muon's result bit for bit on CPU.
+- "gram" (Gram Newton-Schulz, Dao-AILab 2026): for X of shape m x n, m <= n, every
+  iteration's polynomial P_k = a I + b A_k + c A_k^2 is a polynomial in the first
+  Gram matrix R = X X^T, so the iteration runs on m x m matrices: R_{k+1} = P_k^2 R_k,
+  Q = P_k ... P_s, and X is touched only to form R and to apply Q X. A restart
+  (`NewtonSchulzSchedule.gram_restarts`) applies Q and recomputes R from the new X,
+  so rounding in Q does not compound over all iterations.
+
+Which algorithm, backend (`muon.backend.BACKENDS`) and compute dtype a matrix takes
+is `ns_path`, a pure function of one matrix's shape, dtype and device: a matrix's
+result never depends on the other matrices of its batch or on the batch size.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +42,23 @@ DEFAULT_EPS = 1e-7
 # Polar Express (arXiv 2505.16932) normalizes by ||X|| * 1.02 so that bf16
 # rounding never pushes a singular value above 1 (as dion / modded-nanogpt do).
 POLAR_EXPRESS_NORM_SCALE = 1.02
+# Gram Newton-Schulz (Dao-AILab, 2026-03) restarts once, after iteration 2.
+DEFAULT_GRAM_RESTARTS = (2,)
+
+ALGORITHMS = ("auto", "standard", "gram")
+
+# `algorithm="auto"` takes Gram Newton-Schulz on CUDA for matrices with
+# long side / short side >= GRAM_MIN_ASPECT. H200, plain cuBLAS, 5 Keller Jordan steps
+# (issue 11; /work/notes/GPU_FINDINGS.md, Gram with 4 m x m products per iteration,
+# standard bf16 / Gram fp16 time): 2048x5632 (aspect 2.75) 1.06x, 2048x4096 0.92x,
+# 4096x12288 and 12288x4096 1.16x, 4096x8192 0.81x, square 0.67-0.71x: Gram pays from
+# about 2.75 (2048 short side) to 3 (4096). `python -m bench.newton_schulz --aspect-sweep`
+# measures it for both backends.
+GRAM_MIN_ASPECT = 2.75
+# cuBLAS batched products are batch-invariant on the H200 for every shape measured with
+# a short side of 256 and up (bf16 and fp16); fp16 `x @ x.mT` of 2 x 2048 matrices is not
+# (GPU_FINDINGS.md). Below this short side the plain CUDA path launches per matrix.
+CUBLAS_BATCH_INVARIANT_MIN_SIDE = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +69,9 @@ class NewtonSchulzSchedule:
     """(a, b, c) for each iteration, in order."""
     norm_scale: float = 1.0
     """The input is divided by max(norm_scale * ||X||_F, eps)."""
+    gram_restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS
+    """Gram Newton-Schulz only: before each of these iterations, X <- Q X and the Gram
+    matrix is recomputed from it. Indices at or past the last iteration do nothing."""
 
     def __post_init__(self) -> None:
         if not self.coefficients:
@@ -44,8 +79,14 @@ class NewtonSchulzSchedule:
         for triple in self.coefficients:
             if len(triple) != 3:
                 raise ValueError(f"each iteration needs (a, b, c) but got: {triple}")
+            if triple[0] == 0.0:
+                # Gram Newton-Schulz divides by a when it folds a I into Q (`_gram_torch`)
+                raise ValueError(f"each iteration needs a != 0 but got: {triple}")
         if not self.norm_scale > 0.0:
             raise ValueError(f"norm_scale should be > 0 but is: {self.norm_scale}")
+        restarts = self.gram_restarts
+        if any(r <= 0 for r in restarts) or list(restarts) != sorted(set(restarts)):
+            raise ValueError(f"gram_restarts should be increasing and > 0 but is: {restarts}")
 
     @classmethod
     def repeat(cls, coefficients: Coefficients, steps: int) -> NewtonSchulzSchedule:
@@ -57,6 +98,11 @@ class NewtonSchulzSchedule:
     @property
     def steps(self) -> int:
         return len(self.coefficients)
+
+    def gram_segments(self) -> tuple[range, ...]:
+        """The iterations between Gram restarts, in order (they cover every iteration)."""
+        bounds = [0, *(r for r in self.gram_restarts if r < self.steps), self.steps]
+        return tuple(range(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False))
 
 
 KELLER_JORDAN = NewtonSchulzSchedule.repeat(KELLER_JORDAN_COEFFICIENTS, DEFAULT_NS_STEPS)
@@ -74,7 +120,14 @@ POLAR_EXPRESS = NewtonSchulzSchedule(
 )
 """Polar Express (arXiv 2505.16932), 5 iterations, as used by dion / modded-nanogpt."""
 
-DEEPSEEK_V4 = NewtonSchulzSchedule((KELLER_JORDAN_COEFFICIENTS,) * 8 + ((2.0, -1.5, 0.5),) * 2)
+# Its 10 iterations restart Gram Newton-Schulz three times: one restart leaves Q to
+# accumulate 8 iterations, 1.1e-3 relative from the standard iteration in fp32
+# (3 x 64 x 160 Gaussian, CPU); restarts (2, 5, 8) 8e-6, as close as the 5-step schedules.
+DEEPSEEK_V4_GRAM_RESTARTS = (2, 5, 8)
+DEEPSEEK_V4 = NewtonSchulzSchedule(
+    (KELLER_JORDAN_COEFFICIENTS,) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    gram_restarts=DEEPSEEK_V4_GRAM_RESTARTS,
+)
 """DeepSeek-V4 hybrid: 8 quintic iterations to converge fast, then 2 to settle at 1."""
 
 SCHEDULES: dict[str, NewtonSchulzSchedule] = {
@@ -86,8 +139,8 @@ SCHEDULES: dict[str, NewtonSchulzSchedule] = {
 
 # Newton-Schulz implementations (`muon.backend.BACKENDS`): "torch" is the plain path
 # below (the default on CPU and what CI tests); "triton" is `muon.ns_triton` (symmetric
-# Triton kernels, CUDA, bf16/fp16); "auto" takes "triton" only where
-# `muon.ns_triton.wins` says it was measured to win.
+# Triton kernels, CUDA, bf16/fp16); "auto" takes "triton" for the matrix shapes
+# `muon.ns_triton.auto_takes` says were measured to win.
 _setting = BackendSetting("MUON_NS_BACKEND")
 
 
@@ -101,32 +154,139 @@ def get_backend() -> str:
     return _setting.value
 
 
+@dataclass(frozen=True, slots=True)
+class NewtonSchulzPath:
+    """How `zeropower` orthogonalizes matrices of one shape (`ns_path`)."""
+
+    algorithm: str
+    """"standard" or "gram"."""
+    backend: str
+    """"torch" (plain products) or "triton" (`muon.ns_triton`)."""
+    dtype: torch.dtype
+    """The dtype the iteration runs in; always of the input's element size."""
+    per_matrix: bool = False
+    """Launch each matrix of a batch alone (cuBLAS is not batch-invariant for it)."""
+
+
+@functools.cache
+def ns_path(
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    device_type: str,
+    capability: int | None = None,
+    backend: str = "auto",
+    algorithm: str = "auto",
+) -> NewtonSchulzPath:
+    """The path for a rows x cols matrix of `dtype` on a device of `device_type`.
+
+    `capability` is the CUDA compute capability's major version (None elsewhere).
+    "auto" algorithm: Gram where the aspect ratio pays (`GRAM_MIN_ASPECT`) on CUDA,
+    else standard (on CPU always standard, so one matrix equals torch.optim.Muon's
+    result bit for bit). Gram runs in float16 on CUDA for 16-bit inputs (issue 11,
+    H200: error against the fp32 iteration 0.003 vs 0.02 for bf16 standard and bf16
+    Gram), else in the input's dtype (CPU float16 matmuls are very slow).
+    "auto" backend: `muon.ns_triton.auto_takes` on CUDA, else "torch".
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend should be one of {BACKENDS} but is: {backend!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm should be one of {ALGORITHMS} but is: {algorithm!r}")
+    cuda = device_type == "cuda"
+    if algorithm == "auto":
+        aspect = max(rows, cols) / max(1, min(rows, cols))
+        algorithm = "gram" if cuda and aspect >= GRAM_MIN_ASPECT else "standard"
+    compute = dtype
+    if algorithm == "gram" and cuda and dtype in (torch.bfloat16, torch.float16):
+        compute = torch.float16
+    if backend == "auto":
+        backend = "torch"
+        if cuda:  # CPU tensors never import triton under "auto"
+            from muon import ns_triton
+
+            if ns_triton.auto_takes(rows, cols, compute, capability):
+                backend = "triton"
+    small = min(rows, cols) < CUBLAS_BATCH_INVARIANT_MIN_SIDE
+    return NewtonSchulzPath(algorithm, backend, compute, cuda and backend == "torch" and small)
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def path_for(x: Tensor, backend: str | None = None, algorithm: str = "auto") -> NewtonSchulzPath:
+    """`ns_path` for the matrices of `x` (shape (..., rows, cols))."""
+    backend = _setting.value if backend is None else backend
+    capability = _capability_major(x.device.index or 0) if x.is_cuda else None
+    rows, cols = x.shape[-2:]
+    return ns_path(rows, cols, x.dtype, x.device.type, capability, backend, algorithm)
+
+
 def zeropower(
     x: Tensor,
     schedule: NewtonSchulzSchedule,
     eps: float = DEFAULT_EPS,
     backend: str | None = None,
+    algorithm: str = "auto",
 ) -> Tensor:
-    """Orthogonalize each matrix of `x` (shape (..., rows, cols)) in `x.dtype`.
+    """Orthogonalize each matrix of `x` (shape (rows, cols) or (batch, rows, cols)).
 
     Tall matrices are transposed so the Gram matrix is the small one, then
     transposed back (the result may be a transposed view). `x` is not modified.
-    `backend` (default: `get_backend()`) picks the implementation, see `BACKENDS`.
+    `backend` (default: `get_backend()`) and `algorithm` ("auto", "standard" or
+    "gram") choose the path per matrix shape (`ns_path`). The result has x's dtype;
+    each matrix's result is the same bits whatever else shares the batch (given
+    batch-invariant matrix products: the plain path on CPU, see the README for CUDA).
     """
-    backend = _setting.value if backend is None else backend
-    if backend != "torch":
-        if backend not in BACKENDS:
-            raise ValueError(f"backend should be one of {BACKENDS} but is: {backend!r}")
-        # CPU tensors never import triton under "auto".
-        if backend == "triton" or x.is_cuda:
-            from muon import ns_triton
+    if x.ndim not in (2, 3):
+        raise ValueError(f"zeropower takes (rows, cols) or (batch, rows, cols): {tuple(x.shape)}")
+    return zeropower_along(x, schedule, eps, path_for(x, backend, algorithm))
 
-            if backend == "triton" or ns_triton.wins(x):
-                return ns_triton.zeropower_triton(x, schedule, eps)
+
+def zeropower_along(
+    x: Tensor, schedule: NewtonSchulzSchedule, eps: float, path: NewtonSchulzPath
+) -> Tensor:
+    """`zeropower` along a given path (`ns_path`)."""
+    if path.per_matrix and x.ndim == 3:
+        single = dataclasses.replace(path, per_matrix=False)
+        out = torch.empty_like(x)
+        for i in range(x.size(0)):  # a batch of one: the same launches whatever the batch
+            out[i].copy_(zeropower_along(x[i : i + 1], schedule, eps, single)[0])
+        return out
+    if path.backend == "triton":
+        from muon import ns_triton
+
+        if path.algorithm == "gram":
+            out = ns_triton.zeropower_gram_triton(x, schedule, eps, dtype=path.dtype)
+            return out.to(x.dtype)
+        return ns_triton.zeropower_triton(x, schedule, eps)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    if path.algorithm == "gram":
+        out = _gram_torch(x, schedule, eps, path.dtype).to(x.dtype)
+    else:
+        out = _standard_torch(x, schedule, eps)
+    return out.mT if tall else out
+
+
+def matrix_norms(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Frobenius norm of each matrix of `x` ((m, n) -> (); (batch, m, n) -> (batch, 1, 1)).
+
+    One reduction per matrix, so a matrix's norm is the same bits whatever the batch
+    (a batched reduction may split differently with the number of outputs); for one
+    matrix it is torch.optim.Muon's `X.norm()`.
+    """
+    if x.ndim == 2:
+        return torch.linalg.vector_norm(x, dtype=dtype)
+    norms = [torch.linalg.vector_norm(m, dtype=dtype) for m in x.unbind(0)]
+    return torch.stack(norms).view(-1, 1, 1)
+
+
+def _standard_torch(x: Tensor, schedule: NewtonSchulzSchedule, eps: float) -> Tensor:
+    """torch.optim.Muon's iteration on x (m <= n), batched with baddbmm."""
+    norm = matrix_norms(x)
     if schedule.norm_scale != 1.0:
         norm = norm * schedule.norm_scale
     x = x / norm.clamp(min=eps)
@@ -139,7 +299,119 @@ def zeropower(
         else:
             update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
             x = torch.addmm(x, update, x, beta=a)
-    return x.mT if tall else x
+    return x
+
+
+def _gram_torch(
+    x: Tensor, schedule: NewtonSchulzSchedule, eps: float, dtype: torch.dtype
+) -> Tensor:
+    """Gram Newton-Schulz on x (m <= n) in `dtype`, plain products.
+
+    With Z = b R + c R^2 (one baddbmm), P = a I + Z enters every product through its
+    beta: P M = a M + Z M, so R <- P (P R) and Q <- P Q never form P. Only a segment's
+    first Q = P is formed (a added to Z's diagonal in place). Q is kept whole: splitting
+    it into q I + (Q - q I) cancels catastrophically in 16 bits (Q - q I has eigenvalues
+    near -q where Q's are near 1). The `del`s keep the live m x m matrices at what
+    `gram_workspace_numel` counts.
+    """
+    squeeze = x.ndim == 2
+    if squeeze:
+        x = x.unsqueeze(0)
+    norm = matrix_norms(x, torch.float32)
+    if schedule.norm_scale != 1.0:
+        norm = norm * schedule.norm_scale
+    xs = torch.empty(x.shape, dtype=dtype, device=x.device)
+    torch.div(x, norm.clamp(min=eps), out=xs)  # normalized and cast, rounded once
+    for segment in schedule.gram_segments():
+        r = xs @ xs.mT
+        q = None
+        for k in segment:
+            a, b, c = schedule.coefficients[k]
+            z = torch.baddbmm(r, r, r, beta=b, alpha=c)
+            last = k == segment[-1]
+            if last:
+                del r
+            if q is None:
+                q = z
+                q.diagonal(dim1=-2, dim2=-1).add_(a)
+            else:
+                q = torch.baddbmm(q, z, q, beta=a)
+            if not last:
+                if z is q:  # P itself, formed: P R, then P (P R)
+                    w = torch.bmm(q, r)
+                    r = torch.bmm(q, w)
+                else:
+                    w = torch.baddbmm(r, z, r, beta=a)
+                    r = torch.baddbmm(w, z, w, beta=a)
+                del w
+            del z
+        xs = torch.bmm(q, xs)
+        del q
+    return xs.squeeze(0) if squeeze else xs
+
+
+def _iteration_numel(segments: tuple[range, ...], m: int) -> int:
+    """Most m x m matrices the Gram iterations hold at once (both backends), times m^2."""
+    most = 0
+    for segment in segments:
+        length = len(segment)
+        # one iteration: R, Z; first and not last: + W (P R), P^2 R; last and not first:
+        # Q, Z, the new Q (R freed); in between: R, Q, Z, W, P^2 R
+        most = max(most, 2 if length == 1 else 4 if length == 2 else 5)
+    return most * m * m
+
+
+def gram_workspace_numel(count: int, rows: int, cols: int, schedule: NewtonSchulzSchedule) -> int:
+    """Peak elements Gram Newton-Schulz allocates for `count` rows x cols matrices.
+
+    The normalized copy X (m x n, m <= n) lives throughout; on top of it the m x m
+    matrices of the iterations (`_iteration_numel`), or, when Q is applied, the new X
+    and Q. The result (one X) is included; per-matrix norms (`count` scalars) are not.
+    """
+    m, n = min(rows, cols), max(rows, cols)
+    iterations = m * n + _iteration_numel(schedule.gram_segments(), m)
+    return count * max(iterations, 2 * m * n + m * m)
+
+
+def standard_workspace_numel(count: int, rows: int, cols: int) -> int:
+    """Peak elements standard Newton-Schulz allocates for `count` rows x cols matrices.
+
+    The iterate, its successor and two Gram-sized temporaries (m x m, m = min(rows,
+    cols)); the torch and Triton paths hold the same (the Triton path allocates its two
+    iterates and two Gram-sized buffers up front and reads a tall input through a
+    view). The result (one iterate) is included; per-matrix norms are not.
+    """
+    m = min(rows, cols)
+    return count * (2 * rows * cols + 2 * m * m)
+
+
+def ns_workspace_numel(
+    batches: Iterable[tuple[int, int, int]],
+    schedule: NewtonSchulzSchedule = KELLER_JORDAN,
+    path: Callable[[int, int], NewtonSchulzPath] | None = None,
+) -> int:
+    """Peak elements `zeropower` allocates for (count, rows, cols) batches run in this order.
+
+    Each batch's result stays alive until the bucket is applied, so batch j's
+    workspace sits on top of the earlier results. `path(rows, cols)` is the path each
+    shape takes (e.g. `functools.partial(ns_path, dtype=..., device_type=...)`); None
+    means the standard algorithm. Elements are of the input's size (`NewtonSchulzPath.
+    dtype` always is).
+    """
+    peak = done = 0
+    for count, rows, cols in batches:
+        chosen = path(rows, cols) if path is not None else None
+        gram = chosen is not None and chosen.algorithm == "gram"
+        launch = 1 if chosen is not None and chosen.per_matrix else count
+        if gram:
+            need = gram_workspace_numel(launch, rows, cols, schedule)
+        else:
+            need = standard_workspace_numel(launch, rows, cols)
+        if launch < count:  # the output, filled one matrix at a time
+            need += count * rows * cols
+        peak = max(peak, done + need)
+        done += count * rows * cols
+    return peak
 
 
 def ns_flops(rows: int, cols: int, steps: int = 1) -> int:

@@ -18,13 +18,20 @@ first call of each (config, K-divisibility, epilogue) variant JIT-compiles (abou
 second each; Triton's disk cache makes later processes load in milliseconds);
 `bench/newton_schulz.py` prints the cost.
 
+Gram Newton-Schulz (`zeropower_gram_triton`) uses the same kernel for R = X X^T and
+P = a I + b R + c R R, and cuBLAS for the general m x m products (P R P, P Q) and Q X.
+
+Batch invariance: the kernel runs one program per (tile, matrix) with a configuration
+fixed per shape, so a matrix's result does not depend on the batch; `auto_takes` is a
+rule per matrix shape; norms are one reduction per matrix (`matrix_norms`); cuBLAS
+products were measured batch-invariant on the H200 for these sizes (README).
+
 Triton is imported lazily; `available()` is False where it is missing and the
 plain torch path in `muon.newton_schulz` is used instead.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,17 +45,20 @@ try:  # ships with CUDA builds of torch; this module is imported only off the CP
 except Exception:  # pragma: no cover - depends on the install
     triton = tl = None
 
+from muon.newton_schulz import matrix_norms
+
 if TYPE_CHECKING:
     from muon.newton_schulz import NewtonSchulzSchedule
 
-# `backend="auto"` uses this path only on GPUs of these compute capabilities
-# (major) where it was measured to win, and only when a launch has at least
-# AUTO_MIN_PROGRAMS lower-triangle tiles (over the batch) to fill the SMs.
-# H200, bench/newton_schulz.py (bench/measured/newton_schulz_h200.log): one
-# 1024x1024 Gram (36 tiles) ran 0.66x the plain path; 8 of them (288 tiles)
-# 1.07x; 16 x 768 (336 tiles) 1.30x; 4096 and up (528+ tiles) 1.23-1.32x.
+# `backend="auto"` takes this path on GPUs of these compute capabilities (major) for
+# matrices whose short side is at least AUTO_MIN_SIDE: a rule per matrix shape, never
+# per launch, so a matrix's result does not depend on what shares its batch.
+# H200, bench/newton_schulz.py (bench/measured/newton_schulz_h200.log): 16 x 768x2048
+# ran 1.30x the plain path, 4 x 1024^2 1.17x, 8 x 1024x4096 1.29x, 4096 and up
+# 1.23-1.32x; one 1024x1024 or 1024x4096 alone 0.66-0.73x (a batch of one fills few SMs;
+# Muon batches same-shape matrices, so the batched numbers decide).
 AUTO_CAPABILITIES = frozenset({9})
-AUTO_MIN_PROGRAMS = 256
+AUTO_MIN_SIDE = 768
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_MATRIX_NUMEL = 2**31 - 1
 """Offsets within one matrix are int32 in the kernels (the batch offset is int64)."""
@@ -68,9 +78,8 @@ class SymConfig:
 
     @property
     def name(self) -> str:
-        return (
-            f"b{self.block}k{self.block_k}w{self.num_warps}s{self.num_stages}"
-            + ("tma" if self.tma else "")
+        return f"b{self.block}k{self.block_k}w{self.num_warps}s{self.num_stages}" + (
+            "tma" if self.tma else ""
         )
 
 
@@ -110,27 +119,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
-def _capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def _fits_int32(x: Tensor) -> bool:
     return x.shape[-2] * x.shape[-1] <= MAX_MATRIX_NUMEL
 
 
-def wins(x: Tensor) -> bool:
-    """Whether `backend="auto"` takes this path for `x` (shape (..., rows, cols))."""
-    if not x.is_cuda or x.dtype not in SUPPORTED_DTYPES or x.ndim not in (2, 3):
+def auto_takes(rows: int, cols: int, dtype: torch.dtype, capability: int | None) -> bool:
+    """Whether `backend="auto"` takes this path for rows x cols matrices of `dtype`."""
+    if dtype not in SUPPORTED_DTYPES or rows * cols > MAX_MATRIX_NUMEL:
         return False
-    if not _fits_int32(x):
-        return False
-    m = min(x.shape[-2:])
-    tiles = -(-m // config_for(m, max(x.shape[-2:])).block)
-    batch = x.shape[0] if x.ndim == 3 else 1
-    if batch * tiles * (tiles + 1) // 2 < AUTO_MIN_PROGRAMS:
-        return False
-    if _capability_major(x.device.index or 0) not in AUTO_CAPABILITIES:
+    if min(rows, cols) < AUTO_MIN_SIDE or capability not in AUTO_CAPABILITIES:
         return False
     return available()
 
@@ -334,6 +331,24 @@ def sym_matmul(
     return out.squeeze(0) if squeeze else out
 
 
+def _oriented(x: Tensor) -> tuple[Tensor, bool, bool]:
+    """x as (batch, m, n) with m <= n (a view), and whether it was tall / 2-D."""
+    _check(x)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"zeropower takes (rows, cols) or (batch, rows, cols): {tuple(x.shape)}")
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    squeeze = x.ndim == 2
+    return (x.unsqueeze(0) if squeeze else x), tall, squeeze
+
+
+def _restored(x: Tensor, tall: bool, squeeze: bool) -> Tensor:
+    if squeeze:
+        x = x.squeeze(0)
+    return x.mT if tall else x
+
+
 def zeropower_triton(
     x: Tensor,
     schedule: NewtonSchulzSchedule,
@@ -341,7 +356,7 @@ def zeropower_triton(
     *,
     config: SymConfig | str | None = None,
 ) -> Tensor:
-    """`muon.newton_schulz.zeropower` with symmetric products and fused epilogues.
+    """`muon.newton_schulz.zeropower` (standard algorithm) with symmetric products.
 
     Same orientation, norm and schedule as the plain path, regrouped so that no pass
     is spent outside the matrix products: each iteration is
@@ -355,17 +370,9 @@ def zeropower_triton(
     transposed view and never copied. Agrees with the plain path to bf16 rounding
     (not bitwise). Returns x's dtype (a transposed view for tall x).
     """
-    _check(x)
-    if x.ndim not in (2, 3):
-        raise ValueError(f"zeropower takes (rows, cols) or (batch, rows, cols): {tuple(x.shape)}")
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    squeeze = x.ndim == 2
-    if squeeze:
-        x = x.unsqueeze(0)
+    x, tall, squeeze = _oriented(x)
     batch, m, n = x.shape
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1))
+    norm = matrix_norms(x).view(batch)  # one reduction per matrix: batch-invariant
     if schedule.norm_scale != 1.0:
         norm = norm * schedule.norm_scale
     inv_norm = norm.clamp(min=eps).float().reciprocal()
@@ -378,6 +385,55 @@ def zeropower_triton(
         sym_matmul(x, out=gram, scale=scale, scale_power=2, config=config)
         sym_matmul(gram, gram, alpha=c, beta=b, diag=a, scale=scale, out=poly, config=config)
         x = torch.bmm(poly, x, out=buffers[step % 2])
-    if squeeze:
-        x = x.squeeze(0)
-    return x.mT if tall else x
+    return _restored(x, tall, squeeze)
+
+
+def zeropower_gram_triton(
+    x: Tensor,
+    schedule: NewtonSchulzSchedule,
+    eps: float,
+    *,
+    dtype: torch.dtype = torch.float16,
+    config: SymConfig | str | None = None,
+) -> Tensor:
+    """Gram Newton-Schulz (`muon.newton_schulz`) in `dtype` with symmetric products.
+
+    X (m x n, m <= n) is normalized and cast once; per restart segment:
+
+        R = X X^T                  sym_matmul(X)
+        P = a I + b R + c R R      sym_matmul(R, c=R, alpha=c, beta=b, diag=a)
+        Q = P Q                    torch.bmm (Q = P at the segment's first iteration)
+        R = P R P                  torch.bmm twice
+        X = Q X                    torch.bmm, once at the segment's end
+
+    R is not updated after a segment's last iteration. a I is added in the fp32
+    epilogue of P's product (rounded once). Holds the m x m matrices that
+    `muon.newton_schulz.gram_workspace_numel` counts. Returns `dtype` (a transposed view
+    for tall x).
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton path computes in bfloat16 or float16 but got: {dtype}")
+    x, tall, squeeze = _oriented(x)
+    norm = matrix_norms(x, torch.float32)
+    if schedule.norm_scale != 1.0:
+        norm = norm * schedule.norm_scale
+    xs = torch.empty(x.shape, device=x.device, dtype=dtype)
+    torch.div(x, norm.clamp(min=eps), out=xs)  # normalized and cast, rounded once
+    for segment in schedule.gram_segments():
+        r = sym_matmul(xs, config=config)
+        q = None
+        for k in segment:
+            a, b, c = schedule.coefficients[k]
+            p = sym_matmul(r, r, alpha=c, beta=b, diag=a, config=config)
+            last = k == segment[-1]
+            if last:
+                del r
+            q = p if q is None else torch.bmm(p, q)
+            if not last:  # P R P, not R P^2: P^2 rounded to 16 bits swamps P's small end
+                w = torch.bmm(r, p)
+                r = torch.bmm(p, w)
+                del w
+            del p
+        xs = torch.bmm(q, xs)
+        del q
+    return _restored(xs, tall, squeeze)

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from muon.newton_schulz import ns_flops
+from muon.newton_schulz import ns_flops, ns_workspace_numel  # re-exported for the planner
 
 # Default cap on the bytes of full matrices a bucket holds on one exchange
 # group (bf16): small enough to bound the workspace (512 MiB - 1 GiB
@@ -295,22 +295,6 @@ class ExchangePlan:
     def workspace_bytes(self) -> int:
         """Peak bytes this bucket needs on this rank: its buffer views plus Newton-Schulz's."""
         return (self.send_numel + self.recv_numel + self.full_numel + self.ns_numel) * self.itemsize
-
-
-def ns_workspace_numel(batches: Iterable[tuple[int, int, int]]) -> int:
-    """Peak elements `zeropower` allocates for (count, rows, cols) batches run in this order.
-
-    Each batch's result stays alive until the bucket is applied; while batch j
-    iterates, its iterate, the successor and two Gram-sized temporaries
-    (m x m, m = min(rows, cols)) are alive on top of the earlier results. The torch
-    and Triton paths hold the same: the Triton path allocates its two iterates and
-    two Gram-sized buffers up front and reads a tall input through a view.
-    """
-    peak = done = 0
-    for count, rows, cols in batches:
-        peak = max(peak, done + count * (2 * rows * cols + 2 * min(rows, cols) ** 2))
-        done += count * rows * cols
-    return peak
 
 
 def bucket_matrices(

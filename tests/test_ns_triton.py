@@ -49,7 +49,7 @@ if INTERPRET and HAVE_TRITON:
 
 
 def _fp64_reference(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Tensor:
-    return zeropower(x.double(), schedule, backend="torch")
+    return zeropower(x.double(), schedule, backend="torch", algorithm="standard")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,12 +59,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- dispatch (everywhere) ------------------------------------------------------------------------
 
 
-def test_cpu_auto_is_the_plain_path_bitwise():
-    x = torch.randn(3, 24, 40, dtype=torch.bfloat16)
+def _muon_reference(x: torch.Tensor, schedule: NewtonSchulzSchedule, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's iteration (REFERENCE.md), one 2-D matrix at a time, any schedule."""
+    results = []
+    for m in x.reshape(-1, *x.shape[-2:]):
+        tall = m.size(0) > m.size(1)
+        m = m.T if tall else m
+        m = m / (m.norm() * schedule.norm_scale).clamp(min=eps)
+        for a, b, c in schedule.coefficients:
+            gram = m @ m.T
+            m = torch.addmm(m, torch.addmm(gram, gram, gram, beta=b, alpha=c), m, beta=a)
+        results.append(m.T if tall else m)
+    return torch.stack(results).reshape(x.shape)
+
+
+@pytest.mark.parametrize("shape", [(3, 24, 40), (2, 40, 24), (24, 72)])
+def test_cpu_auto_is_torch_muons_iteration_bitwise(shape):
+    # on CPU, the default and "auto" backends and algorithms are torch.optim.Muon's
+    # arithmetic, bit for bit, for every schedule (aspect 3: Gram on CUDA, not here)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).bfloat16()
     for schedule in SCHEDULES.values():
-        plain = zeropower(x, schedule, backend="torch")
-        assert torch.equal(zeropower(x, schedule), plain)
-        assert torch.equal(zeropower(x, schedule, backend="auto"), plain)
+        ref = _muon_reference(x, schedule, 1e-7)
+        assert torch.equal(zeropower(x, schedule), ref)
+        assert torch.equal(zeropower(x, schedule, backend="auto", algorithm="auto"), ref)
 
 
 def test_backend_setting():
@@ -203,6 +220,41 @@ def test_interp_zeropower_bf16_dispatch(name):
     assert _rel(fast, ref) <= 4 * _rel(plain, ref) + 1e-2
 
 
+@interp
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("shape", [(48, 20), (20, 48), (3, 24, 40)])
+def test_interp_zeropower_gram(name, shape):
+    # Gram Newton-Schulz in fp16 on the symmetric kernels: more accurate than the plain
+    # bf16 standard path against the fp64 iteration (issue 11's bar), close to plain Gram
+    from muon.ns_triton import SymConfig, zeropower_gram_triton
+
+    schedule = SCHEDULES[name]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(9)).half()
+    fast = zeropower_gram_triton(x, schedule, 1e-7, config=SymConfig(16, 16, 4, 2))
+    assert fast.shape == x.shape and fast.dtype == torch.float16
+    ref = _fp64_reference(x, schedule)
+    plain = zeropower(x.bfloat16(), schedule, backend="torch", algorithm="standard")
+    assert _rel(fast, ref) <= 0.5 * _rel(plain, ref), (_rel(fast, ref), _rel(plain, ref))
+    gram16 = zeropower(x, schedule, backend="torch", algorithm="gram")
+    assert _rel(fast, gram16) <= 1e-2
+    # through the dispatch (its own config): forced Triton, Gram, in the input's dtype
+    out = zeropower(x, schedule, backend="triton", algorithm="gram")
+    assert out.dtype == torch.float16 and _rel(out, ref) <= 0.5 * _rel(plain, ref)
+
+
+@interp
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+def test_interp_batch_invariant(algorithm):
+    # a matrix's result is the same bits whatever shares its batch (what the Triton paths
+    # keep and their peak: test_gpu_keeps_nothing; under the interpreter, its own copies of
+    # the kernel arguments would be counted)
+    schedule = SCHEDULES["deepseek_v4"]
+    x = torch.randn(5, 20, 44, generator=torch.Generator().manual_seed(10)).half()
+    alone = zeropower(x[2:3], schedule, backend="triton", algorithm=algorithm)[0]
+    assert torch.equal(zeropower(x, schedule, backend="triton", algorithm=algorithm)[2], alone)
+    assert torch.equal(zeropower(x[1:], schedule, backend="triton", algorithm=algorithm)[1], alone)
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 GPU_SHAPES = {
@@ -227,8 +279,8 @@ def test_gpu_fp64_reference(kind, name):
     schedule = SCHEDULES[name]
     x = _gpu_input(GPU_SHAPES[kind])
     ref = _fp64_reference(x, schedule)
-    plain = zeropower(x, schedule, backend="torch")
-    fast = zeropower(x, schedule, backend="triton")
+    plain = zeropower(x, schedule, backend="torch", algorithm="standard")
+    fast = zeropower(x, schedule, backend="triton", algorithm="standard")
     assert fast.shape == x.shape and fast.dtype == torch.bfloat16
     err_plain, err_fast = _rel(plain, ref), _rel(fast, ref)
     assert err_fast <= 1.1 * err_plain + 2e-3, (err_fast, err_plain)
@@ -269,13 +321,18 @@ def test_gpu_every_config():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
 def test_gpu_auto_dispatch_and_muon():
-    from muon import Muon, ns_triton
+    from muon import Muon
+    from muon.newton_schulz import path_for
 
     small = _gpu_input((256, 512))
-    assert not ns_triton.wins(small)
+    assert path_for(small, "auto").backend == "torch"
+    assert path_for(_gpu_input((1024, 2048)), "auto").backend == "triton"
     huge = torch.empty(1, device="cuda", dtype=torch.bfloat16).expand(2**16, 2**15 + 1)
-    assert not ns_triton.wins(huge)  # past int32 offsets: the plain path
-    assert not ns_triton.wins(_gpu_input((1024, 2048)).float())
+    assert path_for(huge, "auto").backend == "torch"  # past int32 offsets: the plain path
+    assert path_for(_gpu_input((1024, 2048)).float(), "auto").backend == "torch"
+    # per shape, never per launch: one 1024^2 matrix and 8 of them take the same path
+    eight = _gpu_input((8, 1024, 1024))
+    assert path_for(eight[:1], "auto") == path_for(eight, "auto")
     schedule = SCHEDULES["keller_jordan"]
     assert torch.equal(zeropower(small, schedule), zeropower(small, schedule, backend="torch"))
     # muon.Muon under the triton backend stays close to the plain one
@@ -294,3 +351,81 @@ def test_gpu_auto_dispatch_and_muon():
         params[backend] = ps
     for p, q in zip(params["torch"], params["triton"], strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-3)
+
+
+GPU_INVARIANCE_SHAPES = [(1024, 1024), (768, 2304), (2304, 768), (64, 512), (8, 48)]
+
+
+@pytest.mark.parametrize("shape", GPU_INVARIANCE_SHAPES)
+@pytest.mark.parametrize("algorithm", ["standard", "gram", "auto"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_batch_invariant_bitwise(backend, algorithm, shape):
+    # issue 12: a matrix's result is the same bits whatever else shares its launch
+    schedule = SCHEDULES["polar_express"]
+    mats = _gpu_input((7, *shape), seed=5)
+    others = 50 * _gpu_input((12, *shape), seed=6)
+
+    def run(x):
+        return zeropower(x, schedule, backend=backend, algorithm=algorithm)
+
+    alone = run(mats[:1])[0]
+    for batch in (mats[:3], mats, torch.cat([mats[:1], others]), torch.cat([mats[:1], others[:1]])):
+        assert torch.equal(run(batch)[0], alone)
+    assert torch.equal(run(mats)[5], run(mats[5:6])[0])
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram", "auto"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_keeps_nothing(backend, algorithm):
+    # issue 12: nothing Newton-Schulz allocates outlives the call (no cached workspace)
+    import gc
+
+    from muon.newton_schulz import ns_workspace_numel, path_for
+
+    schedule = SCHEDULES["keller_jordan"]
+    xs = [_gpu_input(s, seed=7) for s in [(4, 1024, 3072), (2, 3072, 1024), (8, 256, 512)]]
+    for x in xs:  # cuBLAS's per-stream workspace, allocated at first use, is not ours
+        zeropower(x, schedule, backend=backend, algorithm=algorithm)
+    torch.cuda.synchronize()
+    gc.disable()
+    try:
+        before = torch.cuda.memory_allocated()
+        for x in xs:
+            torch.cuda.reset_peak_memory_stats()
+            out = zeropower(x, schedule, backend=backend, algorithm=algorithm)
+            assert out.shape == x.shape and out.dtype == x.dtype
+            peak = torch.cuda.max_memory_allocated() - before
+            del out
+            # the peak is the workspace model's, plus the per-matrix norms and the
+            # caching allocator's 512-byte rounding (a few KiB)
+            path = path_for(x, backend, algorithm)
+            model = ns_workspace_numel([x.shape], schedule, lambda r, c, p=path: p)
+            assert 0 <= peak - 2 * model <= 64 << 10, (path, peak, 2 * model)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("kind", sorted(GPU_SHAPES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_gram_fp16_at_least_as_accurate_as_standard_bf16(kind, name):
+    # issue 11: Gram in fp16 (both backends) against the fp64 iteration, vs plain bf16
+    schedule = SCHEDULES[name]
+    x = _gpu_input(GPU_SHAPES[kind], seed=8)
+    ref = _fp64_reference(x, schedule)
+    plain = zeropower(x, schedule, backend="torch", algorithm="standard")
+    sv_ref = torch.linalg.svdvals(ref.float())
+    for backend in ("torch", "triton"):
+        gram = zeropower(x, schedule, backend=backend, algorithm="gram")
+        assert gram.shape == x.shape and gram.dtype == torch.bfloat16
+        assert _rel(gram, ref) <= _rel(plain, ref), (backend, _rel(gram, ref), _rel(plain, ref))
+        sv = torch.linalg.svdvals(gram.float())
+        assert abs(sv.max().item() - sv_ref.max().item()) <= 0.05, backend
+        assert abs(sv.min().item() - sv_ref.min().item()) <= 0.05, backend

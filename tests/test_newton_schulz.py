@@ -1,0 +1,158 @@
+"""Newton-Schulz on CPU: Gram vs standard, batch invariance, path choice, workspace model."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from ns_alloc_tracker import PeakTracker
+
+from muon.newton_schulz import (
+    DEEPSEEK_V4,
+    GRAM_MIN_ASPECT,
+    KELLER_JORDAN,
+    SCHEDULES,
+    NewtonSchulzPath,
+    NewtonSchulzSchedule,
+    ns_path,
+    ns_workspace_numel,
+    zeropower,
+    zeropower_along,
+)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96), (3, 36, 90), (4, 90, 36), (48, 48)])
+def test_gram_matches_standard_in_fp32(name, shape):
+    schedule = SCHEDULES[name]
+    x = _randn(*shape)
+    standard = zeropower(x, schedule, algorithm="standard")
+    gram = zeropower(x, schedule, algorithm="gram")
+    assert gram.shape == x.shape and gram.dtype == torch.float32
+    assert _rel(gram, standard) <= 1e-4
+    if x.ndim == 3:  # per matrix, not only on the whole batch
+        for g, s in zip(gram, standard, strict=True):
+            assert _rel(g, s) <= 1e-4
+
+
+def test_gram_restarts_are_data():
+    # every placement of the restarts is the same iteration (to rounding); more restarts
+    # leave less for Q to accumulate in one segment
+    x = _randn(2, 40, 100)
+    standard = zeropower(x, DEEPSEEK_V4, algorithm="standard")
+    errors = {}
+    for restarts in [(), (2,), (2, 5, 8), (1, 2, 3, 4, 5, 6, 7, 8, 9), (4, 40)]:
+        schedule = dataclasses.replace(DEEPSEEK_V4, gram_restarts=restarts)
+        errors[restarts] = _rel(zeropower(x, schedule, algorithm="gram"), standard)
+    assert all(e <= 1e-2 for e in errors.values()), errors
+    assert errors[(2, 5, 8)] <= 1e-4 and errors[(1, 2, 3, 4, 5, 6, 7, 8, 9)] <= 1e-4, errors
+    assert DEEPSEEK_V4.gram_segments() == (range(0, 2), range(2, 5), range(5, 8), range(8, 10))
+    with pytest.raises(ValueError, match="gram_restarts"):
+        dataclasses.replace(KELLER_JORDAN, gram_restarts=(3, 2))
+    with pytest.raises(ValueError, match="a != 0"):
+        NewtonSchulzSchedule(((0.0, 1.0, 1.0),))
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tall", [False, True])
+def test_batch_invariant_bitwise(algorithm, dtype, tall):
+    # a matrix's result is the same bits whatever the batch size and the other matrices
+    mats = _randn(7, 40, 72).to(dtype)
+    if tall:
+        mats = mats.mT.contiguous()
+    others = (100 * _randn(6, *mats.shape[1:], seed=1)).to(dtype)
+    schedule = SCHEDULES["polar_express"]
+    alone = zeropower(mats[0], schedule, algorithm=algorithm)
+    for batch in (mats[:1], mats[:3], mats, torch.cat([mats[:1], others[:2]])):
+        assert torch.equal(zeropower(batch, schedule, algorithm=algorithm)[0], alone)
+    # and a matrix in the middle of a batch equals itself alone
+    assert torch.equal(
+        zeropower(mats, schedule, algorithm=algorithm)[4],
+        zeropower(mats[4:5], schedule, algorithm=algorithm)[0],
+    )
+
+
+def test_cpu_auto_is_standard_and_bit_equal_to_torch_muon_iteration():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    for shape in [(64, 192), (192, 64)]:  # aspect 3: Gram on CUDA, standard on CPU
+        x = _randn(*shape)
+        ref = _zeropower_via_newtonschulz(x, KELLER_JORDAN.coefficients[0], 5, 1e-7)
+        assert torch.equal(zeropower(x.bfloat16(), KELLER_JORDAN), ref)
+
+
+def test_ns_path_is_per_shape():
+    cpu = functools.partial(ns_path, dtype=torch.bfloat16, device_type="cpu")
+    for rows, cols in [(4096, 4096), (12288, 4096), (4096, 12288), (1024, 4096)]:
+        assert cpu(rows, cols) == NewtonSchulzPath("standard", "torch", torch.bfloat16)
+        path = cpu(rows, cols, algorithm="gram")
+        assert path == NewtonSchulzPath("gram", "torch", torch.bfloat16)
+    # the pure rule for CUDA (backend forced: no triton needed to decide)
+    cuda = functools.partial(
+        ns_path, dtype=torch.bfloat16, device_type="cuda", capability=9, backend="torch"
+    )
+    assert cuda(4096, 4096).algorithm == "standard"
+    side = 2048
+    long = int(side * GRAM_MIN_ASPECT)
+    assert cuda(long, side) == NewtonSchulzPath("gram", "torch", torch.float16)
+    assert cuda(side, long) == NewtonSchulzPath("gram", "torch", torch.float16)
+    assert cuda(long - 1, side).algorithm == "standard"
+    assert cuda(side, side, algorithm="gram").dtype == torch.float16
+    assert ns_path(64, 192, torch.float32, "cuda", 9, "torch", "gram").dtype == torch.float32
+    with pytest.raises(ValueError, match="algorithm"):
+        cpu(8, 8, algorithm="polar")
+    with pytest.raises(ValueError, match="algorithm"):
+        zeropower(_randn(8, 8), KELLER_JORDAN, algorithm="polar")
+    with pytest.raises(ValueError, match="backend"):
+        cpu(8, 8, backend="cutlass")
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("schedule", [KELLER_JORDAN, DEEPSEEK_V4], ids=["kj", "dsv4"])
+def test_workspace_model_is_what_the_torch_path_allocates(algorithm, schedule):
+    # a bucket's batches run in order, each result kept until the bucket is applied
+    batches = [(3, 24, 40), (2, 56, 16), (1, 32, 32), (4, 8, 40)]
+    variants = [schedule.gram_restarts, (1,), ()] if algorithm == "gram" else [()]
+    for restarts in variants:  # restarts do not touch the standard algorithm
+        sched = dataclasses.replace(schedule, gram_restarts=restarts)
+        inputs = [_randn(*b, seed=i) for i, b in enumerate(batches)]
+        tracker = PeakTracker(ignore_numel=max(b[0] for b in batches))
+        results = []
+        with tracker:
+            for x in inputs:
+                results.append(zeropower(x, sched, algorithm=algorithm))
+        path = functools.partial(
+            ns_path, dtype=torch.float32, device_type="cpu", algorithm=algorithm
+        )
+        model = ns_workspace_numel(batches, sched, path)
+        assert tracker.peak == model, (restarts, tracker.peak, model)
+    if algorithm == "standard":  # the default model (no path) is the standard algorithm's
+        assert ns_workspace_numel(batches) == model
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+def test_per_matrix_launches_match_the_batch_and_the_model(algorithm):
+    # the plain CUDA path launches small matrices one by one (`per_matrix`): same bits as
+    # the batch on CPU, and the workspace model counts the output filled one at a time
+    batches = [(3, 24, 40), (2, 40, 16)]
+    path = NewtonSchulzPath(algorithm, "torch", torch.float32, per_matrix=True)
+    inputs = [_randn(*b, seed=i) for i, b in enumerate(batches)]
+    tracker = PeakTracker(ignore_numel=3)
+    with tracker:
+        results = [zeropower_along(x, KELLER_JORDAN, 1e-7, path) for x in inputs]
+    assert tracker.peak == ns_workspace_numel(batches, KELLER_JORDAN, lambda r, c: path)
+    for x, out in zip(inputs, results, strict=True):
+        assert torch.equal(out, zeropower(x, KELLER_JORDAN, algorithm=algorithm))
+    cuda = ns_path(8, 64, torch.bfloat16, "cuda", 9, "torch", "auto")
+    assert cuda.per_matrix and not ns_path(256, 512, torch.bfloat16, "cuda", 9, "torch").per_matrix
