@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -300,3 +301,118 @@ def test_an_elementwise_optimizer_slices_a_large_param_to_fit_chunk_bytes():
     assert cut[0][0] == 0 and cut[-1][1] == big.numel()
     assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False))
     assert opt.state[big]["step"] == 1 and opt.state[big]["exp_avg"].shape == big.shape
+
+
+def _state_bytes(model) -> int:
+    return sum(2 * p.numel() * 4 for p in model.parameters())  # AdamW: two fp32 moments
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, 2**40])
+@pytest.mark.parametrize("budget", ["none", "one_unit", "half", "all"])
+def test_gpu_resident_budget_is_bitwise_equal(budget, chunk_bytes, overlap):
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
+    total = _state_bytes(model)
+    one_unit = 2 * model[4].weight.numel() * 4  # the head: first with overlap, else last
+    if overlap:
+        one_unit = 2 * model[0].weight.numel() * 4  # the embedding comes first
+    resident = {"none": 0, "one_unit": one_unit, "half": total // 2, "all": total}[budget]
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        chunk_bytes=chunk_bytes,
+        staging_slots=2,
+        overlap_forward=model if overlap else None,
+        gpu_resident_bytes=resident,
+    )
+    train(plain_model, plain)
+    train(model, opt)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+    plan = opt.plan
+    padding = 256 * 2 * len(opt.state)  # each state tensor starts 256-byte aligned
+    assert 0 < plan.resident_bytes <= resident + padding or resident == 0
+    assert (plan.host_bytes == 0) == (budget == "all")
+    # resident state lives in the resident slab, the rest in the host slab
+    resident_params = {p for c in opt._chunks if c.slot < 0 for p in c.touched}
+    for p, entries in opt.state.items():
+        slab = opt._resident_slabs if p in resident_params else opt._host_slabs
+        storage = slab[torch.float32].untyped_storage().data_ptr()
+        assert entries["exp_avg"].untyped_storage().data_ptr() == storage
+
+
+def test_state_dict_round_trip_with_resident_state():
+    ref_model, model = make_model(), make_model()
+
+    def wrap(m):
+        return CPUOffloadOptimizer(
+            torch.optim.AdamW(m.parameters(), lr=1e-2),
+            chunk_bytes=500,
+            gpu_resident_bytes=_state_bytes(m) // 2,
+        )
+
+    ref = wrap(ref_model)
+    train(ref_model, ref, steps=3, frozen_on_step=None)
+    saved = copy.deepcopy(ref.state_dict())
+    model.load_state_dict(ref_model.state_dict())
+    resumed = wrap(model)
+    resumed.load_state_dict(saved)
+    train(ref_model, ref, steps=2, frozen_on_step=None)
+    train(model, resumed, steps=2, frozen_on_step=None)
+    for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(ref, resumed)
+    resumed.load_state_dict(saved)  # into the homes in place, resident ones too
+    assert_same_state_dicts(saved, resumed.state_dict())
+
+
+def test_gpu_resident_bytes_auto_measures_then_replans_bitwise(caplog):
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, StepTiming
+
+    class FakeTimer:
+        """Measured: the forward hides 40% of the offloaded step's copies."""
+
+        def step_started(self, stream):
+            self.steps = getattr(self, "steps", 0) + 1
+
+        def forward_ended(self, stream):
+            pass
+
+        def step_written_back(self, stream):
+            pass
+
+        def timings(self):
+            return [StepTiming(4.0, 10.0)] * getattr(self, "steps", 0)
+
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 2
+    plain_model = make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    train(plain_model, plain, steps=steps)
+    total = _state_bytes(plain_model)
+    # (timer, cap) -> the budget "auto" must choose
+    cases = [
+        (None, None, 0),  # the CPU's own timer: nothing to hide, nothing resident
+        (FakeTimer(), None, total // 2),  # 60% needed, capped at the default half
+        (FakeTimer(), total, math.ceil(total * 0.6)),
+    ]
+    for timer, cap, expected in cases:
+        model = make_model()
+        opt = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_bytes=1000,
+            gpu_resident_bytes="auto",
+            gpu_resident_cap_bytes=cap,
+        )
+        if timer is not None:
+            opt._timer = timer
+        caplog.clear()
+        with caplog.at_level("INFO", logger="offload.cpu_offload"):
+            train(model, opt, steps=steps)
+        assert opt.gpu_resident_bytes == expected
+        assert f"gpu_resident_bytes='auto' chose {expected} bytes" in caplog.text
+        assert (opt.plan.resident_bytes > 0) == (expected > 0)
+        for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        assert_same_state(plain, opt)
