@@ -248,16 +248,18 @@ def _local_range(span: Span, spec: ParamSpec) -> tuple[int, int]:
     return min(span.start, local), stop
 
 
-def _resident_count(unit_bytes: Sequence[int], budget: int, first: bool) -> int:
-    """How many whole units, from the front (`first`) or the back, fit in `budget` bytes."""
-    count, used = 0, 0
-    if budget <= 0:
-        return 0
-    for size in unit_bytes if first else unit_bytes[::-1]:
-        if used + size > budget:
-            break
-        count, used = count + 1, used + size
-    return count
+def _resident_units(unit_bytes: Sequence[int], budget: int, first: bool) -> list[bool]:
+    """Which whole units keep their state on the GPU: walking from the front (`first`)
+    or the back, each unit that still fits in `budget` bytes (a larger one is skipped)."""
+    resident = [False] * len(unit_bytes)
+    used = 0
+    order = range(len(unit_bytes)) if first else range(len(unit_bytes) - 1, -1, -1)
+    for index in order:
+        size = unit_bytes[index]
+        if size > 0 and used + size <= budget:
+            resident[index] = True
+            used += size
+    return resident
 
 
 def plan_offload(
@@ -270,9 +272,9 @@ def plan_offload(
     """Cut `units` (lists of param indices) into chunks and lay out their state.
 
     Whole units holding up to `resident_bytes` (rank-invariant) of state keep it
-    on the GPU: the first units with `resident_first` (the forward needs them
-    first and cannot overlap them), else the last (nothing overlaps their copies).
-    A unit's state has one home, so residency never cuts a unit. Every other
+    on the GPU: the first units that fit with `resident_first` (the forward needs
+    them first and cannot overlap them), else the last (nothing overlaps their
+    copies). A unit's state has one home, so residency never cuts a unit. Every other
     chunk's state tensors have homes in the host slabs, laid out in chunk order,
     so loading or writing back a chunk is a few contiguous copies per dtype.
     """
@@ -283,18 +285,21 @@ def plan_offload(
             sizes.append(UnitSize(spec.invariant_bytes, spec.invariant_numel, True))
         else:
             sizes.append(UnitSize(sum(params[i].invariant_bytes for i in unit)))
-    n_resident = _resident_count([s.bytes for s in sizes], resident_bytes, resident_first)
-    split = n_resident if resident_first else len(units) - n_resident
-    front = [(span_chunk, resident_first) for span_chunk in pack_units(sizes[:split], chunk_bytes)]
-    back = [
-        (tuple(Span(s.unit + split, s.start, s.stop) for s in span_chunk), not resident_first)
-        for span_chunk in pack_units(sizes[split:], chunk_bytes)
-    ]
+    resident = _resident_units([s.bytes for s in sizes], resident_bytes, resident_first)
+    packed = []  # (spans, resident): each run of units alike in residency packed on its own
+    start = 0
+    for stop in range(1, len(units) + 1):
+        if stop == len(units) or resident[stop] != resident[start]:
+            packed += [
+                (tuple(Span(s.unit + start, s.start, s.stop) for s in spans), resident[start])
+                for spans in pack_units(sizes[start:stop], chunk_bytes)
+            ]
+            start = stop
     homes: dict[bool, dict[torch.dtype, int]] = {False: {}, True: {}}
     home_offset: dict[tuple[int, str], int] = {}
     slot_numel: dict[torch.dtype, int] = {}
     chunks = []
-    for spans, resident in front + back:
+    for spans, in_gpu in packed:
         whole: list[int] = []
         slices: list[SliceLayout] = []
         pieces = []  # (param, spec, start, stop, sliced)
@@ -308,21 +313,24 @@ def plan_offload(
             else:
                 whole += [i for i, _ in param_specs]
                 pieces += [(i, s, 0, s.numel, False) for i, p in param_specs for s in p.state]
-        numel = homes[resident]
+        numel = homes[in_gpu]
         for i, spec, *_ in pieces:
             if (i, spec.key) not in home_offset:
                 offset = _aligned(numel.get(spec.dtype, 0), spec.dtype)
                 home_offset[i, spec.key] = offset
                 numel[spec.dtype] = offset + spec.numel
         views, copies, used = [], {}, {}
+        ends_tensor: dict[torch.dtype, bool] = {}  # the dtype's last run ends a state tensor
         for i, spec, start, stop, sliced in pieces:
             home = home_offset[i, spec.key] + start
             staging = 0
-            if not resident and stop > start:
+            if not in_gpu and stop > start:
                 runs = copies.setdefault(spec.dtype, [])
                 last = runs[-1] if runs else None
                 gap = home - (last.home_start + last.numel) if last else -1
-                if last is not None and 0 <= gap < _aligned(1, spec.dtype):
+                # Merge across alignment padding only, never across another slice's state.
+                padding = ends_tensor.get(spec.dtype) and start == 0
+                if last is not None and padding and 0 <= gap < _aligned(1, spec.dtype):
                     staging = last.staging_start + home - last.home_start
                     merged = home + stop - start - last.home_start
                     runs[-1] = Copy(last.home_start, last.staging_start, merged)
@@ -330,6 +338,7 @@ def plan_offload(
                     staging = _aligned(used.get(spec.dtype, 0), spec.dtype)
                     runs.append(Copy(home, staging, stop - start))
                 used[spec.dtype] = staging + stop - start
+                ends_tensor[spec.dtype] = stop == spec.numel
             views.append(StateView(i, spec, home_offset[i, spec.key], start, stop, sliced, staging))
         for dtype, n in used.items():
             slot_numel[dtype] = max(slot_numel.get(dtype, 0), n)
@@ -339,7 +348,7 @@ def plan_offload(
                 tuple(slices),
                 tuple(views),
                 {dtype: tuple(runs) for dtype, runs in copies.items()},
-                resident,
+                in_gpu,
             )
         )
     return OffloadPlan(tuple(chunks), homes[False], homes[True], slot_numel)

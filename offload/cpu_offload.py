@@ -627,6 +627,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 if layout.resident:
                     staging = home.home if not view.sliced else home.home.view(-1)
                     staging = staging[view.start : view.stop] if view.sliced else staging
+                elif view.stop == view.start:  # nothing of it on this rank: no slot space
+                    staging = torch.empty(view.shape, dtype=spec.dtype, device=self.device)
                 else:
                     base = slot * plan.slot_numel[spec.dtype] + view.staging_offset
                     staging = staging_buffers[spec.dtype][base:][: view.stop - view.start]

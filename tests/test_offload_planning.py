@@ -81,7 +81,7 @@ def _check_layout(plan, params):
             if chunk.resident:
                 continue
             # the chunk's copies carry exactly its views' elements to their staging offsets
-            runs = chunk.copies[view.spec.dtype]
+            runs = chunk.copies.get(view.spec.dtype, ())
             home = view.home_offset + view.start
             n = view.stop - view.start
             assert n == 0 or any(
@@ -91,6 +91,15 @@ def _check_layout(plan, params):
                 for r in runs
             )
             assert view.staging_offset + n <= plan.slot_numel[view.spec.dtype]
+    # a write-back never touches another chunk's state: copies are disjoint per slab
+    for dtype in plan.host_numel:
+        runs = sorted(
+            (r.home_start, r.home_start + r.numel)
+            for c in plan.chunks
+            for r in c.copies.get(dtype, ())
+        )
+        for (_, end), (start, _) in zip(runs, runs[1:], strict=False):
+            assert end <= start, runs
     # homes never overlap inside a slab, resident and host slabs apart
     for resident in (False, True):
         spans = sorted(
@@ -141,6 +150,10 @@ def test_plan_keeps_the_resident_budget_of_whole_units_on_the_gpu():
             assert (plan.resident_bytes == 0) == (n_resident == 0)
             assert (plan.host_bytes == 0) == (n_resident == 6)
             _check_layout(plan, params)
+    # a unit larger than what is left of the budget is skipped, not the end of residency
+    params = [spec(1000, torch.float32), spec(10, torch.float32), spec(10, torch.float32)]
+    plan = plan_offload([[0], [1], [2]], params, 10**9, resident_bytes=100, resident_first=True)
+    assert [(c.params, c.resident) for c in plan.chunks] == [((0,), False), ((1, 2), True)]
 
 
 class _ShardedParam:
@@ -172,7 +185,7 @@ def _rank_view(shapes, world: int, rank: int) -> list[ParamSpec]:
 def test_plan_is_rank_invariant_for_uneven_shards():
     # 255 x 8 over 2 ranks: 128 + 127 rows; over 3: 85 each; 2 x 8 over 3: 1 + 1 + 0 rows;
     # 129 x 64 over 2: 65 + 64 rows, a slice more on rank 0 if it counted its own shard
-    shapes = [(255, 8), (2, 8), (64,), (1001, 3), (129, 64)]
+    shapes = [(255, 8), (2, 8), (64,), (1001, 3), (129, 64), (255,)]
     units = [[i] for i in range(len(shapes))]
     for world in (2, 3):
         for chunk_bytes in (1, 700, 4096, 2**40):
@@ -191,6 +204,7 @@ def test_plan_is_rank_invariant_for_uneven_shards():
                 assert len(cuts) == 1, (world, chunk_bytes)
                 for rank, plan in enumerate(plans):  # each rank's slices tile its own shard
                     local = _rank_view(shapes, world, rank)
+                    _check_layout(plan, local)
                     for i, spec in enumerate(local):
                         pieces = [
                             (s.start, s.stop)
