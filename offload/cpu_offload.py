@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -528,13 +529,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
 
     def _resolve_auto_residency(self) -> None:
-        """After the measured steps have completed on the device, choose the budget and
-        re-plan (once; the host waits here for the last step, as for a checkpoint)."""
-        if self._timer is None:
+        """After the measured steps, choose the budget and re-plan (once: the host waits
+        here for the measured steps and the last write-back, as for a checkpoint)."""
+        if self._timer is None or self._steps < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
             return
         timings = self._timer.timings()
-        if len(timings) < AUTO_MEASURED_STEPS:
-            return
         self._timer = None
         if self._overlap is not None:
             self._overlap.forward_ended = None
@@ -542,7 +541,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         cap = self.gpu_resident_cap_bytes
         if cap is None:
             cap = int(state_bytes * DEFAULT_RESIDENT_CAP_FRACTION)
-        chosen = choose_resident_bytes(timings[:AUTO_MEASURED_STEPS], state_bytes, cap)
+        chosen = choose_resident_bytes(timings, state_bytes, cap)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Every rank must cut the same chunks: take the largest choice.
             agreed = torch.tensor([chosen], dtype=torch.int64, device=self.device)
@@ -552,8 +551,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if chosen > 0:
             self.wait_for_optimizer_step()
             self._build(self._plan_for(self._units_key), self._units_key)
-        window = sorted(t.window_ms for t in timings)[len(timings) // 2]
-        busy = sorted(t.offloaded_ms for t in timings)[len(timings) // 2]
+        window = statistics.median(t.window_ms for t in timings)
+        busy = statistics.median(t.offloaded_ms for t in timings)
         logger.info(
             "gpu_resident_bytes='auto' chose %d bytes (cap %d of %d): %d bytes of state on the "
             "GPU, %d on the host; measured overlap window %.1f ms vs offloaded step %.1f ms",

@@ -1,8 +1,10 @@
 """`gpu_resident_bytes="auto"`: measure the first steps, then keep on the GPU the
 least state that lets the forward overlap hide the rest.
 
-The measurement is CUDA events on the trainer's and the copy streams, read only
-once they have completed (`query()`), so `step()` never waits for them.
+The measurement is CUDA events on the trainer's and the copy streams. They are
+read once, at a step fixed in advance (the same on every rank, which then agree
+on one budget), where the host waits for the last measured step anyway to
+rebuild the slabs.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def choose_resident_bytes(
 
 
 class StepTimer:
-    """Events per measured step; `timings()` returns the steps whose events completed.
+    """Events per measured step; `timings()` waits for them and returns the times.
 
     On a device without timing events (the CPU) every step measures as zero, so
     "auto" resolves to no residency through the same code path.
@@ -78,8 +80,10 @@ class StepTimer:
             if not self._timed:
                 done.append(StepTiming(0.0, 0.0))
                 continue
-            if end is None or not end.query() or (forward_end and not forward_end.query()):
-                continue
-            window = start.elapsed_time(forward_end) if forward_end is not None else 0.0
+            end.synchronize()
+            window = 0.0
+            if forward_end is not None:
+                forward_end.synchronize()
+                window = start.elapsed_time(forward_end)
             done.append(StepTiming(window, start.elapsed_time(end)))
         return done
