@@ -29,9 +29,7 @@ class StepTiming:
     offloaded_ms: float  # until the last chunk is written back
 
 
-def choose_resident_bytes(
-    timings: Sequence[StepTiming], state_bytes: int, cap_bytes: int
-) -> int:
+def choose_resident_bytes(timings: Sequence[StepTiming], state_bytes: int, cap_bytes: int) -> int:
     """The smallest residency whose remaining copies fit the overlap window, at most the cap.
 
     The chunked copies take time in proportion to the bytes that cross PCIe, so

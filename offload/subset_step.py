@@ -196,9 +196,7 @@ class ElementwiseGroupStep(GroupStep):
             if s.param in self._had_state:
                 own = state[s.param]
                 if s.param not in self._scalars:
-                    self._scalars[s.param] = {
-                        k: v for k, v in own.items() if not _is_offloaded(v)
-                    }
+                    self._scalars[s.param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
                 entries = {k: local_tensor(v) for k, v in own.items() if _is_offloaded(v)}
                 entries.update({k: _copied(v) for k, v in self._scalars[s.param].items()})
             state[stand_in] = entries

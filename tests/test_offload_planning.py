@@ -125,9 +125,7 @@ def test_plan_lays_out_each_chunk_in_few_aligned_copies():
     plan = plan_offload([[0], [1], [2], [3]], params, chunk_bytes=1500)
     assert len(plan.chunks) >= 3 and any(c.slices for c in plan.chunks)
     _check_layout(plan, params)
-    assert sum(len(runs) for c in plan.chunks for runs in c.copies.values()) <= 3 * len(
-        plan.chunks
-    )
+    assert sum(len(runs) for c in plan.chunks for runs in c.copies.values()) <= 3 * len(plan.chunks)
     assert plan.host_bytes >= sum(p.invariant_bytes for p in params)
     assert plan.staging_bytes(1) <= 1500 + 2 * ALIGN_BYTES  # a slot is what chunk_bytes says
 
@@ -207,10 +205,7 @@ def test_plan_is_rank_invariant_for_uneven_shards():
                     _check_layout(plan, local)
                     for i, spec in enumerate(local):
                         pieces = [
-                            (s.start, s.stop)
-                            for c in plan.chunks
-                            for s in c.slices
-                            if s.param == i
+                            (s.start, s.stop) for c in plan.chunks for s in c.slices if s.param == i
                         ]
                         if pieces:
                             assert pieces[0][0] == 0 and pieces[-1][1] == spec.state[0].numel
