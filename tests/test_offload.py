@@ -416,3 +416,25 @@ def test_gpu_resident_bytes_auto_measures_then_replans_bitwise(caplog):
         for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
             assert torch.equal(a, b)
         assert_same_state(plain, opt)
+
+
+@pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])
+def test_a_sliced_param_without_a_grad_keeps_its_state_and_step(name):
+    def run(model, opt):
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+            if step in (0, 2):  # no state yet on step 0; state, but no update, on step 2
+                model[1].weight.grad = None
+            opt.step()
+
+    plain_model, model = make_model(), make_model()
+    plain = OPTIMIZERS[name](plain_model.parameters())
+    opt = CPUOffloadOptimizer(OPTIMIZERS[name](model.parameters()), chunk_bytes=1000)
+    run(plain_model, plain)
+    run(model, opt)
+    assert any(s.param is model[1].weight for c in opt._chunks for s in c.slices)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
