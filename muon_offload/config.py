@@ -71,6 +71,9 @@ class OptimizerConfig:
     """With offload: state bytes per streamed chunk."""
     offload_staging_slots: int = DEFAULT_STAGING_SLOTS
     """With offload: GPU staging slots in the ring."""
+    offload_gpu_resident_bytes: int | str = 0
+    """With offload: state bytes kept on the GPU, or "auto" (CPUOffloadOptimizer's
+    `gpu_resident_bytes`)."""
     muon_options: dict[str, Any] = field(default_factory=dict)
     """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
 
@@ -287,4 +290,5 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         chunk_bytes=config.offload_chunk_bytes,
         staging_slots=config.offload_staging_slots,
         overlap_forward=model if config.offload_overlap_forward else None,
+        gpu_resident_bytes=config.offload_gpu_resident_bytes,
     )

@@ -5,6 +5,8 @@ from offload.cpu_offload import CPUOffloadOptimizer
 from offload.host_memory import HostMemoryError
 from offload.subset_step import (
     GroupSubsetStep,
+    ParamSlice,
+    SlicingSubsetStep,
     SubsetStep,
     SupportsSubsetStep,
     subset_step_for,
@@ -15,6 +17,8 @@ __all__ = [
     "GroupSubsetStep",
     "HostMemoryError",
     "OffloadPlan",
+    "ParamSlice",
+    "SlicingSubsetStep",
     "SubsetStep",
     "SupportsSubsetStep",
     "plan_offload",

@@ -1,12 +1,15 @@
-"""Pure planning for the chunked offloaded step: which units go in which chunk,
-and where each state tensor lives in the host slabs and the staging slots.
+"""Pure planning for the chunked offloaded step: which units (or slices of them)
+go in which chunk, which chunks keep their state on the GPU, and where each
+state tensor lives in the host slabs, the GPU-resident slabs and the staging slots.
 
 Built once from shapes, executed every step. Nothing here touches a device.
 
 Example, two ranks, three units of one fp32 state tensor each, 4 KiB chunks:
 unit sizes are counted as global numel / shards, so a 255-row matrix sharded
 128 + 127 counts 255 * cols / 2 elements on both ranks and both cut the same
-chunks, even though their local shards differ.
+chunks, even though their local shards differ. A splittable unit (one param
+whose update is elementwise) is cut at the same rank-invariant element offsets
+on every rank; each rank maps them onto its own shard (`_local_range`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 ALIGN_BYTES = 256
 # Chunks at each end of a step ramp their size up by halves over this many steps.
 RAMP_STEPS = 3
+# A splittable unit is cut at multiples of this many (rank-invariant) elements.
+SLICE_ELEMENTS = 64
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class ParamSpec:
 
     invariant_numel: int  # global numel / number of shards: the same on every rank
     state: tuple[StateSpec, ...]
+    splittable: bool = False
+    """The step may update any contiguous slice of the flattened local shard on its own
+    (elementwise update, every state tensor shaped like the param)."""
 
     @property
     def invariant_bytes(self) -> int:
@@ -50,60 +58,157 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class UnitSize:
+    """What packing needs of a unit: its rank-invariant state bytes, and for a
+    splittable one its rank-invariant element count."""
+
+    bytes: int
+    numel: int = 0  # elements, when splittable
+    splittable: bool = False
+
+
+@dataclass(frozen=True)
+class Span:
+    """A packed piece: unit `unit` (whole), or its invariant elements [start, stop)."""
+
+    unit: int
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """Elements [start, stop) of param `param`'s flattened local shard (may be empty)."""
+
+    param: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class StateView:
-    """Where one state tensor lives: element offsets into its dtype's slab and slot."""
+    """The part of one state tensor a chunk holds, and where it lives.
+
+    The whole state tensor has one home (`home_offset` into its dtype's host or
+    GPU-resident slab); the chunk holds its local elements [start, stop) (all of
+    them unless `sliced`), at `staging_offset` in a staging slot.
+    """
 
     param: int  # index into the flat param list the plan was built over
     spec: StateSpec
-    host_offset: int
-    staging_offset: int
+    home_offset: int
+    start: int
+    stop: int
+    sliced: bool
+    staging_offset: int  # unused (0) in a resident chunk: it steps in its home
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape the step sees: the state's, or a flat slice."""
+        return torch.Size([self.stop - self.start]) if self.sliced else self.spec.shape
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One contiguous copy between a home slab and a staging slot, in elements."""
+
+    home_start: int
+    staging_start: int
+    numel: int
 
 
 @dataclass(frozen=True)
 class ChunkLayout:
-    """One chunk: whole units, and per dtype one contiguous range of the host slab."""
+    """One chunk: whole params and param slices, their state views, and the few
+    contiguous copies per dtype that load or write back its state."""
 
-    units: range
     params: tuple[int, ...]
+    slices: tuple[SliceLayout, ...]
     views: tuple[StateView, ...]
-    host_ranges: Mapping[torch.dtype, tuple[int, int]]  # dtype -> [start, stop) elements
+    copies: Mapping[torch.dtype, tuple[Copy, ...]]  # empty when resident
+    resident: bool  # state stays on the GPU: no copies, no staging slot
 
 
 @dataclass(frozen=True)
 class OffloadPlan:
     chunks: tuple[ChunkLayout, ...]
     host_numel: Mapping[torch.dtype, int]  # elements of each dtype's host slab
+    resident_numel: Mapping[torch.dtype, int]  # elements of each dtype's GPU-resident slab
     slot_numel: Mapping[torch.dtype, int]  # elements of each dtype's staging slot
 
     @property
     def host_bytes(self) -> int:
         return sum(n * dtype.itemsize for dtype, n in self.host_numel.items())
 
+    @property
+    def resident_bytes(self) -> int:
+        return sum(n * dtype.itemsize for dtype, n in self.resident_numel.items())
+
     def staging_bytes(self, slots: int) -> int:
         return slots * sum(n * dtype.itemsize for dtype, n in self.slot_numel.items())
 
 
-def _greedy(unit_bytes: Sequence[int], cap: Callable[[int], int]) -> list[int]:
-    """Chunk lengths (in units), in order; chunk k takes units while under cap(k)."""
-    lengths: list[int] = []
-    count, filled = 0, 0
-    for size in unit_bytes:
-        if count and filled + size > cap(len(lengths)):
-            lengths.append(count)
-            count, filled = 0, 0
-        count += 1
-        filled += size
-    if count:
-        lengths.append(count)
-    return lengths
+def _greedy(
+    units: Sequence[UnitSize], cap: Callable[[int], int], reverse: bool
+) -> list[list[Span]]:
+    """Chunks, in order; chunk k takes units (cutting splittable ones) while under cap(k).
+
+    With `reverse` the units are packed from the last, each splittable one cut
+    from its end; the result is still in forward order.
+    """
+    chunks: list[list[Span]] = []
+    current: list[Span] = []
+    filled = 0
+
+    def close() -> None:
+        nonlocal current, filled
+        chunks.append(current)
+        current, filled = [], 0
+
+    order = range(len(units) - 1, -1, -1) if reverse else range(len(units))
+    for index in order:
+        unit = units[index]
+        if not unit.splittable or unit.bytes == 0:
+            if current and filled + unit.bytes > cap(len(chunks)):
+                close()
+            current.append(Span(index, 0, unit.numel))
+            filled += unit.bytes
+            continue
+        per_element = unit.bytes // unit.numel
+        done = 0
+        while done < unit.numel:
+            left = unit.numel - done
+            room = max(0, cap(len(chunks)) - filled)
+            if left * per_element <= room:
+                take = left
+            else:
+                take = room // per_element // SLICE_ELEMENTS * SLICE_ELEMENTS
+                if take == 0:
+                    if current:
+                        close()
+                        continue
+                    take = min(left, SLICE_ELEMENTS)  # a cap under one slice still takes one
+            start = unit.numel - done - take if reverse else done
+            current.append(Span(index, start, start + take))
+            filled += take * per_element
+            done += take
+            if done < unit.numel:
+                close()
+    if current:
+        close()
+    if reverse:
+        return [chunk[::-1] for chunk in chunks[::-1]]
+    return chunks
 
 
-def pack_units(unit_bytes: Sequence[int], chunk_bytes: int) -> tuple[range, ...]:
-    """Cut units, in order, into chunks of at most `chunk_bytes` (a larger unit is alone).
+def pack_units(units: Sequence[UnitSize], chunk_bytes: int) -> tuple[tuple[Span, ...], ...]:
+    """Cut units, in order, into chunks of at most `chunk_bytes`.
 
-    The first and last RAMP_STEPS chunks at each end hold 1/2, 1/4, ... of the
-    cap: nothing overlaps the first load or the last write-back, so small end
-    chunks shorten the pipeline's fill and drain. Chunks never split a unit.
+    A splittable unit is cut into slices where a chunk fills up, so its chunks
+    stay under the cap; a unit that cannot split and is larger than the cap is
+    a chunk of its own. The first and last RAMP_STEPS chunks hold 1/2, 1/4, ...
+    of the cap: nothing overlaps the first load or the last write-back, so small
+    end chunks shorten the pipeline's fill and drain.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes should be > 0 but is: {chunk_bytes}")
@@ -111,22 +216,19 @@ def pack_units(unit_bytes: Sequence[int], chunk_bytes: int) -> tuple[range, ...]
     def cap(k: int) -> int:
         return chunk_bytes >> max(0, RAMP_STEPS - k)
 
-    total, half = sum(unit_bytes), 0
+    total, half = sum(u.bytes for u in units), 0
     if total <= chunk_bytes:
-        return (range(len(unit_bytes)),) if unit_bytes else ()
-    middle = len(unit_bytes)  # units [0, middle) pack forward, the rest backward
-    for index, size in enumerate(unit_bytes):
+        return (tuple(Span(i, 0, u.numel) for i, u in enumerate(units)),) if units else ()
+    middle = len(units)  # units [0, middle) pack forward, the rest backward
+    for index, unit in enumerate(units):
         if 2 * half >= total:
             middle = index
             break
-        half += size
-    head = _greedy(unit_bytes[:middle], cap)
-    tail = _greedy(unit_bytes[middle:][::-1], cap)[::-1]
-    chunks, start = [], 0
-    for length in head + tail:
-        chunks.append(range(start, start + length))
-        start += length
-    return tuple(chunks)
+        half += unit.bytes
+    head = _greedy(units[:middle], cap, reverse=False)
+    tail = _greedy(units[middle:], cap, reverse=True)
+    tail = [[Span(s.unit + middle, s.start, s.stop) for s in chunk] for chunk in tail]
+    return tuple(tuple(chunk) for chunk in head + tail)
 
 
 def _aligned(offset: int, dtype: torch.dtype) -> int:
@@ -134,34 +236,119 @@ def _aligned(offset: int, dtype: torch.dtype) -> int:
     return -(-offset // step) * step
 
 
+def _local_range(span: Span, spec: ParamSpec) -> tuple[int, int]:
+    """A span's invariant element range on this rank's shard.
+
+    Offsets past the local shard clip to its end (a shorter shard has empty
+    slices at the end); the last slice runs to the end of the shard (a longer
+    one, up to a row more than the invariant size, puts the rest there).
+    """
+    local = spec.state[0].numel
+    stop = local if span.stop == spec.invariant_numel else min(span.stop, local)
+    return min(span.start, local), stop
+
+
+def _resident_units(unit_bytes: Sequence[int], budget: int, first: bool) -> list[bool]:
+    """Which whole units keep their state on the GPU: walking from the front (`first`)
+    or the back, each unit that still fits in `budget` bytes (a larger one is skipped)."""
+    resident = [False] * len(unit_bytes)
+    used = 0
+    order = range(len(unit_bytes)) if first else range(len(unit_bytes) - 1, -1, -1)
+    for index in order:
+        size = unit_bytes[index]
+        if size > 0 and used + size <= budget:
+            resident[index] = True
+            used += size
+    return resident
+
+
 def plan_offload(
-    units: Sequence[Sequence[int]], params: Sequence[ParamSpec], chunk_bytes: int
+    units: Sequence[Sequence[int]],
+    params: Sequence[ParamSpec],
+    chunk_bytes: int,
+    resident_bytes: int = 0,
+    resident_first: bool = False,
 ) -> OffloadPlan:
     """Cut `units` (lists of param indices) into chunks and lay out their state.
 
-    The host slab of each dtype is laid out in chunk order, so loading or
-    writing back one chunk is one contiguous copy per dtype; a chunk's slot
-    offsets are its host offsets shifted to start at zero.
+    Whole units holding up to `resident_bytes` (rank-invariant) of state keep it
+    on the GPU: the first units that fit with `resident_first` (the forward needs
+    them first and cannot overlap them), else the last (nothing overlaps their
+    copies). A unit's state has one home, so residency never cuts a unit. Every other
+    chunk's state tensors have homes in the host slabs, laid out in chunk order,
+    so loading or writing back a chunk is a few contiguous copies per dtype.
     """
-    unit_bytes = [sum(params[i].invariant_bytes for i in unit) for unit in units]
-    host_numel: dict[torch.dtype, int] = {}
+    sizes = []
+    for unit in units:
+        spec = params[unit[0]]
+        if len(unit) == 1 and spec.splittable and spec.invariant_numel > 0:
+            sizes.append(UnitSize(spec.invariant_bytes, spec.invariant_numel, True))
+        else:
+            sizes.append(UnitSize(sum(params[i].invariant_bytes for i in unit)))
+    resident = _resident_units([s.bytes for s in sizes], resident_bytes, resident_first)
+    packed = []  # (spans, resident): each run of units alike in residency packed on its own
+    start = 0
+    for stop in range(1, len(units) + 1):
+        if stop == len(units) or resident[stop] != resident[start]:
+            packed += [
+                (tuple(Span(s.unit + start, s.start, s.stop) for s in spans), resident[start])
+                for spans in pack_units(sizes[start:stop], chunk_bytes)
+            ]
+            start = stop
+    homes: dict[bool, dict[torch.dtype, int]] = {False: {}, True: {}}
+    home_offset: dict[tuple[int, str], int] = {}
     slot_numel: dict[torch.dtype, int] = {}
     chunks = []
-    for unit_range in pack_units(unit_bytes, chunk_bytes):
-        chunk_params = tuple(i for u in unit_range for i in units[u])
-        placed = []  # (param, spec, host offset)
-        ranges: dict[torch.dtype, tuple[int, int]] = {}
-        for i in chunk_params:
-            for spec in params[i].state:
-                offset = _aligned(host_numel.get(spec.dtype, 0), spec.dtype)
-                host_numel[spec.dtype] = offset + spec.numel
-                start = ranges.get(spec.dtype, (offset, 0))[0]
-                ranges[spec.dtype] = (start, offset + spec.numel)
-                placed.append((i, spec, offset))
-        views = tuple(
-            StateView(i, spec, offset, offset - ranges[spec.dtype][0]) for i, spec, offset in placed
+    for spans, in_gpu in packed:
+        whole: list[int] = []
+        slices: list[SliceLayout] = []
+        pieces = []  # (param, spec, start, stop, sliced)
+        for span in spans:
+            param_specs = [(i, params[i]) for i in units[span.unit]]
+            i, spec = param_specs[0]
+            if sizes[span.unit].splittable and (span.start, span.stop) != (0, spec.invariant_numel):
+                start, stop = _local_range(span, spec)
+                slices.append(SliceLayout(i, start, stop))
+                pieces += [(i, s, start, stop, True) for s in spec.state]
+            else:
+                whole += [i for i, _ in param_specs]
+                pieces += [(i, s, 0, s.numel, False) for i, p in param_specs for s in p.state]
+        numel = homes[in_gpu]
+        for i, spec, *_ in pieces:
+            if (i, spec.key) not in home_offset:
+                offset = _aligned(numel.get(spec.dtype, 0), spec.dtype)
+                home_offset[i, spec.key] = offset
+                numel[spec.dtype] = offset + spec.numel
+        views, copies, used = [], {}, {}
+        ends_tensor: dict[torch.dtype, bool] = {}  # the dtype's last run ends a state tensor
+        for i, spec, start, stop, sliced in pieces:
+            home = home_offset[i, spec.key] + start
+            staging = 0
+            if not in_gpu and stop > start:
+                runs = copies.setdefault(spec.dtype, [])
+                last = runs[-1] if runs else None
+                gap = home - (last.home_start + last.numel) if last else -1
+                # Merge across alignment padding only, never across another slice's state.
+                padding = ends_tensor.get(spec.dtype) and start == 0
+                if last is not None and padding and 0 <= gap < _aligned(1, spec.dtype):
+                    staging = last.staging_start + home - last.home_start
+                    merged = home + stop - start - last.home_start
+                    runs[-1] = Copy(last.home_start, last.staging_start, merged)
+                else:
+                    staging = _aligned(used.get(spec.dtype, 0), spec.dtype)
+                    runs.append(Copy(home, staging, stop - start))
+                used[spec.dtype] = staging + stop - start
+                ends_tensor[spec.dtype] = stop == spec.numel
+            views.append(StateView(i, spec, home_offset[i, spec.key], start, stop, sliced, staging))
+        for dtype, n in used.items():
+            slot_numel[dtype] = max(slot_numel.get(dtype, 0), n)
+        chunks.append(
+            ChunkLayout(
+                tuple(whole),
+                tuple(slices),
+                tuple(views),
+                {dtype: tuple(runs) for dtype, runs in copies.items()},
+                in_gpu,
+            )
         )
-        for dtype, (start, stop) in ranges.items():
-            slot_numel[dtype] = max(slot_numel.get(dtype, 0), stop - start)
-        chunks.append(ChunkLayout(unit_range, chunk_params, views, ranges))
-    return OffloadPlan(tuple(chunks), host_numel, slot_numel)
+    return OffloadPlan(tuple(chunks), homes[False], homes[True], slot_numel)

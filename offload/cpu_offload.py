@@ -1,43 +1,57 @@
 """CPUOffloadOptimizer: optimizer state in host memory, streamed through the GPU.
 
 Each step cuts the optimizer's units into chunks (`chunk_plan`), and runs a
-three-stage pipeline over a fixed ring of GPU staging slots:
+three-stage pipeline over a ring of GPU staging slots (allocated for the step
+from the caching allocator and given back when the step is done):
 
     H2D stream      load c+2       load c+3       ...
     compute stream  step c+1       step c+2       ...
     D2H stream      write back c   write back c+1 ...
 
 ordered by events only, so the copies each way and the update math overlap
-and the host never waits inside `step()`.
+and the host never waits inside `step()`. Chunks whose state is GPU-resident
+(`gpu_resident_bytes`) step in place, with no copies. Forward overlap (running
+the chunks as the next forward reaches them) is `forward_overlap.ForwardOverlap`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
-from offload.forward_overlap import (
-    ForwardHooks,
-    forward_prefetched,
-    fsdp_all_gather_streams,
-    param_owners,
-    waited_params,
-)
+from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
+from offload.residency import (
+    AUTO_MEASURED_STEPS,
+    AUTO_WARMUP_STEPS,
+    DEFAULT_RESIDENT_CAP_FRACTION,
+    StepTimer,
+    choose_resident_bytes,
+)
 from offload.state_estimate import dry_run_state_bytes
 from offload.streams import CopyStreams
-from offload.subset_step import StateLayout, SubsetStep, local_tensor, subset_step_for
+from offload.subset_step import (
+    ParamSlice,
+    SlicingSubsetStep,
+    StateLayout,
+    SubsetStep,
+    local_tensor,
+    subset_step_for,
+)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bench/offload_step.py: 1.03x the copy floor with 4 slots
-OVERLAP_CHUNKS_UP_FRONT = 2  # x staging slots enqueued when an overlapped step() returns
 DEFAULT_STAGING_SLOTS = 4  # 4 measured 3-7% faster than 3 at every chunk size
 
 
@@ -88,25 +102,65 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
 
 
 @dataclass
+class _Home:
+    """Where one state tensor lives between steps: a host slab view, or a GPU-resident one."""
+
+    home: Tensor  # local shape
+    home_state: Tensor  # as the optimizer keeps it (a DTensor like the param, or `home`)
+
+
+@dataclass
 class _View:
-    """One state tensor's two homes, raw and as the optimizer keeps them, built once."""
+    """The part of one state tensor a chunk steps, built once."""
 
     param: Tensor
-    spec: StateSpec
-    host: Tensor
-    staging: Tensor
-    host_state: Tensor
-    staging_state: Tensor
+    key: str
+    home: _Home
+    staging: Tensor  # a view of the staging ring (of the home, in a resident chunk)
+    staging_state: Tensor  # as the step reads it (a flat tensor for a slice)
 
 
 @dataclass
 class _Chunk:
     """A chunk's runtime handles, built once from its `ChunkLayout`."""
 
-    params: list[Tensor]
-    slot: int
-    host: list[tuple[Tensor, Tensor]]  # per dtype: (host slab range, staging slot range)
+    params: list[Tensor]  # updated whole
+    slices: list[ParamSlice]  # updated in slices
+    slot: int  # staging slot; -1 when resident
+    copies: list[tuple[Tensor, Tensor]]  # (home slab range, staging slot range)
     views: list[_View]
+
+    @property
+    def touched(self) -> list[Tensor]:
+        return self.params + [s.param for s in self.slices]
+
+
+class _StagingRing:
+    """The staging slots, one buffer per dtype, holding memory only during a step.
+
+    The views into it are built once; between steps the buffers' storage is
+    resized to zero, so the caching allocator can hand the memory to the forward
+    and backward (FSDP2 frees its unsharded params the same way).
+    """
+
+    def __init__(self, numel: dict[torch.dtype, int], device: torch.device) -> None:
+        self.buffers = {d: torch.empty(n, dtype=d, device=device) for d, n in numel.items()}
+        self._nbytes = {d: t.untyped_storage().nbytes() for d, t in self.buffers.items()}
+
+    def acquire(self) -> None:
+        """Allocate on the current stream (streams that use it must wait on it after)."""
+        for dtype, buffer in self.buffers.items():
+            storage = buffer.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self._nbytes[dtype])
+
+    def release(self, users: Sequence[torch.Stream | None]) -> None:
+        """Give the memory back once the work queued on `users` is done with it."""
+        for buffer in self.buffers.values():
+            for stream in users:
+                if stream is not None:
+                    buffer.record_stream(stream)
+            buffer.untyped_storage().resize_(0)
 
 
 OVERSIZED_UNIT_WARN_BYTES = 64 << 20
@@ -122,20 +176,37 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             torch optimizer with independent per-param updates, the step is
             chunked; otherwise it takes the serial path (all state in, step,
             all state out), still exact.
-        chunk_bytes: target state bytes per chunk (rank-invariant count; a unit
-            larger than this is a chunk of its own).
+        chunk_bytes: target state bytes per chunk (rank-invariant count). An
+            elementwise optimizer's param (AdamW, Adam, SGD, ...) larger than this
+            is cut into slices; a unit that cannot be cut (a Muon bucket) and is
+            larger than this is a chunk of its own.
         staging_slots: GPU staging slots in the ring (>= 2 to overlap copies).
         overlap_forward: the model whose next forward the step overlaps. `step()`
             then returns once the first chunks are queued; the rest update on a
             side stream as the forward reaches the modules that read them. Needs
             a subset step. Read params or state outside a forward only after
             `wait_for_optimizer_step()`.
+        gpu_resident_bytes: state bytes (rank-invariant count, whole units) kept
+            on the GPU, never copied: the units the forward needs first with
+            `overlap_forward` (overlap cannot hide them), else the last ones
+            (nothing overlaps their copies). "auto": measure the first steps with
+            everything offloaded, then keep the least state that lets the forward
+            overlap hide the rest, at most `gpu_resident_cap_bytes`.
+        gpu_resident_cap_bytes: the most "auto" may keep on the GPU (default:
+            half the state).
 
-    GPU memory for state: `staging_slots` chunks; on the first step, while the
-    optimizer creates its state chunk by chunk, one more chunk.
+    GPU memory for state: the resident state, and during a step `staging_slots`
+    chunks (the ring is given back to the caching allocator when the step is
+    done); on the first step, while the optimizer creates its state chunk by
+    chunk, one more chunk.
 
-    Host syncs: none inside `step()`. Reading state (`state_dict`,
+    Host syncs: none inside `step()` (but the first step pins the host slabs and
+    the step where "auto" decides rebuilds them). Reading state (`state_dict`,
     `load_state_dict`) first waits for the last write-back.
+
+    `close()` finishes the last step, removes the forward hooks and gives back
+    the staging ring; state stays readable. A dropped optimizer is collected even
+    without `close()`: the model's hooks do not keep it alive.
     """
 
     # NOTE: subclasses Optimizer only so LR schedulers and isinstance checks accept
@@ -149,6 +220,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         overlap_forward: nn.Module | None = None,
+        gpu_resident_bytes: int | Literal["auto"] = 0,
+        gpu_resident_cap_bytes: int | None = None,
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
@@ -156,10 +229,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"chunk_bytes should be > 0 but is: {chunk_bytes}")
         if staging_slots < 1:
             raise ValueError(f"staging_slots should be >= 1 but is: {staging_slots}")
+        if gpu_resident_bytes != "auto" and not (
+            isinstance(gpu_resident_bytes, int) and gpu_resident_bytes >= 0
+        ):
+            raise ValueError(
+                f"gpu_resident_bytes should be an int >= 0 or 'auto' but is: {gpu_resident_bytes!r}"
+            )
+        if gpu_resident_cap_bytes is not None and gpu_resident_cap_bytes < 0:
+            raise ValueError(
+                f"gpu_resident_cap_bytes should be >= 0 but is: {gpu_resident_cap_bytes}"
+            )
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.chunk_bytes = chunk_bytes
         self.staging_slots = staging_slots
+        self.gpu_resident_bytes: int | Literal["auto"] = gpu_resident_bytes
+        """The resident budget; "auto" until the measured steps are in, then what it chose."""
+        self.gpu_resident_cap_bytes = gpu_resident_cap_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self._params:
             raise ValueError(
@@ -174,34 +260,29 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._check_ring_fits()
         self._streams = CopyStreams(self.device, staging_slots)
         self._plan: OffloadPlan | None = None
+        self._specs: list[ParamSpec] = []
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._chunks: list[_Chunk] = []
+        self._homes: dict[tuple[Tensor, str], _Home] = {}
         self._host_slabs: dict[torch.dtype, Tensor] = {}
-        self._staging: dict[torch.dtype, Tensor] = {}
+        self._resident_slabs: dict[torch.dtype, Tensor] = {}
+        self._ring: _StagingRing | None = None
         self._step_done: torch.Event | None = None
+        self._steps = 0
+        self._timer = StepTimer(self.device) if gpu_resident_bytes == "auto" else None
+        self._closed = False
         self._hooks_for_lr_scheduler()
-        # Forward overlap: an overlapped step's chunks not yet enqueued, how many are,
-        # and whether the next forward must still wait for them.
-        self._pending: Iterator[None] | None = None
-        self._enqueued = 0
-        self._in_flight = False
-        self._owners: list[tuple[nn.Module, list[Tensor]]] = []
-        self._module_chunk: list[int] = []
-        self._chunk_done: list[torch.Event | None] = []
-        self._side_stream: torch.Stream | None = None
-        self._forward_hooks: ForwardHooks | None = None
+        self._overlap: ForwardOverlap | None = None
         if overlap_forward is not None:
             if self._subset is None:
                 raise ValueError(
                     f"overlap_forward needs an optimizer with a subset step; "
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
-            self._owners = param_owners(overlap_forward)
-            self._owner_index = {module: i for i, (module, _) in enumerate(self._owners)}
-            self._side_stream = self._streams.new_stream()
-            self._forward_hooks = ForwardHooks(
-                overlap_forward, self._owners, self._before_module, self._after_forward
-            )
+            self._overlap = ForwardOverlap(overlap_forward, self._streams, staging_slots)
+            if self._timer is not None:
+                timer, streams = self._timer, self._streams
+                self._overlap.forward_ended = lambda: timer.forward_ended(streams.current())
 
     def _check_ring_fits(self) -> None:
         """Fail at construction if the staging ring cannot fit on the device.
@@ -274,8 +355,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return self._plan
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none:  # zeroing in place would race the overlapped step's reads
-            self._wait_on_current_stream()
+        if not set_to_none and self._overlap is not None:
+            self._overlap.finish()  # zeroing in place would race the overlapped step's reads
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -290,17 +371,31 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         Call it before reading params or state outside a forward (checkpoint save,
         weight export); `state_dict` and `load_state_dict` call it themselves.
         """
-        self._advance(len(self._chunks))
-        self._in_flight = False
+        if self._overlap is not None:
+            self._overlap.finish()
         if self._step_done is not None:
             self._step_done.synchronize()
+
+    def close(self) -> None:
+        """Finish the last step, remove the forward hooks and give back the staging ring.
+
+        State and params stay readable (`state_dict` works); `step()` is refused.
+        """
+        if self._closed:
+            return
+        self.wait_for_optimizer_step()
+        if self._overlap is not None:
+            self._overlap.close()
+            self._overlap = None
+        self._ring = None
+        self._closed = True
 
     def state_dict(self) -> dict[str, Any]:
         self.wait_for_optimizer_step()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the host slabs in place; nothing is staged on the GPU."""
+        """Load into the state's homes (host slabs, resident slabs) in place; nothing is staged."""
         self.wait_for_optimizer_step()
         # State is keyed by whatever the saved groups list as params (indices, or FQNs
         # from torch.distributed.checkpoint); match them to params by position, as torch does.
@@ -320,10 +415,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._check_complete_state(state_dict["state"], param_of, views)
         for (index, key), value in offloaded.items():
             view = views.get((param_of[index], key))
-            if view is not None and local_tensor(value).shape != view.host.shape:
+            if view is not None and local_tensor(value).shape != view.home.shape:
                 raise ValueError(
                     f"state {key!r} of param {index} has shape {tuple(local_tensor(value).shape)}, "
-                    f"expected {tuple(view.host.shape)}"
+                    f"expected {tuple(view.home.shape)}"
                 )
         light = {
             "state": {
@@ -341,8 +436,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 held.copy_(local_tensor(value))
                 self.optimizer.state[param][key] = _as_state(param, held)
             else:
-                view.host.copy_(local_tensor(value))
-                self.optimizer.state[param][key] = view.host_state
+                view.home.copy_(local_tensor(value))
+                self.optimizer.state[param][key] = view.home_state
 
     def _check_complete_state(
         self,
@@ -378,6 +473,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if self._closed:
+            raise RuntimeError("this CPUOffloadOptimizer is closed; build a new one to step")
         self._check_step_inputs()
         if self._subset is None:  # the wrapped step calls the closure (LBFGS: many times)
             return self._serial_step(closure)
@@ -385,122 +482,94 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._advance(len(self._chunks))  # the rest of an overlapped previous step
+        if self._overlap is not None:
+            self._overlap.finish()  # the rest of an overlapped previous step
+        self._resolve_auto_residency()
         subset = self._subset.begin_subset_step()
-        self._ensure_plan(subset.units, self._subset.state_layout)
-        if self._forward_hooks is None:
-            for _ in self._enqueue_chunks(subset, self._streams.current()):
+        self._ensure_plan(subset, self._subset.state_layout)
+        streams = self._streams
+        timed = self._timer is not None and self._steps >= AUTO_WARMUP_STEPS
+        if timed:
+            self._timer.step_started(streams.current())
+        self._steps += 1
+        if self._ring is not None:
+            # Allocated on the trainer's stream: the copy streams start after its work so far.
+            self._ring.acquire()
+            ready = streams.mark(streams.current())
+            streams.wait(streams.h2d, ready)
+            streams.wait(streams.d2h, ready)
+        if self._overlap is None:
+            for _ in self._enqueue_chunks(subset, streams.current(), timed):
                 pass
             return loss
-        # Overlapped: the side stream starts where the trainer's stream is now (grads
-        # reduced and clipped); grads the trainer drops must outlive the side stream's reads.
-        streams, side = self._streams, self._side_stream
-        streams.wait(side, streams.mark(streams.current()))
-        if side is not None:
-            for p in self._params:
-                if p.grad is not None:
-                    local_tensor(p.grad).record_stream(side)
-        self._pending = self._enqueue_chunks(subset, side)
-        self._enqueued = 0
-        self._in_flight = True
-        self._advance(OVERLAP_CHUNKS_UP_FRONT * self.staging_slots - 1)
+        grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
+        self._overlap.start(self._enqueue_chunks(subset, self._overlap.side_stream, timed), grads)
         return loss
 
-    def _advance(self, last: int) -> None:
-        """Enqueue the pending overlapped step's chunks up to index `last`.
-
-        Called from forward hooks too, so the trainer's grad mode, inference mode
-        and autocast are switched off: the update must not change with where it runs.
-        """
-        if self._pending is None or self._enqueued > last:
-            return
-        with (
-            torch.inference_mode(False),
-            torch.no_grad(),
-            torch.autocast(self.device.type, enabled=False),
-        ):
-            while self._pending is not None and self._enqueued <= last:
-                if next(self._pending, StopIteration) is StopIteration:
-                    self._pending = None
-                else:
-                    self._enqueued += 1
-
-    def _before_module(self, index: int) -> None:
-        if not self._in_flight or not self._module_chunk:
-            return
-        module = self._owners[index][0]
-        # FSDP2 all-gathers the modules it prefetches from here before their own hooks run.
-        prefetched = (self._owner_index.get(m) for m in forward_prefetched(module))
-        indices = [index] + [i for i in prefetched if i is not None]
-        chunk = max(self._module_chunk[i] for i in indices)
-        if chunk < 0:
-            return
-        self._advance(chunk + self.staging_slots)  # keep a few chunks ahead of the forward
-        done = self._chunk_done[chunk]
-        self._streams.wait(self._streams.current(), done)
-        if done is not None:
-            for stream in fsdp_all_gather_streams(module):
-                stream.wait_event(done)
-
-    def _after_forward(self) -> None:
-        if self._in_flight:
-            self._wait_on_current_stream()
-            self._in_flight = False
-
-    def _wait_on_current_stream(self) -> None:
-        """Enqueue every pending chunk; the trainer's stream waits for the last update."""
-        self._advance(len(self._chunks))
-        if self._in_flight and self._chunk_done:
-            self._streams.wait(self._streams.current(), self._chunk_done[-1])
-
-    def _enqueue_chunks(self, subset: SubsetStep, compute: torch.Stream | None) -> Iterator[None]:
+    def _enqueue_chunks(
+        self, subset: SubsetStep, compute: torch.Stream | None, timed: bool
+    ) -> Iterator[None]:
         """Enqueue the step chunk by chunk, yielding after each (lazily, when overlapped)."""
         streams = self._streams
-        ahead = self.staging_slots - 1  # loads in flight ahead of the update (0: load, then step)
         state = self.optimizer.state
-        loaded = [False] * len(self._chunks)
-        for c in range(min(ahead, len(self._chunks))):
-            loaded[c] = self._load(self._chunks[c])
+        had_state = {p for p in self._params if state.get(p)}
+        ahead = self.staging_slots - 1  # loads in flight ahead of the update (0: load, then step)
+        staged = [c for c in self._chunks if c.slot >= 0]
+        loaded = {}
+        for chunk in staged[:ahead]:
+            loaded[id(chunk)] = self._load(chunk, had_state)
+        next_load = ahead
         for c, chunk in enumerate(self._chunks):
-            if c + ahead < len(self._chunks):
-                loaded[c + ahead] = self._load(self._chunks[c + ahead])
-            # A loaded slot was freed before its load; an unloaded one (state not
-            # created yet) must still wait for its last write-back before the step
-            # creates state into it.
-            ready = streams.loaded if loaded[c] else streams.freed
-            streams.wait(compute, ready[chunk.slot])
-            had_state = {p for p in chunk.params if state.get(p)}
+            if chunk.slot >= 0:
+                if next_load < len(staged):
+                    loaded[id(staged[next_load])] = self._load(staged[next_load], had_state)
+                next_load += 1
+                # A loaded slot was freed before its load; an unloaded one (state not
+                # created yet) must still wait for its last write-back before the step
+                # creates state into it.
+                ready = streams.loaded if loaded[id(chunk)] else streams.freed
+                streams.wait(compute, ready[chunk.slot])
             for view in chunk.views:
                 if view.param in had_state:
-                    state[view.param][view.spec.key] = view.staging_state
+                    state[view.param][view.key] = view.staging_state
             with streams.on(compute):
-                subset.step_params(chunk.params)
+                if chunk.slices:
+                    subset.step_slices(chunk.params, chunk.slices)
+                else:
+                    subset.step_params(chunk.params)
                 self._adopt_new_state(chunk, had_state)
-            streams.record(streams.stepped[chunk.slot], compute)
-            if self._chunk_done:
-                streams.record(self._chunk_done[c], compute)
-            with streams.on(streams.d2h):
-                streams.wait(streams.d2h, streams.stepped[chunk.slot])
-                for host, staging in chunk.host:
-                    host.copy_(staging, non_blocking=True)
-                streams.record(streams.freed[chunk.slot], streams.d2h)
+            if self._overlap is not None:
+                streams.record(self._overlap.chunk_done[c], compute)
+            if chunk.slot >= 0:
+                streams.record(streams.stepped[chunk.slot], compute)
+                with streams.on(streams.d2h):
+                    streams.wait(streams.d2h, streams.stepped[chunk.slot])
+                    for home, staging in chunk.copies:
+                        home.copy_(staging, non_blocking=True)
+                    streams.record(streams.freed[chunk.slot], streams.d2h)
             for view in chunk.views:
                 if state.get(view.param):
-                    state[view.param][view.spec.key] = view.host_state
-            if c == len(self._chunks) - 1:
-                self._step_done = streams.freed[chunk.slot]
+                    state[view.param][view.key] = view.home.home_state
             yield
+        # Done: every update and write-back. The ring goes back to the allocator once
+        # the streams that used it are past it.
+        streams.wait(streams.d2h, streams.mark(compute))
+        self._step_done = streams.mark(streams.d2h)
+        if timed:
+            self._timer.step_written_back(streams.d2h)
+        if self._ring is not None:
+            self._ring.release([streams.h2d, streams.d2h, compute])
 
-    def _load(self, chunk: _Chunk) -> bool:
+    def _load(self, chunk: _Chunk, had_state: set[Tensor]) -> bool:
         """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
-        if not any(self.optimizer.state.get(p) for p in chunk.params):
+        if not any(p in had_state for p in chunk.touched):
             return False
         streams = self._streams
         with streams.on(streams.h2d):
             # The slot's previous chunk must be written back before it is overwritten.
             streams.wait(streams.h2d, streams.freed[chunk.slot])
-            for host, staging in chunk.host:
-                staging.copy_(host, non_blocking=True)
+            for home, staging in chunk.copies:
+                staging.copy_(home, non_blocking=True)
             streams.record(streams.loaded[chunk.slot], streams.h2d)
         return True
 
@@ -508,48 +577,98 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """State the step just created goes into the chunk's staging slot, then home."""
         state = self.optimizer.state
         for view in chunk.views:
-            param, key, spec = view.param, view.spec.key, view.spec
+            param, key = view.param, view.key
             if param in had_state or not state.get(param):
                 continue
             created = local_tensor(state[param][key])
-            if created.shape != spec.shape or created.dtype != spec.dtype:
+            if created.shape != view.staging.shape or created.dtype != view.staging.dtype:
                 raise RuntimeError(
                     f"{type(self.optimizer).__name__} created state {key!r} as "
                     f"{tuple(created.shape)} {created.dtype}, but its state_layout promised "
-                    f"{tuple(spec.shape)} {spec.dtype}"
+                    f"{tuple(view.staging.shape)} {view.staging.dtype}"
                 )
             view.staging.copy_(created)
             state[param][key] = view.staging_state
 
     # -- planning and allocation --------------------------------------------------------
 
-    def _ensure_plan(
-        self, units: Sequence[Sequence[Tensor]], layout: Callable[[Tensor], StateLayout]
-    ) -> None:
+    def _ensure_plan(self, subset: SubsetStep, layout: Callable[[Tensor], StateLayout]) -> None:
         index = {p: i for i, p in enumerate(self._params)}
-        if self._owners:
+        units = subset.units
+        if self._overlap is not None:
             # Chunks in the order the forward needs them (stable, so the same on every rank).
-            first_use = {p: i for i, (_, params) in enumerate(self._owners) for p in params}
-            last = len(self._owners)
-            units = sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
+            units = self._overlap.forward_order(units)
         units_key = tuple(tuple(index[p] for p in unit) for unit in units)
         if self._plan is not None:
             if units_key != self._units_key:
                 raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
             return
-        specs = [
-            ParamSpec(
-                invariant_numel(p),
-                tuple(StateSpec(k, torch.Size(s), d) for k, (s, d) in layout(p).items()),
+        splits = isinstance(subset, SlicingSubsetStep)
+        specs = []
+        for p in self._params:
+            state = tuple(StateSpec(k, torch.Size(s), d) for k, (s, d) in layout(p).items())
+            local = local_tensor(p)
+            splittable = (
+                splits
+                and bool(state)
+                and local.is_contiguous()
+                and all(s.shape == local.shape for s in state)
             )
-            for p in self._params
-        ]
-        self._build(plan_offload(units_key, specs, self.chunk_bytes), units_key)
+            specs.append(ParamSpec(invariant_numel(p), state, splittable))
+        self._specs = specs
+        self._build(self._plan_for(units_key), units_key)
+
+    def _plan_for(self, units_key: tuple[tuple[int, ...], ...]) -> OffloadPlan:
+        budget = 0 if self.gpu_resident_bytes == "auto" else self.gpu_resident_bytes
+        return plan_offload(
+            units_key,
+            self._specs,
+            self.chunk_bytes,
+            resident_bytes=budget,
+            resident_first=self._overlap is not None,
+        )
+
+    def _resolve_auto_residency(self) -> None:
+        """After the measured steps, choose the budget and re-plan (once: the host waits
+        here for the measured steps and the last write-back, as for a checkpoint)."""
+        if self._timer is None or self._steps < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
+            return
+        timings = self._timer.timings()
+        self._timer = None
+        if self._overlap is not None:
+            self._overlap.forward_ended = None
+        state_bytes = sum(spec.invariant_bytes for spec in self._specs)
+        cap = self.gpu_resident_cap_bytes
+        if cap is None:
+            cap = int(state_bytes * DEFAULT_RESIDENT_CAP_FRACTION)
+        chosen = choose_resident_bytes(timings, state_bytes, cap)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Every rank must cut the same chunks: take the largest choice.
+            agreed = torch.tensor([chosen], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+            chosen = int(agreed.item())
+        self.gpu_resident_bytes = chosen
+        if chosen > 0:
+            self.wait_for_optimizer_step()
+            self._build(self._plan_for(self._units_key), self._units_key)
+        window = statistics.median(t.window_ms for t in timings)
+        busy = statistics.median(t.offloaded_ms for t in timings)
+        logger.info(
+            "gpu_resident_bytes='auto' chose %d bytes (cap %d of %d): %d bytes of state on the "
+            "GPU, %d on the host; measured overlap window %.1f ms vs offloaded step %.1f ms",
+            chosen,
+            cap,
+            state_bytes,
+            self._plan.resident_bytes,
+            self._plan.host_bytes,
+            window,
+            busy,
+        )
 
     def _build(
         self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...], ring: bool = True
     ) -> None:
-        """Allocate slabs and staging once, carve views, and move any existing state home.
+        """Allocate slabs and the ring, carve views, and move any existing state home.
 
         The serial path stages all state per step instead of through the ring, so
         without `ring` the staging buffers live on the meta device and take no memory.
@@ -559,7 +678,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             mib = 2**20
             warnings.warn(
                 f"a unit of the wrapped optimizer holds {slot_bytes / mib:.0f} MiB of state, "
-                f"more than chunk_bytes ({self.chunk_bytes / mib:.0f} MiB), and a unit is never "
+                f"more than chunk_bytes ({self.chunk_bytes / mib:.0f} MiB), and it cannot be "
                 f"split: the GPU staging ring takes {self.staging_slots} x "
                 f"{slot_bytes / mib:.0f} MiB. Give the optimizer smaller units (muon.Muon: "
                 f"bucket_cap_bytes; muon_offload.setup_optimizer caps it for you) or raise "
@@ -567,49 +686,79 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 stacklevel=_user_stacklevel(),
             )
         self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
-        ring_device = self.device if ring else torch.device("meta")
-        self._staging = {
-            dtype: torch.empty(self.staging_slots * n, dtype=dtype, device=ring_device)
-            for dtype, n in plan.slot_numel.items()
+        self._resident_slabs = {
+            dtype: torch.zeros(n, dtype=dtype, device=self.device)
+            for dtype, n in plan.resident_numel.items()
         }
+        staging_numel = {dtype: self.staging_slots * n for dtype, n in plan.slot_numel.items()}
+        if ring:
+            self._ring = _StagingRing(staging_numel, self.device)
+            staging_buffers = self._ring.buffers
+        else:
+            staging_buffers = {
+                dtype: torch.empty(n, dtype=dtype, device="meta")
+                for dtype, n in staging_numel.items()
+            }
+        homes: dict[tuple[Tensor, str], _Home] = {}
         chunks = []
-        for c, layout in enumerate(plan.chunks):
-            slot = c % self.staging_slots
-            host, views = [], []
-            for dtype, (start, stop) in layout.host_ranges.items():
-                base = slot * plan.slot_numel[dtype]
-                host.append(
-                    (
-                        self._host_slabs[dtype][start:stop],
-                        self._staging[dtype][base : base + stop - start],
-                    )
+        staged = 0
+        for layout in plan.chunks:
+            slabs = self._resident_slabs if layout.resident else self._host_slabs
+            slot = -1 if layout.resident else staged % self.staging_slots
+            staged += not layout.resident
+            copies = [
+                (
+                    slabs[dtype][run.home_start :][: run.numel],
+                    staging_buffers[dtype][slot * plan.slot_numel[dtype] + run.staging_start :][
+                        : run.numel
+                    ],
                 )
+                for dtype, runs in layout.copies.items()
+                for run in runs
+            ]
+            views = []
             for view in layout.views:
                 spec, param = view.spec, self._params[view.param]
-                base = slot * plan.slot_numel[spec.dtype]
-                h = self._host_slabs[spec.dtype][view.host_offset :][: spec.numel]
-                s = self._staging[spec.dtype][base + view.staging_offset :][: spec.numel]
-                h, s = h.view(spec.shape), s.view(spec.shape)
-                views.append(_View(param, spec, h, s, _as_state(param, h), _as_state(param, s)))
-            chunks.append(_Chunk([self._params[i] for i in layout.params], slot, host, views))
-        self._plan, self._units_key, self._chunks = plan, units_key, chunks
-        if self._owners:
-            chunk_of = {p: c for c, chunk in enumerate(chunks) for p in chunk.params}
-            self._module_chunk = [
-                max((chunk_of[p] for p in waited_params(module) if p in chunk_of), default=-1)
-                for module, _ in self._owners
-            ]
-            self._chunk_done = [self._streams.new_event() for _ in chunks]
+                home = homes.get((param, spec.key))
+                if home is None:
+                    h = slabs[spec.dtype][view.home_offset :][: spec.numel].view(spec.shape)
+                    home = homes[param, spec.key] = _Home(h, _as_state(param, h))
+                if layout.resident:
+                    staging = home.home if not view.sliced else home.home.view(-1)
+                    staging = staging[view.start : view.stop] if view.sliced else staging
+                elif view.stop == view.start:  # nothing of it on this rank: no slot space
+                    staging = torch.empty(view.shape, dtype=spec.dtype, device=self.device)
+                else:
+                    base = slot * plan.slot_numel[spec.dtype] + view.staging_offset
+                    staging = staging_buffers[spec.dtype][base:][: view.stop - view.start]
+                    staging = staging.view(view.shape)
+                staging_state = staging if view.sliced else _as_state(param, staging)
+                views.append(_View(param, spec.key, home, staging, staging_state))
+            chunks.append(
+                _Chunk(
+                    [self._params[i] for i in layout.params],
+                    [ParamSlice(self._params[s.param], s.start, s.stop) for s in layout.slices],
+                    slot,
+                    copies,
+                    views,
+                )
+            )
+        self._plan, self._units_key, self._chunks, self._homes = plan, units_key, chunks, homes
+        if self._overlap is not None:
+            self._overlap.set_chunks([chunk.touched for chunk in chunks])
+        if ring and not plan.slot_numel:
+            self._ring = None  # everything is resident: no staging
         state = self.optimizer.state
-        for chunk in chunks:
-            for view in chunk.views:
-                entries = state.get(view.param)
-                if entries and view.spec.key in entries:
-                    view.host.copy_(local_tensor(entries[view.spec.key]))
-                    entries[view.spec.key] = view.host_state
+        for (param, key), home in homes.items():
+            entries = state.get(param)
+            if entries and key in entries:
+                home.home.copy_(local_tensor(entries[key]))
+                entries[key] = home.home_state
+        if self._ring is not None:
+            self._ring.release([])  # acquired again at the start of each step
 
-    def _host_views(self) -> dict[tuple[Tensor, str], _View]:
-        return {(v.param, v.spec.key): v for chunk in self._chunks for v in chunk.views}
+    def _host_views(self) -> dict[tuple[Tensor, str], _Home]:
+        return self._homes
 
     # -- serial path --------------------------------------------------------------------
 
@@ -635,7 +784,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for view in layout.views:
                 spec, param = view.spec, self._params[view.param]
                 s = staging[spec.dtype][view.staging_offset :][: spec.numel].view(spec.shape)
-                h = self._host_slabs[spec.dtype][view.host_offset :][: spec.numel]
+                h = self._host_slabs[spec.dtype][view.home_offset :][: spec.numel]
                 h = h.view(spec.shape)
                 s.copy_(h, non_blocking=True)
                 state[param][spec.key] = _as_state(param, s)

@@ -1,4 +1,5 @@
-"""Which module's forward first reads which params, and hooks that wait there.
+"""Forward overlap: which module's forward first reads which params, and the
+object that runs an offloaded step's chunks as the next forward reaches them.
 
 With forward overlap the offloaded step's chunks update params on a side stream
 while the next forward runs. A module must not read (FSDP2: all-gather) its
@@ -9,11 +10,15 @@ the chunks of the modules FSDP2 prefetches from there).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from offload.streams import CopyStreams
 
 
 def _is_fsdp(module: nn.Module) -> bool:
@@ -86,36 +91,164 @@ def forward_prefetched(module: nn.Module) -> list[nn.Module]:
     return [m for state in states for m in getattr(state, "_modules", ())]
 
 
-class ForwardHooks:
-    """Calls `before_module(i)` ahead of owner module i's forward (and FSDP2 unshard),
-    and `after_forward()` when the model's forward returns."""
+class ForwardOverlap:
+    """Runs an offloaded step's chunks as the next forward reaches the modules that read them.
 
-    def __init__(
-        self,
-        model: nn.Module,
-        owners: list[tuple[nn.Module, list[Tensor]]],
-        before_module: Callable[[int], None],
-        after_forward: Callable[[], None],
-    ) -> None:
-        # Compiled forwards run the hooks eagerly: traced, the optimizer's step would
-        # become part of the user's graph (and recompile as chunks advance).
-        def pre_hook(index: int) -> Callable[..., None]:
-            @torch.compiler.disable
-            def hook(module: nn.Module, args: Any) -> None:
-                before_module(index)
+    Lifecycle: `start(pending)` takes a step's chunk generator (each `next()`
+    enqueues one chunk on `side_stream`) and enqueues the first few; the model's
+    forward hooks enqueue the rest a few chunks ahead of the forward and make each
+    module (and its FSDP2 all-gather streams) wait for its chunk; when the forward
+    returns, the trainer's stream waits for the last chunk. `finish()` enqueues
+    whatever is left. `close()` removes the hooks.
 
-            return hook
+    The hooks hold this object weakly and it is the optimizer's alone, so a model
+    never keeps an optimizer (or its pinned slabs) alive; once collected, its hooks
+    are removed.
+    """
 
-        @torch.compiler.disable
-        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-            after_forward()
+    CHUNKS_UP_FRONT = 2  # x staging slots enqueued when an overlapped step() returns
 
-        self.handles = [
-            module.register_forward_pre_hook(pre_hook(i), prepend=True)
-            for i, (module, _) in enumerate(owners)
+    def __init__(self, model: nn.Module, streams: CopyStreams, staging_slots: int) -> None:
+        self._streams = streams
+        self._staging_slots = staging_slots
+        self.owners = param_owners(model)
+        self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
+        self.side_stream = streams.new_stream()
+        self.chunk_done: list[torch.Event | None] = []
+        self._module_chunk: list[int] = []
+        self._pending: Iterator[None] | None = None
+        self._enqueued = 0  # chunks of the pending step enqueued so far
+        self._in_flight = False  # the next forward must still wait for the pending step
+        self.forward_ended: Callable[[], None] | None = None  # called as the forward returns
+        handles = _register_hooks(model, self.owners, weakref.ref(self))
+        self._remove_hooks = weakref.finalize(self, _remove, handles)
+
+    def close(self) -> None:
+        """Remove the hooks; the model's forward no longer calls into this object."""
+        self._remove_hooks()
+        self._pending = None
+        self._in_flight = False
+
+    def forward_order(self, units: Sequence[Sequence[Tensor]]) -> list[Sequence[Tensor]]:
+        """Units sorted by the first owner module that reads them (stable: the same on
+        every rank)."""
+        first_use = {p: i for i, (_, params) in enumerate(self.owners) for p in params}
+        last = len(self.owners)
+        return sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
+
+    def set_chunks(self, chunk_params: Sequence[Collection[Tensor]]) -> None:
+        """The params each chunk updates, in step order (whole or in slices)."""
+        chunk_of: dict[Tensor, int] = {}
+        for c, params in enumerate(chunk_params):
+            for p in params:
+                chunk_of[p] = c  # a param cut into slices is done with its last chunk
+        self._module_chunk = [
+            max((chunk_of[p] for p in waited_params(module) if p in chunk_of), default=-1)
+            for module, _ in self.owners
         ]
-        self.handles.append(model.register_forward_hook(post_hook))
+        self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+    def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
+        """Run `pending`'s chunks on the side stream, from where the trainer's stream is
+        now (grads reduced and clipped); the first few are enqueued at once."""
+        streams, side = self._streams, self.side_stream
+        streams.wait(side, streams.mark(streams.current()))
+        if side is not None:  # grads the trainer drops must outlive the side stream's reads
+            for grad in grads:
+                grad.record_stream(side)
+        self._pending = pending
+        self._enqueued = 0
+        self._in_flight = True
+        self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
+
+    def advance(self, last: int) -> None:
+        """Enqueue the pending step's chunks up to index `last`.
+
+        Called from forward hooks too, so the trainer's grad mode, inference mode
+        and autocast are switched off: the update must not change with where it runs.
+        """
+        if self._pending is None or self._enqueued > last:
+            return
+        with (
+            torch.inference_mode(False),
+            torch.no_grad(),
+            torch.autocast(self._streams.device.type, enabled=False),
+        ):
+            while self._pending is not None and self._enqueued <= last:
+                if next(self._pending, StopIteration) is StopIteration:
+                    self._pending = None
+                else:
+                    self._enqueued += 1
+
+    def finish(self) -> None:
+        """Enqueue every pending chunk; the trainer's stream waits for the last update."""
+        self.advance(len(self.chunk_done))
+        if self._in_flight and self.chunk_done:
+            self._streams.wait(self._streams.current(), self.chunk_done[-1])
+        self._in_flight = False
+
+    @property
+    def pending_chunks(self) -> int:
+        """Chunks of the pending step not enqueued yet (0 when none is pending)."""
+        return 0 if self._pending is None else len(self.chunk_done) - self._enqueued
+
+    def _before_module(self, index: int) -> None:
+        if not self._in_flight or not self._module_chunk:
+            return
+        module = self.owners[index][0]
+        # FSDP2 all-gathers the modules it prefetches from here before their own hooks run.
+        prefetched = (self._owner_index.get(m) for m in forward_prefetched(module))
+        indices = [index] + [i for i in prefetched if i is not None]
+        chunk = max(self._module_chunk[i] for i in indices)
+        if chunk < 0:
+            return
+        self.advance(chunk + self._staging_slots)  # keep a few chunks ahead of the forward
+        done = self.chunk_done[chunk]
+        self._streams.wait(self._streams.current(), done)
+        if done is not None:
+            for stream in fsdp_all_gather_streams(module):
+                stream.wait_event(done)
+
+    def _after_forward(self) -> None:
+        if self._in_flight:
+            self.finish()
+            if self.forward_ended is not None:
+                self.forward_ended()
+
+
+def _register_hooks(
+    model: nn.Module,
+    owners: list[tuple[nn.Module, list[Tensor]]],
+    overlap: weakref.ref[ForwardOverlap],
+) -> list[RemovableHandle]:
+    """A pre-hook on each owner module (prepended: before FSDP2's unshard) and a
+    forward hook on the model, calling into `overlap` while it lives."""
+
+    # Compiled forwards run the hooks eagerly: traced, the optimizer's step would
+    # become part of the user's graph (and recompile as chunks advance).
+    def pre_hook(index: int) -> Callable[..., None]:
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any) -> None:
+            target = overlap()
+            if target is not None:
+                target._before_module(index)
+
+        return hook
+
+    @torch.compiler.disable
+    def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+        target = overlap()
+        if target is not None:
+            target._after_forward()
+
+    handles = [
+        module.register_forward_pre_hook(pre_hook(i), prepend=True)
+        for i, (module, _) in enumerate(owners)
+    ]
+    handles.append(model.register_forward_hook(post_hook))
+    return handles
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()

@@ -17,6 +17,9 @@ through the GPU in chunks. The contract:
   `param`, with their local shapes and dtypes, before any step has run, so the
   host slabs can be sized and allocated once. On the first step `step_params`
   may create that state; afterwards it never creates state.
+- Optional, `step_slices(params, slices)`: a step whose update is elementwise
+  declares it can update slices of one-param units (`SlicingSubsetStep`), so a
+  large param never makes a staging slot larger than a chunk.
 
 An optimizer implements `begin_subset_step` and `state_layout` itself (duck
 typing, see `muon.Muon`), or `subset_step_for` wraps it in `GroupSubsetStep`
@@ -25,7 +28,8 @@ when its per-param updates are independent.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -41,6 +45,32 @@ class SubsetStep(Protocol):
     def step_params(self, params: Collection[Tensor]) -> None: ...
 
 
+@dataclass(frozen=True)
+class ParamSlice:
+    """Elements [start, stop) of `param`'s flattened local shard (a DTensor's `to_local()`)."""
+
+    param: Tensor
+    start: int
+    stop: int
+
+
+@runtime_checkable
+class SlicingSubsetStep(SubsetStep, Protocol):
+    """A subset step that can also update slices of params.
+
+    `step_slices(params, slices)` updates the whole params `params` (as
+    `step_params`) and each slice of `slices`, with the same result, bit for bit,
+    as the full step, provided every element of a param is in exactly one slice
+    per step. For a slice it reads `optimizer.state[param][key]` (ndim >= 1) as
+    that slice's state: a flat tensor of `stop - start` elements the wrapper has
+    swapped in. A param's other state (the `step` counter, ...) advances once per
+    step however many slices it is cut into. Only one-param units whose state
+    tensors are shaped like the param may be sliced.
+    """
+
+    def step_slices(self, params: Collection[Tensor], slices: Sequence[ParamSlice]) -> None: ...
+
+
 @runtime_checkable
 class SupportsSubsetStep(Protocol):
     def begin_subset_step(self) -> SubsetStep: ...
@@ -48,8 +78,9 @@ class SupportsSubsetStep(Protocol):
     def state_layout(self, param: Tensor) -> StateLayout: ...
 
 
-# torch optimizers whose update of one param reads only that param's grad and
-# state, so stepping a subset of a group equals the full step on that subset.
+# torch optimizers whose update of one element reads only that element of the
+# param, grad and state (and per-param scalars such as `step`), so stepping a
+# subset of a group, or slices of params, equals the full step on them.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.AdamW,
     torch.optim.Adam,
@@ -61,8 +92,10 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RAdam,
     torch.optim.Adadelta,
 )
+# torch optimizers whose update of one param reads only that param's grad and state.
+PER_PARAM_OPTIMIZERS = ELEMENTWISE_OPTIMIZERS
 if hasattr(torch.optim, "Muon"):  # torch.optim.Muon orthogonalizes each param on its own
-    ELEMENTWISE_OPTIMIZERS += (torch.optim.Muon,)
+    PER_PARAM_OPTIMIZERS += (torch.optim.Muon,)
 
 # Options that change how a torch optimizer computes, never which state it keeps;
 # the meta-device dry run in `GroupSubsetStep.state_layout` turns them off.
@@ -98,32 +131,114 @@ class GroupStep:
         self.units = [[p] for p in self._group_of]
 
     def step_params(self, params: Collection[Tensor]) -> None:
-        groups = self._optimizer.param_groups
-        narrowed: list[list[Tensor]] = [[] for _ in groups]
-        for p in params:
-            narrowed[self._group_of[p]].append(p)
-        saved_groups = [dict(group) for group in groups]
         saved_grads = {p: p.grad for p in params}
         try:
-            for group, captured, chosen in zip(groups, self._groups, narrowed, strict=True):
-                group.update(captured)
-                group["params"] = chosen
             for p in params:
                 p.grad = self._grads[p]
+            self._step_narrowed([(p, self._group_of[p]) for p in params])
+        finally:
+            for p, grad in saved_grads.items():
+                p.grad = grad
+
+    def _step_narrowed(
+        self, tensors: Sequence[tuple[Tensor, int]], options: Mapping[int, dict] | None = None
+    ) -> None:
+        """One `optimizer.step()` with each group narrowed to its (tensor, group) entries."""
+        groups = self._optimizer.param_groups
+        narrowed: list[list[Tensor]] = [[] for _ in groups]
+        for t, index in tensors:
+            narrowed[index].append(t)
+        saved_groups = [dict(group) for group in groups]
+        try:
+            for index, (group, captured, chosen) in enumerate(
+                zip(groups, self._groups, narrowed, strict=True)
+            ):
+                group.update(captured)
+                group.update((options or {}).get(index, {}))
+                group["params"] = chosen
             self._optimizer.step()
         finally:
             for group, saved in zip(groups, saved_groups, strict=True):
                 group.clear()
                 group.update(saved)
-            for p, grad in saved_grads.items():
-                p.grad = grad
+
+
+class ElementwiseGroupStep(GroupStep):
+    """A `GroupStep` of an elementwise optimizer: it can also update slices of params.
+
+    A slice steps as a stand-in tensor, a flat view of the param's local shard,
+    with a flat view of its grad and the slice's state. The param's scalar state
+    (`step`, ...) is copied from its value at the step's start into each stand-in,
+    so every slice computes with the same counters, and the result (the same from
+    every slice) becomes the param's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        state = optimizer.state
+        self._had_state = {p for p in self._group_of if state.get(p)}
+        self._scalars: dict[Tensor, dict[str, Any]] = {}
+
+    def step_slices(self, params: Collection[Tensor], slices: Sequence[ParamSlice]) -> None:
+        if params:
+            self.step_params(params)
+        if not slices:
+            return
+        state = self._optimizer.state
+        stand_ins = []
+        for s in slices:
+            grad = self._grads[s.param]
+            if grad is None:  # the full step skips a param without a grad
+                continue
+            stand_in = local_tensor(s.param).detach().view(-1)[s.start : s.stop]
+            stand_in.grad = local_tensor(grad).view(-1)[s.start : s.stop]
+            entries: dict[str, Any] = {}
+            if s.param in self._had_state:
+                own = state[s.param]
+                if s.param not in self._scalars:
+                    self._scalars[s.param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
+                entries = {k: local_tensor(v) for k, v in own.items() if _is_offloaded(v)}
+                entries.update({k: _copied(v) for k, v in self._scalars[s.param].items()})
+            state[stand_in] = entries
+            stand_ins.append((s.param, stand_in))
+        groups = {self._group_of[p] for p, _ in stand_ins}
+        try:
+            self._step_narrowed(
+                [(t, self._group_of[p]) for p, t in stand_ins],
+                {g: self._implementation(g, stand_ins) for g in groups},
+            )
+        finally:
+            for p, stand_in in stand_ins:
+                state[p].update(state.pop(stand_in, {}))
+
+    def _implementation(self, group: int, stand_ins: list[tuple[Tensor, Tensor]]) -> dict:
+        """Pin the foreach choice torch would make for the real params (DTensors, say):
+        stand-ins are plain tensors and could get a different (differently rounded) one."""
+        captured = self._groups[group]
+        if "foreach" not in captured or captured["foreach"] is not None or captured.get("fused"):
+            return {}
+        # Private API (torch 2.11, 2.13): the default foreach/fused choice for these params.
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        params = [p for p, _ in stand_ins if self._group_of[p] == group]
+        _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+        return {"foreach": foreach}
+
+
+def _is_offloaded(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.ndim >= 1
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value
 
 
 class GroupSubsetStep:
     """Adapter: a torch optimizer with independent per-param updates, one param per unit.
 
     `step_params` narrows each param group to the requested params around one
-    `optimizer.step()` call, so the update runs the optimizer's own code.
+    `optimizer.step()` call, so the update runs the optimizer's own code. For an
+    elementwise optimizer the step also updates slices of params (`step_slices`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -134,6 +249,8 @@ class GroupSubsetStep:
         self._layouts: dict[tuple[int, torch.Size, torch.dtype], StateLayout] = {}
 
     def begin_subset_step(self) -> GroupStep:
+        if type(self.optimizer) in ELEMENTWISE_OPTIMIZERS:
+            return ElementwiseGroupStep(self.optimizer)
         return GroupStep(self.optimizer)
 
     def state_layout(self, param: Tensor) -> StateLayout:
@@ -168,6 +285,6 @@ def subset_step_for(optimizer: torch.optim.Optimizer) -> SupportsSubsetStep | No
     """The optimizer's own subset step, else an adapter, else None (serial path)."""
     if isinstance(optimizer, SupportsSubsetStep):
         return optimizer
-    if type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+    if type(optimizer) in PER_PARAM_OPTIMIZERS:
         return GroupSubsetStep(optimizer)
     return None

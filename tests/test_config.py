@@ -92,13 +92,16 @@ def test_row_blocks_collected_from_modules():
 
 def test_offload_wraps_and_overlap_registers_hooks():
     model = Net()
-    opt = setup_optimizer(model, OptimizerConfig(offload="optimizer", offload_chunk_bytes=4096))
+    config = OptimizerConfig(
+        offload="optimizer", offload_chunk_bytes=4096, offload_gpu_resident_bytes="auto"
+    )
+    opt = setup_optimizer(model, config)
     assert isinstance(opt, CPUOffloadOptimizer) and isinstance(opt.optimizer, torch.optim.AdamW)
-    assert opt.chunk_bytes == 4096 and opt._forward_hooks is None
+    assert opt.chunk_bytes == 4096 and opt._overlap is None and opt.gpu_resident_bytes == "auto"
     overlapped = setup_optimizer(
         model, OptimizerConfig(type="muon", offload="optimizer", offload_overlap_forward=True)
     )
-    assert isinstance(overlapped.optimizer, Muon) and overlapped._forward_hooks is not None
+    assert isinstance(overlapped.optimizer, Muon) and overlapped._overlap is not None
 
 
 def test_config_from_cli_flags_and_toml(tmp_path):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
 import torch
 
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
+from offload.subset_step import GroupStep
 
 OPTIMIZERS = {
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
@@ -17,7 +19,7 @@ OPTIMIZERS = {
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.1),
     "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
 }
-# one chunk for everything, a few units a chunk, one unit a chunk
+# one chunk for everything, a few units a chunk, one 64-element slice a chunk
 CHUNK_BYTES = [2**40, 3000, 1]
 
 
@@ -76,10 +78,13 @@ def test_offloaded_step_is_bitwise_equal(name, chunk_bytes, slots):
     for a, b in zip(plain_model.parameters(), offload_model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, offloaded)
-    n_units = len(list(offload_model.parameters()))
-    expected_chunks = {2**40: 1, 1: n_units}.get(chunk_bytes)
-    if expected_chunks is not None:
-        assert len(offloaded.plan.chunks) == expected_chunks
+    chunks = offloaded.plan.chunks
+    if chunk_bytes == 2**40:
+        assert len(chunks) == 1
+    if chunk_bytes == 1:  # params are cut into slices of the smallest size, one per chunk
+        assert all(len(c.params) + len(c.slices) == 1 for c in chunks)
+        assert max(v.stop - v.start for c in chunks for v in c.views) == 64
+        assert any(c.slices for c in chunks)
 
 
 class ScaledSign(torch.optim.Optimizer):
@@ -254,15 +259,183 @@ def test_step_hooks_on_the_wrapper_run_once_a_step():
     assert calls == ["pre", "post"] and len(opt.plan.chunks) > 1
 
 
+class WholeParamSGD(torch.optim.SGD):
+    """Its own subset step, which cannot update slices of a param (like a Muon bucket)."""
+
+    def begin_subset_step(self):
+        return GroupStep(self)
+
+    def state_layout(self, param):
+        return GroupSubsetStep(self).state_layout(param)
+
+
 def test_a_unit_far_larger_than_a_chunk_warns_about_the_staging_ring():
-    # a unit is never split, so the ring holds staging_slots of the largest one
-    big = torch.nn.Parameter(torch.zeros(5000, 4096))  # AdamW state: 156 MiB, one unit
+    # a unit that cannot be sliced makes the ring hold staging_slots of the largest one
+    big = torch.nn.Parameter(torch.zeros(5000, 8192))  # momentum: 156 MiB, one unit
     big.grad = torch.ones_like(big)
-    small = CPUOffloadOptimizer(torch.optim.AdamW([big]), chunk_bytes=16 << 20, staging_slots=2)
+    small = CPUOffloadOptimizer(
+        WholeParamSGD([big], lr=0.1, momentum=0.9), chunk_bytes=16 << 20, staging_slots=2
+    )
     with pytest.warns(UserWarning, match=r"staging ring takes 2 x 156 MiB") as caught:
         small.step()
     assert caught[0].filename == __file__  # points at the user's step() call
-    roomy = CPUOffloadOptimizer(torch.optim.AdamW([big]), staging_slots=2)
+    roomy = CPUOffloadOptimizer(WholeParamSGD([big], lr=0.1, momentum=0.9), staging_slots=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         roomy.step()
+
+
+def test_an_elementwise_optimizer_slices_a_large_param_to_fit_chunk_bytes():
+    big = torch.nn.Parameter(torch.zeros(1000, 1000))
+    small = torch.nn.Parameter(torch.zeros(3))
+    for p in (big, small):
+        p.grad = torch.ones_like(p)
+    chunk_bytes = 1 << 20  # AdamW state of `big`: 8 MB
+    opt = CPUOffloadOptimizer(torch.optim.AdamW([small, big]), chunk_bytes=chunk_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert opt.plan.staging_bytes(1) <= chunk_bytes
+    assert opt.plan.staging_bytes(1) > chunk_bytes * 3 // 4  # full middle chunks
+    # the slices of `big` tile it exactly, and its step counter advanced once
+    cut = sorted((s.start, s.stop) for c in opt.plan.chunks for s in c.slices)
+    assert cut[0][0] == 0 and cut[-1][1] == big.numel()
+    assert all(a[1] == b[0] for a, b in zip(cut, cut[1:], strict=False))
+    assert opt.state[big]["step"] == 1 and opt.state[big]["exp_avg"].shape == big.shape
+
+
+def _state_bytes(model) -> int:
+    return sum(2 * p.numel() * 4 for p in model.parameters())  # AdamW: two fp32 moments
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, 2**40])
+@pytest.mark.parametrize("budget", ["none", "one_unit", "half", "all"])
+def test_gpu_resident_budget_is_bitwise_equal(budget, chunk_bytes, overlap):
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
+    total = _state_bytes(model)
+    one_unit = 2 * model[4].weight.numel() * 4  # the head: first with overlap, else last
+    if overlap:
+        one_unit = 2 * model[0].weight.numel() * 4  # the embedding comes first
+    resident = {"none": 0, "one_unit": one_unit, "half": total // 2, "all": total}[budget]
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        chunk_bytes=chunk_bytes,
+        staging_slots=2,
+        overlap_forward=model if overlap else None,
+        gpu_resident_bytes=resident,
+    )
+    train(plain_model, plain)
+    train(model, opt)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+    plan = opt.plan
+    padding = 256 * 2 * len(opt.state)  # each state tensor starts 256-byte aligned
+    assert 0 < plan.resident_bytes <= resident + padding or resident == 0
+    assert (plan.host_bytes == 0) == (budget == "all")
+    # resident state lives in the resident slab, the rest in the host slab
+    resident_params = {p for c in opt._chunks if c.slot < 0 for p in c.touched}
+    for p, entries in opt.state.items():
+        slab = opt._resident_slabs if p in resident_params else opt._host_slabs
+        storage = slab[torch.float32].untyped_storage().data_ptr()
+        assert entries["exp_avg"].untyped_storage().data_ptr() == storage
+
+
+def test_state_dict_round_trip_with_resident_state():
+    ref_model, model = make_model(), make_model()
+
+    def wrap(m):
+        return CPUOffloadOptimizer(
+            torch.optim.AdamW(m.parameters(), lr=1e-2),
+            chunk_bytes=500,
+            gpu_resident_bytes=_state_bytes(m) // 2,
+        )
+
+    ref = wrap(ref_model)
+    train(ref_model, ref, steps=3, frozen_on_step=None)
+    saved = copy.deepcopy(ref.state_dict())
+    model.load_state_dict(ref_model.state_dict())
+    resumed = wrap(model)
+    resumed.load_state_dict(saved)
+    train(ref_model, ref, steps=2, frozen_on_step=None)
+    train(model, resumed, steps=2, frozen_on_step=None)
+    for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(ref, resumed)
+    resumed.load_state_dict(saved)  # into the homes in place, resident ones too
+    assert_same_state_dicts(saved, resumed.state_dict())
+
+
+def test_gpu_resident_bytes_auto_measures_then_replans_bitwise(caplog):
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, StepTiming
+
+    class FakeTimer:
+        """Measured: the forward hides 40% of the offloaded step's copies."""
+
+        def step_started(self, stream):
+            self.steps = getattr(self, "steps", 0) + 1
+
+        def forward_ended(self, stream):
+            pass
+
+        def step_written_back(self, stream):
+            pass
+
+        def timings(self):
+            return [StepTiming(4.0, 10.0)] * getattr(self, "steps", 0)
+
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 2
+    plain_model = make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    train(plain_model, plain, steps=steps)
+    total = _state_bytes(plain_model)
+    # (timer, cap) -> the budget "auto" must choose
+    cases = [
+        (None, None, 0),  # the CPU's own timer: nothing to hide, nothing resident
+        (FakeTimer(), None, total // 2),  # 60% needed, capped at the default half
+        (FakeTimer(), total, math.ceil(total * 0.6)),
+    ]
+    for timer, cap, expected in cases:
+        model = make_model()
+        opt = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_bytes=1000,
+            gpu_resident_bytes="auto",
+            gpu_resident_cap_bytes=cap,
+        )
+        if timer is not None:
+            opt._timer = timer
+        caplog.clear()
+        with caplog.at_level("INFO", logger="offload.cpu_offload"):
+            train(model, opt, steps=steps)
+        assert opt.gpu_resident_bytes == expected
+        assert f"gpu_resident_bytes='auto' chose {expected} bytes" in caplog.text
+        assert (opt.plan.resident_bytes > 0) == (expected > 0)
+        for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        assert_same_state(plain, opt)
+
+
+@pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])
+def test_a_sliced_param_without_a_grad_keeps_its_state_and_step(name):
+    def run(model, opt):
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+            if step in (0, 2):  # no state yet on step 0; state, but no update, on step 2
+                model[1].weight.grad = None
+            opt.step()
+
+    plain_model, model = make_model(), make_model()
+    plain = OPTIMIZERS[name](plain_model.parameters())
+    opt = CPUOffloadOptimizer(OPTIMIZERS[name](model.parameters()), chunk_bytes=1000)
+    run(plain_model, plain)
+    run(model, opt)
+    assert any(s.param is model[1].weight for c in opt._chunks for s in c.slices)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)

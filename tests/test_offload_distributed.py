@@ -45,37 +45,67 @@ def _worker(rank: int, world: int) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     failures = []
-    for name, make in {
+    optimizers = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
-    }.items():
-        for chunk_bytes in (2**40, 2048, 1):
-            plain_model, offload_model = _shard(_model(0), mesh), _shard(_model(0), mesh)
-            plain = make(plain_model.parameters())
-            offloaded = CPUOffloadOptimizer(
-                make(offload_model.parameters()), chunk_bytes=chunk_bytes
-            )
-            _train(plain_model, plain, rank)
-            _train(offload_model, offloaded, rank)
-            chunks = [tuple(c.units) for c in offloaded.plan.chunks]
-            gathered = [None] * world
-            dist.all_gather_object(gathered, chunks)
-            if any(g != chunks for g in gathered):
-                failures.append(f"{name}/{chunk_bytes}: chunk plans differ: {gathered}")
-            for a, b in zip(plain_model.parameters(), offload_model.parameters(), strict=True):
-                if not torch.equal(a.to_local(), b.to_local()):
-                    failures.append(f"{name}/{chunk_bytes}: params differ")
-            ref, got = plain.state_dict()["state"], offloaded.state_dict()["state"]
-            for index, entries in ref.items():
-                for key, value in entries.items():
-                    other = got[index][key]
-                    if hasattr(value, "to_local"):
-                        if type(other) is not type(value) or not torch.equal(
-                            value.to_local(), other.to_local()
-                        ):
-                            failures.append(f"{name}/{chunk_bytes}: state {index}.{key}")
-                    elif not torch.equal(value, other):
-                        failures.append(f"{name}/{chunk_bytes}: state {index}.{key}")
+    }
+    # (optimizer, chunk_bytes, resident budget, forward overlap); chunk_bytes=1 slices params
+    cases = [
+        ("adamw", 2**40, "none", False),
+        ("adamw", 2048, "one_unit", True),
+        ("adamw", 1, "half", True),
+        ("adamw", 2048, "all", False),
+        ("sgd", 1, "half", False),
+    ]
+    for name, chunk_bytes, budget, overlap in cases:
+        case = f"{name}/{chunk_bytes}/{budget}/{'overlap' if overlap else 'plain'}"
+        plain_model, offload_model = _shard(_model(0), mesh), _shard(_model(0), mesh)
+        keys = 2 if name == "adamw" else 1
+        # rank-invariant state bytes: global numel / shards, per fp32 state tensor
+        sizes = [keys * 4 * (p.numel() // world) for p in offload_model.parameters()]
+        resident = {
+            "none": 0,
+            "one_unit": sizes[0] if overlap else sizes[-1],
+            "half": sum(sizes) // 2,
+            "all": sum(sizes),
+        }[budget]
+        plain = optimizers[name](plain_model.parameters())
+        offloaded = CPUOffloadOptimizer(
+            optimizers[name](offload_model.parameters()),
+            chunk_bytes=chunk_bytes,
+            staging_slots=2,
+            overlap_forward=offload_model if overlap else None,
+            gpu_resident_bytes=resident,
+        )
+        _train(plain_model, plain, rank)
+        _train(offload_model, offloaded, rank)
+        offloaded.wait_for_optimizer_step()
+        chunks = [
+            (c.params, tuple(s.param for s in c.slices), c.resident) for c in offloaded.plan.chunks
+        ]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, chunks)
+        if any(g != chunks for g in gathered):
+            failures.append(f"{case}: chunk plans differ: {gathered}")
+        if (offloaded.plan.resident_bytes > 0) != (budget != "none"):
+            failures.append(f"{case}: resident bytes {offloaded.plan.resident_bytes}")
+        if chunk_bytes == 1 and not any(c.slices for c in offloaded.plan.chunks):
+            failures.append(f"{case}: no param was sliced")
+        for a, b in zip(plain_model.parameters(), offload_model.parameters(), strict=True):
+            if not torch.equal(a.to_local(), b.to_local()):
+                failures.append(f"{case}: params differ")
+        ref, got = plain.state_dict()["state"], offloaded.state_dict()["state"]
+        for index, entries in ref.items():
+            for key, value in entries.items():
+                other = got[index][key]
+                if hasattr(value, "to_local"):
+                    if type(other) is not type(value) or not torch.equal(
+                        value.to_local(), other.to_local()
+                    ):
+                        failures.append(f"{case}: state {index}.{key}")
+                elif not torch.equal(value, other):
+                    failures.append(f"{case}: state {index}.{key}")
+        offloaded.close()
     assert not failures, failures
 
 

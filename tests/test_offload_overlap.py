@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -59,7 +62,7 @@ def test_overlapped_step_is_lazy_and_bitwise_equal(make):
 
     def check_lazy():
         # the last layer's chunk is not run until the next forward reaches it
-        lazy.append(overlapped._enqueued < len(overlapped._chunks))
+        lazy.append(overlapped._overlap.pending_chunks > 0)
         lazy.append(not torch.equal(head, plain_model[-1].weight))
 
     ref_losses = run(plain_model, plain, data)
@@ -86,8 +89,8 @@ def test_chunks_follow_forward_order():
     owners = param_owners(model)
     assert [m for m, _ in owners] == [m for m in model if any(True for _ in m.parameters())]
     module_of = {id(p): i for i, (_, ps) in enumerate(owners) for p in ps}
-    order = [module_of[id(p)] for chunk in opt._chunks for p in chunk.params]
-    assert order == sorted(order) and len(order) == len(params)
+    order = [module_of[id(p)] for chunk in opt._chunks for p in chunk.touched]
+    assert order == sorted(order) and set(order) == set(module_of.values())
 
 
 def test_overlap_needs_a_subset_step():
@@ -228,3 +231,58 @@ def test_chunks_enqueued_by_an_inference_forward_make_normal_state():
 
     for a, b in zip(run(False), run(True), strict=True):
         assert torch.equal(a, b)
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["dropped", "closed"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_dropped_optimizer_is_collected_with_its_slabs(overlap, close):
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=2,
+        overlap_forward=model if overlap else None,
+    )
+    run(model, opt, batches(2))  # with overlap, the last step is still pending
+    if close:
+        opt.close()
+        assert _hooks(model) == 0
+    collected = [weakref.ref(opt), weakref.ref(opt._host_slabs[torch.float32])]
+    del opt
+    gc.collect()
+    assert all(ref() is None for ref in collected)
+    assert _hooks(model) == 0  # a collected optimizer's hooks are removed
+    model(batches(1)[0])
+
+
+def test_after_close_the_forward_no_longer_calls_the_optimizer(monkeypatch):
+    from offload.forward_overlap import ForwardOverlap
+
+    calls = []
+    for name in ("_before_module", "_after_forward"):
+        original = getattr(ForwardOverlap, name)
+        monkeypatch.setattr(
+            ForwardOverlap, name, lambda self, *a, _f=original: calls.append(1) or _f(self, *a)
+        )
+    plain_model, model = make_model(), make_model()
+    plain = CPUOffloadOptimizer(torch.optim.AdamW(plain_model.parameters(), lr=1e-2))
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
+    )
+    data = batches(3)
+    run(plain_model, plain, data)
+    run(model, opt, data)
+    assert calls
+    opt.close()  # finishes the pending step: params are final
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    calls.clear()
+    model(data[0])
+    assert not calls
+    assert opt.state_dict()["state"]  # state stays readable
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()

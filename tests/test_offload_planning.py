@@ -4,78 +4,214 @@ from __future__ import annotations
 
 import torch
 
-from offload.chunk_plan import ALIGN_BYTES, ParamSpec, StateSpec, pack_units, plan_offload
+from offload.chunk_plan import (
+    ALIGN_BYTES,
+    SLICE_ELEMENTS,
+    ParamSpec,
+    Span,
+    StateSpec,
+    UnitSize,
+    pack_units,
+    plan_offload,
+)
+from offload.cpu_offload import invariant_numel
 from offload.numa import bound_to_node, numa_nodes, parse_cpulist, pci_numa_node
 
 
-def spec(numel: int, *dtypes: torch.dtype) -> ParamSpec:
+def spec(numel: int, *dtypes: torch.dtype, splittable: bool = False) -> ParamSpec:
     return ParamSpec(
-        numel, tuple(StateSpec(f"s{i}", torch.Size([numel]), d) for i, d in enumerate(dtypes))
+        numel,
+        tuple(StateSpec(f"s{i}", torch.Size([numel]), d) for i, d in enumerate(dtypes)),
+        splittable,
     )
+
+
+def whole(sizes):
+    return [UnitSize(size) for size in sizes]
 
 
 def test_pack_units_keeps_units_whole_and_under_cap():
     sizes = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 5
     for cap in (1, 8, 16, 40, 10**9):
-        chunks = pack_units(sizes, cap)
-        assert [u for c in chunks for u in c] == list(range(len(sizes)))  # whole, in order
+        chunks = pack_units(whole(sizes), cap)
+        assert [s.unit for c in chunks for s in c] == list(range(len(sizes)))  # whole, in order
         for chunk in chunks:
-            assert len(chunk) == 1 or sum(sizes[u] for u in chunk) <= cap
-    assert pack_units([4, 4, 4, 4], 1) == tuple(range(i, i + 1) for i in range(4))
-    assert pack_units([20, 1, 1], 8)[0] == range(0, 1)  # oversized unit alone
+            assert len(chunk) == 1 or sum(sizes[s.unit] for s in chunk) <= cap
+    assert [len(c) for c in pack_units(whole([4, 4, 4, 4]), 1)] == [1, 1, 1, 1]
+    assert pack_units(whole([20, 1, 1]), 8)[0] == (Span(0),)  # oversized unit alone
     assert pack_units([], 8) == ()
 
 
 def test_pack_units_ramps_chunk_size_at_both_ends():
-    lengths = [len(c) for c in pack_units([1] * 1000, 64)]
+    lengths = [len(c) for c in pack_units(whole([1] * 1000), 64)]
     assert lengths[:4] == [8, 16, 32, 64] and lengths[-4:] == [64, 32, 16, 8]
     assert max(lengths) == 64 and sum(lengths) == 1000
 
 
-def test_plan_lays_out_each_chunk_contiguously_and_aligned():
+def test_pack_units_slices_splittable_units_to_fit_the_cap():
+    # fp32 state, 8 bytes an element: a 10_000-element param is 80_000 bytes
+    units = [UnitSize(800, 100, True), UnitSize(80_000, 10_000, True), UnitSize(3000)]
+    for cap in (1, 512, 4096, 20_000):
+        chunks = pack_units(units, cap)
+        for chunk in chunks:
+            size = sum(
+                (s.stop - s.start) * 8 if units[s.unit].splittable else units[s.unit].bytes
+                for s in chunk
+            )
+            oversized = len(chunk) == 1 and not units[chunk[0].unit].splittable
+            assert size <= max(cap, SLICE_ELEMENTS * 8) or oversized, (cap, chunk)
+            assert len({s.unit for s in chunk}) == len(chunk)  # one piece of a unit a chunk
+        for u, unit in enumerate(units):
+            pieces = [(s.start, s.stop) for c in chunks for s in c if s.unit == u]
+            if unit.splittable:  # the pieces tile the unit, in order, cut on slice boundaries
+                assert pieces[0][0] == 0 and pieces[-1][1] == unit.numel
+                assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+                assert all(
+                    a % SLICE_ELEMENTS == 0 or (unit.numel - a) % SLICE_ELEMENTS == 0
+                    for a, _ in pieces
+                )
+            else:
+                assert len(pieces) == 1
+
+
+def _check_layout(plan, params):
+    for chunk in plan.chunks:
+        for view in chunk.views:
+            assert (view.home_offset * view.spec.dtype.itemsize) % ALIGN_BYTES == 0
+            if chunk.resident:
+                continue
+            # the chunk's copies carry exactly its views' elements to their staging offsets
+            runs = chunk.copies.get(view.spec.dtype, ())
+            home = view.home_offset + view.start
+            n = view.stop - view.start
+            assert n == 0 or any(
+                r.home_start <= home
+                and home + n <= r.home_start + r.numel
+                and view.staging_offset - r.staging_start == home - r.home_start
+                for r in runs
+            )
+            assert view.staging_offset + n <= plan.slot_numel[view.spec.dtype]
+    # a write-back never touches another chunk's state: copies are disjoint per slab
+    for dtype in plan.host_numel:
+        runs = sorted(
+            (r.home_start, r.home_start + r.numel)
+            for c in plan.chunks
+            for r in c.copies.get(dtype, ())
+        )
+        for (_, end), (start, _) in zip(runs, runs[1:], strict=False):
+            assert end <= start, runs
+    # homes never overlap inside a slab, resident and host slabs apart
+    for resident in (False, True):
+        spans = sorted(
+            {
+                (v.spec.dtype.itemsize, v.home_offset, v.spec.numel)
+                for c in plan.chunks
+                if c.resident == resident
+                for v in c.views
+                if v.spec.dtype == torch.float32
+            }
+        )
+        for (_, a, n), (_, b, _) in zip(spans, spans[1:], strict=False):
+            assert a + n <= b
+
+
+def test_plan_lays_out_each_chunk_in_few_aligned_copies():
     params = [
         spec(10, torch.float32, torch.float32),
         spec(7, torch.float32, torch.bfloat16),
         spec(300, torch.float32),
+        spec(1000, torch.float32, torch.float32, splittable=True),
     ]
-    plan = plan_offload([[0], [1], [2]], params, chunk_bytes=150)
-    assert [u for c in plan.chunks for u in c.units] == [0, 1, 2] and len(plan.chunks) >= 2
-    for chunk in plan.chunks:
-        for view in chunk.views:
-            start, stop = chunk.host_ranges[view.spec.dtype]
-            assert start <= view.host_offset and view.host_offset + view.spec.numel <= stop
-            assert view.staging_offset == view.host_offset - start
-            assert (view.host_offset * view.spec.dtype.itemsize) % ALIGN_BYTES == 0
-    # views never overlap inside a slab
-    spans = sorted(
-        (v.spec.dtype.itemsize, v.host_offset, v.spec.numel)
-        for c in plan.chunks
-        for v in c.views
-        if v.spec.dtype == torch.float32
-    )
-    for (_, a, n), (_, b, _) in zip(spans, spans[1:], strict=False):
-        assert a + n <= b
-    assert plan.slot_numel[torch.float32] == max(
-        stop - start
-        for c in plan.chunks
-        for d, (start, stop) in c.host_ranges.items()
-        if d == torch.float32
-    )
+    plan = plan_offload([[0], [1], [2], [3]], params, chunk_bytes=1500)
+    assert len(plan.chunks) >= 3 and any(c.slices for c in plan.chunks)
+    _check_layout(plan, params)
+    assert sum(len(runs) for c in plan.chunks for runs in c.copies.values()) <= 3 * len(plan.chunks)
     assert plan.host_bytes >= sum(p.invariant_bytes for p in params)
+    assert plan.staging_bytes(1) <= 1500 + 2 * ALIGN_BYTES  # a slot is what chunk_bytes says
+
+
+def test_plan_keeps_the_resident_budget_of_whole_units_on_the_gpu():
+    params = [spec(100, torch.float32, torch.float32, splittable=True) for _ in range(6)]
+    units = [[i] for i in range(6)]
+    unit_bytes = params[0].invariant_bytes
+    for first in (False, True):
+        for budget, n_resident in ((0, 0), (unit_bytes, 1), (3 * unit_bytes + 5, 3), (10**9, 6)):
+            plan = plan_offload(units, params, 300, resident_bytes=budget, resident_first=first)
+            resident = [p for c in plan.chunks if c.resident for p in c.params]
+            resident += [s.param for c in plan.chunks if c.resident for s in c.slices]
+            expected = range(n_resident) if first else range(6 - n_resident, 6)
+            assert sorted(set(resident)) == list(expected)
+            # resident chunks come first with forward overlap, last without
+            flags = [c.resident for c in plan.chunks]
+            assert flags == sorted(flags, reverse=first)
+            assert plan.host_bytes + plan.resident_bytes >= 6 * unit_bytes
+            assert (plan.resident_bytes == 0) == (n_resident == 0)
+            assert (plan.host_bytes == 0) == (n_resident == 6)
+            _check_layout(plan, params)
+    # a unit larger than what is left of the budget is skipped, not the end of residency
+    params = [spec(1000, torch.float32), spec(10, torch.float32), spec(10, torch.float32)]
+    plan = plan_offload([[0], [1], [2]], params, 10**9, resident_bytes=100, resident_first=True)
+    assert [(c.params, c.resident) for c in plan.chunks] == [((0,), False), ((1, 2), True)]
+
+
+class _ShardedParam:
+    """What `invariant_numel` reads of an FSDP2 DTensor: global numel, placements, mesh."""
+
+    def __init__(self, shape: tuple[int, ...], world: int) -> None:
+        from torch.distributed.tensor import Shard
+
+        self.shape = torch.Size(shape)
+        self.placements = (Shard(0),)
+        self.device_mesh = type("Mesh", (), {"size": lambda _, dim: world})()
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _rank_view(shapes, world: int, rank: int) -> list[ParamSpec]:
+    """Rank `rank`'s own ParamSpecs: its torch.chunk shard of each param, its own count."""
+    specs = []
+    for shape in shapes:
+        rows = torch.empty(shape[0]).chunk(world)
+        local_rows = rows[rank].numel() if rank < len(rows) else 0
+        local = torch.Size([local_rows, *shape[1:]])
+        state = (StateSpec("m", local, torch.float32), StateSpec("v", local, torch.float32))
+        specs.append(ParamSpec(invariant_numel(_ShardedParam(shape, world)), state, True))
+    return specs
 
 
 def test_plan_is_rank_invariant_for_uneven_shards():
-    # 255 x 8 over two ranks: local shards of 128 and 127 rows, the same invariant size
-    def rank_params(rows: int) -> list[ParamSpec]:
-        return [
-            ParamSpec(255 * 8 // 2, (StateSpec("m", torch.Size([rows, 8]), torch.float32),)),
-            ParamSpec(64, (StateSpec("m", torch.Size([64]), torch.float32),)),
-        ]
-
-    plans = [
-        plan_offload([[0], [1]], rank_params(rows), chunk_bytes=4096) for rows in (128, 127, 0)
-    ]
-    assert len({tuple(c.units for c in p.chunks) for p in plans}) == 1
+    # 255 x 8 over 2 ranks: 128 + 127 rows; over 3: 85 each; 2 x 8 over 3: 1 + 1 + 0 rows;
+    # 129 x 64 over 2: 65 + 64 rows, a slice more on rank 0 if it counted its own shard
+    shapes = [(255, 8), (2, 8), (64,), (1001, 3), (129, 64), (255,)]
+    units = [[i] for i in range(len(shapes))]
+    for world in (2, 3):
+        for chunk_bytes in (1, 700, 4096, 2**40):
+            for resident in (0, 9000):
+                plans = [
+                    plan_offload(units, _rank_view(shapes, world, r), chunk_bytes, resident, True)
+                    for r in range(world)
+                ]
+                cuts = {
+                    tuple(
+                        (c.params, tuple(s.param for s in c.slices), c.resident)
+                        for c in plan.chunks
+                    )
+                    for plan in plans
+                }
+                assert len(cuts) == 1, (world, chunk_bytes)
+                for rank, plan in enumerate(plans):  # each rank's slices tile its own shard
+                    local = _rank_view(shapes, world, rank)
+                    _check_layout(plan, local)
+                    for i, spec in enumerate(local):
+                        pieces = [
+                            (s.start, s.stop) for c in plan.chunks for s in c.slices if s.param == i
+                        ]
+                        if pieces:
+                            assert pieces[0][0] == 0 and pieces[-1][1] == spec.state[0].numel
+                            assert all(
+                                a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False)
+                            )
 
 
 def test_numa_node_from_fake_sysfs(tmp_path):
