@@ -78,3 +78,36 @@ def plot_resident_sweep(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def plot_timeline(
+    lanes: dict[str, list[tuple[float, float]]], floor_s: float, path: str | Path, title: str
+) -> None:
+    """One lane per stream (H2D, update, D2H), a box per chunk, the copy floor as a line."""
+    plt = _pyplot()
+    names = list(lanes)
+    fig, ax = plt.subplots(figsize=(10, 0.9 * len(names) + 1.6))
+    colors = plt.get_cmap("tab10").colors
+    for row, name in enumerate(names):
+        for chunk, (start, end) in enumerate(lanes[name]):
+            ax.broken_barh(
+                [(1e3 * start, 1e3 * (end - start))],
+                (row - 0.35, 0.7),
+                facecolors=colors[chunk % len(colors)],
+                edgecolors="black",
+                linewidth=0.4,
+            )
+    floor_ms = 1e3 * floor_s
+    ax.axvline(floor_ms, color="red", linestyle="--", label=f"copy floor {floor_ms:.1f} ms")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since step() was called (one color per chunk, cycling)")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
