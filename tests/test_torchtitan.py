@@ -20,7 +20,9 @@ pytest.importorskip("torchtitan.components.optimizer")
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize  # noqa: E402
 from muon_offload import OptimizerConfig  # noqa: E402
 
-MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, seq_len=16)
+MODEL = ModelConfig(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, seq_len=16
+)
 STEPS = 3
 
 
