@@ -133,6 +133,9 @@ def _gpu_body(rank: int, port: int, tmp: str, opt: str) -> None:
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
+    # Before any CUDA work: cuBLAS reads it when it creates its handle (full_determinism
+    # sets it too, but only once the Trainer is built).
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     assert_offload_and_resume_bitwise(opt, Path(tmp), fsdp=True)
 
 
