@@ -31,8 +31,8 @@ def plot_resident_sweep(
     """Step time and peak memory against `offload_gpu_resident_bytes`, one optimizer.
 
     The no-offload arm is a dashed line (state all on the GPU), the full-offload arm
-    (offload+overlap, nothing resident) the point at 0; "auto" is drawn at the bytes it
-    chose when the result says so, else beside the largest value, labelled.
+    (offload+overlap, nothing resident) the point at 0; "auto" is drawn beside the
+    largest value, labelled (what it chose is in the run's log).
     """
     plt = _pyplot()
     mine = [r for r in results if r["optimizer"] == optimizer and "error" not in r]
@@ -42,9 +42,8 @@ def plot_resident_sweep(
         if r["arm"] == f"{optimizer}/offload+overlap":
             points.append((0.0, "full offload", r))
         elif r.get("resident_bytes") is not None:
-            chosen = r.get("resident_bytes_chosen", r["resident_bytes"])
             label = "auto" if r["resident_bytes"] == "auto" else None
-            points.append((chosen, label, r))
+            points.append((r["resident_bytes"], label, r))
     numeric = [x for x, _, _ in points if isinstance(x, int | float)]
     right = max(numeric, default=0.0)
     points = [
