@@ -46,9 +46,8 @@ def plot_resident_sweep(
             points.append((r["resident_bytes"], label, r))
     numeric = [x for x, _, _ in points if isinstance(x, int | float)]
     right = max(numeric, default=0.0)
-    points = [
-        (x if isinstance(x, int | float) else right * 1.1 + 1, lbl, r) for x, lbl, r in points
-    ]
+    beside = right * 1.1 if right else GiB / 4
+    points = [(x if isinstance(x, int | float) else beside, lbl, r) for x, lbl, r in points]
     points.sort(key=lambda p: p[0])
     fig, (time_ax, mem_ax) = plt.subplots(2, 1, sharex=True, figsize=(7, 6))
     xs = [x / GiB for x, _, _ in points]
