@@ -10,7 +10,16 @@ AdamW with 8 bytes of state per param. Arms, all in one run:
 - the copy floor: the state's bytes H2D and D2H at once, on two streams, from
   and to pinned host memory, measured here.
 
-Prints a table and writes JSON. GPU only.
+Prints a table and writes JSON. GPU only, except the smoke mode of `--plot`.
+
+`--plot PATH` also draws one step of the default chunked arm as a timeline PNG
+(matplotlib: the `plot` extra): one lane each for H2D, update and D2H, a box per
+chunk from events recorded on the pipeline's streams, and the copy floor marked.
+On the CPU (`--device cpu`, smoke mode: shapes divided by `--shrink`, 1 MiB
+chunks) the copies are synchronous and the boxes are wall-clock marks:
+
+    python -m bench.offload_step --plot bench/results/offload_timeline.png
+    python -m bench.offload_step --device cpu --layers 1 --shrink 16 --plot /tmp/timeline.png
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import torch
 from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER
 from offload import CPUOffloadOptimizer
+from offload.cpu_offload import DEFAULT_CHUNK_BYTES
 from offload.host_memory import allocate_host_slabs
 
 GiB = 2**30
@@ -37,13 +47,17 @@ class SerialAdamW(torch.optim.AdamW):
     """AdamW as an optimizer the offload wrapper knows nothing about: the serial path."""
 
 
-def make_params(layers: int) -> list[torch.nn.Parameter]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def make_params(
+    layers: int, device: torch.device | str = "cuda", shrink: int = 1
+) -> list[torch.nn.Parameter]:
+    """Qwen3-8B layer matrices (each side divided by `shrink`) with small random grads."""
+    gen = torch.Generator(device=device).manual_seed(0)
     params = []
     for _ in range(layers):
-        for shape in QWEN3_8B_LAYER:
-            p = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
-            p.grad = torch.randn(shape, device="cuda", generator=gen) * 1e-3
+        for rows, cols in QWEN3_8B_LAYER:
+            shape = (rows // shrink, cols // shrink)
+            p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
+            p.grad = torch.randn(shape, device=device, generator=gen) * 1e-3
             params.append(p)
     return params
 
@@ -99,8 +113,45 @@ def copy_floor(nbytes: int, repeats: int = 5) -> dict[str, float]:
     return result
 
 
+def plot_step_timeline(params, chunk_bytes: int, floor_s: float, path: str, title: str) -> None:
+    """One offloaded step (after a warmup step) drawn lane by lane, with the copy floor."""
+    from bench.plots import plot_timeline
+    from bench.timeline import StepTimeline
+
+    optimizer = CPUOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-4, foreach=True), chunk_bytes=chunk_bytes
+    )
+    optimizer.step()  # creates the state: the timed step streams all of it
+    with StepTimeline(optimizer) as timeline:
+        optimizer.step()
+    lanes = timeline.lanes()
+    step_s = max(end for boxes in lanes.values() for _, end in boxes)
+    plot_timeline(lanes, floor_s, path, f"{title}: step {step_s * 1e3:.1f} ms")
+
+
+def cpu_smoke_plot(args: argparse.Namespace) -> None:
+    """--device cpu: the timeline of a small step from wall-clock marks."""
+    params = make_params(args.layers, "cpu", args.shrink)
+    state_bytes = 2 * sum(p.numel() * p.element_size() for p in params)
+    source = torch.zeros(state_bytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    start = time.perf_counter()
+    target.copy_(source)  # in
+    source.copy_(target)  # and out: the host's copies have no second engine
+    floor_s = time.perf_counter() - start
+    title = f"CPU smoke, {state_bytes / MiB:.1f} MiB AdamW state, 1 MiB chunks"
+    plot_step_timeline(params, MiB, floor_s, args.plot, title)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke mode of --plot"
+    )
+    parser.add_argument("--shrink", type=int, default=1, help="divide each matrix side by this")
+    parser.add_argument("--plot", help="also write a timeline PNG of one chunked step here")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--slots", type=int, nargs="+", default=[3])
@@ -108,10 +159,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="bench/results/offload_step.json")
     args = parser.parse_args()
+    if args.device == "cpu":
+        if not args.plot:
+            raise SystemExit("--device cpu is the smoke mode of --plot: give --plot PATH")
+        cpu_smoke_plot(args)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("offload_step.py measures PCIe copies: it needs a CUDA GPU")
 
-    params = make_params(args.layers)
+    params = make_params(args.layers, "cuda", args.shrink)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     state_bytes = 2 * param_bytes  # exp_avg + exp_avg_sq, fp32
     print(
@@ -186,6 +242,9 @@ def main() -> None:
             f"{row['arm']:34} {row['step_s'] * 1e3:9.1f} {host:>8} {row['vs_floor']:8.2f} "
             f"{row['serial_speedup']:21.2f} {peak:>9}"
         )
+    if args.plot:
+        title = f"{state_bytes / GiB:.2f} GiB AdamW state, {DEFAULT_CHUNK_BYTES // MiB} MiB chunks"
+        plot_step_timeline(params, DEFAULT_CHUNK_BYTES, floor["both_s"], args.plot, title)
     write_json(
         args.out,
         {

@@ -57,3 +57,34 @@ def sustained_matmul_tflops(device: torch.device, n: int, seconds: float = 0.6) 
     calls = max(1, round(seconds / one))
     total = time_calls(lambda: [a @ b for _ in range(calls)], device, 0, 1)[0]
     return 2 * n**3 * calls / total / 1e12
+
+
+def timed_window(
+    step: Callable[[], object], steps: int, device: torch.device
+) -> tuple[list[float], float]:
+    """Run `step` `steps` times with the device synchronized only before the first and
+    after the last; return each step's seconds and the window's.
+
+    Each step's time is the gap between marks made at step boundaries without a
+    sync: CUDA events on the current stream on the GPU (a step whose work trails
+    into the next one, an overlapped optimizer step, is counted where the stream
+    runs it), perf_counter on the CPU.
+    """
+    sync(device)
+    start_s = time.perf_counter()
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for mark in marks[1:]:
+            step()
+            mark.record()
+        sync(device)
+        per_step = [a.elapsed_time(b) / 1e3 for a, b in zip(marks[:-1], marks[1:], strict=True)]
+    else:
+        stamps = [time.perf_counter()]
+        for _ in range(steps):
+            step()
+            stamps.append(time.perf_counter())
+        per_step = [b - a for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
+    sync(device)
+    return per_step, time.perf_counter() - start_s

@@ -1,41 +1,59 @@
-"""Full training step on one GPU: optimizer-state offload vs no offload vs FSDP2's CPUOffloadPolicy.
+"""Full training step on one GPU: optimizer-state offload vs no offload vs the alternatives.
 
-    python -m bench.train_step                 # all arms, batch 16 x 2048, ~5-8 min on an H200
-    python -m bench.train_step --batch 4 --arms muon/none,muon/offload+overlap
+    python -m bench.train_step                                  # bench model, all arms, batch 16
+    python -m bench.train_step --model hf-llama-0.85b           # transformers LlamaForCausalLM
+    python -m bench.train_step --model hf-llama-0.85b --batch 4 --micro-batches 4 \\
+        --arms adamw/none,adamw/offload,adamw/offload+overlap   # gradient accumulation
+    python -m bench.train_step --model hf-llama-0.85b --batch 4 --arms adamw/none \\
+        --resident-sweep 0,1GiB,2GiB,3GiB,auto                  # + PNG next to the JSON
+    python -m bench.train_step --model hf-llama-0.85b \\
+        --arms plain/none,plain/offload+overlap,plain/torchao
 
-The llama-0.85b decoder (`bench.model`), bf16 mixed precision, activation
-checkpointing, FSDP2 on a world-1 process group, random tokens. Arms, for
-AdamW and for Muon:
+Smoke mode on the CPU (tiny sizes, seconds, every code path but the CUDA-only ones):
+
+    python -m bench.train_step --device cpu --model hf-llama-tiny --batch 2 --steps 2 --warmup 1 \\
+        --arms all,plain/none,plain/offload+overlap --resident-sweep 0,64KiB,auto
+
+Models: `llama-0.85b` / `tiny` (`bench.model`), or `hf-llama-0.85b` / `hf-llama-tiny`,
+a transformers `LlamaForCausalLM` (hidden 2048, 16 layers, MLP 5632, 16 / 4 heads,
+vocab 32000, untied head; transformers is optional and the run stops with one line
+without it). FSDP2 on a world-1 process group, `fully_shard` per decoder layer
+then the root (`--wrap torchtitan`: the final norm and lm_head as their own unit),
+bf16 mixed precision, activation checkpointing, optimizer from
+`muon_offload.setup_optimizer(model, OptimizerConfig(...))`, random tokens.
+
+Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
 
 - none: params, grads and optimizer state on the GPU;
 - offload: optimizer state in pinned host memory, streamed through the GPU in
   chunks inside `step()` (CPUOffloadOptimizer);
 - offload+overlap: the same, the chunks running alongside the next forward;
-- fsdp_cpu_offload: torch's `CPUOffloadPolicy`: sharded params, grads and the
-  optimizer step (plain torch AdamW, or our Muon) on the host.
+- offload+overlap@BYTES (or @auto): with `offload_gpu_resident_bytes=BYTES`, state
+  kept on the GPU; `--resident-sweep` adds one per value (and the none and
+  offload+overlap arms the plot compares against) and plots step time and peak
+  memory against resident bytes;
+- fsdp_cpu_offload: torch's `CPUOffloadPolicy` (sharded params, grads and the
+  step on the host);
+- plain/none, plain/offload+overlap, plain/torchao: the model as a plain module
+  (no FSDP), bf16 autocast, fused AdamW: on the GPU, in our CPUOffloadOptimizer,
+  or in torchao's `CPUOffloadOptimizer` (when torchao is importable).
 
-Each arm builds a fresh model and optimizer, runs warmup steps, then:
-
-- a window of steps with the device synchronized only before the first and
-  after the last: step ms = window / steps (the only honest number for the
-  overlap arm, whose step finishes inside the next forward), and how long
-  `step()` takes to return on the host;
-- except for the overlap arm, steps with the device synchronized between
-  phases: forward + backward ms and optimizer ms.
-
-Peak GPU memory is `max_memory_allocated` after warmup. An arm whose warmup
-steps are slow (the host-side optimizer of fsdp_cpu_offload) times fewer steps
-so it stays within `--arm-budget-s`. Prints a table with ratios against the
-same optimizer's "none" arm and writes JSON. GPU only.
+Each arm runs in its own process (a fresh model, optimizer and allocator, and its
+own peak memory): warmup steps, then a window of `--steps` steps with the device
+synchronized only at its ends; step ms is the median over the window's steps
+(CUDA events recorded between steps), and how long `step()` takes to return on
+the host. Peak memory is `max_memory_allocated` over the window. Prints a table
+with ratios against the same optimizer's "none" arm and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import math
+import multiprocessing
 import os
+import re
 import statistics
 import time
 import traceback
@@ -46,83 +64,227 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench import hf_llama
 from bench.data import random_tokens
-from bench.model import ModelConfig, loss_fn
+from bench.model import ModelConfig, Transformer, loss_fn, parallelize
 from bench.report import write_json
-from bench.train import build, free_port, train_step
-from muon_offload import OptimizerConfig
+from bench.timing import timed_window
+from bench.train import free_port
+from muon_offload import OptimizerConfig, setup_optimizer
+from offload import CPUOffloadOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
+MODELS = ("tiny", "llama-0.85b", *hf_llama.PRESETS)
 OPTIMIZERS = ("adamw", "muon")
 ARMS = ("none", "offload", "offload+overlap", "fsdp_cpu_offload")
+PLAIN_ARMS = ("none", "offload+overlap", "torchao")
 GiB = 2**30
+UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+RESIDENT_FIELD = "offload_gpu_resident_bytes"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One measured configuration."""
+
+    optimizer: str
+    """adamw or muon ("plain" arms are AdamW)."""
+    mode: str
+    """One of ARMS, or of PLAIN_ARMS when `plain`."""
+    plain: bool = False
+    resident: int | str | None = None
+    """offload_gpu_resident_bytes (bytes or "auto") of a sweep point."""
+
+    @property
+    def name(self) -> str:
+        if self.plain:
+            return f"plain/{self.mode}"
+        suffix = "" if self.resident is None else f"@{self.resident}"
+        return f"{self.optimizer}/{self.mode}{suffix}"
+
+
+def parse_bytes(text: str) -> int | str:
+    """ "auto", or a byte count with an optional KiB / MiB / GiB suffix."""
+    if text == "auto":
+        return text
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?", text.strip())
+    if match is None:
+        raise SystemExit(f"resident bytes {text!r}: use auto or a number with B/KiB/MiB/GiB")
+    return int(float(match[1]) * UNITS[match[2] or ""])
+
+
+def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) -> list[Arm]:
+    """The arms `--arms`, `--resident-sweep` and `--sweep-optimizers` ask for, in order."""
+    chosen: list[Arm] = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item == "all":
+            chosen += [Arm(o, a) for o in OPTIMIZERS for a in ARMS]
+            continue
+        prefix, _, arm = item.rpartition("/")
+        if prefix == "plain":
+            if arm not in PLAIN_ARMS:
+                raise SystemExit(f"unknown arm {item!r}: plain/ARM with ARM in {PLAIN_ARMS}")
+            chosen.append(Arm("adamw", arm, plain=True))
+            continue
+        mode, _, resident = arm.partition("@")
+        for o in (prefix,) if prefix else OPTIMIZERS:
+            if o not in OPTIMIZERS or mode not in ARMS or (resident and mode != ARMS[2]):
+                raise SystemExit(
+                    f"unknown arm {item!r}: use OPT/ARM, OPT in {OPTIMIZERS}, ARM in {ARMS} "
+                    f"or offload+overlap@BYTES, or plain/ARM with ARM in {PLAIN_ARMS}"
+                )
+            chosen.append(Arm(o, mode, resident=parse_bytes(resident) if resident else None))
+    for o in sweep_optimizers.split(",") if sweep else ():
+        if o not in OPTIMIZERS:
+            raise SystemExit(f"--sweep-optimizers: {o!r} is not one of {OPTIMIZERS}")
+        chosen += [Arm(o, "none"), Arm(o, "offload+overlap")]
+        chosen += [Arm(o, "offload+overlap", resident=r) for r in sweep]
+    return list(dict.fromkeys(chosen))  # once each, first mention's order
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
         "--arms",
         default="all",
-        help="comma-separated OPT/ARM (e.g. muon/offload) or ARM for both optimizers; "
-        f"ARM in {ARMS}; default all",
+        help=f"comma-separated OPT/ARM (e.g. muon/offload), ARM for both optimizers, "
+        f"OPT/offload+overlap@BYTES, plain/ARM, or all; ARM in {ARMS}, plain ARM in {PLAIN_ARMS}",
     )
-    parser.add_argument("--model", choices=("tiny", "llama-0.85b"), default="llama-0.85b")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--model", choices=MODELS, default="llama-0.85b")
+    parser.add_argument("--wrap", choices=hf_llama.WRAPS, default="per-layer", help="hf models")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation")
     parser.add_argument("--seq", type=int, help="default: the model preset's")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per pass")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--arm-budget-s",
         type=float,
         default=60.0,
-        help="cap on an arm's timed seconds: slow arms time fewer steps (at least 1 per pass)",
+        help="cap on an arm's timed seconds: slow arms time fewer steps (at least 1)",
     )
+    parser.add_argument(
+        "--resident-sweep",
+        default="",
+        help="comma-separated offload_gpu_resident_bytes values (e.g. 0,1GiB,auto): one "
+        "offload+overlap arm each, and a PNG of step time and peak memory next to the JSON",
+    )
+    parser.add_argument("--sweep-optimizers", default="adamw", help="optimizers to sweep")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "train_step.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.batch < 1 or args.micro_batches < 1:
+        raise SystemExit("--batch and --micro-batches should be >= 1")
+    args.sweep = [parse_bytes(v) for v in args.resident_sweep.split(",") if v.strip()]
+    return args
 
 
-def selected_arms(spec: str) -> list[tuple[str, str]]:
-    if spec == "all":
-        return [(opt, arm) for opt in OPTIMIZERS for arm in ARMS]
-    chosen = []
-    for item in spec.split(","):
-        opt, _, arm = item.strip().rpartition("/")
-        for o in (opt,) if opt else OPTIMIZERS:
-            if o not in OPTIMIZERS or arm not in ARMS:
-                raise SystemExit(
-                    f"unknown arm {item!r}: use OPT/ARM, OPT in {OPTIMIZERS}, ARM in {ARMS}"
-                )
-            chosen.append((o, arm))
-    return chosen
+def resident_supported() -> bool:
+    return RESIDENT_FIELD in {f.name for f in dataclasses.fields(OptimizerConfig)}
 
 
-def run_arm(
-    opt: str, arm: str, config: ModelConfig, args: argparse.Namespace, mesh, device: torch.device
-) -> dict[str, Any]:
-    opt_config = OptimizerConfig(
-        type=opt,
+def unsupported_reason(arm: Arm, device: torch.device) -> str | None:
+    """Why `arm` cannot run here, or None."""
+    if arm.resident is not None and not resident_supported():
+        return f"unsupported: OptimizerConfig has no {RESIDENT_FIELD} in this version"
+    if arm.plain and arm.mode == "torchao":
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            return "unsupported: torchao is not installed"
+        if device.type != "cuda":
+            return "unsupported: torchao's CPUOffloadOptimizer needs CUDA"
+    return None
+
+
+def build_model(arm: Arm, args: argparse.Namespace, mesh, device: torch.device):
+    """The arm's model (FSDP2-sharded unless plain) and its loss on (inputs, targets)."""
+    policy = arm.mode == "fsdp_cpu_offload"
+    if args.model in hf_llama.PRESETS:
+        model = hf_llama.build_hf_llama(args.model, device)
+        if arm.plain:
+            hf_llama.enable_activation_checkpointing(model)
+        else:
+            hf_llama.shard_hf_llama(model, mesh, wrap=args.wrap, cpu_offload_policy=policy)
+
+        def loss(inputs, targets):
+            return hf_llama.causal_lm_loss(model, inputs)
+    else:
+        config = ModelConfig.preset(args.model, seq_len=args.seq)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Transformer(config)
+        if arm.plain:
+            for layer in model.layers:
+                layer.activation_checkpointing = True
+        else:
+            parallelize(
+                model,
+                mesh,
+                mixed_precision=True,
+                activation_checkpointing=True,
+                cpu_offload_policy=policy,
+            )
+
+        def loss(inputs, targets):
+            return loss_fn(model(inputs), targets)
+
+    if not arm.plain:
+        return model, loss
+
+    def autocast_loss(inputs, targets):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return loss(inputs, targets)
+
+    return model, autocast_loss
+
+
+def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Optimizer:
+    if arm.plain:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if arm.mode == "torchao":
+            from torchao.optim import CPUOffloadOptimizer as TorchaoOffload
+
+            return TorchaoOffload(params, torch.optim.AdamW, lr=args.lr, fused=True)
+        adamw = torch.optim.AdamW(params, lr=args.lr, fused=True)
+        if arm.mode == "none":
+            return adamw
+        return CPUOffloadOptimizer(adamw, overlap_forward=model)
+    extra = {} if arm.resident is None else {RESIDENT_FIELD: arm.resident}
+    config = OptimizerConfig(
+        type=arm.optimizer,
         lr=args.lr,
-        offload="optimizer" if arm.startswith("offload") else "none",
-        offload_overlap_forward=arm == "offload+overlap",
+        offload="optimizer" if arm.mode.startswith("offload") else "none",
+        offload_overlap_forward=arm.mode == "offload+overlap",
+        **extra,
     )
-    model, optimizer = build(
-        config,
-        opt_config,
-        mesh,
-        device,
-        mixed_precision=True,
-        activation_checkpointing=True,
-        cpu_offload_policy=arm == "fsdp_cpu_offload",
-    )
-    inputs, targets = random_tokens(config.vocab_size, config.seq_len, args.batch, device)
-    sync = torch.cuda.synchronize
+    return setup_optimizer(model, config)
+
+
+def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Build and time one arm in this process (its process group is up)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (1,))
+    model, loss = build_model(arm, args, mesh, device)
+    optimizer = build_optimizer(arm, model, args)
+    vocab = model.config.vocab_size
+    seq = args.seq or sequence_length(args.model)
+    batches = [
+        random_tokens(vocab, seq, args.batch, device, seed=i) for i in range(args.micro_batches)
+    ]
 
     def step() -> float:
-        """One step, no device sync; seconds until `optimizer.step()` returned."""
+        """One step (micro-batches accumulated), no device sync; seconds until step() returned."""
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(inputs), targets).backward()
+        for inputs, targets in batches:
+            (loss(inputs, targets) / len(batches)).backward()
         start = time.perf_counter()
         optimizer.step()
         return time.perf_counter() - start
@@ -130,127 +292,168 @@ def run_arm(
     # Warmup builds plans, allocates state and host slabs; a slow arm stops early.
     warm_s: list[float] = []
     for _ in range(args.warmup):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        warm_s.append(time.perf_counter() - start)
+        started = time.perf_counter()
+        timed_window(step, 1, device)
+        warm_s.append(time.perf_counter() - started)
         if sum(warm_s) > args.arm_budget_s / 2:
             break
-    passes = 1 if arm == "offload+overlap" else 2
-    steps = max(1, min(args.steps, math.floor(args.arm_budget_s / passes / warm_s[-1])))
-    torch.cuda.reset_peak_memory_stats(device)
-
-    sync()
-    start = time.perf_counter()
-    returns = [step() for _ in range(steps)]
-    sync()
-    window_s = time.perf_counter() - start
+    steps = max(1, min(args.steps, math.floor(args.arm_budget_s / max(warm_s[-1], 1e-9))))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    returns: list[float] = []
+    per_step, window_s = timed_window(lambda: returns.append(step()), steps, device)
+    getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
     result: dict[str, Any] = {
-        "optimizer": opt,
-        "arm": arm,
         "warmup_steps": len(warm_s),
         "timed_steps": steps,
-        "step_ms": 1e3 * window_s / steps,
+        "step_ms": 1e3 * statistics.median(per_step),
+        "step_ms_all": [1e3 * s for s in per_step],
+        "window_ms_per_step": 1e3 * window_s / steps,
         "step_returns_ms": 1e3 * statistics.median(returns),
-        "fwd_bwd_ms": None,
-        "optimizer_ms": None,
+        "peak_gib": (
+            torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
+        ),
     }
-    # The phase pass only if the window left room in the arm's budget (slow host steps).
-    if passes == 2 and window_s < args.arm_budget_s / 2:
-        phases = [train_step(model, optimizer, inputs, targets, sync)[1] for _ in range(steps)]
-        result["fwd_bwd_ms"] = 1e3 * statistics.median(t.forward + t.backward for t in phases)
-        result["optimizer_ms"] = 1e3 * statistics.median(t.optimizer for t in phases)
-    getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
-    result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB
+    close = getattr(optimizer, "close", None)
+    if close is not None:
+        close()
     return result
 
 
+def sequence_length(model: str) -> int:
+    if model in hf_llama.PRESETS:
+        return hf_llama.seq_len(model)
+    return ModelConfig.preset(model).seq_len
+
+
+def _arm_process(arm: Arm, args: argparse.Namespace, port: int, queue) -> None:
+    """Child process: one arm on a fresh world-1 process group; the result goes on `queue`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.device == "cuda":
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        # gloo next to NCCL: with CPUOffloadPolicy the params (and collectives on them)
+        # are on the host.
+        dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        result = measure(arm, args, device)
+    except Exception as error:  # one broken arm should not cost the other arms' run
+        traceback.print_exc()
+        result = {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        dist.destroy_process_group()
+    queue.put(result)
+
+
+def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """One arm in a process of its own."""
+    base = {"optimizer": arm.optimizer, "arm": arm.name, "resident_bytes": arm.resident}
+    reason = unsupported_reason(arm, device)
+    if reason is not None:
+        return {**base, "error": reason}
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_arm_process, args=(arm, args, free_port(), queue))
+    process.start()
+    try:
+        result = queue.get()
+    except KeyboardInterrupt:
+        process.terminate()
+        raise
+    finally:
+        process.join(timeout=5 * args.arm_budget_s + 600)
+    if process.exitcode not in (0, None) and not result:
+        result = {"error": f"arm process exited with {process.exitcode}"}
+    return {**base, **result}
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
-    results = sorted(
-        results, key=lambda r: (OPTIMIZERS.index(r["optimizer"]), ARMS.index(r["arm"]))
-    )
-    base = {r["optimizer"]: r for r in results if r["arm"] == "none" and "error" not in r}
+    base = {
+        r["optimizer"]: r
+        for r in results
+        if r["arm"] == f"{r['optimizer']}/none" and "error" not in r
+    }
+    plain_base = next((r for r in results if r["arm"] == "plain/none" and "error" not in r), None)
 
     def ratio(r: dict[str, Any], key: str) -> str:
-        b = base.get(r["optimizer"])
-        return f"{r[key] / b[key]:.2f}x" if b else "-"
+        b = plain_base if r["arm"].startswith("plain/") else base.get(r["optimizer"])
+        if b is None or r[key] is None or b[key] is None:
+            return "-"
+        return f"{r[key] / b[key]:.3f}x"
 
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.0f}"
+    def gib(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
 
+    width = max(len(r["arm"]) for r in results)
     header = (
-        f"{'optimizer':<9} {'arm':<17} {'step ms':>8} {'vs none':>8} {'fwd+bwd':>8} "
-        f"{'opt ms':>8} {'returns':>8} {'peak GiB':>9} {'vs none':>8} {'steps':>6}"
+        f"{'arm':<{width}} {'step ms':>8} {'vs none':>8} {'window':>8} {'returns':>8} "
+        f"{'peak GiB':>9} {'vs none':>8} {'steps':>6}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
         if "error" in r:
-            print(f"{r['optimizer']:<9} {r['arm']:<17} FAILED: {r['error']}")
+            print(f"{r['arm']:<{width}} {r['error']}")
             continue
         print(
-            f"{r['optimizer']:<9} {r['arm']:<17} {r['step_ms']:>8.0f} {ratio(r, 'step_ms'):>8} "
-            f"{ms(r['fwd_bwd_ms']):>8} {ms(r['optimizer_ms']):>8} {r['step_returns_ms']:>8.0f} "
-            f"{r['peak_gib']:>9.2f} {ratio(r, 'peak_gib'):>8} {r['timed_steps']:>6}"
+            f"{r['arm']:<{width}} {r['step_ms']:>8.1f} {ratio(r, 'step_ms'):>8} "
+            f"{r['window_ms_per_step']:>8.1f} {r['step_returns_ms']:>8.1f} "
+            f"{gib(r['peak_gib']):>9} {ratio(r, 'peak_gib'):>8} {r['timed_steps']:>6}"
         )
     print(
-        "\nstep ms: window / steps, synced only at its ends; fwd+bwd, opt ms: synced between "
-        "phases (not for overlap: that would serialize it); returns: host ms until step() returns"
+        "\nstep ms: median over the window's steps (events between steps, synced only at the "
+        "window's ends); window: window / steps; returns: host ms until step() returns; "
+        "vs none: against the same optimizer's none arm (plain arms: plain/none)"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/train_step.py needs a CUDA GPU")
-    arms = selected_arms(args.arms)
-    config = ModelConfig.preset(args.model, seq_len=args.seq)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    # gloo next to NCCL: with CPUOffloadPolicy, Muon's params (and any collective on
-    # them) are on the host.
-    dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cuda", (1,))
-        print(
-            f"{args.model}: {config.num_params() / 1e9:.2f}B params, batch {args.batch} x "
-            f"{config.seq_len}, bf16 mixed precision, activation checkpointing, FSDP2 world 1, "
-            f"{torch.cuda.get_device_name(device)}",
-            flush=True,
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench/train_step.py needs a CUDA GPU (or --device cpu --model hf-llama-tiny: smoke)"
         )
-        results = []
-        for opt, arm in arms:
-            started = time.perf_counter()
-            try:
-                r = run_arm(opt, arm, config, args, mesh, device)
-                summary = f"step {r['step_ms']:.0f} ms, peak {r['peak_gib']:.2f} GiB"
-            except Exception as error:  # one broken arm should not cost the other arms' run
-                traceback.print_exc()
-                r = {"optimizer": opt, "arm": arm, "error": f"{type(error).__name__}: {error}"}
-                summary = "FAILED"
-            results.append(r)
-            print(f"{opt}/{arm}: {summary} ({time.perf_counter() - started:.0f} s)", flush=True)
-            gc.collect()  # the arm's model and optimizer (and pinned host slabs) go here
-            torch.cuda.empty_cache()
-    finally:
-        dist.destroy_process_group()
+    if args.model in hf_llama.PRESETS:
+        hf_llama.require_transformers()
+    arms = selected_arms(args.arms, args.sweep, args.sweep_optimizers)
+    device = torch.device(args.device)
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(
+        f"{args.model}, batch {args.micro_batches} x {args.batch} x "
+        f"{args.seq or sequence_length(args.model)}, bf16, activation checkpointing, "
+        f"wrap {args.wrap}, one process per arm, {gpu}",
+        flush=True,
+    )
+    results = []
+    for arm in arms:
+        started = time.perf_counter()
+        r = run_arm(arm, args, device)
+        results.append(r)
+        summary = r["error"] if "error" in r else f"step {r['step_ms']:.1f} ms"
+        print(f"{arm.name}: {summary} ({time.perf_counter() - started:.0f} s)", flush=True)
     print_table(results)
     out = {
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(device),
+        "device": gpu,
         "model": args.model,
-        "model_config": dataclasses.asdict(config),
+        "wrap": args.wrap,
         "batch": args.batch,
-        "mixed_precision": "bf16 params, fp32 reduce",
+        "micro_batches": args.micro_batches,
+        "seq": args.seq or sequence_length(args.model),
+        "mixed_precision": "bf16 params, fp32 reduce (plain arms: bf16 autocast)",
         "activation_checkpointing": True,
         "results": results,
     }
     print()
     write_json(args.json, out)
+    if args.sweep:
+        from bench.plots import plot_resident_sweep
+
+        for opt in args.sweep_optimizers.split(","):
+            path = args.json.with_name(f"{args.json.stem}_resident_{opt}.png")
+            plot_resident_sweep(results, opt, path, title=f"{args.model}, {opt}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""`transformers.Trainer` with our optimizer (`muon_offload.hf_trainer.Trainer`): AdamW and
+Muon, offload + forward overlap bitwise equal to no offload, and a run resumed from the
+Trainer's checkpoint bitwise equal to the uninterrupted one.
+
+On the CPU without FSDP: accelerate applies its FSDP plugin only on accelerators
+(its CPU path, MULTI_CPU, ignores the plugin; accelerate 1.15), so FSDP2 through
+accelerate (`fsdp_version=2`) is the GPU test, in deterministic mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from bench import hf_llama
+from muon_offload import OptimizerConfig
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+PRESET = "hf-llama-tiny"
+STEPS, SAVE_AT = 4, 2
+
+
+class Tokens(torch.utils.data.Dataset):
+    """A few fixed sequences, repeated: the loss falls within STEPS steps."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(i % 4)
+        tokens = torch.randint(hf_llama.PRESETS[PRESET]["vocab_size"], (32,), generator=gen)
+        return {"input_ids": tokens, "labels": tokens}
+
+
+def train(
+    config: OptimizerConfig, out: Path, *, fsdp: bool, resume: Path | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """STEPS Trainer steps (a checkpoint at SAVE_AT); the logged losses and final params."""
+    from transformers import TrainingArguments
+
+    from muon_offload.hf_trainer import Trainer
+
+    device = torch.device("cuda" if fsdp else "cpu")
+    model = hf_llama.build_hf_llama(PRESET, device, seed=0, attn_implementation="eager")
+    extra = {}
+    if fsdp:
+        extra = dict(
+            fsdp=True,
+            fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            bf16=True,
+            full_determinism=True,
+        )
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=STEPS,
+        save_steps=SAVE_AT,
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        seed=0,
+        use_cpu=not fsdp,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **extra,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), optimizer_config=config)
+    if fsdp:
+        assert trainer.is_fsdp_enabled, "accelerate did not turn on its FSDP plugin"
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    optimizer = trainer.optimizer.optimizer  # accelerate's wrapper around ours
+    getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
+    if fsdp:
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(trainer.model.model.layers[0], FSDPModule)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    params = {
+        name: getattr(p, "full_tensor", lambda p=p: p)().detach().clone()
+        for name, p in trainer.model.named_parameters()
+    }
+    getattr(optimizer, "close", lambda: None)()
+    return losses, params
+
+
+def assert_offload_and_resume_bitwise(opt: str, tmp: Path, *, fsdp: bool) -> None:
+    plain = OptimizerConfig(type=opt, lr=1e-2)
+    offloaded = dataclasses.replace(
+        plain, offload="optimizer", offload_overlap_forward=True, offload_chunk_bytes=16 * 2**10
+    )
+    ref_losses, ref_params = train(plain, tmp / "none", fsdp=fsdp)
+    losses, params = train(offloaded, tmp / "offload", fsdp=fsdp)
+    assert len(ref_losses) == STEPS and ref_losses[-1] < ref_losses[0]
+    assert losses == ref_losses
+    for name, ref in ref_params.items():
+        assert torch.equal(params[name], ref), f"offload: {name} differs"
+    resumed_losses, resumed = train(
+        offloaded, tmp / "resumed", fsdp=fsdp, resume=tmp / "offload" / f"checkpoint-{SAVE_AT}"
+    )
+    # The first SAVE_AT come from the checkpoint's trainer state, the rest were trained.
+    assert resumed_losses == ref_losses
+    for name, ref in ref_params.items():
+        assert torch.equal(resumed[name], ref), f"resumed: {name} differs"
+
+
+OPTIMIZERS = [
+    "adamw",
+    pytest.param(
+        "muon",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="muon.Muon's param_groups hold a NewtonSchulzSchedule object, which "
+            "torch.load(weights_only=True) (the Trainer's resume) refuses",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_trainer_offload_overlap_and_resume_are_bitwise(opt, tmp_path):
+    assert_offload_and_resume_bitwise(opt, tmp_path, fsdp=False)
+
+
+def _gpu_body(rank: int, port: int, tmp: str, opt: str) -> None:
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    # Before any CUDA work: cuBLAS reads it when it creates its handle (full_determinism
+    # sets it too, but only once the Trainer is built).
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    assert_offload_and_resume_bitwise(opt, Path(tmp), fsdp=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_trainer_fsdp2_through_accelerate_offload_and_resume_are_bitwise_on_gpu(opt):
+    """FSDP2 through accelerate (`fsdp_version=2`), bf16, `full_determinism=True`
+    (deterministic algorithms, CUBLAS_WORKSPACE_CONFIG); in a process of its own so
+    neither the determinism nor accelerate's state leaks into other tests."""
+    from bench.train import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_gpu_body, args=(free_port(), tmp, opt), nprocs=1, join=True)
