@@ -129,13 +129,29 @@ def launches(monkeypatch) -> list[tuple[int, int, int]]:
 
     def record(x, *args, **kwargs):
         calls.append((x.shape[0], x.shape[1], x.shape[2]))
+        algorithms.append(kwargs["algorithm"])
         return zeropower(x, *args, **kwargs)
+
+    algorithms = LAUNCH_ALGORITHMS
+    algorithms.clear()
 
     monkeypatch.setattr(optimizer, "zeropower", record)
     return calls
 
 
 LAYER = [(24, 16), (16, 16), (40, 16), (16, 40)]
+LAUNCH_ALGORITHMS: list[str] = []  # the `algorithm` each `zeropower` call got
+
+
+def test_ns_algorithm_is_a_validated_group_default_passed_to_zeropower(launches):
+    params = _layers(2)
+    groups = [{"params": params[:4]}, {"params": params[4:], "ns_algorithm": "standard"}]
+    opt = Muon(groups, ns_algorithm="gram")
+    _train(opt, params, steps=1)
+    assert [g["ns_algorithm"] for g in opt.param_groups] == ["gram", "standard"]
+    assert sorted(set(LAUNCH_ALGORITHMS)) == ["gram", "standard"]
+    with pytest.raises(ValueError, match="ns_algorithm should be one of"):
+        Muon(params, ns_algorithm="svd")
 
 
 def _layers(count: int = 8) -> list[torch.nn.Parameter]:
