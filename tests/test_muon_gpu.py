@@ -128,3 +128,21 @@ def test_update_does_not_depend_on_bucket_cap_or_offload_chunks(ns_dtype):
             tuple(p.shape) for p, q in zip(results[0], other, strict=True) if not torch.equal(p, q)
         ]
         assert not differ, f"cap {cap // MIB} MiB, chunk {chunk_bytes}: {len(differ)} differ"
+
+
+def test_nothing_but_params_and_state_is_kept_between_steps():
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    params, groups = _hidden_2048_groups()
+    opt = Muon(groups, lr=0.02)
+    for step in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    kept = torch.cuda.memory_allocated() - base - weights - state
+    assert kept <= 64 * MIB, f"{kept / MIB:.1f} MiB kept beyond params and state"
