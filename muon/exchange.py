@@ -1,8 +1,8 @@
 """Moves bucket pieces to their owners and results back with `all_to_all_single`.
 
-The buffers are allocated once, at the largest bucket this rank sees, for
-`slots` buckets in flight, and every bucket uses views of them. One bucket's
-round trip, for an `ExchangePlan`:
+The caller allocates a bucket's buffers when the bucket starts, at exactly the
+plan's sizes (`ExchangePlan.send_numel`, `recv_numel`, `full_numel`), and drops
+them when it finishes. One bucket's round trip, for an `ExchangePlan`:
 
 1. `send_to_owners`: with this rank's pieces packed in (owner, matrix) order
    into their `send_slots`, start `all_to_all_single` into `recv` with the
@@ -19,38 +19,12 @@ current stream after the collective, so nothing here syncs the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from muon.planning import ExchangePlan, Piece
-
-
-class ExchangeBuffers:
-    """Send, receive and full-matrix buffers for `slots` buckets in flight, allocated once."""
-
-    def __init__(
-        self,
-        numels: tuple[int, int, int],
-        slots: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.numels = numels
-        self._slots = [
-            tuple(torch.empty(n, dtype=dtype, device=device) for n in numels) for _ in range(slots)
-        ]
-
-    def views(self, slot: int, plan: ExchangePlan) -> tuple[Tensor, Tensor, Tensor]:
-        """(send, recv, full) views of `slot` sized for `plan`."""
-        send, recv, full = self._slots[slot]
-        return send[: plan.send_numel], recv[: plan.recv_numel], full[: plan.full_numel]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot)
 
 
 def local_rect(source: Tensor, piece: Piece) -> Tensor:
@@ -91,7 +65,7 @@ def send_to_owners(
     )
 
 
-def assemble(plan: ExchangePlan, recv: Tensor, full: Sequence[Tensor]) -> None:
+def assemble(plan: ExchangePlan, recv: Tensor, full: Mapping[int, Tensor]) -> None:
     """Copy received pieces into `full[matrix]`, the owned matrices' full views."""
     for piece in plan.recv_pieces:
         _matrix_rect(full[piece.matrix], piece).copy_(_slot(recv, piece))
@@ -99,7 +73,7 @@ def assemble(plan: ExchangePlan, recv: Tensor, full: Sequence[Tensor]) -> None:
 
 def return_results(
     plan: ExchangePlan,
-    results: Sequence[Tensor],
+    results: Mapping[int, Tensor],
     send: Tensor,
     recv: Tensor,
     group: dist.ProcessGroup,

@@ -19,13 +19,26 @@ Differences from torch.optim.Muon, by design:
 - Same-shape matrices are orthogonalized as one batch (`baddbmm`); on CPU this
   is bitwise equal to torch's per-matrix `addmm`; on GPU cuBLAS may pick other
   kernels for a batch, so agreement there is to rounding.
+
+Batch invariance: a matrix's update depends only on its own momentum, gradient
+and hyperparameters. Everything elementwise here (momentum, the cast into the
+Newton-Schulz input, weight decay, update) runs per param or per matrix
+rectangle, never over a tensor that spans other matrices, so bucket cap,
+`max_inflight`, offload chunking, world size and the launch's other matrices
+change no bit of it; `zeropower` keeps the same promise for its batches.
+
+Memory: between steps Muon holds its state and nothing else of size. A bucket's
+exchange buffers (send, receive, full matrices: exactly its `ExchangePlan`
+sizes) and Newton-Schulz workspace come from the caching allocator when the
+bucket starts and go back when it finishes (`muon.planning.launch_order`,
+`transient_peak_numel`). A local bucket (no exchange) allocates only the
+Newton-Schulz input.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -40,7 +53,6 @@ from torch.optim.adamw import adamw
 
 from muon import elementwise
 from muon.exchange import (
-    ExchangeBuffers,
     assemble,
     local_rect,
     return_results,
@@ -54,7 +66,14 @@ from muon.newton_schulz import (
     NewtonSchulzSchedule,
     zeropower,
 )
-from muon.planning import DEFAULT_BUCKET_CAP_BYTES, ExchangePlan, Matrix, MuonPlan, ParamLayout
+from muon.planning import (
+    DEFAULT_BUCKET_CAP_BYTES,
+    ExchangePlan,
+    Matrix,
+    MuonPlan,
+    ParamLayout,
+    launch_order,
+)
 
 # torch.optim.AdamW defaults, used by `algorithm="adamw"` groups that do not set them.
 ADAMW_BETAS = (0.9, 0.999)
@@ -63,6 +82,9 @@ ADAMW_EPS = 1e-8
 DEFAULT_MAX_INFLIGHT = 2
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 NS_DTYPES = (torch.bfloat16, torch.float32)
+# Newton-Schulz algorithms `zeropower` takes: "standard" iterates on X, "gram" on the
+# small Gram matrix X X^T, "auto" picks per matrix shape.
+NS_ALGORITHMS = ("auto", "standard", "gram")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +116,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 def _schedule(coefficients: Any, steps: int | None) -> NewtonSchulzSchedule:
     if isinstance(coefficients, NewtonSchulzSchedule):
         return coefficients
-    return NewtonSchulzSchedule.repeat(tuple(coefficients), steps or DEFAULT_NS_STEPS)
+    return NewtonSchulzSchedule.repeat(
+        tuple(coefficients), DEFAULT_NS_STEPS if steps is None else steps
+    )
 
 
 def _local(t: Tensor) -> Tensor:
@@ -180,11 +204,24 @@ class Muon(torch.optim.Optimizer):
             torch.optim.Muon, or a `NewtonSchulzSchedule` (e.g. `POLAR_EXPRESS`).
         ns_steps: iterations of an (a, b, c) triple; None means 5, torch's
             default. Must be None or the schedule's length with a schedule.
+        ns_algorithm: Newton-Schulz algorithm, also a group key: "standard"
+            iterates on the matrix, "gram" on its small Gram matrix (cheaper for
+            rectangular matrices), "auto" (default) picks per matrix shape, never
+            per launch, so a matrix's result does not depend on its batch.
         ns_dtype: dtype on the wire and in Newton-Schulz: bf16 (default) or fp32.
         bucket_cap_bytes: cap on one bucket's full-matrix bytes (in `ns_dtype`).
-        max_inflight: buckets alive at once (exchange of k+1 overlaps NS of k).
+            A bucket's buffers and Newton-Schulz workspace live only while the
+            bucket runs, so the cap bounds the step's transient memory; nothing
+            is kept between steps but the state.
+        max_inflight: exchanged buckets alive at once (exchange of k+1 overlaps
+            Newton-Schulz of k).
         collect_timings: fill the `*_s` fields of `metrics`. This synchronizes
             the device around each phase, so it costs the overlap; off by default.
+
+    `load_state_dict` takes a `torch.optim.Muon` state dict too: group keys it
+    lacks (`algorithm`, `row_blocks`, `ns_algorithm`) get their defaults.
+    Groups are validated again at every step, so a hyperparameter or `algorithm`
+    changed by hand or by a load takes effect (or raises) there.
     """
 
     def __init__(
@@ -201,6 +238,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
         *,
+        ns_algorithm: str = "auto",
         ns_dtype: torch.dtype = torch.bfloat16,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
@@ -221,6 +259,7 @@ class Muon(torch.optim.Optimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
+            "ns_algorithm": ns_algorithm,
             "row_blocks": None,
             "algorithm": "muon",
         }
@@ -231,15 +270,33 @@ class Muon(torch.optim.Optimizer):
         self.metrics: list[BucketMetrics] = []
         self._plan: MuonPlan | None = None
         self._plan_params: tuple[Tensor, ...] = ()
-        self._buffers: ExchangeBuffers | None = None
+        self._plan_key: tuple[Any, ...] = ()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if param_group.get("algorithm") == "adamw":
-            param_group.setdefault("betas", ADAMW_BETAS)
-            param_group.setdefault("eps", ADAMW_EPS)
+        _set_group_defaults(param_group, self.defaults)
         super().add_param_group(param_group)
         _validate_group(self.param_groups[-1])
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # As torch's optimizers do for keys added after a checkpoint was written: a
+        # torch.optim.Muon state dict has no `algorithm`, `row_blocks`, `ns_algorithm`.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            _set_group_defaults(group, self.defaults)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, with momentum buffers in fp32: torch casts floating state to the
+        param's dtype, which for a bf16 param would round our fp32 momentum (and is what a
+        torch.optim.Muon state holds)."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = (i for g in state_dict["param_groups"] for i in g["params"])
+        params = (p for g in self.param_groups for p in g["params"])
+        for i, p in zip(ids, params, strict=True):
+            buf = saved.get(i, {}).get("momentum_buffer")
+            if buf is not None:
+                self.state[p]["momentum_buffer"] = buf.to(dtype=torch.float32, device=p.device)
 
     # -- subset-step protocol ------------------------------------------------------------------
 
@@ -252,7 +309,11 @@ class Muon(torch.optim.Optimizer):
         return {"momentum_buffer": (local.shape, torch.float32)}
 
     def begin_subset_step(self) -> MuonStep:
-        """Capture hyperparameters and gradients for one step; see `MuonStep`."""
+        """Validate the groups, capture hyperparameters and gradients for one step; see
+        `MuonStep`."""
+        for group in self.param_groups:
+            _set_group_defaults(group, self.defaults)
+            _validate_group(group)
         return MuonStep(self, self._muon_plan())
 
     @torch.no_grad()
@@ -276,27 +337,36 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_plan(self) -> MuonPlan:
-        """The plan for the current Muon params, built once and rebuilt only if they change."""
+        """The plan for the current Muon params, rebuilt only when they or what shapes the
+        plan (groups, row blocks, ns_dtype, bucket cap) change."""
         entries = self._muon_params()
         params = tuple(p for p, _ in entries)
+        key = (
+            tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
+            self.ns_dtype,
+            self.bucket_cap_bytes,
+        )
         if (
             self._plan is None
-            or len(params) != len(self._plan_params)
+            or key != self._plan_key
             or any(a is not b for a, b in zip(params, self._plan_params, strict=True))
         ):
             layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
             itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
             self._plan = MuonPlan.build(layouts, self.bucket_cap_bytes, itemsize)
             self._plan_params = params
-            self._buffers = None
+            self._plan_key = key
         return self._plan
 
-    def _exchange_buffers(self, device: torch.device) -> ExchangeBuffers:
-        if self._buffers is None:
-            plan = self._plan
-            numels = plan.buffer_numels(range(len(plan.buckets)))
-            self._buffers = ExchangeBuffers(numels, self.max_inflight, self.ns_dtype, device)
-        return self._buffers
+
+def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Keys a group may lack (added by hand, or loaded from torch.optim.Muon): defaults."""
+    group.setdefault("algorithm", "muon")
+    group.setdefault("row_blocks", None)
+    group.setdefault("ns_algorithm", defaults.get("ns_algorithm", "auto"))
+    if group["algorithm"] == "adamw":
+        group.setdefault("betas", ADAMW_BETAS)
+        group.setdefault("eps", ADAMW_EPS)
 
 
 def _validate_group(group: dict[str, Any]) -> None:
@@ -322,6 +392,10 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
     if not 0.0 <= group["momentum"]:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
+    if group["ns_algorithm"] not in NS_ALGORITHMS:
+        raise ValueError(
+            f"ns_algorithm should be one of {NS_ALGORITHMS} but is: {group['ns_algorithm']!r}"
+        )
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
@@ -333,37 +407,124 @@ def _validate_group(group: dict[str, Any]) -> None:
     else:
         if len(coefficients) != 3:
             raise ValueError(f"ns_coefficients should be (a, b, c) but is: {coefficients}")
-        if steps is not None and not 0 < steps < 100:
-            raise ValueError(f"ns_steps should be in [1, 99] but is: {steps}")
+        if steps is not None and not (isinstance(steps, int) and 0 < steps < 100):
+            raise ValueError(f"ns_steps should be None or in [1, 99] but is: {steps}")
         group["ns_coefficients"] = tuple(coefficients)
     row_blocks = group["row_blocks"]
     for p in group["params"]:
         if p.ndim not in (2, 3):
             raise ValueError(f"Muon supports 2-D and 3-D params but got shape: {tuple(p.shape)}")
+        if p.is_complex():
+            raise ValueError(
+                f"Muon does not support complex params but got {p.dtype} of shape "
+                f"{tuple(p.shape)}; put it in an algorithm='adamw' group or use real views"
+            )
         if row_blocks is not None and sum(row_blocks) != p.shape[-2]:
             raise ValueError(f"row_blocks should sum to {p.shape[-2]} rows but is: {row_blocks}")
 
 
+def _transient(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A buffer of one bucket's step, from the caching allocator; the only place the
+    Muon step allocates exchange or Newton-Schulz input buffers."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+class _TorchElementwise:
+    """The elementwise step in plain torch ops, in torch.optim.Muon's order."""
+
+    @staticmethod
+    def momentum(
+        step: MuonStep,
+        params: Sequence[int],
+        plan: ExchangePlan,
+        targets: Sequence[tuple[int, tuple[int, int], Tensor]],
+    ) -> None:
+        updates = {i: step._momentum_update(i) for i in params}
+        for matrix, origin, dest in targets:
+            m = plan.matrices[matrix]
+            dest.copy_(_rect(updates[m.param], m, origin, dest))
+
+    @staticmethod
+    def apply(
+        step: MuonStep, plan: ExchangePlan, targets: Sequence[tuple[int, Tensor, Tensor]]
+    ) -> None:
+        for param in sorted({m.param for m in plan.matrices}):
+            hp = step._hp(param)
+            _local(step._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
+        for i, target, update in targets:
+            m = plan.matrices[i]
+            target.add_(update, alpha=-step._adjusted_lr(m))
+
+
+class _FusedElementwise:
+    """The elementwise step in `muon.fused`'s two Triton kernels (torch's arithmetic)."""
+
+    @staticmethod
+    def momentum(
+        step: MuonStep,
+        params: Sequence[int],
+        plan: ExchangePlan,
+        targets: Sequence[tuple[int, tuple[int, int], Tensor]],
+    ) -> None:
+        from muon import fused
+
+        bufs = {i: step._momentum_buffer(i) for i in params}  # state even for empty shards
+        for matrix, origin, dest in targets:
+            m = plan.matrices[matrix]
+            hp = step._hp(m.param)
+            fused.momentum_(
+                _rect(step._grads[m.param], m, origin, dest),
+                _rect(bufs[m.param], m, origin, dest),
+                dest,
+                hp["momentum"],
+                hp["nesterov"],
+            )
+
+    @staticmethod
+    def apply(
+        step: MuonStep, plan: ExchangePlan, targets: Sequence[tuple[int, Tensor, Tensor]]
+    ) -> None:
+        from muon import fused
+
+        for i, target, update in targets:
+            m = plan.matrices[i]
+            hp = step._hp(m.param)
+            decay = 1 - hp["lr"] * hp["weight_decay"]
+            fused.apply_(target, update, decay, -step._adjusted_lr(m))
+
+
+def _elementwise_for(device: torch.device) -> type[_TorchElementwise] | type[_FusedElementwise]:
+    """The one place the elementwise implementation is chosen (see `muon.elementwise`)."""
+    return _FusedElementwise if elementwise.use_fused(device) else _TorchElementwise
+
+
 @dataclass(slots=True)
 class _InFlight:
-    """A bucket between `_start` and `_finish`."""
+    """A bucket between `_start` and `_finish`, holding its buffers."""
 
     plan: ExchangePlan
-    slot: int
+    kernels: type[_TorchElementwise] | type[_FusedElementwise]
     work: dist.Work | None
-    full: dict[int, Tensor]
+    send: Tensor | None
+    recv: Tensor | None
+    full: Tensor
+    views: dict[int, Tensor]
+    """Each owned matrix's view of `full`."""
     exchange_s: float | None
 
 
 class MuonStep:
     """One step of `Muon`, to be run unit by unit (the subset-step protocol).
 
-    `units` are Muon's buckets (exchanged or local, params kept whole) and one
-    unit per param of the AdamW groups (AdamW's update of a param reads only its
-    own grad and state; small units keep an offload staging slot small),
-    identical on every rank. `step_params` updates a
-    union of whole units with the same result, bit for bit, as `Muon.step`.
-    Every rank must call it with the same units, in the same order.
+    Units, identical on every rank: each exchanged bucket (its params exchange
+    together), each param of a local bucket (a local matrix needs no other
+    rank, and batch invariance makes any cut of a launch give the same bits),
+    and each param of the AdamW groups (AdamW's update of a param reads only its
+    own grad and state). `step_params` updates a union of whole units with the
+    same result, bit for bit, as `Muon.step`; it batches the local matrices of
+    all the units it is handed by shape (under the bucket cap), so an offload
+    chunk of many small units still makes large Newton-Schulz launches. Every
+    rank must call it with the same units, in the same order.
     """
 
     def __init__(self, optimizer: Muon, plan: MuonPlan) -> None:
@@ -380,11 +541,24 @@ class MuonStep:
             if g["algorithm"] == "adamw"
             for p in g["params"]
         ]
-        self.units: list[list[Tensor]] = [
-            [self._params[i] for i in bucket.params] for bucket in plan.buckets
-        ] + [[p] for _, p, _ in self._adamw]
-        self._slot = 0
+        # Per unit: ("bucket", exchanged bucket), ("local", Muon param) or ("adamw", index).
+        self._kinds: list[tuple[str, int]] = []
+        for bucket in plan.buckets:
+            if bucket.axis is None:
+                self._kinds.extend(("local", i) for i in bucket.params)
+            else:
+                self._kinds.append(("bucket", bucket.index))
+        self._kinds.extend(("adamw", k) for k in range(len(self._adamw)))
+        self.units: list[list[Tensor]] = [self._unit_params(kind) for kind in self._kinds]
         optimizer.metrics = []
+
+    def _unit_params(self, kind: tuple[str, int]) -> list[Tensor]:
+        what, index = kind
+        if what == "bucket":
+            return [self._params[i] for i in self._plan.buckets[index].params]
+        if what == "local":
+            return [self._params[index]]
+        return [self._adamw[index][1]]
 
     def step_params(self, params: Collection[Tensor]) -> None:
         wanted = {id(p) for p in params}
@@ -394,103 +568,92 @@ class MuonStep:
             if any(inside) != all(inside):
                 raise ValueError(f"step_params needs whole units; unit {index} is split")
             if all(inside):
-                chosen.append(index)
-        if sum(len(self.units[i]) for i in chosen) != len(wanted):
+                chosen.append(self._kinds[index])
+        if sum(len(self._unit_params(kind)) for kind in chosen) != len(wanted):
             raise ValueError("step_params got params that are not in this optimizer's units")
         with torch.no_grad():
-            buckets = [i for i in chosen if i < len(self._plan.buckets)]
-            self._run_buckets(buckets)
+            self._run_muon(
+                [i for what, i in chosen if what == "bucket"],
+                sorted(i for what, i in chosen if what == "local"),
+            )
             by_group: dict[int, tuple[list[Tensor], list[Tensor | None]]] = {}
-            for i in chosen[len(buckets) :]:
-                group, p, grad = self._adamw[i - len(self._plan.buckets)]
-                params, grads = by_group.setdefault(group, ([], []))
-                params.append(p)
-                grads.append(grad)
-            for group, (params, grads) in by_group.items():
-                self._adamw_group(group, params, grads)
+            for what, k in chosen:
+                if what == "adamw":
+                    group, p, grad = self._adamw[k]
+                    params_, grads = by_group.setdefault(group, ([], []))
+                    params_.append(p)
+                    grads.append(grad)
+            for group, (params_, grads) in by_group.items():
+                self._adamw_group(group, params_, grads)
 
     # -- Muon buckets ----------------------------------------------------------------------------
 
-    def _run_buckets(self, buckets: Sequence[int]) -> None:
-        """Start bucket k+1 (momentum, pack, exchange) before finishing bucket k (NS, apply)."""
-        # A bucket with nothing on this rank keeps its place (None) in the queue, so
-        # every rank finishes bucket k at the same point and the ranks' collectives
-        # stay in the same order.
-        alive: deque[_InFlight | None] = deque()
-        for index in buckets:
-            if len(alive) == self._opt.max_inflight:
-                self._finish_if_started(alive.popleft())
-            alive.append(self._start(index))
-        while alive:
-            self._finish_if_started(alive.popleft())
+    def _active(self, params: Iterable[int]) -> frozenset[int]:
+        return frozenset(i for i in params if self._grads[i] is not None)
 
-    def _finish_if_started(self, flight: _InFlight | None) -> None:
-        if flight is not None:
-            self._finish(flight)
+    def _run_muon(self, buckets: Sequence[int], local: Sequence[int]) -> None:
+        """Exchanged buckets and local launches in bucket order, as `launch_order` says."""
+        plans = [
+            self._plan.exchange(b, self._active(self._plan.buckets[b].params)) for b in buckets
+        ]
+        if local:
+            plans += self._plan.local_exchanges(local, self._active(local))
+        plans.sort(key=lambda plan: plan.bucket)
+        # A bucket with nothing on this rank keeps its place (None), so every rank
+        # finishes bucket k at the same point and the collectives stay in order.
+        alive: dict[int, _InFlight | None] = {}
+        for start, i in launch_order(plans, self._opt.max_inflight):
+            if start:
+                alive[i] = self._start(plans[i])
+            else:
+                flight = alive.pop(i)
+                if flight is not None:
+                    self._finish(flight)
 
     def _hp(self, param: int) -> dict[str, Any]:
         return self._groups[self._plan.layouts[param].group]
 
-    def _start(self, index: int) -> _InFlight | None:
-        bucket = self._plan.buckets[index]
-        active = frozenset(i for i in bucket.params if self._grads[i] is not None)
-        plan = self._plan.exchange(index, active)
-        if not plan.matrices:
+    def _adjusted_lr(self, m: Matrix) -> float:
+        hp = self._hp(m.param)
+        return adjusted_lr(hp["lr"], hp["adjust_lr_fn"], m.rows, m.cols)
+
+    def _start(self, plan: ExchangePlan) -> _InFlight | None:
+        """Momentum of the plan's active params, packed into a fresh send buffer (exchanged)
+        or the Newton-Schulz input (local), and the exchange started."""
+        if not plan.params:
             return None
-        device = self._grads[next(iter(active))].device
+        device = self._grads[plan.params[0]].device
+        kernels = _elementwise_for(device)
+        if not plan.matrices:  # e.g. an expert stack with no expert here: state, no work
+            kernels.momentum(self, plan.params, plan, [])
+            return None
         clock = _Clock(self._opt.collect_timings, device)
-        buffers = self._opt._exchange_buffers(device)
-        slot = self._slot % self._opt.max_inflight
-        self._slot += 1
-        send, recv, full = buffers.views(slot, plan)
+        dtype = self._opt.ns_dtype
+        full = _transient(plan.full_numel, dtype, device)
         views: dict[int, Tensor] = {}
         for batch in plan.batches:
             size = batch.rows * batch.cols
             for k, matrix in enumerate(batch.matrices):
                 start = batch.offset + k * size
                 views[matrix] = full[start : start + size].view(batch.rows, batch.cols)
+        send = recv = None
         if plan.axis is None:  # each matrix goes whole into its full view
             targets = [(i, (m.row0, 0), views[i]) for i, m in enumerate(plan.matrices)]
         else:  # each local piece goes into its send slot
+            send = _transient(plan.send_numel, dtype, device)
+            recv = _transient(plan.recv_numel, dtype, device)
             targets = [
                 (piece.matrix, (piece.local_row0, piece.local_col0), view)
                 for piece, view in send_slots(plan, send)
             ]
-        self._pack(plan, sorted(active), targets, elementwise.use_fused(device))
+        kernels.momentum(self, plan.params, plan, targets)
         work = None
         if plan.axis is not None:
-            group = self._params[bucket.params[0]].device_mesh.get_group(plan.axis)
-            work = send_to_owners(plan, send, recv, group)
-        return _InFlight(plan, slot, work, views, clock.lap())
+            work = send_to_owners(plan, send, recv, self._exchange_group(plan))
+        return _InFlight(plan, kernels, work, send, recv, full, views, clock.lap())
 
-    def _pack(
-        self,
-        plan: ExchangePlan,
-        active: Sequence[int],
-        targets: Sequence[tuple[int, tuple[int, int], Tensor]],
-        use_fused: bool,
-    ) -> None:
-        """Momentum for the active params; each (matrix, local origin, destination) target
-        receives its rectangle of the Newton-Schulz input, cast to the destination's dtype."""
-        if use_fused:
-            from muon import fused
-
-            bufs = {i: self._momentum_buffer(i) for i in active}  # state even for empty shards
-            for matrix, origin, dest in targets:
-                m = plan.matrices[matrix]
-                hp = self._hp(m.param)
-                fused.momentum_(
-                    _rect(self._grads[m.param], m, origin, dest),
-                    _rect(bufs[m.param], m, origin, dest),
-                    dest,
-                    hp["momentum"],
-                    hp["nesterov"],
-                )
-            return
-        updates = {i: self._momentum_update(i) for i in active}
-        for matrix, origin, dest in targets:
-            m = plan.matrices[matrix]
-            dest.copy_(_rect(updates[m.param], m, origin, dest))
+    def _exchange_group(self, plan: ExchangePlan) -> dist.ProcessGroup:
+        return self._params[plan.matrices[0].param].device_mesh.get_group(plan.axis)
 
     def _momentum_buffer(self, param: int) -> Tensor:
         """The local fp32 momentum buffer of `param`, created (zeros) on first use."""
@@ -509,47 +672,35 @@ class MuonStep:
         return grad.lerp(buf, hp["momentum"]) if hp["nesterov"] else buf
 
     def _finish(self, flight: _InFlight) -> None:
+        """Assemble, orthogonalize, return the results and apply them; the buffers go."""
         plan = flight.plan
-        bucket = self._plan.buckets[plan.bucket]
-        send, recv, full = self._opt._buffers.views(flight.slot, plan)
-        clock = _Clock(self._opt.collect_timings, full.device)
+        clock = _Clock(self._opt.collect_timings, flight.full.device)
         if flight.work is not None:
             flight.work.wait()
-            assemble(plan, recv, flight.full)
+            assemble(plan, flight.recv, flight.views)
         exchange_s = clock.lap()
 
         results: dict[int, Tensor] = {}
         for batch in plan.batches:
-            size = len(batch.matrices) * batch.rows * batch.cols
-            stack = full[batch.offset : batch.offset + size].view(-1, batch.rows, batch.cols)
+            count = len(batch.matrices)
+            stack = flight.full[batch.offset : batch.offset + count * batch.rows * batch.cols]
             hp = self._groups[batch.group]
-            out = zeropower(stack, _schedule(hp["ns_coefficients"], hp["ns_steps"]), hp["eps"])
+            out = zeropower(
+                stack.view(count, batch.rows, batch.cols),
+                _schedule(hp["ns_coefficients"], hp["ns_steps"]),
+                hp["eps"],
+                algorithm=hp["ns_algorithm"],
+            )
             results.update(zip(batch.matrices, out.unbind(0), strict=True))
         ns_s = clock.lap()
 
         if flight.work is not None:
-            group = self._params[bucket.params[0]].device_mesh.get_group(plan.axis)
-            return_results(plan, results, send, recv, group).wait()
+            group = self._exchange_group(plan)
+            return_results(plan, results, flight.send, flight.recv, group).wait()
+            results.clear()  # the owned results are in `recv` now; this rank's come in `send`
         exchange_s = _add(exchange_s, clock.lap())
 
-        targets = self._result_targets(plan, send, results)
-        if elementwise.use_fused(full.device):
-            from muon import fused
-
-            for i, target, update in targets:
-                m = plan.matrices[i]
-                hp = self._hp(m.param)
-                alr = adjusted_lr(hp["lr"], hp["adjust_lr_fn"], m.rows, m.cols)
-                fused.apply_(target, update, 1 - hp["lr"] * hp["weight_decay"], -alr)
-        else:
-            for param in sorted({m.param for m in plan.matrices}):
-                hp = self._hp(param)
-                _local(self._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
-            for i, target, update in targets:
-                m = plan.matrices[i]
-                hp = self._hp(m.param)
-                alr = adjusted_lr(hp["lr"], hp["adjust_lr_fn"], m.rows, m.cols)
-                target.add_(update, alpha=-alr)
+        flight.kernels.apply(self, plan, self._result_targets(plan, flight.send, results))
         apply_s = clock.lap()
 
         self._opt.metrics.append(
@@ -567,10 +718,10 @@ class MuonStep:
         )
 
     def _result_targets(
-        self, plan: ExchangePlan, send: Tensor, results: dict[int, Tensor]
+        self, plan: ExchangePlan, send: Tensor | None, results: dict[int, Tensor]
     ) -> list[tuple[int, Tensor, Tensor]]:
         """(matrix, the param rectangle it updates, its result there) for this rank's pieces."""
-        if plan.axis is None:
+        if send is None:
             return [
                 (i, self._block(m)[m.row0 : m.row0 + m.rows], results[i])
                 for i, m in enumerate(plan.matrices)

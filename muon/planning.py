@@ -26,7 +26,7 @@ rank 1 sends [4, 0] and receives [0, 0]: it allocates no full matrix.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from muon.newton_schulz import ns_flops, ns_workspace_numel  # re-exported for the planner
@@ -83,9 +83,12 @@ class ParamLayout:
 
     @property
     def exchange_axis(self) -> int | None:
-        """The mesh axis that shards a matrix dim, or None: orthogonalized locally."""
+        """The mesh axis that shards a matrix dim, or None: orthogonalized locally.
+
+        An axis of size 1 shards nothing: its one rank holds whole matrices.
+        """
         for axis, dim in enumerate(self.shard_dims):
-            if dim is not None and dim >= self.ndim - 2:
+            if dim is not None and dim >= self.ndim - 2 and self.mesh_shape[axis] > 1:
                 return axis
         return None
 
@@ -239,6 +242,8 @@ class ExchangePlan:
 
     bucket: int
     axis: int | None
+    params: tuple[int, ...]
+    """The active params (momentum steps even for a shard with no matrix on this rank)."""
     matrices: tuple[Matrix, ...]
     """Every active logical matrix of the bucket on this rank's exchange group."""
     send_splits: tuple[int, ...]
@@ -293,8 +298,49 @@ class ExchangePlan:
 
     @property
     def workspace_bytes(self) -> int:
-        """Peak bytes this bucket needs on this rank: its buffer views plus Newton-Schulz's."""
+        """Peak bytes this bucket needs on this rank: its buffers plus Newton-Schulz's."""
         return (self.send_numel + self.recv_numel + self.full_numel + self.ns_numel) * self.itemsize
+
+
+def launch_order(plans: Sequence[ExchangePlan], max_inflight: int) -> Iterator[tuple[bool, int]]:
+    """The step's schedule over `plans` (bucket order): (True, i) starts plan i, (False, i)
+    finishes it.
+
+    An exchanged bucket starts (momentum, pack, exchange) up to `max_inflight - 1`
+    buckets before it finishes (Newton-Schulz, return, apply), so its exchange
+    overlaps the earlier buckets' Newton-Schulz; a local one has nothing to overlap
+    and finishes as soon as it starts. Every rank walks the exchanged buckets in
+    the same order, so their collectives match.
+    """
+    alive: list[int] = []
+    for i, plan in enumerate(plans):
+        if plan.axis is None:
+            yield True, i
+            yield False, i
+            continue
+        if len(alive) == max_inflight:
+            yield False, alive.pop(0)
+        alive.append(i)
+        yield True, i
+    for i in alive:
+        yield False, i
+
+
+def transient_peak_numel(plans: Sequence[ExchangePlan], max_inflight: int) -> int:
+    """Peak elements (in ns_dtype) of buffers and Newton-Schulz workspace the step holds
+    for `plans`, following `launch_order`: each plan's send, receive and full buffers
+    from its start to its finish, its `ns_numel` on top while it finishes."""
+    live = peak = 0
+    for start, i in launch_order(plans, max_inflight):
+        plan = plans[i]
+        buffers = plan.send_numel + plan.recv_numel + plan.full_numel
+        if start:
+            live += buffers
+            peak = max(peak, live)
+        else:
+            peak = max(peak, live + plan.ns_numel)
+            live -= buffers
+    return peak
 
 
 def bucket_matrices(
@@ -323,7 +369,11 @@ class MuonPlan:
     matrices: tuple[tuple[Matrix, ...], ...]
     """Per bucket, its matrices with owners, in bucket order."""
     itemsize: int
+    cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     _exchanges: dict[tuple[int, frozenset[int]], ExchangePlan] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
+    _locals: dict[tuple[tuple[int, ...], frozenset[int]], tuple[ExchangePlan, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
 
@@ -362,7 +412,7 @@ class MuonPlan:
                     for m, o in zip(matrices, owners, strict=True)
                 )
             )
-        return cls(layouts, buckets, tuple(planned), itemsize)
+        return cls(layouts, buckets, tuple(planned), itemsize, cap_bytes)
 
     def seen_from(self, layouts: Sequence[ParamLayout]) -> MuonPlan:
         """This plan on the rank whose layouts (same params, other coordinates) are `layouts`.
@@ -384,7 +434,7 @@ class MuonPlan:
             tuple(bucket_matrices(layouts, bucket, owner=0)) if bucket.axis is None else planned
             for bucket, planned in zip(self.buckets, self.matrices, strict=True)
         )
-        return MuonPlan(layouts, self.buckets, matrices, self.itemsize)
+        return MuonPlan(layouts, self.buckets, matrices, self.itemsize, self.cap_bytes)
 
     def exchange(self, bucket: int, active: frozenset[int]) -> ExchangePlan:
         """This rank's exchange plan for `bucket` when only params in `active` step."""
@@ -395,6 +445,33 @@ class MuonPlan:
                 self.layouts, self.buckets[bucket], self.matrices[bucket], active, self.itemsize
             )
         return plan
+
+    def local_exchanges(
+        self, params: Sequence[int], active: frozenset[int]
+    ) -> tuple[ExchangePlan, ...]:
+        """Launches for local (unexchanged) `params`, in layer order, when `active` step.
+
+        The params are cut into buckets under the cap as `plan_buckets` cuts them,
+        so all local params give this plan's local buckets, and a subset (an
+        offload chunk) batches its same-shape matrices whatever buckets they came
+        from. Each launch is numbered by the plan bucket of its first param.
+        """
+        key = (tuple(params), active)
+        plans = self._locals.get(key)
+        if plans is None:
+            bucket_of = {i: b.index for b in self.buckets for i in b.params}
+            plans = []
+            for cut in plan_buckets(
+                [self.layouts[i] for i in params], self.cap_bytes, self.itemsize
+            ):
+                members = tuple(params[j] for j in cut.params)
+                if cut.axis is not None:
+                    raise ValueError(f"params {members} are exchanged, not local")
+                bucket = Bucket(bucket_of[members[0]], members, cut.mesh_key, None, cut.nbytes)
+                matrices = bucket_matrices(self.layouts, bucket, owner=0)
+                plans.append(plan_exchange(self.layouts, bucket, matrices, active, self.itemsize))
+            plans = self._locals[key] = tuple(plans)
+        return plans
 
     def buffer_numels(self, bucket_indices: Sequence[int]) -> tuple[int, int, int]:
         """Largest (send, receive, full) element counts over buckets with every param active."""
@@ -493,6 +570,7 @@ def plan_exchange(
     return ExchangePlan(
         bucket.index,
         axis,
+        tuple(i for i in bucket.params if i in active),
         matrices,
         send_splits,
         recv_splits,

@@ -1,4 +1,5 @@
-"""Muon on a CUDA device: torch.optim.Muon parity, no host sync, offloaded == plain."""
+"""Muon on a CUDA device: torch.optim.Muon parity, no host sync, offloaded == plain, and the
+same bits whatever the bucket cap or offload chunking (batch invariance)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from muon import Muon
+from offload import CPUOffloadOptimizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,14 +56,13 @@ def test_step_does_not_sync_the_host():
 
 @pytest.mark.parametrize("chunk_bytes", [2**40, 300_000, 1])
 def test_offloaded_muon_is_bitwise_equal(chunk_bytes):
-    offload = pytest.importorskip("offload")
     results = []
     for wrap in (False, True):
         params = _params()
         groups = [{"params": params[:-1]}, {"params": params[-1:], "algorithm": "adamw"}]
         opt = Muon(groups, lr=0.02, bucket_cap_bytes=300_000)
         if wrap:
-            opt = offload.CPUOffloadOptimizer(opt, chunk_bytes=chunk_bytes)
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=chunk_bytes)
         for step in range(3):
             _grads(params, step)
             opt.step()
@@ -73,3 +74,75 @@ def test_offloaded_muon_is_bitwise_equal(chunk_bytes):
     for index, entries in plain_state.items():
         for key, value in entries.items():
             assert torch.equal(offloaded_state[index][key].to(value.device), value), (index, key)
+
+
+HIDDEN, KV, FFN, LAYERS = 2048, 512, 5632, 16
+MIB = 2**20
+
+
+def _hidden_2048_groups() -> tuple[list[torch.nn.Parameter], list[dict]]:
+    """16 Llama-style layers of hidden 2048 (fused qkv and gate_up), expert stacks, odd shapes."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def param(*shape):
+        return torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen) * 0.02)
+
+    qkv, gate_up, plain = [], [], []
+    for _ in range(LAYERS):
+        qkv.append(param(HIDDEN + 2 * KV, HIDDEN))
+        plain.append(param(HIDDEN, HIDDEN))
+        gate_up.append(param(2 * FFN, HIDDEN))
+        plain.append(param(HIDDEN, FFN))
+    plain += [param(8, 768, HIDDEN), param(8, HIDDEN, 768), param(2, HIDDEN), param(7, 300)]
+    plain += [param(2049, 1000), param(3, 5, 4096)]
+    groups = [
+        {"params": plain},
+        {"params": qkv, "row_blocks": (HIDDEN, KV, KV)},
+        {"params": gate_up, "row_blocks": (FFN, FFN)},
+    ]
+    return qkv + gate_up + plain, groups
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+def test_update_does_not_depend_on_bucket_cap_or_offload_chunks(ns_dtype):
+    runs = [(512 * MIB, None), (128 * MIB, None), (32 * MIB, None)]
+    runs += [(512 * MIB, 256 * MIB), (512 * MIB, 64 * MIB)]
+    results = []
+    for cap, chunk_bytes in runs:
+        params, groups = _hidden_2048_groups()
+        opt = Muon(groups, lr=0.02, bucket_cap_bytes=cap, ns_dtype=ns_dtype)
+        if chunk_bytes is not None:
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=chunk_bytes)
+        for step in range(3):
+            gen = torch.Generator(device="cuda").manual_seed(1000 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        results.append([p.detach().cpu() for p in params])
+        del params, groups, opt
+        torch.cuda.empty_cache()
+    for (cap, chunk_bytes), other in zip(runs[1:], results[1:], strict=True):
+        differ = [
+            tuple(p.shape) for p, q in zip(results[0], other, strict=True) if not torch.equal(p, q)
+        ]
+        assert not differ, f"cap {cap // MIB} MiB, chunk {chunk_bytes}: {len(differ)} differ"
+
+
+def test_nothing_but_params_and_state_is_kept_between_steps():
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    params, groups = _hidden_2048_groups()
+    opt = Muon(groups, lr=0.02)
+    for step in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    kept = torch.cuda.memory_allocated() - base - weights - state
+    assert kept <= 64 * MIB, f"{kept / MIB:.1f} MiB kept beyond params and state"

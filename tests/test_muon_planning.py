@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from muon.newton_schulz import ns_flops, ns_flops_symmetric
-from muon.planning import MuonPlan, ParamLayout, assign_owners, chunk_range, plan_buckets
+from muon.planning import (
+    MuonPlan,
+    ParamLayout,
+    assign_owners,
+    chunk_range,
+    launch_order,
+    plan_buckets,
+    transient_peak_numel,
+)
 
 
 def _layouts(specs, world: int, rank: int) -> list[ParamLayout]:
@@ -191,3 +199,52 @@ def test_ns_flop_counts():
     assert ns_flops(12288, 4096) == ns_flops(4096, 12288)
     assert ns_flops_symmetric(12288, 4096, 5) == 5 * (3 * 4096**2 * 12288 + 4096**3)
     assert ns_flops_symmetric(4096, 4096) / ns_flops(4096, 4096) == 4 / 6
+
+
+def test_launch_order_and_transient_peak():
+    # world 2: three exchanged buckets and the local expert stack's bucket
+    plan = MuonPlan.build(_layouts(SPECS, 2, 0), 400)
+    plans = [plan.exchange(b.index, frozenset(b.params)) for b in plan.buckets]
+    local = [i for i, p in enumerate(plans) if p.axis is None]
+    assert local and len(plans) - len(local) >= 3
+    for inflight in (1, 2, 3):
+        order = list(launch_order(plans, inflight))
+        assert sorted(order) == sorted((s, i) for i in range(len(plans)) for s in (True, False))
+        live, peak = [], 0
+        for start, i in order:
+            p = plans[i]
+            if start:
+                live.append(i)
+                if p.axis is None:  # a local bucket finishes as soon as it starts
+                    assert order[order.index((True, i)) + 1] == (False, i)
+                assert sum(plans[j].axis is not None for j in live) <= inflight
+            else:
+                peak = max(
+                    peak,
+                    sum(
+                        plans[j].send_numel + plans[j].recv_numel + plans[j].full_numel
+                        for j in live
+                    )
+                    + p.ns_numel,
+                )
+                live.remove(i)
+        assert transient_peak_numel(plans, inflight) == peak
+    assert transient_peak_numel(plans, 1) <= transient_peak_numel(plans, 3)
+
+
+def test_size_one_axes_shard_nothing_and_local_launches_batch_across_buckets():
+    layouts = _layouts(SPECS, 1, 0)
+    assert all(layout.exchange_axis is None for layout in layouts)
+    plan = MuonPlan.build(layouts, 400)
+    assert all(b.axis is None for b in plan.buckets) and len(plan.buckets) > 1
+    everything = frozenset(range(len(SPECS)))
+    for b in plan.buckets:  # all local params: the plan's own buckets
+        (cut,) = plan.local_exchanges(b.params, everything)
+        assert cut == plan.exchange(b.index, everything)
+        assert cut.send_numel == cut.recv_numel == 0
+    # a subset (an offload chunk) spanning buckets batches its same-shape matrices together
+    same = [((8, 8), 0, None)] * 4
+    plan = MuonPlan.build(_layouts(same, 1, 0), 2 * 8 * 8 * 2)
+    assert [b.params for b in plan.buckets] == [(0, 1), (2, 3)]
+    (cut,) = plan.local_exchanges((1, 2), frozenset({1, 2}))
+    assert [len(batch.matrices) for batch in cut.batches] == [2] and cut.bucket == 0
