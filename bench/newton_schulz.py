@@ -140,7 +140,7 @@ def aspect_sweep(args, device: torch.device, backends: list[str]) -> dict[str, o
                 from_aspect = aspect
             pays[f"{short}:{backend}"] = from_aspect
             print(f"short side {short}, {backend}: Gram faster from aspect {from_aspect} "
-                  f"(GRAM_MIN_ASPECT now {GRAM_MIN_ASPECT})")  # fmt: skip
+                  f"(GRAM_MIN_ASPECT[{backend!r}] now {GRAM_MIN_ASPECT[backend]})")  # fmt: skip
     return {"entries": entries, "gram_pays_from_aspect": pays}
 
 

@@ -48,13 +48,12 @@ DEFAULT_GRAM_RESTARTS = (2,)
 ALGORITHMS = ("auto", "standard", "gram")
 
 # `algorithm="auto"` takes Gram Newton-Schulz on CUDA for matrices with
-# long side / short side >= GRAM_MIN_ASPECT. H200, plain cuBLAS, 5 Keller Jordan steps
-# (issue 11; /work/notes/GPU_FINDINGS.md, Gram with 4 m x m products per iteration,
-# standard bf16 / Gram fp16 time): 2048x5632 (aspect 2.75) 1.06x, 2048x4096 0.92x,
-# 4096x12288 and 12288x4096 1.16x, 4096x8192 0.81x, square 0.67-0.71x: Gram pays from
-# about 2.75 (2048 short side) to 3 (4096). `python -m bench.newton_schulz --aspect-sweep`
-# measures it for both backends.
-GRAM_MIN_ASPECT = 2.75
+# long side / short side >= GRAM_MIN_ASPECT[backend], the backend the matrix takes.
+# H200, `python -m bench.newton_schulz --aspect-sweep` (bench/measured/ns_aspect_h200.log),
+# aspects 1, 1.5, 2, 3, 4 at short sides 2048 and 4096, standard / Gram time: the plain
+# path's Gram wins from 2 (1.07x at 2048x4096, 1.12x at 4096x8192), the symmetric Triton
+# path's only from 3 (0.89-0.92x at 2, 1.08-1.19x at 3): its standard iteration is faster.
+GRAM_MIN_ASPECT = {"torch": 2.0, "triton": 3.0}
 # cuBLAS batched products are batch-invariant on the H200 for every shape measured with
 # a short side of 256 and up (bf16 and fp16); fp16 `x @ x.mT` of 2 x 2048 matrices is not
 # (GPU_FINDINGS.md). Below this short side the plain CUDA path launches per matrix.
@@ -181,11 +180,12 @@ def ns_path(
     """The path for a rows x cols matrix of `dtype` on a device of `device_type`.
 
     `capability` is the CUDA compute capability's major version (None elsewhere).
-    "auto" algorithm: Gram where the aspect ratio pays (`GRAM_MIN_ASPECT`) on CUDA,
-    else standard (on CPU always standard, so one matrix equals torch.optim.Muon's
-    result bit for bit). Gram runs in float16 on CUDA for 16-bit inputs (issue 11,
-    H200: error against the fp32 iteration 0.003 vs 0.02 for bf16 standard and bf16
-    Gram), else in the input's dtype (CPU float16 matmuls are very slow).
+    "auto" algorithm: Gram where the aspect ratio pays on the matrix's backend
+    (`GRAM_MIN_ASPECT`) on CUDA, else standard (on CPU always standard, so one matrix
+    equals torch.optim.Muon's result bit for bit). Gram runs in float16 on CUDA for
+    16-bit inputs (issue 11, H200: error against the fp32 iteration 0.003 vs 0.02 for
+    bf16 standard and bf16 Gram), else in the input's dtype (CPU float16 matmuls are
+    very slow).
     "auto" backend: `muon.ns_triton.auto_takes` on CUDA, else "torch".
     """
     if backend not in BACKENDS:
@@ -193,19 +193,20 @@ def ns_path(
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm should be one of {ALGORITHMS} but is: {algorithm!r}")
     cuda = device_type == "cuda"
-    if algorithm == "auto":
-        aspect = max(rows, cols) / max(1, min(rows, cols))
-        algorithm = "gram" if cuda and aspect >= GRAM_MIN_ASPECT else "standard"
-    compute = dtype
-    if algorithm == "gram" and cuda and dtype in (torch.bfloat16, torch.float16):
-        compute = torch.float16
     if backend == "auto":
         backend = "torch"
         if cuda:  # CPU tensors never import triton under "auto"
             from muon import ns_triton
 
-            if ns_triton.auto_takes(rows, cols, compute, capability):
+            # Both 16-bit dtypes take the same kernels: decide before the compute dtype.
+            if ns_triton.auto_takes(rows, cols, dtype, capability):
                 backend = "triton"
+    if algorithm == "auto":
+        aspect = max(rows, cols) / max(1, min(rows, cols))
+        algorithm = "gram" if cuda and aspect >= GRAM_MIN_ASPECT[backend] else "standard"
+    compute = dtype
+    if algorithm == "gram" and cuda and dtype in (torch.bfloat16, torch.float16):
+        compute = torch.float16
     small = min(rows, cols) < CUBLAS_BATCH_INVARIANT_MIN_SIDE
     return NewtonSchulzPath(algorithm, backend, compute, cuda and backend == "torch" and small)
 
