@@ -135,6 +135,10 @@ SCHEDULES: dict[str, NewtonSchulzSchedule] = {
     "deepseek_v4": DEEPSEEK_V4,
 }
 
+# A schedule sits in Muon's param groups, so optimizer checkpoints pickle it: allow it
+# in torch.load(weights_only=True) (transformers.Trainer's resume, DCP's torch.load).
+torch.serialization.add_safe_globals([NewtonSchulzSchedule])
+
 
 # Newton-Schulz implementations (`muon.backend.BACKENDS`): "torch" is the plain path
 # below (the default on CPU and what CI tests); "triton" is `muon.ns_triton` (symmetric

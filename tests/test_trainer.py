@@ -111,17 +111,7 @@ def assert_offload_and_resume_bitwise(opt: str, tmp: Path, *, fsdp: bool) -> Non
         assert torch.equal(resumed[name], ref), f"resumed: {name} differs"
 
 
-OPTIMIZERS = [
-    "adamw",
-    pytest.param(
-        "muon",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="muon.Muon's param_groups hold a NewtonSchulzSchedule object, which "
-            "torch.load(weights_only=True) (the Trainer's resume) refuses",
-        ),
-    ),
-]
+OPTIMIZERS = ["adamw", "muon"]
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)
