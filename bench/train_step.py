@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import multiprocessing
 import os
@@ -63,6 +64,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from bench import hf_llama
 from bench.data import random_tokens
@@ -314,10 +316,35 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
         ),
     }
+    if device.type == "cuda":
+        result["kept_mib"] = kept_between_steps(model, optimizer, device) / 2**20
     close = getattr(optimizer, "close", None)
     if close is not None:
         close()
     return result
+
+
+def kept_between_steps(model: nn.Module, optimizer: Any, device: torch.device) -> int:
+    """Bytes allocated after a step and `zero_grad(set_to_none=True)` beyond the params and
+    the optimizer state on the device: what the optimizer keeps between steps."""
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize(device)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = {
+        local(p).untyped_storage().data_ptr(): local(p).untyped_storage().nbytes()
+        for p in model.parameters()
+    }
+    state = {
+        local(v).untyped_storage().data_ptr(): local(v).untyped_storage().nbytes()
+        for entries in optimizer.state.values()
+        for v in entries.values()
+        if isinstance(v, torch.Tensor) and local(v).device.type == "cuda"
+    }
+    return torch.cuda.memory_allocated(device) - sum(params.values()) - sum(state.values())
 
 
 def sequence_length(model: str) -> int:
@@ -390,7 +417,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
     width = max(len(r["arm"]) for r in results)
     header = (
         f"{'arm':<{width}} {'step ms':>8} {'vs none':>8} {'window':>8} {'returns':>8} "
-        f"{'peak GiB':>9} {'vs none':>8} {'steps':>6}"
+        f"{'peak GiB':>9} {'vs none':>8} {'kept MiB':>9} {'steps':>6}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
@@ -400,12 +427,14 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(
             f"{r['arm']:<{width}} {r['step_ms']:>8.1f} {ratio(r, 'step_ms'):>8} "
             f"{r['window_ms_per_step']:>8.1f} {r['step_returns_ms']:>8.1f} "
-            f"{gib(r['peak_gib']):>9} {ratio(r, 'peak_gib'):>8} {r['timed_steps']:>6}"
+            f"{gib(r['peak_gib']):>9} {ratio(r, 'peak_gib'):>8} "
+            f"{gib(r.get('kept_mib')):>9} {r['timed_steps']:>6}"
         )
     print(
         "\nstep ms: median over the window's steps (events between steps, synced only at the "
         "window's ends); window: window / steps; returns: host ms until step() returns; "
-        "vs none: against the same optimizer's none arm (plain arms: plain/none)"
+        "vs none: against the same optimizer's none arm (plain arms: plain/none); kept: "
+        "allocated after step() + zero_grad beyond params and device state"
     )
 
 
