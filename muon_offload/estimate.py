@@ -3,37 +3,40 @@
 Every figure comes from the planning code the optimizer runs: params are grouped
 by `muon_param_groups`; each rank's `ParamLayout`s are what `Muon` derives from
 the DTensors of the mesh `MeshSpec` describes; `MuonPlan.build` (or `seen_from`
-for a rank with the same exchanged matrices) assigns buckets and owners; each
-rank's `MuonPlan.exchange` gives the bucket's `ExchangePlan`, whose fields are
-the step's; with offload, `offload.chunk_plan.plan_offload` cuts the units
-exactly as `MuonStep` makes them (one per bucket, one per AdamW param) into the
+for a rank with the same exchanged matrices) assigns buckets and owners; the
+step's launches are `MuonPlan.exchange` (exchanged buckets) and
+`MuonPlan.local_exchanges` (local params, re-bucketed as `MuonStep` does), walked
+in `launch_order`; with offload, `offload.chunk_plan.plan_offload` cuts the units
+exactly as `MuonStep` makes them (each exchanged bucket, each param of a local
+bucket, each AdamW param; none sliced: `MuonStep` has no `step_slices`) into the
 chunks `CPUOffloadOptimizer` streams.
 
 Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
 - kept between steps: the state (fp32 momentum of the local shards, AdamW's two
-  moments); with offload the state lives on the host and the GPU keeps the
-  staging ring (`staging_slots` x the largest chunk) instead;
-- transient, per bucket in flight: send, receive and full buffers of exactly
-  that bucket's `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`),
-  allocated when the bucket starts and freed when it finishes; a local bucket
-  (`axis` None) allocates no send or receive buffer. `MuonStep` starts bucket
-  k+1 before finishing bucket k, so up to `max_inflight` buckets are alive;
-  finishing one adds its Newton-Schulz temporaries (`ExchangePlan.ns_numel`),
-  starting one on the torch path (CPU) its fp32 momentum-step results while it
-  packs. After the buckets, torch's AdamW on CUDA (foreach) copies
-  `sqrt(exp_avg_sq)` of every param of the call; on CPU (single tensor) one
-  param at a time. With offload all of this runs per chunk.
-The step's peak is kept + the largest transient. Not modelled: the caching
+  moments); with offload only the GPU-resident state (`gpu_resident_bytes`,
+  default none): the rest lives on the host, and the staging ring is allocated
+  for the step and given back after it;
+- step transient: with offload the ring (`staging_slots` x the largest slot),
+  and on top of it the compute's peak over the chunks. The compute, following
+  `launch_order`: each launch's send, receive and full buffers of exactly its
+  `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`) from its start to its
+  finish (a local launch holds only `full` and finishes as it starts), its
+  `ns_numel` on top while it finishes (`transient_peak_numel`), and on the torch
+  momentum path (CPU) its fp32 momentum-step results while it packs. After the
+  launches, torch's AdamW on CUDA (foreach) copies `sqrt(exp_avg_sq)` of every
+  param of the call; on CPU (single tensor) one param at a time.
+The step's peak is kept + the step transient. Not modelled: the caching
 allocator's rounding and fragmentation, the first step's creation of state
-(with offload, one more chunk then), cuBLAS workspaces, and with
-`overlap_forward` the chunk order (units sorted by the forward's first use).
+(with offload, one more chunk then), cuBLAS workspaces, Newton-Schulz paths
+other than the standard one (`ExchangePlan.ns_numel`; "auto" takes Gram for
+some shapes on CUDA), and with `overlap_forward` the chunk order (units sorted
+by the forward's first use).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -50,6 +53,7 @@ from muon.planning import (
     MuonPlan,
     ParamLayout,
     chunk_range,
+    launch_order,
 )
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
@@ -137,6 +141,8 @@ class StepSettings:
     torch's AdamW runs foreach; "cpu": the torch momentum path and single-tensor AdamW."""
     offload_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     offload_slots: int = DEFAULT_STAGING_SLOTS
+    offload_resident_bytes: int = 0
+    """`CPUOffloadOptimizer`'s `gpu_resident_bytes` (an int: "auto" decides at run time)."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_bytes <= 0:
@@ -151,6 +157,10 @@ class StepSettings:
             )
         if self.offload_slots < 1:
             raise ValueError(f"offload_slots should be >= 1 but is: {self.offload_slots}")
+        if self.offload_resident_bytes < 0:
+            raise ValueError(
+                f"offload_resident_bytes should be >= 0 but is: {self.offload_resident_bytes}"
+            )
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -177,12 +187,10 @@ class BucketLoad:
     full_numel: int
     ns_numel: int
     itemsize: int
-    momentum_bytes: int
-    """fp32 momentum-step results alive while the bucket packs (torch path, Nesterov)."""
     ns_flops: int
 
     @classmethod
-    def of(cls, plan: ExchangePlan, rank: int, momentum_bytes: int) -> BucketLoad:
+    def of(cls, plan: ExchangePlan, rank: int) -> BucketLoad:
         return cls(
             bucket=plan.bucket,
             rank=rank,
@@ -196,7 +204,6 @@ class BucketLoad:
             full_numel=plan.full_numel,
             ns_numel=plan.ns_numel,
             itemsize=plan.itemsize,
-            momentum_bytes=momentum_bytes,
             ns_flops=sum(len(b.matrices) * ns_flops(b.rows, b.cols) for b in plan.batches),
         )
 
@@ -230,36 +237,28 @@ def _larger(a: Transient, b: Transient) -> Transient:
     return b if b.total_bytes > a.total_bytes else a
 
 
-def buckets_transient(
-    loads: Sequence[BucketLoad], order: Sequence[int], max_inflight: int
+def muon_transient(
+    plans: Sequence[ExchangePlan],
+    max_inflight: int,
+    momentum_bytes: Callable[[ExchangePlan], int] = lambda plan: 0,
 ) -> Transient:
-    """Peak of `MuonStep._run_buckets` over the buckets `order`, replayed event by event.
+    """Peak of `MuonStep._run_muon` over `plans` (bucket order), walking `launch_order`.
 
-    A bucket with no matrices on this rank keeps its place in the queue (as the
-    optimizer's None entry does) and allocates nothing.
+    Buffers and Newton-Schulz are `transient_peak_numel`'s count, by kind; a start
+    adds `momentum_bytes(plan)` (the torch path's momentum results) on top of the
+    buffers alive, its own included (they are allocated before it packs).
     """
     peak = Transient()
-    alive: deque[BucketLoad | None] = deque()
-
-    def held() -> int:
-        return sum(load.buffer_bytes for load in alive if load is not None)
-
-    def finish() -> None:
-        nonlocal peak
-        load = alive[0]
-        if load is not None:
-            peak = _larger(peak, Transient(held(), load.ns_bytes, 0))
-        alive.popleft()
-
-    for b in order:
-        if len(alive) == max_inflight:
-            finish()
-        load = loads[b] if loads[b].matrices else None
-        if load is not None:
-            peak = _larger(peak, Transient(held() + load.buffer_bytes, 0, load.momentum_bytes))
-        alive.append(load)
-    while alive:
-        finish()
+    live = 0
+    for start, i in launch_order(plans, max_inflight):
+        plan = plans[i]
+        buffers = (plan.send_numel + plan.recv_numel + plan.full_numel) * plan.itemsize
+        if start:
+            live += buffers
+            peak = _larger(peak, Transient(live, 0, momentum_bytes(plan)))
+        else:
+            peak = _larger(peak, Transient(live, plan.ns_numel * plan.itemsize, 0))
+            live -= buffers
     return peak
 
 
@@ -276,21 +275,28 @@ def adamw_transient(group_bytes: Mapping[int, Sequence[int]], device: str) -> Tr
 
 @dataclass(frozen=True, slots=True)
 class StepMemory:
-    """GPU bytes of one rank's optimizer: kept between steps, and the step's transient peak."""
+    """GPU bytes of one rank's optimizer: kept between steps, and what the step adds."""
 
     state_bytes: int
-    """State on the GPU between steps (0 with offload: it lives on the host)."""
+    """State on the GPU between steps: all of it without offload; with offload the
+    GPU-resident state only."""
     staging_bytes: int
-    """Offload's staging ring, kept between steps (0 without offload)."""
+    """Offload's staging ring, allocated for the step only (0 without offload)."""
     transient: Transient
+    """The compute's peak (over the chunks with offload), on top of the ring."""
 
     @property
     def kept_bytes(self) -> int:
-        return self.state_bytes + self.staging_bytes
+        return self.state_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """What the step allocates on top of what is kept, at its peak."""
+        return self.staging_bytes + self.transient.total_bytes
 
     @property
     def peak_bytes(self) -> int:
-        return self.kept_bytes + self.transient.total_bytes
+        return self.kept_bytes + self.step_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +308,8 @@ class RankEstimate:
     """Per bucket."""
     muon_state_bytes: int
     adamw_state_bytes: int
+    units: tuple[tuple[int, ...], ...]
+    """`MuonStep.units` as indices: Muon params (`MuonPlan` order), then AdamW params."""
     no_offload: StepMemory
     offload: StepMemory
     offload_chunks: int
@@ -374,6 +382,11 @@ class ModelEstimate:
     padded: tuple[PaddedAlternative | None, ...]
     """Per bucket; None for a local bucket."""
 
+    def muon_step_transient(self, rank: int) -> Transient:
+        """The Muon launches of a whole step on `rank`, without AdamW."""
+        plan = self.plans[rank]
+        return launches_transient(plan, step_units(plan, 0), self.settings)
+
     def exchange(self, rank: int, bucket: int) -> ExchangePlan:
         """The `ExchangePlan` of `rank` for `bucket`, every param active."""
         plan = self.plans[rank]
@@ -430,15 +443,56 @@ def _split(
     return muon, adamw
 
 
+def step_units(plan: MuonPlan, adamw_params: int) -> list[tuple[str, int]]:
+    """`MuonStep`'s units, in its order: ("bucket", exchanged bucket), ("local", Muon param)
+    for each param of a local bucket, ("adamw", k) for each AdamW param."""
+    units: list[tuple[str, int]] = []
+    for bucket in plan.buckets:
+        if bucket.axis is None:
+            units.extend(("local", i) for i in bucket.params)
+        else:
+            units.append(("bucket", bucket.index))
+    units.extend(("adamw", k) for k in range(adamw_params))
+    return units
+
+
+def step_plans(plan: MuonPlan, buckets: Sequence[int], local: Sequence[int]) -> list[ExchangePlan]:
+    """The launches `MuonStep._run_muon` makes for exchanged `buckets` and `local` params,
+    every param active, in bucket order."""
+    plans = [plan.exchange(b, frozenset(plan.buckets[b].params)) for b in buckets]
+    if local:
+        plans += plan.local_exchanges(sorted(local), frozenset(local))
+    plans.sort(key=lambda p: p.bucket)
+    return plans
+
+
+def launches_transient(
+    plan: MuonPlan, units: Sequence[tuple[str, int]], settings: StepSettings
+) -> Transient:
+    """The Muon launches of `MuonStep.step_params` over these (`step_units`) units; AdamW
+    units are left out."""
+    plans = step_plans(
+        plan,
+        [i for what, i in units if what == "bucket"],
+        [i for what, i in units if what == "local"],
+    )
+    local = [math.prod(layout.local_shape()) for layout in plan.layouts]
+    return muon_transient(
+        plans,
+        settings.max_inflight,
+        lambda launch: _momentum_bytes([local[i] for i in launch.params], settings),
+    )
+
+
 def _momentum_bytes(numels: Sequence[int], settings: StepSettings) -> int:
-    """Peak of a bucket's momentum step on the torch path: results kept (Nesterov) while
+    """Peak of a launch's momentum step on the torch path: results kept (Nesterov) while
     it packs, and a grad's fp32 cast if the params are not fp32. None with the fused kernel."""
     if settings.device == "cuda":
         return 0
     size = MOMENTUM_DTYPE.itemsize
     cast = settings.param_dtype != MOMENTUM_DTYPE
     alive = peak = 0
-    for n in numels:  # params in index order, as `MuonStep._pack` updates them
+    for n in numels:  # params in index order, as `_TorchElementwise.momentum` updates them
         result = n * size if settings.nesterov else 0
         peak = max(peak, alive + result + (n * size if cast else 0))
         alive += result
@@ -498,11 +552,7 @@ def _rank(
     local_shapes = [layout.local_shape() for layout in layouts]
     local = [math.prod(shape) for shape in local_shapes]
     loads = tuple(
-        BucketLoad.of(
-            plan.exchange(b, frozenset(bucket.params)),
-            rank,
-            _momentum_bytes([local[i] for i in bucket.params], settings),
-        )
+        BucketLoad.of(plan.exchange(b, frozenset(bucket.params)), rank)
         for b, bucket in enumerate(plan.buckets)
     )
     adamw_local = [math.prod(mesh.local_shape(shape, rank)) for _, shape in adamw]
@@ -510,10 +560,17 @@ def _rank(
     muon_state = sum(local) * MOMENTUM_DTYPE.itemsize
     adamw_state = 2 * sum(adamw_local) * moment
 
-    # Units exactly as `MuonStep` makes them: each bucket, then each AdamW param.
-    buckets = len(plan.buckets)
-    units = [list(bucket.params) for bucket in plan.buckets]
-    units += [[len(layouts) + i] for i in range(len(adamw))]
+    kinds = step_units(plan, len(adamw))
+    units = tuple(
+        tuple(plan.buckets[i].params)
+        if what == "bucket"
+        else (i,)
+        if what == "local"
+        else (len(layouts) + i,)
+        for what, i in kinds
+    )
+    # As `CPUOffloadOptimizer._ensure_plan` describes a param to `plan_offload`: Muon's
+    # step cannot slice, so no unit is splittable.
     specs = [
         ParamSpec(
             math.prod(layout.shape) // _shards(layout),
@@ -531,29 +588,35 @@ def _rank(
         for _, shape in adamw
     ]
 
-    def step_transient(unit_indices: Sequence[int]) -> Transient:
-        """`MuonStep.step_params` over these units: its buckets, then AdamW per group."""
+    def step_transient(chosen: Sequence[int]) -> Transient:
+        """`MuonStep.step_params` over these units: its launches, then AdamW per group."""
+        picked = [kinds[u] for u in sorted(chosen)]
+        muon = launches_transient(plan, picked, settings)
         groups: dict[int, list[int]] = {}
-        for u in unit_indices:
-            if u >= buckets:
-                group = adamw[u - buckets][0]
-                groups.setdefault(group, []).append(adamw_local[u - buckets] * moment)
-        ordered = [u for u in unit_indices if u < buckets]
-        return _larger(
-            buckets_transient(loads, ordered, settings.max_inflight),
-            adamw_transient(groups, settings.device),
-        )
+        for what, k in picked:
+            if what == "adamw":
+                groups.setdefault(adamw[k][0], []).append(adamw_local[k] * moment)
+        return _larger(muon, adamw_transient(groups, settings.device))
 
-    offload = _plan_offload(tuple(map(tuple, units)), tuple(specs), settings.offload_chunk_bytes)
+    offload = _plan_offload(
+        units, tuple(specs), settings.offload_chunk_bytes, settings.offload_resident_bytes
+    )
+    unit_of = {param: u for u, unit in enumerate(units) for param in unit}
     offload_transient = Transient()
     for chunk in offload.chunks:
-        offload_transient = _larger(offload_transient, step_transient(chunk.units))
+        chosen = {unit_of[param] for param in chunk.params}
+        offload_transient = _larger(offload_transient, step_transient(sorted(chosen)))
     return RankEstimate(
         rank=rank,
         loads=loads,
         muon_state_bytes=muon_state,
         adamw_state_bytes=adamw_state,
+        units=units,
         no_offload=StepMemory(muon_state + adamw_state, 0, step_transient(range(len(units)))),
-        offload=StepMemory(0, offload.staging_bytes(settings.offload_slots), offload_transient),
+        offload=StepMemory(
+            offload.resident_bytes,
+            offload.staging_bytes(settings.offload_slots),
+            offload_transient,
+        ),
         offload_chunks=len(offload.chunks),
     )

@@ -10,7 +10,9 @@ the most and the one with the fewest Newton-Schulz FLOPs in that bucket, under
 `BucketMetrics`' field names, so a run's `Muon.metrics` can be held against it.
 Per rank it shows the rank with the most and the fewest Newton-Schulz FLOPs in
 the step ("busy", "idle") and the rank whose step peaks highest, each with and
-without offload: what is kept between steps and what the step adds at its peak.
+without offload: what is kept between steps (the state on the GPU; with offload
+none of it unless some is GPU-resident) and what the step adds at its peak (with
+offload the staging ring, allocated for the step only, and the chunks' compute).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def _memory_dict(memory: StepMemory) -> dict[str, int]:
         "staging_bytes": memory.staging_bytes,
         "kept_bytes": memory.kept_bytes,
         **asdict(memory.transient),
-        "transient_bytes": memory.transient.total_bytes,
+        "transient_bytes": memory.step_bytes,  # the ring (with offload) and the compute
         "peak_bytes": memory.peak_bytes,
     }
 
@@ -157,13 +159,12 @@ def summary(model: ModelEstimate) -> dict[str, Any]:
 
 
 MEMORY_LINES = (
-    ("state on the GPU", lambda m: m.state_bytes),
-    ("staging ring", lambda m: m.staging_bytes),
     ("kept between steps", lambda m: m.kept_bytes),
+    ("  staging ring", lambda m: m.staging_bytes),
     ("  exchange buffers", lambda m: m.transient.buffer_bytes),
     ("  Newton-Schulz", lambda m: m.transient.ns_bytes),
     ("  momentum / AdamW", lambda m: m.transient.other_bytes),
-    ("step transient", lambda m: m.transient.total_bytes),
+    ("step transient", lambda m: m.step_bytes),
     ("step peak", lambda m: m.peak_bytes),
 )
 
@@ -324,6 +325,10 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "--offload-chunk-mib", type=float, default=StepSettings().offload_chunk_bytes / 2**20
     )
     p.add_argument("--offload-slots", type=int, default=StepSettings().offload_slots)
+    p.add_argument(
+        "--offload-resident-mib", type=float, default=0.0,
+        help="CPUOffloadOptimizer's gpu_resident_bytes: state kept on the GPU",
+    )  # fmt: skip
     p.add_argument("--sweep-fsdp", help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument("--budget-gib", type=float, help="per-rank budget for the optimizer's peak")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -340,6 +345,7 @@ def settings_from(args: argparse.Namespace) -> StepSettings:
         device=args.device,
         offload_chunk_bytes=int(args.offload_chunk_mib * 2**20),
         offload_slots=args.offload_slots,
+        offload_resident_bytes=int(args.offload_resident_mib * 2**20),
     )
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,15 +16,16 @@ from spawn_ranks import run_on_ranks
 
 from muon import BucketMetrics, Muon, muon_param_groups
 from muon.model_shapes import from_config, from_module, from_preset, meta_module
-from muon.planning import MuonPlan, ParamLayout
+from muon.planning import MuonPlan, ParamLayout, transient_peak_numel
 from muon_offload.estimate import (
-    BucketLoad,
     MeshSpec,
     StepSettings,
     Transient,
-    buckets_transient,
     estimate,
+    muon_transient,
     padded_alternative,
+    step_plans,
+    step_units,
 )
 from muon_offload.plan import main
 from offload import CPUOffloadOptimizer
@@ -121,26 +123,56 @@ def test_every_rank_is_its_exchange_plans(config, mesh):
             ), (rank, b)
             if rebuilt.buckets[b].axis is None:  # local: no send or receive buffer
                 assert load.send_numel == load.recv_numel == 0
+        # The whole step's launches: each planned bucket (all local params re-bucketed give
+        # the plan's local buckets), and the replay is `transient_peak_numel`'s count.
+        units = step_units(mine, 0)
+        plans = step_plans(
+            mine,
+            [i for what, i in units if what == "bucket"],
+            [i for what, i in units if what == "local"],
+        )
+        assert plans == [mine.exchange(b.index, frozenset(b.params)) for b in mine.buckets]
+        assert model.muon_step_transient(rank).total_bytes == (
+            transient_peak_numel(plans, 2) * mine.itemsize
+        ), rank
     flops = [r.ns_flops for r in model.ranks]
     assert model.imbalance == pytest.approx(max(flops) * len(flops) / sum(flops))
     assert model.busiest.ns_flops == max(flops) and model.idlest.ns_flops == min(flops)
 
 
-def _load(bucket: int, buffer: int, ns: int, momentum: int = 0) -> BucketLoad:
-    return BucketLoad(bucket, 0, 1, 1, 0, 0, 0, buffer, 0, 0, ns, 1, momentum, 0)
+@dataclass(frozen=True)
+class _Launch:
+    """What the replay reads of an `ExchangePlan`, with hand-picked sizes."""
+
+    axis: int | None
+    send_numel: int
+    ns_numel: int
+    params: tuple[int, ...] = ()
+    recv_numel: int = 0
+    full_numel: int = 0
+    itemsize: int = 1
 
 
-def test_bucket_replay_counts_the_buckets_alive():
-    """Hand-counted: start k+1 before finishing k, at most max_inflight alive."""
-    loads = [_load(0, 10, 5), _load(1, 20, 1, momentum=4), _load(2, 3, 30)]
-    # 2 in flight: start 0 (10), start 1 (10+20, +4 momentum), finish 0 (30 + NS 5),
-    # start 2 (20+3), finish 1 (23 + 1), finish 2 (3 + 30)
-    assert buckets_transient(loads, [0, 1, 2], 2) == Transient(30, 5, 0)
-    # one at a time: the last bucket's NS on its own buffers peaks
-    assert buckets_transient(loads, [0, 1, 2], 1) == Transient(3, 30, 0)
-    # a bucket with nothing on this rank holds a slot and allocates nothing
-    empty = BucketLoad(1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0)
-    assert buckets_transient([loads[0], empty, loads[2]], [0, 1, 2], 2) == Transient(3, 30, 0)
+def test_launch_replay_counts_the_launches_alive():
+    """Hand-counted: start k+1 before finishing k, at most max_inflight exchanged buckets
+    alive; a local launch finishes as it starts and takes no slot."""
+    plans = [
+        _Launch(0, 10, 5),
+        _Launch(None, 7, 2),
+        _Launch(0, 20, 1, params=(4,)),
+        _Launch(0, 3, 30),
+    ]
+    momentum = lambda plan: sum(plan.params)  # noqa: E731
+    # 2 in flight: start A (10), local (17, NS 19), start B (30, +4 momentum),
+    # finish A (30 + NS 5), start C (23), finish B (23 + 1), finish C (3 + 30)
+    assert muon_transient(plans, 2, momentum) == Transient(30, 5, 0)
+    assert transient_peak_numel(plans, 2) == 35
+    # one at a time: finish A (10 + 5), B (20 + 4 momentum), the last NS on its buffers
+    assert muon_transient(plans, 1, momentum) == Transient(3, 30, 0)
+    assert transient_peak_numel(plans, 1) == 33
+    # the local launch's NS tops the first exchange's buffers when it is the largest
+    big = [plans[0], _Launch(None, 7, 40)]
+    assert muon_transient(big, 2) == Transient(17, 40, 0) and transient_peak_numel(big, 2) == 57
 
 
 def test_estimate_equals_an_independent_count():
@@ -174,13 +206,32 @@ def test_estimate_equals_an_independent_count():
 
 
 def test_offload_keeps_less_than_the_state_of_qwen3_8b():
-    """Issue 13 item 9: the staging ring is below the state it stages, at every size."""
+    """Issue 13 item 9: with offload nothing is kept between steps (the ring goes back
+    after the step), and the step's peak (ring + compute) is below the state it stages."""
     for fsdp in (8, 16, 32, 64):
         model = estimate(from_preset("qwen3-8b"), MeshSpec(fsdp))
         for rank in (model.busiest, model.idlest, model.largest_peak(offload=True)):
-            assert rank.offload.kept_bytes < rank.no_offload.kept_bytes, fsdp
+            assert rank.offload.kept_bytes == 0 and rank.no_offload.kept_bytes > 0, fsdp
             assert rank.offload.peak_bytes < rank.no_offload.peak_bytes, fsdp
-            assert rank.offload.state_bytes == 0 and rank.no_offload.staging_bytes == 0
+            assert rank.offload.staging_bytes > 0 and rank.no_offload.staging_bytes == 0
+            assert rank.offload.peak_bytes == rank.offload.step_bytes, fsdp
+
+
+def test_gpu_resident_state_is_kept_and_leaves_the_ring():
+    """`offload_resident_bytes` keeps whole units' state on the GPU, as plan_offload lays it."""
+    shapes = from_config(TINY_DENSE)
+    base = StepSettings(bucket_cap_bytes=CAP, offload_chunk_bytes=OFFLOAD_CHUNK)
+    (everything,) = estimate(shapes, MeshSpec(1), base).ranks
+    resident = StepSettings(
+        bucket_cap_bytes=CAP, offload_chunk_bytes=OFFLOAD_CHUNK, offload_resident_bytes=2**30
+    )
+    (kept,) = estimate(shapes, MeshSpec(1), resident).ranks
+    # the resident slab: every state tensor, each aligned to 256 bytes (ALIGN_BYTES)
+    muon, adamw = muon_param_groups(meta_module(shapes))
+    tensors = len(muon["params"]) + 2 * len(adamw["params"])
+    state = everything.no_offload.kept_bytes
+    assert state < kept.offload.kept_bytes < state + 256 * tensors
+    assert kept.offload.staging_bytes == 0 < everything.offload.staging_bytes
 
 
 def test_bucket_cap_changes_the_figure(capsys):
@@ -327,8 +378,14 @@ def _check_world(world: int, transient: bool) -> None:
                 load.bytes_received,
                 load.workspace_bytes,
             ), (where, metric)
+        # MuonStep's units are the estimate's (Muon params, then AdamW params, as indices).
+        subset = opt.begin_subset_step()
+        adamw = [p for g in opt.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        index = {id(p): i for i, p in enumerate([p for p, _ in opt._muon_params()] + adamw)}
+        units = [tuple(index[id(p)] for p in unit) for unit in subset.units]
+        assert units == list(estimated.units), where
         if transient:
-            _check_measured_transient(opt, estimated, where)
+            _check_measured_transient(opt, model, rank % spec.fsdp, len(adamw), where)
         # The offloaded step's chunks and staging ring are the estimate's.
         wrapper = CPUOffloadOptimizer(opt, chunk_bytes=OFFLOAD_CHUNK, staging_slots=2)
         wrapper.step()
@@ -336,14 +393,14 @@ def _check_world(world: int, transient: bool) -> None:
         assert wrapper.plan.staging_bytes(2) == estimated.offload.staging_bytes, where
 
 
-def _check_measured_transient(opt, estimate, where: str) -> None:
-    """CPU allocations of the Muon buckets of a second step (profiler) == the estimate."""
+def _check_measured_transient(opt, model, rank: int, adamw: int, where: str) -> None:
+    """CPU allocations of the Muon units of a second step (profiler) == the estimate."""
     from torch.profiler import ProfilerActivity, profile
 
     subset = opt.begin_subset_step()
-    buckets = subset.units[: len(opt._muon_plan().buckets)]
+    muon_units = subset.units[: len(subset.units) - adamw]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        subset.step_params([p for unit in buckets for p in unit])
+        subset.step_params([p for unit in muon_units for p in unit])
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -351,9 +408,7 @@ def _check_measured_transient(opt, estimate, where: str) -> None:
             events = json.load(f)["traceEvents"]
     totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
     measured = max(totals, default=0)
-    expected = buckets_transient(
-        estimate.loads, range(len(estimate.loads)), opt.max_inflight
-    ).total_bytes
+    expected = model.muon_step_transient(rank).total_bytes
     assert expected <= measured <= 1.02 * expected + 256, (where, measured, expected)
 
 
@@ -366,12 +421,6 @@ def test_optimizer_builds_the_planned_plan(world):
     run_on_ranks(_worker, world, False)
 
 
-# Until issue 12 lands, Muon keeps its exchange buffers between steps (allocated once at
-# the largest bucket); the estimate models per-bucket buffers from the caching allocator.
-KEEPS_BUFFERS = hasattr(Muon, "_exchange_buffers")
-
-
-@pytest.mark.skipif(KEEPS_BUFFERS, reason="Muon still keeps its exchange buffers (issue 12)")
 @pytest.mark.parametrize("world", [1, 3])
 def test_measured_step_transient_is_the_estimate(world):
     run_on_ranks(_worker, world, True)
