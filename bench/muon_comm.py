@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from bench.report import exit_spawned_rank, write_json
 from muon import Muon, muon_param_groups
 from muon.model_shapes import PRESETS, from_config, meta_module
-from muon_offload.estimate import EXPERT_SHARDS, MeshSpec, StepSettings, buckets_transient, estimate
+from muon_offload.estimate import EXPERT_SHARDS, MeshSpec, StepSettings, estimate
 
 ITEMSIZE = 2  # bf16 on the wire
 MIB = 2**20
@@ -144,7 +144,7 @@ def _model_arm(
     received = sum(m.bytes_received for m in opt.metrics)
 
     est = model.ranks[rank]
-    est_transient = buckets_transient(est.loads, range(len(est.loads)), args.max_inflight)
+    est_transient = model.muon_step_transient(rank)  # the bench's optimizer has no AdamW
     padded = [p for p in model.padded if p is not None]
     largest = max((p.padded_bytes for p in padded), default=0) // ITEMSIZE
     send = torch.zeros(largest, dtype=torch.bfloat16, device=device)

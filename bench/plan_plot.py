@@ -5,9 +5,10 @@ with and without offload, one stacked bar each.
         --out bench/measured/plan_qwen3-8b_fsdp8.png
 
 Takes `python -m muon_offload.plan`'s arguments. Each bar stacks what the optimizer holds on
-the GPU at the step's peak: kept between steps (state, or offload's staging ring),
-then the step's transient (exchange buffers of the buckets in flight, Newton-Schulz
-workspace, momentum / AdamW temporaries). Needs matplotlib (`pip install -e .[plot]`).
+the GPU at the step's peak: kept between steps (the state; with offload only GPU-resident
+state, none by default), then the step's transient (offload's staging ring, allocated for
+the step only; exchange buffers of the launches in flight, Newton-Schulz workspace,
+momentum / AdamW temporaries). Needs matplotlib (`pip install -e .[plot]`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from muon_offload.plan import estimate_from, parser
 
 # (label, bytes of a StepMemory, colour)
 PARTS = (
-    ("optimizer state (kept)", lambda m: m.state_bytes, "#4c72b0"),
-    ("offload staging ring (kept)", lambda m: m.staging_bytes, "#8172b2"),
+    ("optimizer state on the GPU (kept)", lambda m: m.state_bytes, "#4c72b0"),
+    ("offload staging ring (step)", lambda m: m.staging_bytes, "#8172b2"),
     ("exchange buffers (step)", lambda m: m.transient.buffer_bytes, "#dd8452"),
     ("Newton-Schulz workspace (step)", lambda m: m.transient.ns_bytes, "#55a868"),
     ("momentum / AdamW temporaries (step)", lambda m: m.transient.other_bytes, "#c44e52"),

@@ -433,7 +433,8 @@ def test_measured_step_transient_is_the_estimate(world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("ns_backend", ["torch", "triton"])
 def test_estimated_memory_within_10_percent_on_gpu(tmp_path, ns_backend):
-    """Kept between steps and the step's transient, with and without offload."""
+    """Kept between steps and the step's transient, with and without offload (standard
+    Newton-Schulz: the workspace the plan models)."""
     out = tmp_path / "plan_vs_measured.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["--layers", "2", "--ns-backend", ns_backend, "--out", str(out)]
@@ -442,4 +443,7 @@ def test_estimated_memory_within_10_percent_on_gpu(tmp_path, ns_backend):
     )
     result = json.loads(out.read_text())
     for row in result["rows"]:
-        assert 0.9 <= row["ratio"] <= 1.1, row
+        if row["estimate"] == 0:  # kept with offload: the ring went back after the step
+            assert row["measured"] < 2**20, row
+        else:
+            assert 0.9 <= row["ratio"] <= 1.1, row
