@@ -56,7 +56,8 @@ ALGORITHMS = ("auto", "standard", "gram")
 GRAM_MIN_ASPECT = {"torch": 2.0, "triton": 3.0}
 # cuBLAS batched products are batch-invariant on the H200 for every shape measured with
 # a short side of 256 and up (bf16 and fp16); fp16 `x @ x.mT` of 2 x 2048 matrices is not
-# (GPU_FINDINGS.md). Below this short side the plain CUDA path launches per matrix.
+# (bench/measured/cublas_batch_invariance_h200.log). Below this short side the plain
+# CUDA path launches per matrix.
 CUBLAS_BATCH_INVARIANT_MIN_SIDE = 256
 
 
@@ -211,8 +212,10 @@ def ns_path(
     compute = dtype
     if algorithm == "gram" and cuda and dtype in (torch.bfloat16, torch.float16):
         compute = torch.float16
-    small = min(rows, cols) < CUBLAS_BATCH_INVARIANT_MIN_SIDE
-    return NewtonSchulzPath(algorithm, backend, compute, cuda and backend == "torch" and small)
+    # fp32 batched cuBLAS products were not batch-invariant on the H200 (a matrix's Muon
+    # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were.
+    variant = min(rows, cols) < CUBLAS_BATCH_INVARIANT_MIN_SIDE or compute == torch.float32
+    return NewtonSchulzPath(algorithm, backend, compute, cuda and backend == "torch" and variant)
 
 
 @functools.cache
