@@ -409,7 +409,16 @@ def _check_measured_transient(opt, model, rank: int, adamw: int, where: str) -> 
     totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
     measured = max(totals, default=0)
     expected = model.muon_step_transient(rank).total_bytes
-    assert expected <= measured <= 1.02 * expected + 256, (where, measured, expected)
+    # gloo's worker thread may drop the last reference to a finished all-to-all's
+    # tensors (send and receive buffers) after the step has started the next launch;
+    # the allocator then frees them late. At most every exchanged buffer, once.
+    plan = opt._muon_plan()
+    late = sum(
+        (ex.send_numel + ex.recv_numel) * ex.itemsize
+        for b in plan.buckets
+        if (ex := plan.exchange(b.index, frozenset(b.params))).axis is not None
+    )
+    assert expected <= measured <= 1.02 * expected + 256 + late, (where, measured, expected, late)
 
 
 def _worker(rank: int, world: int, transient: bool) -> None:
