@@ -184,7 +184,8 @@ def main() -> None:
         ns_key = None if pair is None else pair[1]
         if arm in algorithms and algorithms[arm] != "standard":
             ns_key = f"{pair[1]}_{algorithms[arm]}"
-        overhead = "" if ns_key is None else f"{ms - results[f'ns_{ns_key}_ms']:>13.1f}"
+        ns_ms = None if ns_key is None else results.get(f"ns_{ns_key}_ms")  # none for "auto"
+        overhead = "" if ns_ms is None else f"{ms - ns_ms:>13.1f}"
         print(f"{arm:<32} {ms:>9.1f} {flops / (ms / 1e3) / 1e12:>11.1f} {overhead}")
     for backend, algorithm in ns_arms:
         key = backend if algorithm == "standard" else f"{backend}_{algorithm}"
