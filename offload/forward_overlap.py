@@ -64,6 +64,26 @@ def waited_params(module: nn.Module) -> list[Tensor]:
     return list(module.parameters())
 
 
+def _with_shared_all_gathers(modules: Sequence[nn.Module]) -> list[list[Tensor]]:
+    """`waited_params` of each module, where FSDP2 modules sharded together wait together.
+
+    `fully_shard([norm, lm_head])` (torchtitan's wrap) makes one unit of both: whichever
+    runs first all-gathers both, so each waits for both (H200: lm_head waited only for its
+    own chunk and its forward read stale weights). Private API (`_get_fsdp_state()`, one
+    state object per `fully_shard` call; torch 2.11 and 2.13).
+    """
+    waited = [waited_params(m) for m in modules]
+    together: dict[int, list[int]] = {}
+    for i, module in enumerate(modules):
+        if _is_fsdp(module):
+            together.setdefault(id(module._get_fsdp_state()), []).append(i)
+    for members in together.values():
+        union = [p for i in members for p in waited[i]]
+        for i in members:
+            waited[i] = union
+    return waited
+
+
 def fsdp_all_gather_streams(module: nn.Module) -> list[torch.Stream]:
     """The streams FSDP2 copies `module`'s shards in on for its all-gather.
 
@@ -142,9 +162,9 @@ class ForwardOverlap:
         for c, params in enumerate(chunk_params):
             for p in params:
                 chunk_of[p] = c  # a param cut into slices is done with its last chunk
+        waited = _with_shared_all_gathers([m for m, _ in self.owners])
         self._module_chunk = [
-            max((chunk_of[p] for p in waited_params(module) if p in chunk_of), default=-1)
-            for module, _ in self.owners
+            max((chunk_of[p] for p in params if p in chunk_of), default=-1) for params in waited
         ]
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 

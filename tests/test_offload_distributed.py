@@ -146,3 +146,38 @@ def _prefetch_worker(rank: int, world: int, ahead: int) -> None:
 @pytest.mark.parametrize("ahead", [1, 4])
 def test_fsdp2_forward_prefetch_waits_for_the_prefetched_chunk(ahead):
     run_on_ranks(_prefetch_worker, 2, ahead)
+
+
+def _shared_unit_worker(rank: int, world: int) -> None:
+    # fully_shard([a, b]) makes one unit (torchtitan shards norm + lm_head together):
+    # whichever module runs first all-gathers both, so it must wait for both's chunks.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def shard(model: torch.nn.Module) -> torch.nn.Module:
+        layers = list(model)
+        fully_shard([layers[1], layers[6]], mesh=mesh)
+        for i, layer in enumerate(layers):
+            if i not in (1, 6):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    plain_model, model = shard(_deep_model(0)), shard(_deep_model(0))
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    _train(plain_model, plain, rank)
+    _train(model, overlapped, rank)
+    overlapped.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+
+
+def test_fsdp2_modules_sharded_together_wait_for_each_others_chunks():
+    run_on_ranks(_shared_unit_worker, 2)
