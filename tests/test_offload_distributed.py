@@ -13,7 +13,7 @@ from offload import CPUOffloadOptimizer
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(12, 255),  # rows do not divide 2 or 3
+        torch.nn.Linear(16, 255),  # rows do not divide 2 or 3; rows of 16 can be sliced
         torch.nn.Tanh(),
         torch.nn.Linear(255, 2),  # fewer rows than ranks at world size 3: an empty shard
         torch.nn.Linear(2, 7),
@@ -34,7 +34,8 @@ def _train(model, optimizer, rank: int, steps: int = 5) -> None:
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
         optimizer.zero_grad()
-        model(torch.randn(3, 12, generator=gen)).square().mean().backward()
+        inputs = torch.randn(3, model[0].in_features, generator=gen)
+        model(inputs).square().mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
