@@ -61,26 +61,6 @@ def _shard_count(param: Tensor) -> int:
     return math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())
 
 
-# Elementwise CUDA kernels (foreach AdamW's multi_tensor_apply) take a vectorized path
-# for a tensor whose numel is a multiple of their vector width and a scalar one
-# otherwise, and the two round differently: on the H200 a 1024 x 4099 param stepped in
-# 64-element slices differed in the last bit from the whole. A param is sliced only if
-# every slice, like the whole, is a multiple of this (on every rank).
-SLICE_VECTOR_ELEMENTS = 16
-
-
-def _slices_take_the_whole_path(param: Tensor) -> bool:
-    """Whether every shard of `param`, and every slice of it, has a numel that is a
-    multiple of `SLICE_VECTOR_ELEMENTS` (decided from global shapes: rank-invariant)."""
-    placements = getattr(param, "placements", ())
-    sharded = [pl.dim for pl in placements if pl.is_shard()]
-    if not sharded:
-        return param.numel() % SLICE_VECTOR_ELEMENTS == 0
-    if param.ndim < 2 or any(dim % param.ndim != 0 for dim in sharded):
-        return False  # shard sizes differ by rank in the sliced dimension's unit
-    return math.prod(param.shape[1:]) % SLICE_VECTOR_ELEMENTS == 0
-
-
 def invariant_numel(param: Tensor) -> int:
     """Global numel / number of shards: a size every rank computes the same."""
     return param.numel() // _shard_count(param) if hasattr(param, "placements") else param.numel()
@@ -633,7 +613,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 and bool(state)
                 and local.is_contiguous()
                 and all(s.shape == local.shape for s in state)
-                and _slices_take_the_whole_path(p)
             )
             specs.append(ParamSpec(invariant_numel(p), state, splittable))
         self._specs = specs

@@ -83,11 +83,8 @@ def test_offloaded_step_is_bitwise_equal(name, chunk_bytes, slots):
         assert len(chunks) == 1
     if chunk_bytes == 1:  # params are cut into slices of the smallest size, one per chunk
         assert all(len(c.params) + len(c.slices) == 1 for c in chunks)
-        assert max(sl.stop - sl.start for c in chunks for sl in c.slices) == 64
-        # 16 x 37, 50 x 16 and 37 x 16 are sliced; 37 and 11 x 37 are not (their numel is
-        # not a multiple of the kernels' vector width), so they are whole units
-        whole = {tuple(offloaded._params[i].shape) for c in chunks for i in c.params}
-        assert whole == {(37,), (11, 37)}
+        assert max(v.stop - v.start for c in chunks for v in c.views) == 64
+        assert any(c.slices for c in chunks)
 
 
 class ScaledSign(torch.optim.Optimizer):
