@@ -125,6 +125,8 @@ class OptimizerConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             elif isinstance(default, tuple):
                 parser.add_argument(flag, type=float, nargs=len(default), default=default)
+            elif f.name == "offload_gpu_resident_bytes":
+                parser.add_argument(flag, type=_bytes_or_auto, default=default)
             else:
                 parser.add_argument(flag, type=type(default), default=default)
 
@@ -292,3 +294,8 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         overlap_forward=model if config.offload_overlap_forward else None,
         gpu_resident_bytes=config.offload_gpu_resident_bytes,
     )
+
+
+def _bytes_or_auto(text: str) -> int | str:
+    """`--offload-gpu-resident-bytes`: "auto" or a byte count."""
+    return text if text == "auto" else int(text)

@@ -174,3 +174,11 @@ def test_toml_with_a_wrong_table_or_value_fails_naming_it(tmp_path, text, messag
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         OptimizerConfig.from_toml(str(path))
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("1048576", 1048576)])
+def test_resident_bytes_flag_takes_auto_or_bytes(value, expected):
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    args = parser.parse_args(["--offload", "optimizer", "--offload-gpu-resident-bytes", value])
+    assert OptimizerConfig.from_args(args).offload_gpu_resident_bytes == expected
