@@ -1,4 +1,5 @@
-"""Run a test body on several gloo ranks and fail the test with the ranks' tracebacks."""
+"""Run a test body on several ranks (gloo, or NCCL with one GPU each) and fail the test
+with the ranks' tracebacks."""
 
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_on_ranks(body: Callable[..., None], world: int, *args: Any) -> None:
-    """`body(rank, world, *args)` in `world` spawned processes on one gloo group.
+def run_on_ranks(
+    body: Callable[..., None], world: int, *args: Any, backend: str = "gloo"
+) -> None:
+    """`body(rank, world, *args)` in `world` spawned processes on one `backend` group.
 
-    `body` must be a module-level function (spawn pickles it by name). A rank that
-    raises leaves its traceback; one killed by a signal leaves its Python stacks.
+    Under "nccl" rank r uses cuda:r (passed as `device_id`: NCCL otherwise guesses the
+    device from the rank). `body` must be a module-level function (spawn pickles it by
+    name). A rank that raises leaves its traceback; one killed by a signal leaves its
+    Python stacks.
     """
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_rank_main, args=(world, tmp, body, args), nprocs=world, join=True)
+            mp.spawn(_rank_main, args=(world, tmp, body, args, backend), nprocs=world, join=True)
         except Exception as err:
             reports = []
             for name in sorted(os.listdir(tmp)):
@@ -36,11 +41,19 @@ def run_on_ranks(body: Callable[..., None], world: int, *args: Any) -> None:
             pytest.fail("\n".join([f"a rank failed: {err}", *reports]))
 
 
-def _rank_main(rank: int, world: int, tmp: str, body: Callable[..., None], args: tuple) -> None:
+def _rank_main(
+    rank: int, world: int, tmp: str, body: Callable[..., None], args: tuple, backend: str
+) -> None:
     torch.set_num_threads(1)
     fault_log = open(os.path.join(tmp, f"fault.{rank}"), "w")  # open until the process exits
     faulthandler.enable(file=fault_log, all_threads=True)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    options: dict[str, Any] = {}
+    if backend == "nccl":
+        options["device_id"] = torch.device("cuda", rank)
+        torch.cuda.set_device(options["device_id"])
+    dist.init_process_group(
+        backend, init_method=f"file://{tmp}/init", rank=rank, world_size=world, **options
+    )
     exit_code = 0
     try:
         body(rank, world, *args)

@@ -24,19 +24,14 @@ to `init_process_group` and deterministic mode on
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
-import sys
-import tempfile
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_ranks import run_on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -83,52 +78,18 @@ EP_FSDP = [
 ADAMW_SHAPE = (11,)
 
 
-# -- the harness: spawn_ranks.run_on_ranks with a backend -----------------------------------------
+# -- the harness: spawn_ranks.run_on_ranks, deterministic, with the rank's device -------------
 
 
 def _run(body: Callable[..., None], backend: str, *args: Any) -> None:
     """`body(rank, device, *args)` on WORLD spawned ranks of one `backend` group."""
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_rank_main, args=(backend, tmp, body, args), nprocs=WORLD, join=True)
-        except Exception as err:
-            reports = []
-            for name in sorted(os.listdir(tmp)):
-                if name.startswith(("error", "fault")):
-                    with open(os.path.join(tmp, name)) as f:
-                        text = f.read()
-                    if text:
-                        reports.append(f"--- {name}\n{text}")
-            pytest.fail("\n".join([f"a rank failed: {err}", *reports]))
+    run_on_ranks(_deterministic, WORLD, body, backend, *args, backend=backend)
 
 
-def _rank_main(rank: int, backend: str, tmp: str, body: Callable[..., None], args: tuple) -> None:
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before CUDA starts: deterministic cuBLAS
-    torch.set_num_threads(1)
+def _deterministic(rank: int, world: int, body: Callable[..., None], backend: str, *args) -> None:
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: deterministic
     torch.use_deterministic_algorithms(True)
-    fault_log = open(os.path.join(tmp, f"fault.{rank}"), "w")  # open until the process exits
-    faulthandler.enable(file=fault_log, all_threads=True)
-    device = torch.device("cpu")
-    options: dict[str, Any] = {}
-    if backend == "nccl":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        options["device_id"] = device  # NCCL otherwise guesses the device from the rank
-    dist.init_process_group(
-        backend, init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD, **options
-    )
-    exit_code = 0
-    try:
-        body(rank, device, *args)
-        dist.barrier()
-    except Exception:
-        with open(os.path.join(tmp, f"error.{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-        exit_code = 1
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)  # as spawn_ranks: skip finalization, where gloo's threads may abort
+    body(rank, torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu"), *args)
 
 
 # -- 1. Muon on FSDP2 == single-process Muon ------------------------------------------------------
