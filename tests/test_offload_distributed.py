@@ -120,16 +120,8 @@ def _deep_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(8)))
 
 
-def _prefetch_worker(rank: int, world: int, ahead: int) -> None:
-    # FSDP2 all-gathers a prefetched module in an earlier module's pre-forward: with
-    # forward overlap, that module's chunk must have stepped by then.
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world,))
-    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
-    layers = list(model)
-    for i, layer in enumerate(layers[:-ahead]):
-        layer.set_modules_to_forward_prefetch([layers[i + ahead]])
+def _assert_overlap_matches_plain(plain_model, model, rank: int) -> None:
+    """AdamW offloaded with forward overlap, one slice a chunk, equals plain AdamW bitwise."""
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     overlapped = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -142,6 +134,19 @@ def _prefetch_worker(rank: int, world: int, ahead: int) -> None:
     overlapped.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.to_local(), b.to_local())
+
+
+def _prefetch_worker(rank: int, world: int, ahead: int) -> None:
+    # FSDP2 all-gathers a prefetched module in an earlier module's pre-forward: with
+    # forward overlap, that module's chunk must have stepped by then.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    layers = list(model)
+    for i, layer in enumerate(layers[:-ahead]):
+        layer.set_modules_to_forward_prefetch([layers[i + ahead]])
+    _assert_overlap_matches_plain(plain_model, model, rank)
 
 
 @pytest.mark.parametrize("ahead", [1, 4])
@@ -166,18 +171,7 @@ def _shared_unit_worker(rank: int, world: int) -> None:
         return fully_shard(model, mesh=mesh)
 
     plain_model, model = shard(_deep_model(0)), shard(_deep_model(0))
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    overlapped = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1,
-        staging_slots=2,
-        overlap_forward=model,
-    )
-    _train(plain_model, plain, rank)
-    _train(model, overlapped, rank)
-    overlapped.wait_for_optimizer_step()
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a.to_local(), b.to_local())
+    _assert_overlap_matches_plain(plain_model, model, rank)
 
 
 def test_fsdp2_modules_sharded_together_wait_for_each_others_chunks():
