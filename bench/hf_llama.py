@@ -11,17 +11,27 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-# hidden 2048, 16 layers, MLP 5632, 16 query / 4 KV heads, vocab 32000, untied head: 0.85B.
+from bench.model import PRESETS as MODEL_PRESETS
+from bench.model import ModelConfig
+
+
+def _llama_shapes(config: ModelConfig) -> dict[str, Any]:
+    """transformers' LlamaConfig fields for a `bench.model` shape (dense, no MoE)."""
+    return dict(
+        hidden_size=config.dim,
+        num_hidden_layers=config.n_layers,
+        intermediate_size=config.ffn_dim,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        vocab_size=config.vocab_size,
+        seq_len=config.seq_len,
+    )
+
+
+# hf-llama-0.85b: the bench model's llama-0.85b shape (hidden 2048, 16 layers, MLP 5632,
+# 16 query / 4 KV heads, vocab 32000) as a transformers model, untied head.
 PRESETS: dict[str, dict[str, Any]] = {
-    "hf-llama-0.85b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        intermediate_size=5632,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        seq_len=2048,
-    ),
+    "hf-llama-0.85b": _llama_shapes(MODEL_PRESETS["llama-0.85b"]),
     # Seconds on 2 CPU cores: the smoke mode of bench/train_step.py and the CPU tests.
     "hf-llama-tiny": dict(
         hidden_size=64,
