@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -99,6 +100,39 @@ class NewtonSchulzSchedule:
     def steps(self) -> int:
         return len(self.coefficients)
 
+    def to_json(self) -> str:
+        """The schedule as one string: what an optimizer state dict holds for it.
+        Checkpoint code takes only plain types (DCP's full-state gather raises on
+        others, torch.load(weights_only=True) refuses them) and flattens lists and dicts
+        into per-element keys that it merges with the loading optimizer's own, which
+        would splice two schedules of different lengths; a string is one leaf."""
+        return json.dumps(
+            {
+                "coefficients": self.coefficients,
+                "norm_scale": self.norm_scale,
+                "gram_restarts": self.gram_restarts,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> NewtonSchulzSchedule:
+        """The schedule `to_json` wrote."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or set(data) != {
+            "coefficients",
+            "norm_scale",
+            "gram_restarts",
+        }:
+            raise ValueError(
+                "a Newton-Schulz schedule's JSON needs exactly the keys coefficients, "
+                f"norm_scale and gram_restarts but is: {text!r}"
+            )
+        return cls(
+            tuple(tuple(triple) for triple in data["coefficients"]),
+            norm_scale=data["norm_scale"],
+            gram_restarts=tuple(data["gram_restarts"]),
+        )
+
     def gram_segments(self) -> tuple[range, ...]:
         """The iterations between Gram restarts, in order (they cover every iteration)."""
         bounds = [0, *(r for r in self.gram_restarts if r < self.steps), self.steps]
@@ -135,10 +169,6 @@ SCHEDULES: dict[str, NewtonSchulzSchedule] = {
     "polar_express": POLAR_EXPRESS,
     "deepseek_v4": DEEPSEEK_V4,
 }
-
-# A schedule sits in Muon's param groups, so optimizer checkpoints pickle it: allow it
-# in torch.load(weights_only=True) (transformers.Trainer's resume, DCP's torch.load).
-torch.serialization.add_safe_globals([NewtonSchulzSchedule])
 
 
 # Newton-Schulz implementations (`muon.backend.BACKENDS`): "torch" is the plain path

@@ -285,11 +285,24 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             _set_group_defaults(group, self.defaults)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with a `NewtonSchulzSchedule` in `ns_coefficients` written as
+        its `to_json()` string (checkpoint code takes only plain types; see there)."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:  # shallow copies of the live groups
+            if isinstance(group.get("ns_coefficients"), NewtonSchulzSchedule):
+                group["ns_coefficients"] = group["ns_coefficients"].to_json()
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, with momentum buffers in fp32: torch casts floating state to the
         param's dtype, which for a bf16 param would round our fp32 momentum (and is what a
-        torch.optim.Muon state holds)."""
+        torch.optim.Muon state holds). A schedule written by `state_dict()` becomes a
+        `NewtonSchulzSchedule` again."""
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if isinstance(group.get("ns_coefficients"), str):
+                group["ns_coefficients"] = NewtonSchulzSchedule.from_json(group["ns_coefficients"])
         saved = state_dict["state"]
         ids = (i for g in state_dict["param_groups"] for i in g["params"])
         params = (p for g in self.param_groups for p in g["params"])

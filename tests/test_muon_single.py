@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -272,6 +273,44 @@ def test_loads_a_torch_muon_state_dict_and_continues_bitwise():
     _run(opt, ours, steps=2, seed=5)
     _run(ref, theirs, steps=2, seed=5)
     for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_state_dict_is_plain_data_that_checkpoint_code_takes(offload):
+    # DCP's full-state gather (transformers.Trainer saving under FSDP2) raised
+    # "Unexpected value type NewtonSchulzSchedule" on a schedule in the groups.
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(24, 16), torch.nn.Linear(16, 8))
+        groups = muon_param_groups(model)
+        opt = Muon(groups, lr=0.02, ns_coefficients=POLAR_EXPRESS if offload else DEEPSEEK_V4)
+        return model, CPUOffloadOptimizer(opt) if offload else opt
+
+    options = StateDictOptions(full_state_dict=True)
+    model, opt = build()
+    params = list(model.parameters())
+    _run(opt, params, steps=2)
+    saved = io.BytesIO()
+    torch.save(get_optimizer_state_dict(model, opt, options=options), saved)
+    saved.seek(0)
+    fresh_model, fresh_opt = build()
+    fresh_opt.param_groups[0]["ns_coefficients"] = KELLER_JORDAN  # the checkpoint's must win
+    fresh_model.load_state_dict(model.state_dict())
+    set_optimizer_state_dict(
+        fresh_model, fresh_opt, torch.load(saved, weights_only=True), options=options
+    )
+    assert fresh_opt.param_groups[0]["ns_coefficients"] == opt.param_groups[0]["ns_coefficients"]
+    fresh_params = list(fresh_model.parameters())
+    _run(opt, params, steps=2, seed=5)
+    _run(fresh_opt, fresh_params, steps=2, seed=5)
+    for p, q in zip(params, fresh_params, strict=True):
         assert torch.equal(p, q)
 
 
