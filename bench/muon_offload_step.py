@@ -50,8 +50,9 @@ def run_set(name: str, steps: int, warmup: int) -> dict[str, object]:
         result[f"{arm}_host_ms"] = 1e3 * host_s
         result[f"{arm}_peak_gib"] = peak / GiB
         state = opt.state_dict()["state"]
-        finals[arm] = [p.detach().clone() for p in params] + [
-            state[i]["momentum_buffer"].to("cuda") for i in range(len(params))
+        # on the host, so the next arm's peak does not count them
+        finals[arm] = [p.detach().cpu() for p in params] + [
+            state[i]["momentum_buffer"].cpu() for i in range(len(params))
         ]
         if arm == "offloaded":
             opt.close()
