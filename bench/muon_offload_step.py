@@ -13,7 +13,10 @@ GQA 2048/512, MLP 5632). Arms, all with default settings, in one run:
   unwrapped step).
 
 After the timed steps both arms' params and momentum are compared bitwise
-(the same update, however the step is cut). Prints a table, writes JSON. GPU only.
+(the same update, however the step is cut), and one more offloaded step is
+traced lane by lane (`bench.timeline`): the busy time of the H2D, update and D2H
+lanes says which one bounds the step. Prints a table, writes JSON (and with
+`--plot PREFIX` a timeline PNG per set, matplotlib). GPU only.
 
     python -m bench.muon_offload_step --out bench/results/muon_offload_step.json
 """
@@ -35,10 +38,27 @@ SETS = {"qwen3-8b": (QWEN3_8B_LAYER, 12), "llama-2048": (LLAMA_2048_LAYER, 16)}
 GiB = 2**30
 
 
-def run_set(name: str, steps: int, warmup: int) -> dict[str, object]:
+def _trace(opt: CPUOffloadOptimizer, floor_s: float, plot: str | None, title: str):
+    """Busy ms per lane of one offloaded step (and its timeline PNG with `plot`)."""
+    from bench.timeline import StepTimeline
+
+    with StepTimeline(opt) as timeline:
+        opt.step()
+    lanes = timeline.lanes()
+    if plot is not None:
+        from bench.plots import plot_timeline
+
+        step_s = max(end for boxes in lanes.values() for _, end in boxes)
+        plot_timeline(lanes, floor_s, plot, f"{title}: step {step_s * 1e3:.1f} ms")
+    return {lane: 1e3 * sum(end - start for start, end in boxes) for lane, boxes in lanes.items()}
+
+
+def run_set(name: str, steps: int, warmup: int, plot: str | None) -> dict[str, object]:
     layer, layers = SETS[name]
     shapes = layer * layers
     result: dict[str, object] = {"matrices": len(shapes)}
+    state_bytes = sum(4 * r * c for r, c in shapes)
+    floor = copy_floor(state_bytes)
     finals = {}
     for arm in ("unwrapped", "offloaded"):
         params = params_with_grads(shapes, torch.device("cuda"))
@@ -55,13 +75,16 @@ def run_set(name: str, steps: int, warmup: int) -> dict[str, object]:
             state[i]["momentum_buffer"].cpu() for i in range(len(params))
         ]
         if arm == "offloaded":
+            title = f"muon.Muon offloaded, {name}, {state_bytes / GiB:.2f} GiB momentum"
+            result["lane_busy_ms"] = _trace(
+                opt, floor["both_s"], plot and f"{plot}_{name}.png", title
+            )
             opt.close()
         del opt, params, state
         torch.cuda.empty_cache()
-    state_bytes = sum(4 * r * c for r, c in shapes)
-    floor = copy_floor(state_bytes)
     result["state_gib"] = state_bytes / GiB
     result["copy_floor_ms"] = 1e3 * floor["both_s"]
+    result["copy_h2d_ms"], result["copy_d2h_ms"] = 1e3 * floor["h2d_s"], 1e3 * floor["d2h_s"]
     result["offloaded_vs_unwrapped"] = result["offloaded_ms"] / result["unwrapped_ms"]
     result["offloaded_vs_floor"] = result["offloaded_ms"] / max(
         result["copy_floor_ms"], result["unwrapped_ms"]
@@ -77,6 +100,7 @@ def main() -> None:
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--plot", default=None, help="PREFIX: write PREFIX_<set>.png timelines")
     parser.add_argument("--out", default="bench/results/muon_offload_step.json")
     args = parser.parse_args()
     results: dict[str, object] = {
@@ -92,7 +116,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {results['device']}")
     print(header)
     for name in args.sets:
-        r = run_set(name, args.steps, args.warmup)
+        r = run_set(name, args.steps, args.warmup, args.plot)
         results[name] = r
         print(
             f"{name:<11} {r['state_gib']:>9.2f} "
@@ -101,6 +125,9 @@ def main() -> None:
             f"{r['offloaded_vs_floor']:>23.3f}x "
             f"{r['unwrapped_peak_gib']:>6.2f}/{r['offloaded_peak_gib']:<6.2f} {r['bitwise_equal']}"
         )
+    for name in args.sets:
+        busy = ", ".join(f"{k} {v:.1f}" for k, v in results[name]["lane_busy_ms"].items())
+        print(f"{name}: busy ms per lane of one offloaded step: {busy}")
     write_json(args.out, results)
 
 
