@@ -326,21 +326,36 @@ def launch_order(plans: Sequence[ExchangePlan], max_inflight: int) -> Iterator[t
         yield False, i
 
 
-def transient_peak_numel(plans: Sequence[ExchangePlan], max_inflight: int) -> int:
-    """Peak elements (in ns_dtype) of buffers and Newton-Schulz workspace the step holds
-    for `plans`, following `launch_order`: each plan's send, receive and full buffers
-    from its start to its finish, its `ns_numel` on top while it finishes."""
-    live = peak = 0
+def buffer_timeline(
+    plans: Sequence[ExchangePlan], max_inflight: int
+) -> Iterator[tuple[bool, ExchangePlan, int]]:
+    """The step's buffers over `launch_order`: (start, plan, elements alive) at each
+    start (its own send, receive and full buffers just allocated) and each finish
+    (before they go; its `ns_numel` of Newton-Schulz workspace comes on top). The one
+    replay of the step's memory: `transient_peak_numel` and the planner's estimate
+    both read it."""
+    live = 0
     for start, i in launch_order(plans, max_inflight):
         plan = plans[i]
         buffers = plan.send_numel + plan.recv_numel + plan.full_numel
         if start:
             live += buffers
-            peak = max(peak, live)
+            yield True, plan, live
         else:
-            peak = max(peak, live + plan.ns_numel)
+            yield False, plan, live
             live -= buffers
-    return peak
+
+
+def transient_peak_numel(plans: Sequence[ExchangePlan], max_inflight: int) -> int:
+    """Peak elements (in ns_dtype) of buffers and Newton-Schulz workspace the step holds
+    for `plans` (`buffer_timeline`)."""
+    return max(
+        (
+            live + (0 if start else plan.ns_numel)
+            for start, plan, live in buffer_timeline(plans, max_inflight)
+        ),
+        default=0,
+    )
 
 
 def bucket_matrices(

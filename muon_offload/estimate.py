@@ -52,8 +52,8 @@ from muon.planning import (
     ExchangePlan,
     MuonPlan,
     ParamLayout,
+    buffer_timeline,
     chunk_range,
-    launch_order,
 )
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
@@ -244,21 +244,16 @@ def muon_transient(
 ) -> Transient:
     """Peak of `MuonStep._run_muon` over `plans` (bucket order), walking `launch_order`.
 
-    Buffers and Newton-Schulz are `transient_peak_numel`'s count, by kind; a start
+    Buffers and Newton-Schulz are `muon.planning.buffer_timeline`'s, by kind; a start
     adds `momentum_bytes(plan)` (the torch path's momentum results) on top of the
     buffers alive, its own included (they are allocated before it packs).
     """
     peak = Transient()
-    live = 0
-    for start, i in launch_order(plans, max_inflight):
-        plan = plans[i]
-        buffers = (plan.send_numel + plan.recv_numel + plan.full_numel) * plan.itemsize
+    for start, plan, live in buffer_timeline(plans, max_inflight):
         if start:
-            live += buffers
-            peak = _larger(peak, Transient(live, 0, momentum_bytes(plan)))
+            peak = _larger(peak, Transient(live * plan.itemsize, 0, momentum_bytes(plan)))
         else:
-            peak = _larger(peak, Transient(live, plan.ns_numel * plan.itemsize, 0))
-            live -= buffers
+            peak = _larger(peak, Transient(live * plan.itemsize, plan.ns_numel * plan.itemsize, 0))
     return peak
 
 
