@@ -347,6 +347,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> dict[Tensor, dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's state, once the last step has written it back (an
+        overlapped step's pending chunks run first, as for `state_dict`)."""
+        self.wait_for_optimizer_step()
         return self.optimizer.state
 
     @property

@@ -119,6 +119,24 @@ def test_zero_grad_in_place_finishes_the_step_first():
         assert torch.equal(a, b)
 
 
+def test_reading_state_finishes_the_overlapped_step_first():
+    # `.state` handed out the host slabs with the pending chunks' state not yet written
+    data = batches(2)
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
+    )
+    for m, opt in ((plain_model, plain), (model, overlapped)):
+        for tokens in data:
+            opt.zero_grad()
+            m(tokens).sum().backward()
+            opt.step()
+    for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
+        for key, value in plain.state[p].items():
+            assert torch.equal(value, overlapped.state[q][key]), key
+
+
 def test_overlapped_chunks_ignore_the_forwards_autocast():
     from muon import Muon, muon_param_groups
 
