@@ -70,9 +70,10 @@ def run_set(name: str, steps: int, warmup: int, plot: str | None) -> dict[str, o
         result[f"{arm}_host_ms"] = 1e3 * host_s
         result[f"{arm}_peak_gib"] = peak / GiB
         state = opt.state_dict()["state"]
-        # on the host, so the next arm's peak does not count them
-        finals[arm] = [p.detach().cpu() for p in params] + [
-            state[i]["momentum_buffer"].cpu() for i in range(len(params))
+        # copies on the host: the next arm's peak does not count them, and the traced
+        # step below does not change them (offloaded momentum is a host slab already)
+        finals[arm] = [p.detach().to("cpu", copy=True) for p in params] + [
+            state[i]["momentum_buffer"].to("cpu", copy=True) for i in range(len(params))
         ]
         if arm == "offloaded":
             title = f"muon.Muon offloaded, {name}, {state_bytes / GiB:.2f} GiB momentum"

@@ -547,6 +547,7 @@ class MuonStep:
         self._groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self._params = [p for p, _ in optimizer._muon_params()]
         self._grads = [_local_grad(p) for p in self._params]
+        self._active = frozenset(i for i, g in enumerate(self._grads) if g is not None)
         # (group index, param, grad) per AdamW param, one unit each.
         self._adamw: list[tuple[int, Tensor, Tensor | None]] = [
             (i, p, _local_grad(p))
@@ -554,14 +555,7 @@ class MuonStep:
             if g["algorithm"] == "adamw"
             for p in g["params"]
         ]
-        # Per unit: ("bucket", exchanged bucket), ("local", Muon param) or ("adamw", index).
-        self._kinds: list[tuple[str, int]] = []
-        for bucket in plan.buckets:
-            if bucket.axis is None:
-                self._kinds.extend(("local", i) for i in bucket.params)
-            else:
-                self._kinds.append(("bucket", bucket.index))
-        self._kinds.extend(("adamw", k) for k in range(len(self._adamw)))
+        self._kinds = plan.step_units(len(self._adamw))
         self.units: list[list[Tensor]] = [self._unit_params(kind) for kind in self._kinds]
         optimizer.metrics = []
 
@@ -601,17 +595,9 @@ class MuonStep:
 
     # -- Muon buckets ----------------------------------------------------------------------------
 
-    def _active(self, params: Iterable[int]) -> frozenset[int]:
-        return frozenset(i for i in params if self._grads[i] is not None)
-
     def _run_muon(self, buckets: Sequence[int], local: Sequence[int]) -> None:
         """Exchanged buckets and local launches in bucket order, as `launch_order` says."""
-        plans = [
-            self._plan.exchange(b, self._active(self._plan.buckets[b].params)) for b in buckets
-        ]
-        if local:
-            plans += self._plan.local_exchanges(local, self._active(local))
-        plans.sort(key=lambda plan: plan.bucket)
+        plans = self._plan.step_plans(buckets, local, self._active)
         # A bucket with nothing on this rank keeps its place (None), so every rank
         # finishes bucket k at the same point and the collectives stay in order.
         alive: dict[int, _InFlight | None] = {}

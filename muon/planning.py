@@ -488,6 +488,34 @@ class MuonPlan:
             plans = self._locals[key] = tuple(plans)
         return plans
 
+    def step_units(self, adamw_params: int) -> tuple[tuple[str, int], ...]:
+        """A step's units (`MuonStep.units`), identical on every rank, in order:
+        ("bucket", b) for each exchanged bucket, ("local", i) for each param of a local
+        bucket, ("adamw", k) for each of `adamw_params` AdamW params.
+
+        Local params are listed by matrix shape: an offload chunk of consecutive
+        units then holds few shapes and makes few, large Newton-Schulz launches
+        (forward overlap orders units by the forward instead).
+        """
+        local = [i for bucket in self.buckets if bucket.axis is None for i in bucket.params]
+        local.sort(key=lambda i: (self.layouts[i].blocks, self.layouts[i].shape[-1]))
+        units = [("bucket", b.index) for b in self.buckets if b.axis is not None]
+        units += [("local", i) for i in local]
+        units += [("adamw", k) for k in range(adamw_params)]
+        return tuple(units)
+
+    def step_plans(
+        self, buckets: Sequence[int], local: Sequence[int], active: frozenset[int]
+    ) -> list[ExchangePlan]:
+        """The launches of a step over exchanged `buckets` and `local` params when the
+        params in `active` step, in bucket order (every rank finishes bucket k at the
+        same point, so the collectives stay in order)."""
+        plans = [self.exchange(b, active & frozenset(self.buckets[b].params)) for b in buckets]
+        if local:
+            plans += self.local_exchanges(sorted(local), active & frozenset(local))
+        plans.sort(key=lambda plan: plan.bucket)
+        return plans
+
     def buffer_numels(self, bucket_indices: Sequence[int]) -> tuple[int, int, int]:
         """Largest (send, receive, full) element counts over buckets with every param active."""
         sizes = [(0, 0, 0)]

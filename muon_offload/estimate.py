@@ -380,7 +380,7 @@ class ModelEstimate:
     def muon_step_transient(self, rank: int) -> Transient:
         """The Muon launches of a whole step on `rank`, without AdamW."""
         plan = self.plans[rank]
-        return launches_transient(plan, step_units(plan, 0), self.settings)
+        return launches_transient(plan, plan.step_units(0), self.settings)
 
     def exchange(self, rank: int, bucket: int) -> ExchangePlan:
         """The `ExchangePlan` of `rank` for `bucket`, every param active."""
@@ -438,38 +438,15 @@ def _split(
     return muon, adamw
 
 
-def step_units(plan: MuonPlan, adamw_params: int) -> list[tuple[str, int]]:
-    """`MuonStep`'s units, in its order: ("bucket", exchanged bucket), ("local", Muon param)
-    for each param of a local bucket, ("adamw", k) for each AdamW param."""
-    units: list[tuple[str, int]] = []
-    for bucket in plan.buckets:
-        if bucket.axis is None:
-            units.extend(("local", i) for i in bucket.params)
-        else:
-            units.append(("bucket", bucket.index))
-    units.extend(("adamw", k) for k in range(adamw_params))
-    return units
-
-
-def step_plans(plan: MuonPlan, buckets: Sequence[int], local: Sequence[int]) -> list[ExchangePlan]:
-    """The launches `MuonStep._run_muon` makes for exchanged `buckets` and `local` params,
-    every param active, in bucket order."""
-    plans = [plan.exchange(b, frozenset(plan.buckets[b].params)) for b in buckets]
-    if local:
-        plans += plan.local_exchanges(sorted(local), frozenset(local))
-    plans.sort(key=lambda p: p.bucket)
-    return plans
-
-
 def launches_transient(
     plan: MuonPlan, units: Sequence[tuple[str, int]], settings: StepSettings
 ) -> Transient:
-    """The Muon launches of `MuonStep.step_params` over these (`step_units`) units; AdamW
-    units are left out."""
-    plans = step_plans(
-        plan,
+    """The Muon launches of `MuonStep.step_params` over these (`MuonPlan.step_units`)
+    units, every param active; AdamW units are left out."""
+    plans = plan.step_plans(
         [i for what, i in units if what == "bucket"],
         [i for what, i in units if what == "local"],
+        frozenset(range(len(plan.layouts))),
     )
     local = [math.prod(layout.local_shape()) for layout in plan.layouts]
     return muon_transient(
@@ -555,7 +532,7 @@ def _rank(
     muon_state = sum(local) * MOMENTUM_DTYPE.itemsize
     adamw_state = 2 * sum(adamw_local) * moment
 
-    kinds = step_units(plan, len(adamw))
+    kinds = plan.step_units(len(adamw))
     units = tuple(
         tuple(plan.buckets[i].params)
         if what == "bucket"

@@ -24,8 +24,6 @@ from muon_offload.estimate import (
     estimate,
     muon_transient,
     padded_alternative,
-    step_plans,
-    step_units,
 )
 from muon_offload.plan import main
 from offload import CPUOffloadOptimizer
@@ -125,11 +123,11 @@ def test_every_rank_is_its_exchange_plans(config, mesh):
                 assert load.send_numel == load.recv_numel == 0
         # The whole step's launches: each planned bucket (all local params re-bucketed give
         # the plan's local buckets), and the replay is `transient_peak_numel`'s count.
-        units = step_units(mine, 0)
-        plans = step_plans(
-            mine,
+        units = mine.step_units(0)
+        plans = mine.step_plans(
             [i for what, i in units if what == "bucket"],
             [i for what, i in units if what == "local"],
+            frozenset(range(len(mine.layouts))),
         )
         assert plans == [mine.exchange(b.index, frozenset(b.params)) for b in mine.buckets]
         assert model.muon_step_transient(rank).total_bytes == (
