@@ -97,13 +97,18 @@ class SyntheticTextDataLoader(ParallelAwareDataloader):
         tokenizer: BaseTokenizer,
         seq_len: int,
         local_batch_size: int,
+        snapshot_every_n_steps: int | None = 1,
         **kwargs,
     ):
+        # The keyword arguments torchtitan's HuggingFaceTextDataLoader passes on.
         super().__init__(
             SyntheticTextDataset(tokenizer, seq_len=seq_len, seed=config.seed, dp_rank=dp_rank),
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
-            batch_size=local_batch_size,
             num_workers=config.num_workers,
+            persistent_workers=config.persistent_workers,
             pin_memory=config.pin_memory,
+            prefetch_factor=config.prefetch_factor,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+            batch_size=local_batch_size,
         )
