@@ -78,9 +78,9 @@ def fill_torchtitan_gaps() -> None:
       a placeholder; a run that would build one fails naming it.
     - `torch.distributed.set_timeout(timeout, group)`: torchtitan's train loop calls
       it after the first step (`set_pg_timeouts`); torch 2.11.0 and 2.13.0 have no
-      such function, only the method `ProcessGroup.set_timeout(timeout)` (2.11.0 and
-      2.13.0), which is what it is set to call where missing (group None: the default
-      group, as in torch's `_set_pg_timeout`).
+      such function, only the method `ProcessGroup.set_timeout(timeout)`, which it is
+      set to call where missing (group None: the default group, as in torch's private
+      `_set_pg_timeout`).
     """
     if importlib.util.find_spec("datasets") is None:
         datasets = types.ModuleType("datasets")
