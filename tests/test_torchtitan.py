@@ -2,12 +2,15 @@
 runs on the CPU: its optimizers container built from a job config's `optimizer` field
 over an FSDP2 model, AdamW and Muon, offload + forward overlap bitwise equal to no
 offload, and torchtitan's FQN-keyed optimizer state round-tripping into a fresh
-container so the next step is bitwise equal. Skipped without torchtitan (its trainer
-itself imports triton, so the full debug-model run is the GPU command in the report).
+container so the next step is bitwise equal; and what `bench.torchtitan_debug` gives
+torchtitan's debug job in place of a source checkout's assets (tokenizer files,
+seeded synthetic batches). Skipped without torchtitan (its trainer needs CUDA, so the
+debug-model run itself is `bench.torchtitan_debug` on a GPU, see the README).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -98,3 +101,31 @@ def test_param_groups_in_the_job_config_are_refused():
     config = MuonOffloadOptimizers.Config(param_groups=[object()])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="param_groups"):
         config.build(model_parts=[torch.nn.Linear(2, 2)])
+
+
+def test_debug_job_reads_our_tokenizer_files_and_seeded_synthetic_batches(tmp_path):
+    from bench.torchtitan_debug import job_config
+    from muon_offload.torchtitan import MuonOffloadOptimizers
+
+    args = argparse.Namespace(optimizer="muon", offload="optimizer", overlap=True, steps=2)
+    config = job_config(args, str(tmp_path))
+    assert isinstance(config.optimizer, MuonOffloadOptimizers.Config)
+    assert config.optimizer.optimizer.offload_overlap_forward
+    tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
+    vocab_size = config.model_spec.model.vocab_size
+    assert tokenizer.get_vocab_size() == vocab_size
+
+    def first_batch(dp_rank: int):
+        loader = config.dataloader.build(
+            dp_world_size=2, dp_rank=dp_rank, tokenizer=tokenizer, seq_len=16, local_batch_size=2
+        )
+        return next(iter(loader))
+
+    (inputs, labels), (again, _), (other_rank, _) = first_batch(0), first_batch(0), first_batch(1)
+    tokens = inputs["input"]
+    assert tokens.shape == labels.shape == (2, 16)
+    assert torch.equal(tokens[:, 1:], labels[:, :-1])  # next-token labels, one document a row
+    assert (tokens[:, 0] == tokenizer.bos_id).all() and (labels[:, -1] == tokenizer.eos_id).all()
+    assert torch.equal(inputs["positions"], torch.arange(16).expand(2, 16))
+    assert int(tokens.max()) < vocab_size
+    assert torch.equal(tokens, again["input"]) and not torch.equal(tokens, other_rank["input"])
