@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 import tempfile
 import types
@@ -63,7 +64,7 @@ def _placeholder(qualname: str) -> type[_Placeholder]:
 
 
 def fill_torchtitan_gaps() -> None:
-    """Fill three gaps between torchtitan 0.3.0 and what this job runs on.
+    """Fill four gaps between torchtitan 0.3.0 and what this job runs on.
 
     - HF `datasets` (with pyarrow, far more than this job travels with): torchtitan's
       trainer imports its validator, which imports its HF text datasets module, which
@@ -81,6 +82,11 @@ def fill_torchtitan_gaps() -> None:
       such function, only the method `ProcessGroup.set_timeout(timeout)`, which it is
       set to call where missing (group None: the default group, as in torch's private
       `_set_pg_timeout`).
+    - `create_block_mask(..., separate_full_blocks=...)`: torchtitan's flex-attention
+      mask passes it (True unless in its batch-invariant mode); torch 2.11.0's
+      `create_block_mask` has no such argument and always separates full blocks, which
+      is what True asks. Where torch lacks it, torchtitan's compiled
+      `create_block_mask` is called without it (False raises).
     """
     if importlib.util.find_spec("datasets") is None:
         datasets = types.ModuleType("datasets")
@@ -103,6 +109,21 @@ def fill_torchtitan_gaps() -> None:
             (dist.group.WORLD if group is None else group).set_timeout(timeout)
 
         dist.set_timeout = set_timeout
+    import torchtitan.models.common.attention as attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if "separate_full_blocks" not in inspect.signature(create_block_mask).parameters:
+        compiled = attention._compiled_create_block_mask
+
+        def without_separate_full_blocks(*args, separate_full_blocks: bool = True, **kwargs):
+            if not separate_full_blocks:
+                raise NotImplementedError(
+                    "torchtitan's batch-invariant mode needs create_block_mask("
+                    "separate_full_blocks=False), which this torch lacks"
+                )
+            return compiled(*args, **kwargs)
+
+        attention._compiled_create_block_mask = without_separate_full_blocks
 
 
 def job_config(args: argparse.Namespace, assets: str):
