@@ -187,10 +187,13 @@ def ns_path(
     `capability` is the CUDA compute capability's major version (None elsewhere).
     "auto" algorithm: Gram where the aspect ratio pays on the matrix's backend
     (`GRAM_MIN_ASPECT`) on CUDA, else standard (on CPU always standard, so one matrix
-    equals torch.optim.Muon's result bit for bit). Gram runs in float16 on CUDA for
-    16-bit inputs (issue 11, H200: error against the fp32 iteration 0.003 vs 0.02 for
-    bf16 standard and bf16 Gram), else in the input's dtype (CPU float16 matmuls are
-    very slow).
+    equals torch.optim.Muon's result bit for bit). For 16-bit inputs the Triton backend
+    (both algorithms) and Gram on CUDA run in float16 (issue 11, H200: Gram's error
+    against the fp32 iteration 0.003 vs 0.02 for bf16 standard and bf16 Gram; the Triton
+    standard iteration folds a I into a rounded P, which bf16 makes less accurate than
+    the plain path's addmm: `muon.ns_triton.zeropower_triton`), else in the input's dtype
+    (CPU float16 matmuls are very slow; the plain standard path is torch.optim.Muon's
+    arithmetic).
     "auto" backend: `muon.ns_triton.auto_takes` on CUDA, else "torch".
     """
     if backend not in BACKENDS:
@@ -210,7 +213,8 @@ def ns_path(
         aspect = max(rows, cols) / max(1, min(rows, cols))
         algorithm = "gram" if cuda and aspect >= GRAM_MIN_ASPECT[backend] else "standard"
     compute = dtype
-    if algorithm == "gram" and cuda and dtype in (torch.bfloat16, torch.float16):
+    fp16_pays = backend == "triton" or (algorithm == "gram" and cuda)
+    if fp16_pays and dtype in (torch.bfloat16, torch.float16):
         compute = torch.float16
     # fp32 batched cuBLAS products were not batch-invariant on the H200 (a matrix's Muon
     # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were.
@@ -265,10 +269,10 @@ def zeropower_along(
     if path.backend == "triton":
         from muon import ns_triton
 
-        if path.algorithm == "gram":
-            out = ns_triton.zeropower_gram_triton(x, schedule, eps, dtype=path.dtype)
-            return out.to(x.dtype)
-        return ns_triton.zeropower_triton(x, schedule, eps)
+        run = ns_triton.zeropower_gram_triton if path.algorithm == "gram" else (
+            ns_triton.zeropower_triton
+        )
+        return run(x, schedule, eps, dtype=path.dtype).to(x.dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -320,7 +324,8 @@ def _gram_torch(
     first Q = P is formed (a added to Z's diagonal in place). Q is kept whole: splitting
     it into q I + (Q - q I) cancels catastrophically in 16 bits (Q - q I has eigenvalues
     near -q where Q's are near 1). The `del`s keep the live m x m matrices at what
-    `gram_workspace_numel` counts.
+    `gram_workspace_numel` counts; `muon.ns_triton.zeropower_gram_triton` runs the same
+    products in the same order.
     """
     squeeze = x.ndim == 2
     if squeeze:
@@ -335,23 +340,25 @@ def _gram_torch(
         q = None
         for k in segment:
             a, b, c = schedule.coefficients[k]
-            z = torch.baddbmm(r, r, r, beta=b, alpha=c)
             last = k == segment[-1]
+            z = torch.baddbmm(r, r, r, beta=b, alpha=c)
             if last:
                 del r
-            if q is None:
+            if q is None:  # the segment's first P, formed: Q = P, then P R and P (P R)
                 q = z
                 q.diagonal(dim1=-2, dim2=-1).add_(a)
+                if not last:
+                    w = torch.bmm(q, r)
+                    del r
+                    r = torch.bmm(q, w)
+                    del w
             else:
                 q = torch.baddbmm(q, z, q, beta=a)
-            if not last:
-                if z is q:  # P itself, formed: P R, then P (P R)
-                    w = torch.bmm(q, r)
-                    r = torch.bmm(q, w)
-                else:
+                if not last:
                     w = torch.baddbmm(r, z, r, beta=a)
+                    del r
                     r = torch.baddbmm(w, z, w, beta=a)
-                del w
+                    del w
             del z
         xs = torch.bmm(q, xs)
         del q
@@ -363,9 +370,10 @@ def _iteration_numel(segments: tuple[range, ...], m: int) -> int:
     most = 0
     for segment in segments:
         length = len(segment)
-        # one iteration: R, Z; first and not last: + W (P R), P^2 R; last and not first:
-        # Q, Z, the new Q (R freed); in between: R, Q, Z, W, P^2 R
-        most = max(most, 2 if length == 1 else 4 if length == 2 else 5)
+        # the first iteration: R, P; not last: + W = P R, then R freed before P W.
+        # Later: R, Q, Z + the new Q (R freed first when last); not last: Z, Q, R + W,
+        # then R freed before Z W.
+        most = max(most, 2 if length == 1 else 3 if length == 2 else 4)
     return most * m * m
 
 
@@ -386,8 +394,9 @@ def standard_workspace_numel(count: int, rows: int, cols: int) -> int:
 
     The iterate, its successor and two Gram-sized temporaries (m x m, m = min(rows,
     cols)); the torch and Triton paths hold the same (the Triton path allocates its two
-    iterates and two Gram-sized buffers up front and reads a tall input through a
-    view). The result (one iterate) is included; per-matrix norms are not.
+    iterates, the normalized fp16 copy being the first, and two Gram-sized buffers up
+    front; its cast back to the input's dtype runs once they are freed). The result
+    (one iterate) is included; per-matrix norms are not.
     """
     m = min(rows, cols)
     return count * (2 * rows * cols + 2 * m * m)

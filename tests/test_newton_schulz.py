@@ -110,6 +110,13 @@ def test_ns_path_is_per_shape():
     assert cuda(long - 1, side).algorithm == "standard"
     assert cuda(side, side, algorithm="gram").dtype == torch.float16
     assert ns_path(64, 192, torch.float32, "cuda", 9, "torch", "gram").dtype == torch.float32
+    # the Triton backend runs both algorithms in fp16 (issue 11: a bf16 P = a I + ... was
+    # less accurate than the plain bf16 path on square shapes), whatever the aspect
+    triton = functools.partial(ns_path, dtype=torch.bfloat16, device_type="cuda", capability=9)
+    assert triton(4096, 4096, backend="triton") == NewtonSchulzPath(
+        "standard", "triton", torch.float16
+    )
+    assert triton(4096, 4096, backend="triton", algorithm="gram").dtype == torch.float16
     with pytest.raises(ValueError, match="algorithm"):
         cpu(8, 8, algorithm="polar")
     with pytest.raises(ValueError, match="algorithm"):
