@@ -269,9 +269,8 @@ def zeropower_along(
     if path.backend == "triton":
         from muon import ns_triton
 
-        run = ns_triton.zeropower_gram_triton if path.algorithm == "gram" else (
-            ns_triton.zeropower_triton
-        )
+        gram = path.algorithm == "gram"
+        run = ns_triton.zeropower_gram_triton if gram else ns_triton.zeropower_triton
         return run(x, schedule, eps, dtype=path.dtype).to(x.dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:

@@ -348,7 +348,9 @@ def _restored(x: Tensor, tall: bool, squeeze: bool) -> Tensor:
     return x.mT if tall else x
 
 
-def _normalized(x: Tensor, schedule: NewtonSchulzSchedule, eps: float, dtype: torch.dtype) -> Tensor:
+def _normalized(
+    x: Tensor, schedule: NewtonSchulzSchedule, eps: float, dtype: torch.dtype
+) -> Tensor:
     """x / max(norm_scale * ||x||_F, eps) per matrix, computed in fp32 and rounded once to
     `dtype` (a fresh contiguous (batch, m, n) tensor: the iteration's first iterate)."""
     if dtype not in SUPPORTED_DTYPES:
