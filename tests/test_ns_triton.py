@@ -285,7 +285,9 @@ def test_gpu_fp64_reference(kind, name):
     fast = zeropower(x, schedule, backend="triton", algorithm="standard")
     assert fast.shape == x.shape and fast.dtype == torch.bfloat16
     err_plain, err_fast = _rel(plain, ref), _rel(fast, ref)
-    assert err_fast <= 1.1 * err_plain + 2e-3, (err_fast, err_plain)
+    # issue 11: the Triton path (fp16) is more accurate than the plain bf16 one, square
+    # shapes included (in bf16 it was 3-20% less accurate there)
+    assert err_fast <= 0.5 * err_plain, (err_fast, err_plain)
     # fast == plain within bf16 tolerance
     assert _rel(fast, plain) <= 2.5e-2
     # singular values in the same band as the plain path's
@@ -318,6 +320,11 @@ def test_gpu_every_config():
             torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2, msg=cfg.name)
             out_b = sym_matmul(a, a, alpha=2.0315, beta=-4.775, config=cfg)
             torch.testing.assert_close(out_b, ref_b, rtol=1.6e-2, atol=2e-2, msg=cfg.name)
+            # two operands (TMA: two descriptors): B A + 3 A, symmetric as B and A commute
+            out_y = sym_matmul(out_b, a, beta=3.0, y=a, config=cfg)
+            ref_y = (out_b.float() @ a.float() + 3.0 * a.float()).bfloat16()
+            assert torch.equal(out_y, out_y.mT), cfg.name
+            torch.testing.assert_close(out_y, ref_y, rtol=1.6e-2, atol=4e-2, msg=cfg.name)
 
 
 @pytest.mark.gpu
