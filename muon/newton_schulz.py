@@ -51,9 +51,12 @@ ALGORITHMS = ("auto", "standard", "gram")
 # long side / short side >= GRAM_MIN_ASPECT[backend], the backend the matrix takes.
 # H200, `python -m bench.newton_schulz --aspect-sweep` (bench/measured/ns_aspect_h200.log),
 # aspects 1, 1.5, 2, 3, 4 at short sides 2048 and 4096, standard / Gram time: the plain
-# path's Gram wins from 2 (1.07x at 2048x4096, 1.12x at 4096x8192), the symmetric Triton
-# path's only from 3 (0.89-0.92x at 2, 1.08-1.19x at 3): its standard iteration is faster.
-GRAM_MIN_ASPECT = {"torch": 2.0, "triton": 3.0}
+# path's Gram wins from 2 (1.07x at 2048x4096, 1.12x at 4096x8192). The Triton path's
+# Gram then cost (23 + 6 alpha) m^3 and won from 3; with every m x m product symmetric it
+# costs (14 + 6 alpha) m^3 against 5 (1 + 3 alpha) for the standard iteration: that
+# sweep's Gram times scaled by the FLOP ratio predict 1.04x (short side 4096) and 1.16x
+# (2048) at aspect 1.5, 0.95x and 1.06x at 1. Predicted, not yet measured: the sweep decides.
+GRAM_MIN_ASPECT = {"torch": 2.0, "triton": 1.5}
 # cuBLAS batched products are batch-invariant on the H200 for every shape measured with
 # a short side of 256 and up (bf16 and fp16); fp16 `x @ x.mT` of 2 x 2048 matrices is not
 # (bench/measured/cublas_batch_invariance_h200.log). Below this short side the plain
