@@ -446,3 +446,13 @@ def ns_flops_symmetric(rows: int, cols: int, steps: int = 1) -> int:
     """
     m, n = min(rows, cols), max(rows, cols)
     return steps * (3 * m * m * n + m * m * m)
+
+
+def gram_flops_symmetric(rows: int, cols: int, schedule: NewtonSchulzSchedule) -> int:
+    """FLOPs of Gram Newton-Schulz when every m x m product and X X^T compute only half.
+
+    Per restart segment of L iterations: m^2 n for R = X X^T, 2 m^2 n for Q X, and
+    (4 L - 3) m^3 for the m x m products (`muon.ns_triton.zeropower_gram_triton`).
+    """
+    m, n = min(rows, cols), max(rows, cols)
+    return sum(3 * m * m * n + (4 * len(s) - 3) * m**3 for s in schedule.gram_segments())

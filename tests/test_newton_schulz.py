@@ -16,6 +16,8 @@ from muon.newton_schulz import (
     SCHEDULES,
     NewtonSchulzPath,
     NewtonSchulzSchedule,
+    gram_flops_symmetric,
+    ns_flops_symmetric,
     ns_path,
     ns_workspace_numel,
     zeropower,
@@ -163,3 +165,15 @@ def test_per_matrix_launches_match_the_batch_and_the_model(algorithm):
         assert torch.equal(out, zeropower(x, KELLER_JORDAN, algorithm=algorithm))
     cuda = ns_path(8, 64, torch.bfloat16, "cuda", 9, "torch", "auto")
     assert cuda.per_matrix and not ns_path(256, 512, torch.bfloat16, "cuda", 9, "torch").per_matrix
+
+
+def test_gram_flops_are_the_published_count():
+    # Dao-AILab: (4T - 6 + 6 alpha) m^3 for T = 5 and one restart, with symmetric products;
+    # the standard iteration on the same kernels: T (1 + 3 alpha) m^3
+    m = 64
+    for alpha in (1, 2, 3):
+        assert gram_flops_symmetric(m, alpha * m, KELLER_JORDAN) == (14 + 6 * alpha) * m**3
+        assert gram_flops_symmetric(alpha * m, m, KELLER_JORDAN) == (14 + 6 * alpha) * m**3
+        assert ns_flops_symmetric(m, alpha * m, 5) == 5 * (1 + 3 * alpha) * m**3
+    # deepseek_v4: segments of 2, 3, 3, 2 iterations
+    assert gram_flops_symmetric(m, 3 * m, DEEPSEEK_V4) == (4 * 10 - 3 * 4 + 4 * 9) * m**3
