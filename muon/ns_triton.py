@@ -275,14 +275,14 @@ def sym_matmul(
     overlap x or y.
     """
     _check(x)
-    y = x if y is None else y
     squeeze = x.ndim == 2
     if squeeze:
-        x, y = x.unsqueeze(0), y.unsqueeze(0)
+        x, y = x.unsqueeze(0), None if y is None else y.unsqueeze(0)
         c = None if c is None else c.unsqueeze(0)
         out = None if out is None else out.unsqueeze(0)
     if x.ndim != 3:
         raise ValueError(f"sym_matmul takes (m, k) or (batch, m, k) but got: {tuple(x.shape)}")
+    y = x if y is None else y
     if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
         raise ValueError(f"y must be like x {tuple(x.shape)} but is: {tuple(y.shape)} {y.dtype}")
     batch, m, k = x.shape
