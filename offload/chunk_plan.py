@@ -127,6 +127,7 @@ class ChunkLayout:
     views: tuple[StateView, ...]
     copies: Mapping[torch.dtype, tuple[Copy, ...]]  # empty when resident
     resident: bool  # state stays on the GPU: no copies, no staging slot
+    invariant_bytes: int  # rank-invariant state bytes it steps ("auto" weighs chunks by it)
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,18 @@ def _resident_units(unit_bytes: Sequence[int], budget: int, first: bool) -> list
     return resident
 
 
+def unit_sizes(units: Sequence[Sequence[int]], params: Sequence[ParamSpec]) -> list[UnitSize]:
+    """Each unit's rank-invariant state bytes; a one-param splittable unit's element count."""
+    sizes = []
+    for unit in units:
+        spec = params[unit[0]]
+        if len(unit) == 1 and spec.splittable and spec.invariant_numel > 0:
+            sizes.append(UnitSize(spec.invariant_bytes, spec.invariant_numel, True))
+        else:
+            sizes.append(UnitSize(sum(params[i].invariant_bytes for i in unit)))
+    return sizes
+
+
 def plan_offload(
     units: Sequence[Sequence[int]],
     params: Sequence[ParamSpec],
@@ -278,13 +291,7 @@ def plan_offload(
     chunk's state tensors have homes in the host slabs, laid out in chunk order,
     so loading or writing back a chunk is a few contiguous copies per dtype.
     """
-    sizes = []
-    for unit in units:
-        spec = params[unit[0]]
-        if len(unit) == 1 and spec.splittable and spec.invariant_numel > 0:
-            sizes.append(UnitSize(spec.invariant_bytes, spec.invariant_numel, True))
-        else:
-            sizes.append(UnitSize(sum(params[i].invariant_bytes for i in unit)))
+    sizes = unit_sizes(units, params)
     resident = _resident_units([s.bytes for s in sizes], resident_bytes, resident_first)
     packed = []  # (spans, resident): each run of units alike in residency packed on its own
     start = 0
@@ -303,14 +310,18 @@ def plan_offload(
         whole: list[int] = []
         slices: list[SliceLayout] = []
         pieces = []  # (param, spec, start, stop, sliced)
+        invariant_bytes = 0
         for span in spans:
             param_specs = [(i, params[i]) for i in units[span.unit]]
             i, spec = param_specs[0]
-            if sizes[span.unit].splittable and (span.start, span.stop) != (0, spec.invariant_numel):
+            size = sizes[span.unit]
+            if size.splittable and (span.start, span.stop) != (0, spec.invariant_numel):
+                invariant_bytes += (span.stop - span.start) * (size.bytes // size.numel)
                 start, stop = _local_range(span, spec)
                 slices.append(SliceLayout(i, start, stop))
                 pieces += [(i, s, start, stop, True) for s in spec.state]
             else:
+                invariant_bytes += size.bytes
                 whole += [i for i, _ in param_specs]
                 pieces += [(i, s, 0, s.numel, False) for i, p in param_specs for s in p.state]
         numel = homes[in_gpu]
@@ -349,6 +360,7 @@ def plan_offload(
                 tuple(views),
                 {dtype: tuple(runs) for dtype, runs in copies.items()},
                 in_gpu,
+                invariant_bytes,
             )
         )
     return OffloadPlan(tuple(chunks), homes[False], homes[True], slot_numel)

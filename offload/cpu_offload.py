@@ -16,9 +16,9 @@ the chunks as the next forward reaches them) is `forward_overlap.ForwardOverlap`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-import statistics
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -28,15 +28,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
+from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
 from offload.residency import (
     AUTO_MEASURED_STEPS,
     AUTO_WARMUP_STEPS,
     DEFAULT_RESIDENT_CAP_FRACTION,
+    ResidencyChoice,
     StepTimer,
-    choose_resident_bytes,
+    choose_residency,
 )
 from offload.state_estimate import dry_run_state_bytes
 from offload.streams import CopyStreams
@@ -270,6 +271,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._step_done: torch.Event | None = None
         self._steps = 0
         self._timer = StepTimer(self.device) if gpu_resident_bytes == "auto" else None
+        self.residency: ResidencyChoice | None = None
+        """What "auto" chose, once it has (None before, and for a byte budget)."""
         self._closed = False
         self._hooks_for_lr_scheduler()
         self._overlap: ForwardOverlap | None = None
@@ -280,9 +283,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._streams, staging_slots)
-            if self._timer is not None:
-                timer, streams = self._timer, self._streams
-                self._overlap.forward_ended = lambda: timer.forward_ended(streams.current())
+            self._overlap.timer = self._timer
 
     def _check_ring_fits(self) -> None:
         """Fail at construction if the staging ring cannot fit on the device.
@@ -499,8 +500,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             streams.wait(streams.h2d, ready)
             streams.wait(streams.d2h, ready)
         if self._overlap is None:
+            # The trainer's stream runs the whole step: all of it is exposed.
+            before = self._timer.mark(streams.current()) if timed else None
             for _ in self._enqueue_chunks(subset, streams.current(), timed):
                 pass
+            if timed:
+                everything = sum(c.invariant_bytes for c in self._plan.chunks)
+                after = self._timer.mark(streams.current())
+                self._timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
         self._overlap.start(self._enqueue_chunks(subset, self._overlap.side_stream, timed), grads)
@@ -540,6 +547,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._adopt_new_state(chunk, had_state)
             if self._overlap is not None:
                 streams.record(self._overlap.chunk_done[c], compute)
+            if timed:
+                self._timer.chunk_done(compute)
             if chunk.slot >= 0:
                 streams.record(streams.stepped[chunk.slot], compute)
                 with streams.on(streams.d2h):
@@ -555,8 +564,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the streams that used it are past it.
         streams.wait(streams.d2h, streams.mark(compute))
         self._step_done = streams.mark(streams.d2h)
-        if timed:
-            self._timer.step_written_back(streams.d2h)
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
 
@@ -633,36 +640,43 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         here for the measured steps and the last write-back, as for a checkpoint)."""
         if self._timer is None or self._steps < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
             return
-        timings = self._timer.timings()
+        profiles = self._timer.profiles()
         self._timer = None
         if self._overlap is not None:
-            self._overlap.forward_ended = None
-        state_bytes = sum(spec.invariant_bytes for spec in self._specs)
+            self._overlap.timer = None
+        sizes = [u.bytes for u in unit_sizes(self._units_key, self._specs)]
+        state_bytes = sum(sizes)
         cap = self.gpu_resident_cap_bytes
         if cap is None:
             cap = int(state_bytes * DEFAULT_RESIDENT_CAP_FRACTION)
-        chosen = choose_resident_bytes(timings, state_bytes, cap)
+        chunk_bytes = [c.invariant_bytes for c in self._plan.chunks]
+        if self._overlap is None:  # the last units stay resident: the step seen from its end
+            sizes, chunk_bytes = sizes[::-1], chunk_bytes[::-1]
+            profiles = [p.from_the_end() for p in profiles]
+        choice = choose_residency(profiles, chunk_bytes, sizes, cap)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Every rank must cut the same chunks: take the largest choice.
-            agreed = torch.tensor([chosen], dtype=torch.int64, device=self.device)
+            # Every rank must cut the same chunks: take the largest choice (each is a
+            # prefix of the same rank-invariant unit sizes, so the largest is one too).
+            agreed = torch.tensor([choice.resident_bytes], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-            chosen = int(agreed.item())
-        self.gpu_resident_bytes = chosen
-        if chosen > 0:
+            choice = choice.with_budget(int(agreed.item()), profiles, chunk_bytes, sizes)
+        self.residency = choice
+        self.gpu_resident_bytes = choice.resident_bytes
+        if choice.resident_bytes > 0:
             self.wait_for_optimizer_step()
             self._build(self._plan_for(self._units_key), self._units_key)
-        window = statistics.median(t.window_ms for t in timings)
-        busy = statistics.median(t.offloaded_ms for t in timings)
         logger.info(
-            "gpu_resident_bytes='auto' chose %d bytes (cap %d of %d): %d bytes of state on the "
-            "GPU, %d on the host; measured overlap window %.1f ms vs offloaded step %.1f ms",
-            chosen,
+            "gpu_resident_bytes='auto' chose %d bytes (%d units, cap %d of %d): %d bytes of "
+            "state on the GPU, %d on the host; the trainer stalled %.1f ms a step for the "
+            "offloaded step, predicted %.1f ms with this choice",
+            choice.resident_bytes,
+            choice.resident_units,
             cap,
             state_bytes,
             self._plan.resident_bytes,
             self._plan.host_bytes,
-            window,
-            busy,
+            choice.measured_stall_ms,
+            choice.predicted_stall_ms,
         )
 
     def _build(
@@ -745,7 +759,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         self._plan, self._units_key, self._chunks, self._homes = plan, units_key, chunks, homes
         if self._overlap is not None:
-            self._overlap.set_chunks([chunk.touched for chunk in chunks])
+            self._overlap.set_chunks(
+                [chunk.touched for chunk in chunks], self._unit_ends(units_key)
+            )
         if ring and not plan.slot_numel:
             self._ring = None  # everything is resident: no staging
         state = self.optimizer.state
@@ -756,6 +772,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 entries[key] = home.home_state
         if self._ring is not None:
             self._ring.release([])  # acquired again at the start of each step
+
+    def _unit_ends(self, units_key: tuple[tuple[int, ...], ...]) -> dict[Tensor, int]:
+        """Where each param's unit ends in the step: its state bytes and all before it."""
+        ends = itertools.accumulate(u.bytes for u in unit_sizes(units_key, self._specs))
+        return {
+            self._params[i]: end for unit, end in zip(units_key, ends, strict=True) for i in unit
+        }
 
     def _host_views(self) -> dict[tuple[Tensor, str], _Home]:
         return self._homes
