@@ -21,6 +21,7 @@ import logging
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -195,6 +196,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             overlap hide the rest, at most `gpu_resident_cap_bytes`.
         gpu_resident_cap_bytes: the most "auto" may keep on the GPU (default:
             half the state).
+        load_in_backward: with `overlap_forward`, start loading the next step's first
+            chunks (as many as the ring has slots) in the backward of the first forward
+            after a step, once it has passed the last module that forward ran (by then
+            the loss and head's activations, the backward's usual peak, are freed). The
+            step finds them loaded. The ring is then held from there to the end of the
+            step instead of from `step()` on; nothing else is allocated, and nothing of
+            the update starts before `step()` (grads may still change, e.g. clipping).
 
     GPU memory for state: the resident state, and during a step `staging_slots`
     chunks (the ring is given back to the caching allocator when the step is
@@ -223,6 +231,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         overlap_forward: nn.Module | None = None,
         gpu_resident_bytes: int | Literal["auto"] = 0,
         gpu_resident_cap_bytes: int | None = None,
+        load_in_backward: bool = False,
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
@@ -284,6 +293,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._streams, staging_slots)
             self._overlap.timer = self._timer
+            if load_in_backward:
+                load_ahead = weakref.WeakMethod(self._load_ahead)  # the model must not keep self
+                self._overlap.backward_reached = lambda: (load_ahead() or _nothing)()
+        elif load_in_backward:
+            raise ValueError(
+                "load_in_backward needs overlap_forward=model: the forward's hooks find where "
+                "the backward is"
+            )
+        self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
+        self._loaded_ahead_done: torch.Event | None = None
+        self.chunks_loaded_in_backward = 0
+        """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
 
     def _check_ring_fits(self) -> None:
         """Fail at construction if the staging ring cannot fit on the device.
@@ -385,6 +406,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
         if self._overlap is not None:
             self._overlap.close()
             self._overlap = None
@@ -398,6 +420,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the state's homes (host slabs, resident slabs) in place; nothing is staged."""
         self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
         # State is keyed by whatever the saved groups list as params (indices, or FQNs
         # from torch.distributed.checkpoint); match them to params by position, as torch does.
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -523,13 +546,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ahead = self.staging_slots - 1  # loads in flight ahead of the update (0: load, then step)
         staged = [c for c in self._chunks if c.slot >= 0]
         loaded = {}
-        for chunk in staged[:ahead]:
-            loaded[id(chunk)] = self._load(chunk, had_state)
+        loaded_ahead, self._loaded_ahead = self._loaded_ahead, {}
+        self._loaded_ahead_done = None
+        self.chunks_loaded_in_backward = len(loaded_ahead)
+
+        def load(index: int) -> None:
+            if index < len(staged):
+                chunk = staged[index]
+                done = loaded_ahead.get(index)
+                loaded[id(chunk)] = self._load(chunk, had_state) if done is None else done
+
+        for index in range(ahead):
+            load(index)
         next_load = ahead
         for c, chunk in enumerate(self._chunks):
             if chunk.slot >= 0:
-                if next_load < len(staged):
-                    loaded[id(staged[next_load])] = self._load(staged[next_load], had_state)
+                load(next_load)
                 next_load += 1
                 # A loaded slot was freed before its load; an unloaded one (state not
                 # created yet) must still wait for its last write-back before the step
@@ -566,6 +598,40 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._step_done = streams.mark(streams.d2h)
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
+
+    def _load_ahead(self) -> None:
+        """From the backward (`load_in_backward`): load the state of the step's first staged
+        chunks, one per slot, as the step would first; the step then skips those loads.
+
+        Not before the plan is final ("auto" still measuring) or state exists, and not
+        twice (a second backward before the step, under gradient accumulation).
+        """
+        if (
+            self._loaded_ahead
+            or self._ring is None
+            or self._timer is not None
+            or self._closed
+            or self._overlap.pending_chunks
+        ):
+            return
+        state = self.optimizer.state
+        had_state = {p for p in self._params if state.get(p)}
+        staged = [c for c in self._chunks if c.slot >= 0][: self.staging_slots]
+        if not any(p in had_state for c in staged for p in c.touched):
+            return
+        streams = self._streams
+        with torch.no_grad():
+            # Allocated on the backward's stream: the loads start after its work so far.
+            self._ring.acquire()
+            streams.wait(streams.h2d, streams.mark(streams.current()))
+            self._loaded_ahead = {i: self._load(c, had_state) for i, c in enumerate(staged)}
+        self._loaded_ahead_done = streams.mark(streams.h2d)
+
+    def _drop_loaded_ahead(self) -> None:
+        """Forget chunks loaded in the backward (their homes are about to change)."""
+        if self._loaded_ahead_done is not None:
+            self._loaded_ahead_done.synchronize()
+        self._loaded_ahead, self._loaded_ahead_done = {}, None
 
     def _load(self, chunk: _Chunk, had_state: set[Tensor]) -> bool:
         """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
@@ -871,6 +937,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ]
         units = tuple((i,) for i in range(len(self._params)))
         self._build(plan_offload(units, specs, chunk_bytes=2**62), units, ring=False)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _user_stacklevel() -> int:

@@ -144,6 +144,11 @@ class ForwardOverlap:
         self._in_flight = False  # the next forward must still wait for the pending step
         self.timer: StepTimer | None = None
         """While "auto" measures: times the trainer stream's waits for chunks in the forward."""
+        self.backward_reached: Callable[[], None] | None = None
+        """Called once the backward of the first forward after a step has passed the last
+        owner module that forward ran (the grad of that module's input is computed)."""
+        self._watch_inputs = False  # in the first forward after a step
+        self._last_input: Tensor | None = None
         handles = _register_hooks(model, self.owners, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles)
 
@@ -191,6 +196,7 @@ class ForwardOverlap:
         self._pending = pending
         self._enqueued = 0
         self._in_flight = True
+        self._watch_inputs = self.backward_reached is not None
         self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
 
     def advance(self, last: int) -> None:
@@ -237,7 +243,10 @@ class ForwardOverlap:
         """Chunks of the pending step not enqueued yet (0 when none is pending)."""
         return 0 if self._pending is None else len(self.chunk_done) - self._enqueued
 
-    def _before_module(self, index: int) -> None:
+    def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._watch_inputs:
+            # The backward reaches this module's input last of the modules run so far.
+            self._last_input = _first_grad_tensor((*args, *kwargs.values()), self._last_input)
         if not self._in_flight or not self._module_chunk:
             return
         module = self.owners[index][0]
@@ -253,6 +262,29 @@ class ForwardOverlap:
     def _after_forward(self) -> None:
         if self._in_flight:
             self.finish()
+        if self._watch_inputs:
+            # Activation checkpointing reruns modules in the backward: watch this forward only.
+            self._watch_inputs = False
+            watched, self._last_input = self._last_input, None
+            if watched is not None:
+                watched.register_hook(_backward_reached_hook(weakref.ref(self)))
+
+
+def _first_grad_tensor(values: Iterable[Any], default: Tensor | None) -> Tensor | None:
+    """The first tensor in `values` that the backward computes a grad for, else `default`."""
+    for value in values:
+        if isinstance(value, Tensor) and value.requires_grad:
+            return value
+    return default
+
+
+def _backward_reached_hook(overlap: weakref.ref[ForwardOverlap]) -> Callable[[Tensor], None]:
+    def hook(grad: Tensor) -> None:
+        target = overlap()
+        if target is not None and target.backward_reached is not None:
+            target.backward_reached()
+
+    return hook
 
 
 def _register_hooks(
@@ -267,10 +299,10 @@ def _register_hooks(
     # become part of the user's graph (and recompile as chunks advance).
     def pre_hook(index: int) -> Callable[..., None]:
         @torch.compiler.disable
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             target = overlap()
             if target is not None:
-                target._before_module(index)
+                target._before_module(index, args, kwargs)
 
         return hook
 
@@ -281,7 +313,7 @@ def _register_hooks(
             target._after_forward()
 
     handles = [
-        module.register_forward_pre_hook(pre_hook(i), prepend=True)
+        module.register_forward_pre_hook(pre_hook(i), prepend=True, with_kwargs=True)
         for i, (module, _) in enumerate(owners)
     ]
     handles.append(model.register_forward_hook(post_hook))
