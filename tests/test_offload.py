@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import warnings
 
 import pytest
 import torch
+from fake_step_timer import FakeStepTimer
 
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
-from offload.residency import (
-    AUTO_MEASURED_STEPS,
-    AUTO_WARMUP_STEPS,
-    StepProfile,
-    StepTimer,
-)
+from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
 from offload.subset_step import GroupStep
 
 OPTIMIZERS = {
@@ -375,28 +370,6 @@ def test_state_dict_round_trip_with_resident_state():
     assert_same_state_dicts(saved, resumed.state_dict())
 
 
-class FakeStepTimer(StepTimer):
-    """The CPU's timer (real chunk and wait records, all times zero) with made-up times:
-    each chunk takes 10 ms; with `stall`, the trainer's first wait stalls until its chunk
-    is done (it got there at once) and no other wait stalls."""
-
-    def __init__(self, stall: bool) -> None:
-        super().__init__(torch.device("cpu"))
-        self.stall = stall
-        self.recorded: list[StepProfile] = []
-
-    def profiles(self) -> list[StepProfile]:
-        self.recorded = super().profiles()
-        made_up = []
-        for profile in self.recorded:
-            done = tuple(10.0 * (c + 1) for c in range(len(profile.chunk_done_ms)))
-            waits = [dataclasses.replace(w, stall_ms=0.0) for w in profile.waits]
-            if self.stall:
-                waits[0] = dataclasses.replace(waits[0], stall_ms=done[waits[0].chunk])
-            made_up.append(StepProfile(done, tuple(waits)))
-        return made_up
-
-
 @pytest.mark.parametrize(
     "case", ["cpu_timer", "overlap_hides_all", "overlap_first_wait", "no_overlap"]
 )
@@ -414,7 +387,7 @@ def test_gpu_resident_bytes_auto_keeps_what_the_stalls_need_bitwise(case, caplog
     )
     timer = None
     if case != "cpu_timer":
-        timer = FakeStepTimer(stall=case != "overlap_hides_all")
+        timer = FakeStepTimer(stall_first=case != "overlap_hides_all")
         opt._timer = timer
         if overlap:
             opt._overlap.timer = timer
