@@ -157,6 +157,7 @@ class ForwardOverlap:
         self._remove_hooks()
         self._pending = None
         self._in_flight = False
+        self._watch_inputs, self._last_input = False, None
 
     def forward_order(self, units: Sequence[Sequence[Tensor]]) -> list[Sequence[Tensor]]:
         """Units sorted by the first owner module that reads them (stable: the same on

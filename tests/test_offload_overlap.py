@@ -246,8 +246,9 @@ def test_a_dropped_optimizer_is_collected_with_its_slabs(overlap, close):
         chunk_bytes=1,
         staging_slots=2,
         overlap_forward=model if overlap else None,
+        load_in_backward=overlap,
     )
-    run(model, opt, batches(2))  # with overlap, the last step is still pending
+    run(model, opt, batches(3))  # with overlap, the last step is still pending
     if close:
         opt.close()
         assert _hooks(model) == 0
