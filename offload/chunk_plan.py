@@ -202,20 +202,26 @@ def _greedy(
     return chunks
 
 
-def pack_units(units: Sequence[UnitSize], chunk_bytes: int) -> tuple[tuple[Span, ...], ...]:
+def pack_units(
+    units: Sequence[UnitSize], chunk_bytes: int, ramp_first: bool = True
+) -> tuple[tuple[Span, ...], ...]:
     """Cut units, in order, into chunks of at most `chunk_bytes`.
 
     A splittable unit is cut into slices where a chunk fills up, so its chunks
     stay under the cap; a unit that cannot split and is larger than the cap is
     a chunk of its own. The first and last RAMP_STEPS chunks hold 1/2, 1/4, ...
     of the cap: nothing overlaps the first load or the last write-back, so small
-    end chunks shorten the pipeline's fill and drain.
+    end chunks shorten the pipeline's fill and drain. Without `ramp_first` the first
+    chunks are full: their loads are overlapped by something else (the backward).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes should be > 0 but is: {chunk_bytes}")
 
     def cap(k: int) -> int:
         return chunk_bytes >> max(0, RAMP_STEPS - k)
+
+    def full(k: int) -> int:
+        return chunk_bytes
 
     total, half = sum(u.bytes for u in units), 0
     if total <= chunk_bytes:
@@ -226,7 +232,7 @@ def pack_units(units: Sequence[UnitSize], chunk_bytes: int) -> tuple[tuple[Span,
             middle = index
             break
         half += unit.bytes
-    head = _greedy(units[:middle], cap, reverse=False)
+    head = _greedy(units[:middle], cap if ramp_first else full, reverse=False)
     tail = _greedy(units[middle:], cap, reverse=True)
     tail = [[Span(s.unit + middle, s.start, s.stop) for s in chunk] for chunk in tail]
     return tuple(tuple(chunk) for chunk in head + tail)
@@ -281,6 +287,7 @@ def plan_offload(
     chunk_bytes: int,
     resident_bytes: int = 0,
     resident_first: bool = False,
+    ramp_first: bool = True,
 ) -> OffloadPlan:
     """Cut `units` (lists of param indices) into chunks and lay out their state.
 
@@ -299,7 +306,9 @@ def plan_offload(
         if stop == len(units) or resident[stop] != resident[start]:
             packed += [
                 (tuple(Span(s.unit + start, s.start, s.stop) for s in spans), resident[start])
-                for spans in pack_units(sizes[start:stop], chunk_bytes)
+                for spans in pack_units(
+                    sizes[start:stop], chunk_bytes, ramp_first or resident[start]
+                )
             ]
             start = stop
     homes: dict[bool, dict[torch.dtype, int]] = {False: {}, True: {}}

@@ -301,6 +301,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "load_in_backward needs overlap_forward=model: the forward's hooks find where "
                 "the backward is"
             )
+        self._load_in_backward = load_in_backward
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0
@@ -699,6 +700,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.chunk_bytes,
             resident_bytes=budget,
             resident_first=self._overlap is not None,
+            # The first chunks load in the backward: full ones fill the ring.
+            ramp_first=not self._load_in_backward,
         )
 
     def _resolve_auto_residency(self) -> None:

@@ -317,7 +317,7 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case):
     slots = 3
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-        chunk_bytes=600,
+        chunk_bytes=2048,
         staging_slots=slots,
         overlap_forward=model,
         load_in_backward=True,
@@ -346,6 +346,8 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case):
                 dropped = case == "reloaded" and step == 3
                 assert opt.chunks_loaded_in_backward == (0 if step == 0 or dropped else slots)
     opt.wait_for_optimizer_step()
+    # the chunks loaded in the backward are full (no ramp up: nothing waits for their loads)
+    assert [c.invariant_bytes for c in opt.plan.chunks[:2]] == [2048, 2048]
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
