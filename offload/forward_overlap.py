@@ -263,12 +263,12 @@ class ForwardOverlap:
     def _after_forward(self) -> None:
         if self._in_flight:
             self.finish()
-        if self._watch_inputs:
-            # Activation checkpointing reruns modules in the backward: watch this forward only.
+        if self._last_input is not None:
+            # Activation checkpointing reruns modules in the backward: watch this forward
+            # only (a forward without grads, e.g. an evaluation, leaves the next one to it).
             self._watch_inputs = False
             watched, self._last_input = self._last_input, None
-            if watched is not None:
-                watched.register_hook(_backward_reached_hook(weakref.ref(self)))
+            watched.register_hook(_backward_reached_hook(weakref.ref(self)))
 
 
 def _first_grad_tensor(values: Iterable[Any], default: Tensor | None) -> Tensor | None:

@@ -307,7 +307,7 @@ def _checkpointed_model() -> torch.nn.Module:
     return torch.nn.Sequential(layers[0], *pairs, layers[-1])
 
 
-@pytest.mark.parametrize("case", ["plain", "checkpointed", "accumulated", "reloaded"])
+@pytest.mark.parametrize("case", ["plain", "checkpointed", "accumulated", "reloaded", "evaluated"])
 def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case):
     """The backward after a step's forward loads the next step's first chunks (one per
     slot); the step skips those loads; params and state match the plain optimizer."""
@@ -342,6 +342,9 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.3)
             o.step()
             sched.step()
+            if case == "evaluated":  # a forward without grads first: the next one watches
+                with torch.no_grad():
+                    m(data[0])
             if o is opt:
                 dropped = case == "reloaded" and step == 3
                 assert opt.chunks_loaded_in_backward == (0 if step == 0 or dropped else slots)
