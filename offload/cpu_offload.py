@@ -191,9 +191,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         gpu_resident_bytes: state bytes (rank-invariant count, whole units) kept
             on the GPU, never copied: the units the forward needs first with
             `overlap_forward` (overlap cannot hide them), else the last ones
-            (nothing overlaps their copies). "auto": measure the first steps with
-            everything offloaded, then keep the least state that lets the forward
-            overlap hide the rest, at most `gpu_resident_cap_bytes`.
+            (nothing overlaps their copies). "auto": measure, over the first steps
+            with everything offloaded, how long the trainer's stream stalls waiting
+            for chunks (`offload.residency`), then keep the fewest leading units that
+            remove the stall the cap can remove, at most `gpu_resident_cap_bytes`;
+            `residency` says what it chose.
         gpu_resident_cap_bytes: the most "auto" may keep on the GPU (default:
             half the state).
         load_in_backward: with `overlap_forward`, start loading the next step's first
