@@ -1,5 +1,5 @@
 """`gpu_resident_bytes="auto"`: measure what the offloaded step exposes over the first
-steps, then keep on the GPU the least state that hides it.
+steps, then keep on the GPU the least state that removes what the cap can remove of it.
 
 What the step exposes is where the trainer's stream stalls for it. With forward
 overlap that is each forward pre-hook's wait for the chunks its module reads (and
@@ -135,8 +135,7 @@ def predicted_stall_ms(
     for wait in profile.waits:
         late += wait.stall_ms
         if wait.stall_ms > 0 and wait.needs > resident:
-            saved = _done_ms(profile, chunk_end_bytes, min(resident, chunk_end_bytes[wait.chunk]))
-            worst = max(worst, late - saved)
+            worst = max(worst, late - _done_ms(profile, chunk_end_bytes, resident))
     return worst
 
 
