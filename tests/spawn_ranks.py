@@ -17,7 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_on_ranks(body: Callable[..., None], world: int, *args: Any, backend: str = "gloo") -> None:
+def run_on_ranks(
+    body: Callable[..., None], world: int, *args: Any, backend: str = "gloo"
+) -> None:
     """`body(rank, world, *args)` in `world` spawned processes on one `backend` group.
 
     Under "nccl" rank r uses cuda:r (passed as `device_id`: NCCL otherwise guesses the
