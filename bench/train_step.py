@@ -28,7 +28,9 @@ Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
 - offload: optimizer state in pinned host memory, streamed through the GPU in
   chunks inside `step()` (CPUOffloadOptimizer);
 - offload+overlap: the same, the chunks running alongside the next forward;
-- offload+overlap@BYTES (or @auto): with `offload_gpu_resident_bytes=BYTES`, state
+- offload+overlap+bwd: and the next step's first chunks loaded during the backward
+  (`offload_load_in_backward`);
+- offload+overlap[+bwd]@BYTES (or @auto): with `offload_gpu_resident_bytes=BYTES`, state
   kept on the GPU; `--resident-sweep` adds one per value (and the none and
   offload+overlap arms the plot compares against) and plots step time and peak
   memory against resident bytes;
@@ -74,12 +76,14 @@ from bench.timing import timed_window
 from bench.train import free_port
 from muon_offload import OptimizerConfig, setup_optimizer
 from offload import CPUOffloadOptimizer
+from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = ("tiny", "llama-0.85b", *hf_llama.PRESETS)
 OPTIMIZERS = ("adamw", "muon")
-ARMS = ("none", "offload", "offload+overlap", "fsdp_cpu_offload")
+ARMS = ("none", "offload", "offload+overlap", "offload+overlap+bwd", "fsdp_cpu_offload")
+OVERLAP_ARMS = ("offload+overlap", "offload+overlap+bwd")  # may keep resident state (@BYTES)
 PLAIN_ARMS = ("none", "offload+overlap", "torchao")
 GiB = 2**30
 UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -132,10 +136,11 @@ def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) 
             continue
         mode, _, resident = arm.partition("@")
         for o in (prefix,) if prefix else OPTIMIZERS:
-            if o not in OPTIMIZERS or mode not in ARMS or (resident and mode != ARMS[2]):
+            if o not in OPTIMIZERS or mode not in ARMS or (resident and mode not in OVERLAP_ARMS):
                 raise SystemExit(
                     f"unknown arm {item!r}: use OPT/ARM, OPT in {OPTIMIZERS}, ARM in {ARMS} "
-                    f"or offload+overlap@BYTES, or plain/ARM with ARM in {PLAIN_ARMS}"
+                    f"or ARM@BYTES with ARM in {OVERLAP_ARMS}, or plain/ARM with ARM in "
+                    f"{PLAIN_ARMS}"
                 )
             chosen.append(Arm(o, mode, resident=parse_bytes(resident) if resident else None))
     for o in sweep_optimizers.split(",") if sweep else ():
@@ -155,7 +160,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--arms",
         default="all",
         help=f"comma-separated OPT/ARM (e.g. muon/offload), ARM for both optimizers, "
-        f"OPT/offload+overlap@BYTES, plain/ARM, or all; ARM in {ARMS}, plain ARM in {PLAIN_ARMS}",
+        f"OPT/offload+overlap[+bwd]@BYTES, plain/ARM, or all; ARM in {ARMS}, plain ARM in "
+        f"{PLAIN_ARMS}",
     )
     parser.add_argument("--model", choices=MODELS, default="llama-0.85b")
     parser.add_argument("--wrap", choices=hf_llama.WRAPS, default="per-layer", help="hf models")
@@ -263,7 +269,8 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         type=arm.optimizer,
         lr=args.lr,
         offload="optimizer" if arm.mode.startswith("offload") else "none",
-        offload_overlap_forward=arm.mode == "offload+overlap",
+        offload_overlap_forward=arm.mode in OVERLAP_ARMS,
+        offload_load_in_backward=arm.mode == "offload+overlap+bwd",
         **extra,
     )
     return setup_optimizer(model, config)
@@ -291,9 +298,13 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         optimizer.step()
         return time.perf_counter() - start
 
-    # Warmup builds plans, allocates state and host slabs; a slow arm stops early.
+    # Warmup builds plans, allocates state and host slabs; a slow arm stops early. "auto"
+    # decides after its measured steps: the window starts after that.
+    warmup = args.warmup
+    if arm.resident == "auto":
+        warmup = max(warmup, AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 1)
     warm_s: list[float] = []
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         started = time.perf_counter()
         timed_window(step, 1, device)
         warm_s.append(time.perf_counter() - started)
@@ -316,6 +327,11 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
         ),
     }
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        result["resident_mib"] = optimizer.plan.resident_bytes / 2**20
+        result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
+        if optimizer.residency is not None:
+            result["residency"] = dataclasses.asdict(optimizer.residency)
     if device.type == "cuda":
         result["kept_mib"] = kept_between_steps(model, optimizer, device) / 2**20
     close = getattr(optimizer, "close", None)
@@ -417,7 +433,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
     width = max(len(r["arm"]) for r in results)
     header = (
         f"{'arm':<{width}} {'step ms':>8} {'vs none':>8} {'window':>8} {'returns':>8} "
-        f"{'peak GiB':>9} {'vs none':>8} {'kept MiB':>9} {'steps':>6}"
+        f"{'peak GiB':>9} {'vs none':>8} {'kept MiB':>9} {'resident':>9} {'bwd':>4} "
+        f"{'steps':>6}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
@@ -428,13 +445,23 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{r['arm']:<{width}} {r['step_ms']:>8.1f} {ratio(r, 'step_ms'):>8} "
             f"{r['window_ms_per_step']:>8.1f} {r['step_returns_ms']:>8.1f} "
             f"{gib(r['peak_gib']):>9} {ratio(r, 'peak_gib'):>8} "
-            f"{gib(r.get('kept_mib')):>9} {r['timed_steps']:>6}"
+            f"{gib(r.get('kept_mib')):>9} {gib(r.get('resident_mib')):>9} "
+            f"{r.get('chunks_loaded_in_backward', '-'):>4} {r['timed_steps']:>6}"
         )
+        if "residency" in r:
+            c = r["residency"]
+            print(
+                f"{'':<{width}} auto: kept {c['resident_units']} units, "
+                f"{c['resident_bytes'] / GiB:.2f} of {c['cap_bytes'] / GiB:.2f} GiB cap "
+                f"({c['state_bytes'] / GiB:.2f} GiB state); stall {c['measured_stall_ms']:.1f} "
+                f"ms a step all offloaded, predicted {c['predicted_stall_ms']:.1f} ms"
+            )
     print(
         "\nstep ms: median over the window's steps (events between steps, synced only at the "
         "window's ends); window: window / steps; returns: host ms until step() returns; "
         "vs none: against the same optimizer's none arm (plain arms: plain/none); kept: "
-        "allocated after step() + zero_grad beyond params and device state"
+        "allocated after step() + zero_grad beyond params and device state; resident: MiB of "
+        "state kept on the GPU; bwd: chunks the last step found loaded in the backward"
     )
 
 

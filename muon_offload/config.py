@@ -74,6 +74,9 @@ class OptimizerConfig:
     offload_gpu_resident_bytes: int | str = 0
     """With offload: state bytes kept on the GPU, or "auto" (CPUOffloadOptimizer's
     `gpu_resident_bytes`)."""
+    offload_load_in_backward: bool = False
+    """With forward overlap: load the next step's first chunks during the backward
+    (CPUOffloadOptimizer's `load_in_backward`)."""
     muon_options: dict[str, Any] = field(default_factory=dict)
     """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
 
@@ -100,6 +103,11 @@ class OptimizerConfig:
             raise ValueError(
                 "offload_overlap_forward=True needs offload='optimizer' (it overlaps the "
                 "offloaded step with the next forward); set offload='optimizer' or turn it off"
+            )
+        if self.offload_load_in_backward and not self.offload_overlap_forward:
+            raise ValueError(
+                "offload_load_in_backward=True needs offload_overlap_forward=True (the forward "
+                "overlap's hooks find where the backward is); turn both on or this one off"
             )
         if self.offload_chunk_bytes <= 0:
             raise ValueError(
@@ -293,6 +301,7 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         staging_slots=config.offload_staging_slots,
         overlap_forward=model if config.offload_overlap_forward else None,
         gpu_resident_bytes=config.offload_gpu_resident_bytes,
+        load_in_backward=config.offload_load_in_backward,
     )
 
 

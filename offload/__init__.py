@@ -3,6 +3,7 @@
 from offload.chunk_plan import OffloadPlan, plan_offload
 from offload.cpu_offload import CPUOffloadOptimizer
 from offload.host_memory import HostMemoryError
+from offload.residency import ResidencyChoice
 from offload.subset_step import (
     GroupSubsetStep,
     ParamSlice,
@@ -18,6 +19,7 @@ __all__ = [
     "HostMemoryError",
     "OffloadPlan",
     "ParamSlice",
+    "ResidencyChoice",
     "SlicingSubsetStep",
     "SubsetStep",
     "SupportsSubsetStep",

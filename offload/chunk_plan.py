@@ -127,6 +127,7 @@ class ChunkLayout:
     views: tuple[StateView, ...]
     copies: Mapping[torch.dtype, tuple[Copy, ...]]  # empty when resident
     resident: bool  # state stays on the GPU: no copies, no staging slot
+    invariant_bytes: int  # rank-invariant state bytes it steps ("auto" weighs chunks by it)
 
 
 @dataclass(frozen=True)
@@ -201,20 +202,26 @@ def _greedy(
     return chunks
 
 
-def pack_units(units: Sequence[UnitSize], chunk_bytes: int) -> tuple[tuple[Span, ...], ...]:
+def pack_units(
+    units: Sequence[UnitSize], chunk_bytes: int, ramp_first: bool = True
+) -> tuple[tuple[Span, ...], ...]:
     """Cut units, in order, into chunks of at most `chunk_bytes`.
 
     A splittable unit is cut into slices where a chunk fills up, so its chunks
     stay under the cap; a unit that cannot split and is larger than the cap is
     a chunk of its own. The first and last RAMP_STEPS chunks hold 1/2, 1/4, ...
     of the cap: nothing overlaps the first load or the last write-back, so small
-    end chunks shorten the pipeline's fill and drain.
+    end chunks shorten the pipeline's fill and drain. Without `ramp_first` the first
+    chunks are full: their loads are overlapped by something else (the backward).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes should be > 0 but is: {chunk_bytes}")
 
     def cap(k: int) -> int:
         return chunk_bytes >> max(0, RAMP_STEPS - k)
+
+    def full(k: int) -> int:
+        return chunk_bytes
 
     total, half = sum(u.bytes for u in units), 0
     if total <= chunk_bytes:
@@ -225,7 +232,7 @@ def pack_units(units: Sequence[UnitSize], chunk_bytes: int) -> tuple[tuple[Span,
             middle = index
             break
         half += unit.bytes
-    head = _greedy(units[:middle], cap, reverse=False)
+    head = _greedy(units[:middle], cap if ramp_first else full, reverse=False)
     tail = _greedy(units[middle:], cap, reverse=True)
     tail = [[Span(s.unit + middle, s.start, s.stop) for s in chunk] for chunk in tail]
     return tuple(tuple(chunk) for chunk in head + tail)
@@ -262,12 +269,25 @@ def _resident_units(unit_bytes: Sequence[int], budget: int, first: bool) -> list
     return resident
 
 
+def unit_sizes(units: Sequence[Sequence[int]], params: Sequence[ParamSpec]) -> list[UnitSize]:
+    """Each unit's rank-invariant state bytes; a one-param splittable unit's element count."""
+    sizes = []
+    for unit in units:
+        spec = params[unit[0]]
+        if len(unit) == 1 and spec.splittable and spec.invariant_numel > 0:
+            sizes.append(UnitSize(spec.invariant_bytes, spec.invariant_numel, True))
+        else:
+            sizes.append(UnitSize(sum(params[i].invariant_bytes for i in unit)))
+    return sizes
+
+
 def plan_offload(
     units: Sequence[Sequence[int]],
     params: Sequence[ParamSpec],
     chunk_bytes: int,
     resident_bytes: int = 0,
     resident_first: bool = False,
+    ramp_first: bool = True,
 ) -> OffloadPlan:
     """Cut `units` (lists of param indices) into chunks and lay out their state.
 
@@ -278,13 +298,7 @@ def plan_offload(
     chunk's state tensors have homes in the host slabs, laid out in chunk order,
     so loading or writing back a chunk is a few contiguous copies per dtype.
     """
-    sizes = []
-    for unit in units:
-        spec = params[unit[0]]
-        if len(unit) == 1 and spec.splittable and spec.invariant_numel > 0:
-            sizes.append(UnitSize(spec.invariant_bytes, spec.invariant_numel, True))
-        else:
-            sizes.append(UnitSize(sum(params[i].invariant_bytes for i in unit)))
+    sizes = unit_sizes(units, params)
     resident = _resident_units([s.bytes for s in sizes], resident_bytes, resident_first)
     packed = []  # (spans, resident): each run of units alike in residency packed on its own
     start = 0
@@ -292,7 +306,9 @@ def plan_offload(
         if stop == len(units) or resident[stop] != resident[start]:
             packed += [
                 (tuple(Span(s.unit + start, s.start, s.stop) for s in spans), resident[start])
-                for spans in pack_units(sizes[start:stop], chunk_bytes)
+                for spans in pack_units(
+                    sizes[start:stop], chunk_bytes, ramp_first or resident[start]
+                )
             ]
             start = stop
     homes: dict[bool, dict[torch.dtype, int]] = {False: {}, True: {}}
@@ -303,14 +319,18 @@ def plan_offload(
         whole: list[int] = []
         slices: list[SliceLayout] = []
         pieces = []  # (param, spec, start, stop, sliced)
+        invariant_bytes = 0
         for span in spans:
             param_specs = [(i, params[i]) for i in units[span.unit]]
             i, spec = param_specs[0]
-            if sizes[span.unit].splittable and (span.start, span.stop) != (0, spec.invariant_numel):
+            size = sizes[span.unit]
+            if size.splittable and (span.start, span.stop) != (0, spec.invariant_numel):
+                invariant_bytes += (span.stop - span.start) * (size.bytes // size.numel)
                 start, stop = _local_range(span, spec)
                 slices.append(SliceLayout(i, start, stop))
                 pieces += [(i, s, start, stop, True) for s in spec.state]
             else:
+                invariant_bytes += size.bytes
                 whole += [i for i, _ in param_specs]
                 pieces += [(i, s, 0, s.numel, False) for i, p in param_specs for s in p.state]
         numel = homes[in_gpu]
@@ -349,6 +369,7 @@ def plan_offload(
                 tuple(views),
                 {dtype: tuple(runs) for dtype, runs in copies.items()},
                 in_gpu,
+                invariant_bytes,
             )
         )
     return OffloadPlan(tuple(chunks), homes[False], homes[True], slot_numel)

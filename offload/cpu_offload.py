@@ -16,11 +16,12 @@ the chunks as the next forward reaches them) is `forward_overlap.ForwardOverlap`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-import statistics
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,15 +29,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
+from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
 from offload.residency import (
     AUTO_MEASURED_STEPS,
     AUTO_WARMUP_STEPS,
     DEFAULT_RESIDENT_CAP_FRACTION,
+    ResidencyChoice,
     StepTimer,
-    choose_resident_bytes,
+    choose_residency,
 )
 from offload.state_estimate import dry_run_state_bytes
 from offload.streams import CopyStreams
@@ -189,11 +191,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         gpu_resident_bytes: state bytes (rank-invariant count, whole units) kept
             on the GPU, never copied: the units the forward needs first with
             `overlap_forward` (overlap cannot hide them), else the last ones
-            (nothing overlaps their copies). "auto": measure the first steps with
-            everything offloaded, then keep the least state that lets the forward
-            overlap hide the rest, at most `gpu_resident_cap_bytes`.
+            (nothing overlaps their copies). "auto": measure, over the first steps
+            with everything offloaded, how long the trainer's stream stalls waiting
+            for chunks (`offload.residency`), then keep the fewest leading units that
+            remove the stall the cap can remove, at most `gpu_resident_cap_bytes`;
+            `residency` says what it chose.
         gpu_resident_cap_bytes: the most "auto" may keep on the GPU (default:
             half the state).
+        load_in_backward: with `overlap_forward`, start loading the next step's first
+            chunks (as many as the ring has slots) in the backward of the first forward
+            after a step, once it has passed the last module that forward ran (by then
+            the loss and head's activations, the backward's usual peak, are freed). The
+            step finds them loaded. The ring is then held from there to the end of the
+            step instead of from `step()` on; nothing else is allocated, and nothing of
+            the update starts before `step()` (grads may still change, e.g. clipping).
 
     GPU memory for state: the resident state, and during a step `staging_slots`
     chunks (the ring is given back to the caching allocator when the step is
@@ -222,6 +233,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         overlap_forward: nn.Module | None = None,
         gpu_resident_bytes: int | Literal["auto"] = 0,
         gpu_resident_cap_bytes: int | None = None,
+        load_in_backward: bool = False,
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
@@ -270,6 +282,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._step_done: torch.Event | None = None
         self._steps = 0
         self._timer = StepTimer(self.device) if gpu_resident_bytes == "auto" else None
+        self.residency: ResidencyChoice | None = None
+        """What "auto" chose, once it has (None before, and for a byte budget)."""
         self._closed = False
         self._hooks_for_lr_scheduler()
         self._overlap: ForwardOverlap | None = None
@@ -280,9 +294,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._streams, staging_slots)
-            if self._timer is not None:
-                timer, streams = self._timer, self._streams
-                self._overlap.forward_ended = lambda: timer.forward_ended(streams.current())
+            self._overlap.timer = self._timer
+            if load_in_backward:
+                load_ahead = weakref.WeakMethod(self._load_ahead)  # the model must not keep self
+                self._overlap.backward_reached = lambda: (load_ahead() or _nothing)()
+        elif load_in_backward:
+            raise ValueError(
+                "load_in_backward needs overlap_forward=model: the forward's hooks find where "
+                "the backward is"
+            )
+        self._load_in_backward = load_in_backward
+        self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
+        self._loaded_ahead_done: torch.Event | None = None
+        self.chunks_loaded_in_backward = 0
+        """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
 
     def _check_ring_fits(self) -> None:
         """Fail at construction if the staging ring cannot fit on the device.
@@ -387,6 +412,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
         if self._overlap is not None:
             self._overlap.close()
             self._overlap = None
@@ -400,6 +426,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the state's homes (host slabs, resident slabs) in place; nothing is staged."""
         self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
         # State is keyed by whatever the saved groups list as params (indices, or FQNs
         # from torch.distributed.checkpoint); match them to params by position, as torch does.
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -502,8 +529,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             streams.wait(streams.h2d, ready)
             streams.wait(streams.d2h, ready)
         if self._overlap is None:
+            # The trainer's stream runs the whole step: all of it is exposed.
+            before = self._timer.mark(streams.current()) if timed else None
             for _ in self._enqueue_chunks(subset, streams.current(), timed):
                 pass
+            if timed:
+                everything = sum(c.invariant_bytes for c in self._plan.chunks)
+                after = self._timer.mark(streams.current())
+                self._timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
         self._overlap.start(self._enqueue_chunks(subset, self._overlap.side_stream, timed), grads)
@@ -519,13 +552,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ahead = self.staging_slots - 1  # loads in flight ahead of the update (0: load, then step)
         staged = [c for c in self._chunks if c.slot >= 0]
         loaded = {}
-        for chunk in staged[:ahead]:
-            loaded[id(chunk)] = self._load(chunk, had_state)
+        loaded_ahead, self._loaded_ahead = self._loaded_ahead, {}
+        self._loaded_ahead_done = None
+        self.chunks_loaded_in_backward = len(loaded_ahead)
+
+        def load(index: int) -> None:
+            if index < len(staged):
+                chunk = staged[index]
+                done = loaded_ahead.get(index)
+                loaded[id(chunk)] = self._load(chunk, had_state) if done is None else done
+
+        for index in range(ahead):
+            load(index)
         next_load = ahead
         for c, chunk in enumerate(self._chunks):
             if chunk.slot >= 0:
-                if next_load < len(staged):
-                    loaded[id(staged[next_load])] = self._load(staged[next_load], had_state)
+                load(next_load)
                 next_load += 1
                 # A loaded slot was freed before its load; an unloaded one (state not
                 # created yet) must still wait for its last write-back before the step
@@ -543,6 +585,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._adopt_new_state(chunk, had_state)
             if self._overlap is not None:
                 streams.record(self._overlap.chunk_done[c], compute)
+            if timed:
+                self._timer.chunk_done(compute)
             if chunk.slot >= 0:
                 streams.record(streams.stepped[chunk.slot], compute)
                 with streams.on(streams.d2h):
@@ -558,10 +602,42 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the streams that used it are past it.
         streams.wait(streams.d2h, streams.mark(compute))
         self._step_done = streams.mark(streams.d2h)
-        if timed:
-            self._timer.step_written_back(streams.d2h)
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
+
+    def _load_ahead(self) -> None:
+        """From the backward (`load_in_backward`): load the state of the step's first staged
+        chunks, one per slot, as the step would first; the step then skips those loads.
+
+        Not before the plan is final ("auto" still measuring) or state exists, and not
+        twice (a second backward before the step, under gradient accumulation).
+        """
+        if (
+            self._loaded_ahead
+            or self._ring is None
+            or self._timer is not None
+            or self._closed
+            or self._overlap.pending_chunks
+        ):
+            return
+        state = self.optimizer.state
+        had_state = {p for p in self._params if state.get(p)}
+        staged = [c for c in self._chunks if c.slot >= 0][: self.staging_slots]
+        if not any(p in had_state for c in staged for p in c.touched):
+            return
+        streams = self._streams
+        with torch.no_grad():
+            # Allocated on the backward's stream: the loads start after its work so far.
+            self._ring.acquire()
+            streams.wait(streams.h2d, streams.mark(streams.current()))
+            self._loaded_ahead = {i: self._load(c, had_state) for i, c in enumerate(staged)}
+        self._loaded_ahead_done = streams.mark(streams.h2d)
+
+    def _drop_loaded_ahead(self) -> None:
+        """Forget chunks loaded in the backward (their homes are about to change)."""
+        if self._loaded_ahead_done is not None:
+            self._loaded_ahead_done.synchronize()
+        self._loaded_ahead, self._loaded_ahead_done = {}, None
 
     def _load(self, chunk: _Chunk, had_state: set[Tensor]) -> bool:
         """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
@@ -629,6 +705,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.chunk_bytes,
             resident_bytes=budget,
             resident_first=self._overlap is not None,
+            # The first chunks load in the backward: full ones fill the ring.
+            ramp_first=not self._load_in_backward,
         )
 
     def _resolve_auto_residency(self) -> None:
@@ -636,36 +714,43 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         here for the measured steps and the last write-back, as for a checkpoint)."""
         if self._timer is None or self._steps < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
             return
-        timings = self._timer.timings()
+        profiles = self._timer.profiles()
         self._timer = None
         if self._overlap is not None:
-            self._overlap.forward_ended = None
-        state_bytes = sum(spec.invariant_bytes for spec in self._specs)
+            self._overlap.timer = None
+        sizes = [u.bytes for u in unit_sizes(self._units_key, self._specs)]
+        state_bytes = sum(sizes)
         cap = self.gpu_resident_cap_bytes
         if cap is None:
             cap = int(state_bytes * DEFAULT_RESIDENT_CAP_FRACTION)
-        chosen = choose_resident_bytes(timings, state_bytes, cap)
+        chunk_bytes = [c.invariant_bytes for c in self._plan.chunks]
+        if self._overlap is None:  # the last units stay resident: the step seen from its end
+            sizes, chunk_bytes = sizes[::-1], chunk_bytes[::-1]
+            profiles = [p.from_the_end() for p in profiles]
+        choice = choose_residency(profiles, chunk_bytes, sizes, cap)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Every rank must cut the same chunks: take the largest choice.
-            agreed = torch.tensor([chosen], dtype=torch.int64, device=self.device)
+            # Every rank must cut the same chunks: take the largest choice (each is a
+            # prefix of the same rank-invariant unit sizes, so the largest is one too).
+            agreed = torch.tensor([choice.resident_bytes], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-            chosen = int(agreed.item())
-        self.gpu_resident_bytes = chosen
-        if chosen > 0:
+            choice = choice.with_budget(int(agreed.item()), profiles, chunk_bytes, sizes)
+        self.residency = choice
+        self.gpu_resident_bytes = choice.resident_bytes
+        if choice.resident_bytes > 0:
             self.wait_for_optimizer_step()
             self._build(self._plan_for(self._units_key), self._units_key)
-        window = statistics.median(t.window_ms for t in timings)
-        busy = statistics.median(t.offloaded_ms for t in timings)
         logger.info(
-            "gpu_resident_bytes='auto' chose %d bytes (cap %d of %d): %d bytes of state on the "
-            "GPU, %d on the host; measured overlap window %.1f ms vs offloaded step %.1f ms",
-            chosen,
+            "gpu_resident_bytes='auto' chose %d bytes (%d units, cap %d of %d): %d bytes of "
+            "state on the GPU, %d on the host; the trainer stalled %.1f ms a step for the "
+            "offloaded step, predicted %.1f ms with this choice",
+            choice.resident_bytes,
+            choice.resident_units,
             cap,
             state_bytes,
             self._plan.resident_bytes,
             self._plan.host_bytes,
-            window,
-            busy,
+            choice.measured_stall_ms,
+            choice.predicted_stall_ms,
         )
 
     def _build(
@@ -748,7 +833,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         self._plan, self._units_key, self._chunks, self._homes = plan, units_key, chunks, homes
         if self._overlap is not None:
-            self._overlap.set_chunks([chunk.touched for chunk in chunks])
+            self._overlap.set_chunks(
+                [chunk.touched for chunk in chunks], self._unit_ends(units_key)
+            )
         if ring and not plan.slot_numel:
             self._ring = None  # everything is resident: no staging
         state = self.optimizer.state
@@ -759,6 +846,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 entries[key] = home.home_state
         if self._ring is not None:
             self._ring.release([])  # acquired again at the start of each step
+
+    def _unit_ends(self, units_key: tuple[tuple[int, ...], ...]) -> dict[Tensor, int]:
+        """Where each param's unit ends in the step: its state bytes and all before it."""
+        ends = itertools.accumulate(u.bytes for u in unit_sizes(units_key, self._specs))
+        return {
+            self._params[i]: end for unit, end in zip(units_key, ends, strict=True) for i in unit
+        }
 
     def _host_views(self) -> dict[tuple[Tensor, str], _Home]:
         return self._homes
@@ -851,6 +945,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ]
         units = tuple((i,) for i in range(len(self._params)))
         self._build(plan_offload(units, specs, chunk_bytes=2**62), units, ring=False)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _user_stacklevel() -> int:

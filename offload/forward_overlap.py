@@ -11,13 +11,14 @@ the chunks of the modules FSDP2 prefetches from there).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from offload.residency import StepTimer
 from offload.streams import CopyStreams
 
 
@@ -136,10 +137,18 @@ class ForwardOverlap:
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
         self._module_chunk: list[int] = []
+        self._module_needs: list[int] = []
+        self._step_bytes = 0
         self._pending: Iterator[None] | None = None
         self._enqueued = 0  # chunks of the pending step enqueued so far
         self._in_flight = False  # the next forward must still wait for the pending step
-        self.forward_ended: Callable[[], None] | None = None  # called as the forward returns
+        self.timer: StepTimer | None = None
+        """While "auto" measures: times the trainer stream's waits for chunks in the forward."""
+        self.backward_reached: Callable[[], None] | None = None
+        """Called once the backward of the first forward after a step has passed the last
+        owner module that forward ran (the grad of that module's input is computed)."""
+        self._watch_inputs = False  # in the first forward after a step
+        self._last_input: Tensor | None = None
         handles = _register_hooks(model, self.owners, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles)
 
@@ -148,6 +157,7 @@ class ForwardOverlap:
         self._remove_hooks()
         self._pending = None
         self._in_flight = False
+        self._watch_inputs, self._last_input = False, None
 
     def forward_order(self, units: Sequence[Sequence[Tensor]]) -> list[Sequence[Tensor]]:
         """Units sorted by the first owner module that reads them (stable: the same on
@@ -156,8 +166,12 @@ class ForwardOverlap:
         last = len(self.owners)
         return sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
 
-    def set_chunks(self, chunk_params: Sequence[Collection[Tensor]]) -> None:
-        """The params each chunk updates, in step order (whole or in slices)."""
+    def set_chunks(
+        self, chunk_params: Sequence[Collection[Tensor]], param_end: Mapping[Tensor, int]
+    ) -> None:
+        """The params each chunk updates, in step order (whole or in slices), and where
+        each param's unit ends in the step (rank-invariant state bytes from the step's
+        start: what a wait for it needs done, as the timer records it)."""
         chunk_of: dict[Tensor, int] = {}
         for c, params in enumerate(chunk_params):
             for p in params:
@@ -166,6 +180,10 @@ class ForwardOverlap:
         self._module_chunk = [
             max((chunk_of[p] for p in params if p in chunk_of), default=-1) for params in waited
         ]
+        self._module_needs = [
+            max((param_end[p] for p in params if p in chunk_of), default=0) for params in waited
+        ]
+        self._step_bytes = max(param_end.values(), default=0)
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
     def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
@@ -179,6 +197,7 @@ class ForwardOverlap:
         self._pending = pending
         self._enqueued = 0
         self._in_flight = True
+        self._watch_inputs = self.backward_reached is not None
         self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
 
     def advance(self, last: int) -> None:
@@ -204,15 +223,31 @@ class ForwardOverlap:
         """Enqueue every pending chunk; the trainer's stream waits for the last update."""
         self.advance(len(self.chunk_done))
         if self._in_flight and self.chunk_done:
-            self._streams.wait(self._streams.current(), self.chunk_done[-1])
+            self._wait_for_chunk(len(self.chunk_done) - 1, self._step_bytes)
         self._in_flight = False
+
+    def _wait_for_chunk(self, chunk: int, needs: int, module: nn.Module | None = None) -> None:
+        """The trainer's stream (and `module`'s all-gather streams) wait for `chunk`'s update;
+        while measuring, timed on the trainer's stream: what the overlap leaves exposed."""
+        streams, done, timer = self._streams, self.chunk_done[chunk], self.timer
+        current = streams.current()
+        before = timer.mark(current) if timer is not None else None
+        streams.wait(current, done)
+        if timer is not None:
+            timer.waited(chunk, needs, before, timer.mark(current))
+        if done is not None and module is not None:
+            for stream in fsdp_all_gather_streams(module):
+                stream.wait_event(done)
 
     @property
     def pending_chunks(self) -> int:
         """Chunks of the pending step not enqueued yet (0 when none is pending)."""
         return 0 if self._pending is None else len(self.chunk_done) - self._enqueued
 
-    def _before_module(self, index: int) -> None:
+    def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._watch_inputs:
+            # The backward reaches this module's input last of the modules run so far.
+            self._last_input = _first_grad_tensor((*args, *kwargs.values()), self._last_input)
         if not self._in_flight or not self._module_chunk:
             return
         module = self.owners[index][0]
@@ -223,17 +258,34 @@ class ForwardOverlap:
         if chunk < 0:
             return
         self.advance(chunk + self._staging_slots)  # keep a few chunks ahead of the forward
-        done = self.chunk_done[chunk]
-        self._streams.wait(self._streams.current(), done)
-        if done is not None:
-            for stream in fsdp_all_gather_streams(module):
-                stream.wait_event(done)
+        self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
 
     def _after_forward(self) -> None:
         if self._in_flight:
             self.finish()
-            if self.forward_ended is not None:
-                self.forward_ended()
+        if self._last_input is not None:
+            # Activation checkpointing reruns modules in the backward: watch this forward
+            # only (a forward without grads, e.g. an evaluation, leaves the next one to it).
+            self._watch_inputs = False
+            watched, self._last_input = self._last_input, None
+            watched.register_hook(_backward_reached_hook(weakref.ref(self)))
+
+
+def _first_grad_tensor(values: Iterable[Any], default: Tensor | None) -> Tensor | None:
+    """The first tensor in `values` that the backward computes a grad for, else `default`."""
+    for value in values:
+        if isinstance(value, Tensor) and value.requires_grad:
+            return value
+    return default
+
+
+def _backward_reached_hook(overlap: weakref.ref[ForwardOverlap]) -> Callable[[Tensor], None]:
+    def hook(grad: Tensor) -> None:
+        target = overlap()
+        if target is not None and target.backward_reached is not None:
+            target.backward_reached()
+
+    return hook
 
 
 def _register_hooks(
@@ -248,10 +300,10 @@ def _register_hooks(
     # become part of the user's graph (and recompile as chunks advance).
     def pre_hook(index: int) -> Callable[..., None]:
         @torch.compiler.disable
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             target = overlap()
             if target is not None:
-                target._before_module(index)
+                target._before_module(index, args, kwargs)
 
         return hook
 
@@ -262,7 +314,7 @@ def _register_hooks(
             target._after_forward()
 
     handles = [
-        module.register_forward_pre_hook(pre_hook(i), prepend=True)
+        module.register_forward_pre_hook(pre_hook(i), prepend=True, with_kwargs=True)
         for i, (module, _) in enumerate(owners)
     ]
     handles.append(model.register_forward_hook(post_hook))

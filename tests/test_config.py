@@ -36,6 +36,10 @@ class Net(torch.nn.Module):
         ({"type": "sgd"}, "type should be one of"),
         ({"offload": "everything"}, "offload should be one of"),
         ({"offload_overlap_forward": True}, "needs offload='optimizer'"),
+        (
+            {"offload": "optimizer", "offload_load_in_backward": True},
+            "needs offload_overlap_forward=True",
+        ),
         ({"ns_schedule": "newton"}, "ns_schedule should be one of"),
         ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn should be one of"),
         ({"lr": -1.0}, "lr should be >= 0"),
@@ -99,9 +103,16 @@ def test_offload_wraps_and_overlap_registers_hooks():
     assert isinstance(opt, CPUOffloadOptimizer) and isinstance(opt.optimizer, torch.optim.AdamW)
     assert opt.chunk_bytes == 4096 and opt._overlap is None and opt.gpu_resident_bytes == "auto"
     overlapped = setup_optimizer(
-        model, OptimizerConfig(type="muon", offload="optimizer", offload_overlap_forward=True)
+        model,
+        OptimizerConfig(
+            type="muon",
+            offload="optimizer",
+            offload_overlap_forward=True,
+            offload_load_in_backward=True,
+        ),
     )
     assert isinstance(overlapped.optimizer, Muon) and overlapped._overlap is not None
+    assert overlapped._overlap.backward_reached is not None
 
 
 def test_config_from_cli_flags_and_toml(tmp_path):

@@ -31,14 +31,15 @@ RESIDENT_FIELD = "offload_gpu_resident_bytes"
 
 
 def offload_configs(base: OptimizerConfig) -> dict[str, OptimizerConfig]:
-    """No offload, and offload + forward overlap (+ a resident budget when supported)."""
+    """No offload, and offload + forward overlap (+ a resident budget and loads in the
+    backward when supported)."""
     offloaded = dataclasses.replace(
         base, offload="optimizer", offload_overlap_forward=True, offload_chunk_bytes=CHUNK_BYTES
     )
     configs = {"none": base, "offload+overlap": offloaded}
     if RESIDENT_FIELD in {f.name for f in dataclasses.fields(OptimizerConfig)}:
-        configs["offload+overlap+resident"] = dataclasses.replace(
-            offloaded, **{RESIDENT_FIELD: 3 * CHUNK_BYTES}
+        configs["offload+overlap+resident+bwd"] = dataclasses.replace(
+            offloaded, offload_load_in_backward=True, **{RESIDENT_FIELD: 3 * CHUNK_BYTES}
         )
     return configs
 
@@ -67,6 +68,8 @@ def train(
         optimizer.step()
         losses.append(loss.detach().clone())
     getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
+    if getattr(config, "offload_load_in_backward", False):  # the hook found the backward
+        assert optimizer.chunks_loaded_in_backward > 0
     params = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     getattr(optimizer, "close", lambda: None)()
     return losses, params

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
 import torch
+from fake_step_timer import FakeStepTimer
 
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
+from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
 from offload.subset_step import GroupStep
 
 OPTIMIZERS = {
@@ -369,54 +370,71 @@ def test_state_dict_round_trip_with_resident_state():
     assert_same_state_dicts(saved, resumed.state_dict())
 
 
-def test_gpu_resident_bytes_auto_measures_then_replans_bitwise(caplog):
-    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, StepTiming
-
-    class FakeTimer:
-        """Measured: the forward hides 40% of the offloaded step's copies."""
-
-        def step_started(self, stream):
-            self.steps = getattr(self, "steps", 0) + 1
-
-        def forward_ended(self, stream):
-            pass
-
-        def step_written_back(self, stream):
-            pass
-
-        def timings(self):
-            return [StepTiming(4.0, 10.0)] * getattr(self, "steps", 0)
-
+@pytest.mark.parametrize(
+    "case", ["cpu_timer", "overlap_hides_all", "overlap_first_wait", "no_overlap"]
+)
+def test_gpu_resident_bytes_auto_keeps_what_the_stalls_need_bitwise(case, caplog):
     steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 2
-    plain_model = make_model()
+    plain_model, model = make_model(), make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     train(plain_model, plain, steps=steps)
-    total = _state_bytes(plain_model)
-    # (timer, cap) -> the budget "auto" must choose
-    cases = [
-        (None, None, 0),  # the CPU's own timer: nothing to hide, nothing resident
-        (FakeTimer(), None, total // 2),  # 60% needed, capped at the default half
-        (FakeTimer(), total, math.ceil(total * 0.6)),
-    ]
-    for timer, cap, expected in cases:
-        model = make_model()
-        opt = CPUOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            chunk_bytes=1000,
-            gpu_resident_bytes="auto",
-            gpu_resident_cap_bytes=cap,
-        )
-        if timer is not None:
-            opt._timer = timer
-        caplog.clear()
-        with caplog.at_level("INFO", logger="offload.cpu_offload"):
-            train(model, opt, steps=steps)
-        assert opt.gpu_resident_bytes == expected
-        assert f"gpu_resident_bytes='auto' chose {expected} bytes" in caplog.text
-        assert (opt.plan.resident_bytes > 0) == (expected > 0)
-        for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-            assert torch.equal(a, b)
-        assert_same_state(plain, opt)
+    overlap = case != "no_overlap"
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        overlap_forward=model if overlap else None,
+        gpu_resident_bytes="auto",
+    )
+    timer = None
+    if case != "cpu_timer":
+        timer = FakeStepTimer(stall_first=case != "overlap_hides_all")
+        opt._timer = timer
+        if overlap:
+            opt._overlap.timer = timer
+    caplog.clear()
+    with caplog.at_level("INFO", logger="offload.cpu_offload"):
+        train(model, opt, steps=steps)
+    opt.wait_for_optimizer_step()
+    sizes = [2 * 4 * p.numel() for p in model.parameters()]  # AdamW: two fp32 moments
+    expected = {
+        "cpu_timer": 0,  # nothing measured as exposed
+        "overlap_hides_all": 0,
+        # The forward's first wait is the embedding's (its last slice): keeping the
+        # embedding removes it; nothing else stalled.
+        "overlap_first_wait": sizes[0],
+        # The whole step is exposed: the most last units within the cap (half the state).
+        "no_overlap": _largest_suffix_within(sizes, sum(sizes) // 2),
+    }[case]
+    assert opt.gpu_resident_bytes == expected
+    assert opt.residency is not None and opt.residency.resident_bytes == expected
+    assert opt.residency.cap_bytes == sum(sizes) // 2
+    assert f"gpu_resident_bytes='auto' chose {expected} bytes" in caplog.text
+    resident = {p for c in opt._chunks if c.slot < 0 for p in c.touched}
+    if case == "overlap_first_wait":
+        assert resident == {model[0].weight} and opt.residency.resident_units == 1
+        assert opt.residency.measured_stall_ms > 0 and opt.residency.predicted_stall_ms == 0
+    if case == "no_overlap":
+        assert model[4].weight in resident and model[0].weight not in resident
+    assert (opt.plan.resident_bytes > 0) == (expected > 0)
+    if timer is not None and overlap:
+        # what the hooks recorded: the embedding's chunks first, then each module's,
+        # and the forward's end waits for the last chunk
+        for profile in timer.recorded:
+            chunks = [w.chunk for w in profile.waits]
+            assert chunks == sorted(chunks) and chunks[-1] == len(profile.chunk_done_ms) - 1
+            assert len(chunks) == 5  # 4 modules with params, then the forward's end
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+
+
+def _largest_suffix_within(sizes, cap):
+    total = 0
+    for size in reversed(sizes):
+        if total + size > cap:
+            return total
+        total += size
+    return total
 
 
 @pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from fake_step_timer import FakeStepTimer
 from spawn_ranks import run_on_ranks
 
 from offload import CPUOffloadOptimizer
@@ -176,3 +177,49 @@ def _shared_unit_worker(rank: int, world: int) -> None:
 
 def test_fsdp2_modules_sharded_together_wait_for_each_others_chunks():
     run_on_ranks(_shared_unit_worker, 2)
+
+
+def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
+    # Loads in the backward, and "auto" from stalls the ranks measured differently (rank 1
+    # also stalled at the forward's end): one agreed choice, the same chunks everywhere.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+        load_in_backward=True,
+    )
+    timer = FakeStepTimer(stall_first=True, stall_last=rank == 1)
+    opt._timer = opt._overlap.timer = timer
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 3
+    _train(plain_model, plain, rank, steps)
+    _train(model, opt, rank, steps)
+    opt.wait_for_optimizer_step()
+    assert opt.chunks_loaded_in_backward == 2  # auto decided, then the backward loaded
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
+    for index, entries in ref.items():
+        for key, value in entries.items():
+            if key != "step":
+                assert torch.equal(value.to_local(), got[index][key].to_local()), (index, key)
+    mine = (opt.residency, [(c.params, c.slices, c.resident) for c in opt.plan.chunks])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    (choice0, chunks0), (choice1, chunks1) = gathered
+    assert chunks0 == chunks1  # one plan
+    assert choice0.resident_bytes == choice1.resident_bytes > 0
+    # the ranks measured different stalls (rank 1's needed more than rank 0's)
+    assert choice0.measured_stall_ms < choice1.measured_stall_ms
+
+
+def test_fsdp2_loads_in_the_backward_and_auto_agree_across_ranks_bitwise():
+    run_on_ranks(_backward_loads_and_auto_worker, 2)

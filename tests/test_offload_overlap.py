@@ -264,8 +264,9 @@ def test_a_dropped_optimizer_is_collected_with_its_slabs(overlap, close):
         chunk_bytes=1,
         staging_slots=2,
         overlap_forward=model if overlap else None,
+        load_in_backward=overlap,
     )
-    run(model, opt, batches(2))  # with overlap, the last step is still pending
+    run(model, opt, batches(3))  # with overlap, the last step is still pending
     if close:
         opt.close()
         assert _hooks(model) == 0
@@ -304,3 +305,79 @@ def test_after_close_the_forward_no_longer_calls_the_optimizer(monkeypatch):
     assert opt.state_dict()["state"]  # state stays readable
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
+
+
+class _Checkpointed(torch.nn.Module):
+    """Reruns its layers' forward (and their forward pre-hooks) in the backward."""
+
+    def __init__(self, *layers: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(*layers)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _checkpointed_model() -> torch.nn.Module:
+    model = make_model()
+    layers = list(model)
+    pairs = [_Checkpointed(layers[i], layers[i + 1]) for i in range(1, 9, 2)]
+    return torch.nn.Sequential(layers[0], *pairs, layers[-1])
+
+
+@pytest.mark.parametrize("case", ["plain", "checkpointed", "accumulated", "reloaded", "evaluated"])
+def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case):
+    """The backward after a step's forward loads the next step's first chunks (one per
+    slot); the step skips those loads; params and state match the plain optimizer."""
+    build = _checkpointed_model if case == "checkpointed" else make_model
+    plain_model, model = build(), build()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
+    slots = 3
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        chunk_bytes=2048,
+        staging_slots=slots,
+        overlap_forward=model,
+        load_in_backward=True,
+    )
+    micro = 2 if case == "accumulated" else 1
+    data = batches(5 * micro)
+    for m, o in ((plain_model, plain), (model, opt)):
+        sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7)
+        for step in range(5):
+            o.zero_grad()
+            for tokens in data[step * micro : (step + 1) * micro]:
+                m(tokens).square().mean().backward()
+                if o is opt and step > 0:
+                    # loaded in the first backward after a step (state exists from step 1 on)
+                    assert len(opt._loaded_ahead) == slots
+                    staged = [c for c in opt._chunks if c.slot >= 0]
+                    for index in opt._loaded_ahead:
+                        for home, staging in staged[index].copies:
+                            assert torch.equal(home, staging)
+            if o is opt and case == "reloaded" and step == 3:
+                opt.load_state_dict(opt.state_dict())  # the homes change: loaded again
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.3)
+            o.step()
+            sched.step()
+            if case == "evaluated":  # a forward without grads first: the next one watches
+                with torch.no_grad():
+                    m(data[0])
+            if o is opt:
+                dropped = case == "reloaded" and step == 3
+                assert opt.chunks_loaded_in_backward == (0 if step == 0 or dropped else slots)
+    opt.wait_for_optimizer_step()
+    # the chunks loaded in the backward are full (no ramp up: nothing waits for their loads)
+    assert [c.invariant_bytes for c in opt.plan.chunks[:2]] == [2048, 2048]
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
+    for index, entries in ref.items():
+        for key, value in entries.items():
+            assert torch.equal(value, got[index][key]), (index, key)
+
+
+def test_load_in_backward_needs_forward_overlap():
+    model = make_model()
+    with pytest.raises(ValueError, match="load_in_backward needs overlap_forward"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), load_in_backward=True)

@@ -46,6 +46,9 @@ def test_pack_units_ramps_chunk_size_at_both_ends():
     lengths = [len(c) for c in pack_units(whole([1] * 1000), 64)]
     assert lengths[:4] == [8, 16, 32, 64] and lengths[-4:] == [64, 32, 16, 8]
     assert max(lengths) == 64 and sum(lengths) == 1000
+    # first loads overlapped elsewhere (the backward): full from the start
+    lengths = [len(c) for c in pack_units(whole([1] * 1000), 64, ramp_first=False)]
+    assert lengths[:4] == [64, 64, 64, 64] and lengths[-4:] == [64, 32, 16, 8]
 
 
 def test_pack_units_slices_splittable_units_to_fit_the_cap():

@@ -1,0 +1,35 @@
+"""A `StepTimer` with made-up times, for testing what "auto" chooses without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from offload.residency import StepProfile, StepTimer
+
+
+class FakeStepTimer(StepTimer):
+    """The CPU's timer (real chunk and wait records, all times zero) with made-up times:
+    each chunk takes 10 ms; with `stall_first`, the trainer's first wait stalls until its
+    chunk is done (it got there at once); with `stall_last`, the forward's last wait
+    stalls for the rest of the step too; no other wait stalls."""
+
+    def __init__(self, stall_first: bool, stall_last: bool = False) -> None:
+        super().__init__(torch.device("cpu"))
+        self.stall_first, self.stall_last = stall_first, stall_last
+        self.recorded: list[StepProfile] = []
+
+    def profiles(self) -> list[StepProfile]:
+        self.recorded = super().profiles()
+        made_up = []
+        for profile in self.recorded:
+            done = tuple(10.0 * (c + 1) for c in range(len(profile.chunk_done_ms)))
+            waits = [dataclasses.replace(w, stall_ms=0.0) for w in profile.waits]
+            if self.stall_first:
+                waits[0] = dataclasses.replace(waits[0], stall_ms=done[waits[0].chunk])
+            if self.stall_last:
+                stalled = done[-1] - waits[0].stall_ms
+                waits[-1] = dataclasses.replace(waits[-1], stall_ms=stalled)
+            made_up.append(StepProfile(done, tuple(waits)))
+        return made_up

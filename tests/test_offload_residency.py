@@ -1,0 +1,122 @@
+"""`gpu_resident_bytes="auto"`'s choice from measured stalls: pure, no processes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from offload.chunk_plan import ParamSpec, StateSpec, plan_offload, unit_sizes
+from offload.residency import (
+    ChunkWait,
+    StepProfile,
+    choose_residency,
+    leading_units,
+    predicted_stall_ms,
+)
+
+# Four chunks of 100 bytes done 10, 20, 30, 40 ms into the step. The forward reaches the
+# root module at 5 ms, which needs the first 200 bytes (chunk 1): it stalls 15 ms; a layer
+# needing chunk 2 finds it done; the forward's end waits 5 ms for chunk 3.
+CHUNKS = [100, 100, 100, 100]
+ENDS = [100, 200, 300, 400]
+PROFILE = StepProfile(
+    (10.0, 20.0, 30.0, 40.0),
+    (ChunkWait(1, 200, 15.0), ChunkWait(2, 300, 0.0), ChunkWait(3, 400, 5.0)),
+)
+
+
+def test_predicted_stall_of_a_resident_prefix():
+    # the trainer is 20 ms late at the end (15 + 5); the first R bytes resident make
+    # every later chunk done as much earlier as the step took to do them
+    assert predicted_stall_ms(PROFILE, ENDS, 0) == 20.0
+    assert predicted_stall_ms(PROFILE, ENDS, 50) == pytest.approx(15.0)  # half of chunk 0
+    assert predicted_stall_ms(PROFILE, ENDS, 100) == 10.0  # root: 5 left, end: 10 left
+    # the root needs only resident state; the end is still 20 - 20 = 0 late
+    assert predicted_stall_ms(PROFILE, ENDS, 200) == 0.0
+    hidden = StepProfile(
+        PROFILE.chunk_done_ms, tuple(ChunkWait(w.chunk, w.needs, 0.0) for w in PROFILE.waits)
+    )
+    assert predicted_stall_ms(hidden, ENDS, 0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("units", "cap", "chosen", "kept"),
+    [
+        ([100, 100, 100, 100], 400, 200, 2),  # the fewest leading units that hide it all
+        ([100, 100, 100, 100], 150, 100, 1),  # the cap allows one: 10 ms stay exposed
+        ([100, 100, 100, 100], 99, 0, 0),  # no unit fits the cap
+        ([250, 150], 400, 250, 1),  # a unit past the root's need: kept whole
+        ([0, 100, 0, 100, 200], 400, 200, 4),  # stateless units cost nothing
+    ],
+)
+def test_choose_residency_keeps_the_fewest_leading_units_that_remove_the_stall(
+    units, cap, chosen, kept
+):
+    choice = choose_residency([PROFILE], CHUNKS, units, cap)
+    assert (choice.resident_bytes, choice.resident_units) == (chosen, kept)
+    assert choice.cap_bytes == cap and choice.state_bytes == sum(units)
+    assert choice.measured_stall_ms == 20.0
+    assert choice.predicted_stall_ms == predicted_stall_ms(PROFILE, ENDS, chosen)
+
+
+def test_stall_within_the_tolerance_of_the_best_is_not_worth_more_memory():
+    # chunk 3 took 0.5 ms: keeping it too would save only that
+    profile = StepProfile((10.0, 20.0, 30.0, 30.5), (ChunkWait(3, 400, 30.5),))
+    choice = choose_residency([profile], CHUNKS, [100] * 4, 400)
+    assert choice.resident_bytes == 300 and choice.predicted_stall_ms == 0.5
+
+
+def test_choice_takes_the_median_over_steps_and_nothing_when_nothing_stalls():
+    quiet = StepProfile(PROFILE.chunk_done_ms, (ChunkWait(3, 400, 0.0),))
+    assert choose_residency([quiet] * 3, CHUNKS, [100] * 4, 400).resident_bytes == 0
+    # one noisy step of three does not move it
+    assert choose_residency([quiet, PROFILE, quiet], CHUNKS, [100] * 4, 400).resident_bytes == 0
+    assert choose_residency([PROFILE, PROFILE, quiet], CHUNKS, [100] * 4, 400).resident_bytes == 200
+    assert choose_residency([], CHUNKS, [100] * 4, 400).resident_bytes == 0
+
+
+def test_a_step_without_overlap_is_one_stall_shortened_from_its_end():
+    # chunks took 10, 10, 10, 1 ms; on the trainer's stream all 31 ms are exposed
+    profile = StepProfile((10.0, 20.0, 30.0, 31.0), (ChunkWait(3, 400, 31.0),))
+    end = profile.from_the_end()
+    assert end.chunk_done_ms == (1.0, 11.0, 21.0, 31.0)
+    assert end.waits == (ChunkWait(3, 400, 31.0),)
+    # keeping the last unit saves only 1 ms: the cap's worth is taken
+    assert choose_residency([end], CHUNKS[::-1], [100] * 4, 300).resident_bytes == 300
+
+
+def test_the_plan_keeps_exactly_the_chosen_leading_units_on_every_rank():
+    """The choice is a prefix sum of rank-invariant unit sizes: each rank's plan keeps the
+    same units, and the largest of the ranks' choices (what they agree on) is one too."""
+    rng = random.Random(0)
+    specs = [
+        ParamSpec(n, (StateSpec("exp_avg", torch.Size([n]), torch.float32),), splittable=True)
+        for n in (64 * rng.randint(1, 9) for _ in range(12))
+    ]
+    units = [(i,) for i in range(12)]
+    sizes = [u.bytes for u in unit_sizes(units, specs)]
+    plan = plan_offload(units, specs, 600)
+    chunk_bytes = [c.invariant_bytes for c in plan.chunks]
+    assert sum(chunk_bytes) == sum(sizes)
+    done = tuple(float(sum(chunk_bytes[: c + 1])) / 10 for c in range(len(chunk_bytes)))
+    choices = []
+    for rank_stall in (100.0, 300.0, 600.0):  # each rank measured its own stall
+        profile = StepProfile(done, (ChunkWait(len(done) - 1, sum(sizes), rank_stall),))
+        choices.append(choose_residency([profile], chunk_bytes, sizes, sum(sizes) // 2))
+    assert len({c.resident_bytes for c in choices}) == 3  # the ranks disagree
+    agreed = max(c.resident_bytes for c in choices)
+    for choice in choices:
+        final = choice.with_budget(agreed, [], chunk_bytes, sizes)
+        kept = plan_offload(
+            units, specs, 600, resident_bytes=final.resident_bytes, resident_first=True
+        )
+        touched = {
+            flag: {i for c in kept.chunks if c.resident == flag for i in c.params}
+            | {s.param for c in kept.chunks if c.resident == flag for s in c.slices}
+            for flag in (False, True)
+        }
+        assert sorted(touched[True]) == list(range(final.resident_units))
+        assert not touched[True] & touched[False]
+        assert final.resident_units == leading_units(sizes, agreed)
