@@ -34,13 +34,7 @@ from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER, params_with_grads
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower
-from muon.newton_schulz import (
-    gram_flops_symmetric,
-    ns_flops,
-    ns_flops_symmetric,
-    path_for,
-    set_backend,
-)
+from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend
 
 
 def _with_backends(elementwise_backend: str, ns_backend: str, fn):
@@ -114,16 +108,6 @@ def main() -> None:
     for shape in shapes:
         by_shape[shape] = by_shape.get(shape, 0) + 1
     stacks = [torch.randn(n, *s, device=device, dtype=torch.bfloat16) for s, n in by_shape.items()]
-    # the default path's FLOPs (Gram where "auto" takes it), symmetric products counted half
-    default_flops = 0
-    for x in stacks:
-        rows, cols = x.shape[-2:]
-        if path_for(x).algorithm == "gram":
-            default_flops += x.size(0) * gram_flops_symmetric(rows, cols, KELLER_JORDAN)
-        else:
-            default_flops += x.size(0) * ns_flops_symmetric(rows, cols, KELLER_JORDAN.steps)
-    results["ns_default_symmetric_tflop_per_step"] = default_flops / 1e12
-    results["ns_default_floor_sustained_ms"] = 1e3 * default_flops / (sustained * 1e12)
     ns_arms = [(b, "standard") for b in ns_backends] + [
         (b, a) for b in [*ns_backends, "auto"] for a in ("gram", "auto")
     ]
@@ -219,12 +203,6 @@ def main() -> None:
         f"symmetric products is {sym_flops / 1e12:.1f} TFLOP: floor {floor:.1f} ms at the "
         f"sustained rate ({1e3 * sym_flops / (peak * 1e12):.1f} ms at the burst rate); "
         f"{best} at {results[f'{best}_ms'] / floor:.2f}x that floor"
-    )
-    default_floor = results["ns_default_floor_sustained_ms"]
-    print(
-        f"the default path (Gram where auto takes it) is {default_flops / 1e12:.1f} TFLOP "
-        f"with symmetric products: floor {default_floor:.1f} ms at the sustained rate; "
-        f"{best} at {results[f'{best}_ms'] / default_floor:.2f}x that floor"
     )
     if "fused_vs_torch_bitwise" in results:
         print(

@@ -52,12 +52,9 @@ ALGORITHMS = ("auto", "standard", "gram")
 # long side / short side >= GRAM_MIN_ASPECT[backend], the backend the matrix takes.
 # H200, `python -m bench.newton_schulz --aspect-sweep` (bench/measured/ns_aspect_h200.log),
 # aspects 1, 1.5, 2, 3, 4 at short sides 2048 and 4096, standard / Gram time: the plain
-# path's Gram wins from 2 (1.07x at 2048x4096, 1.12x at 4096x8192). The Triton path's
-# Gram then cost (23 + 6 alpha) m^3 and won from 3; with every m x m product symmetric it
-# costs (14 + 6 alpha) m^3 against 5 (1 + 3 alpha) for the standard iteration: that
-# sweep's Gram times scaled by the FLOP ratio predict 1.04x (short side 4096) and 1.16x
-# (2048) at aspect 1.5, 0.95x and 1.06x at 1. Predicted, not yet measured: the sweep decides.
-GRAM_MIN_ASPECT = {"torch": 2.0, "triton": 1.5}
+# path's Gram wins from 2 (1.07x at 2048x4096, 1.12x at 4096x8192), the symmetric Triton
+# path's only from 3 (0.89-0.92x at 2, 1.08-1.19x at 3): its standard iteration is faster.
+GRAM_MIN_ASPECT = {"torch": 2.0, "triton": 3.0}
 # cuBLAS batched products are batch-invariant on the H200 for every shape measured with
 # a short side of 256 and up (bf16 and fp16); fp16 `x @ x.mT` of 2 x 2048 matrices is not
 # (bench/measured/cublas_batch_invariance_h200.log). Below this short side the plain
@@ -220,13 +217,10 @@ def ns_path(
     `capability` is the CUDA compute capability's major version (None elsewhere).
     "auto" algorithm: Gram where the aspect ratio pays on the matrix's backend
     (`GRAM_MIN_ASPECT`) on CUDA, else standard (on CPU always standard, so one matrix
-    equals torch.optim.Muon's result bit for bit). For 16-bit inputs the Triton backend
-    (both algorithms) and Gram on CUDA run in float16 (issue 11, H200: Gram's error
-    against the fp32 iteration 0.003 vs 0.02 for bf16 standard and bf16 Gram; the Triton
-    standard iteration folds a I into a rounded P, which bf16 makes less accurate than
-    the plain path's addmm: `muon.ns_triton.zeropower_triton`), else in the input's dtype
-    (CPU float16 matmuls are very slow; the plain standard path is torch.optim.Muon's
-    arithmetic).
+    equals torch.optim.Muon's result bit for bit). Gram runs in float16 on CUDA for
+    16-bit inputs (issue 11, H200: error against the fp32 iteration 0.003 vs 0.02 for
+    bf16 standard and bf16 Gram), else in the input's dtype (CPU float16 matmuls are
+    very slow).
     "auto" backend: `muon.ns_triton.auto_takes` on CUDA, else "torch".
     """
     if backend not in BACKENDS:
@@ -246,8 +240,7 @@ def ns_path(
         aspect = max(rows, cols) / max(1, min(rows, cols))
         algorithm = "gram" if cuda and aspect >= GRAM_MIN_ASPECT[backend] else "standard"
     compute = dtype
-    fp16_pays = backend == "triton" or (algorithm == "gram" and cuda)
-    if fp16_pays and dtype in (torch.bfloat16, torch.float16):
+    if algorithm == "gram" and cuda and dtype in (torch.bfloat16, torch.float16):
         compute = torch.float16
     # fp32 batched cuBLAS products were not batch-invariant on the H200 (a matrix's Muon
     # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were.
@@ -302,9 +295,10 @@ def zeropower_along(
     if path.backend == "triton":
         from muon import ns_triton
 
-        gram = path.algorithm == "gram"
-        run = ns_triton.zeropower_gram_triton if gram else ns_triton.zeropower_triton
-        return run(x, schedule, eps, dtype=path.dtype).to(x.dtype)
+        if path.algorithm == "gram":
+            out = ns_triton.zeropower_gram_triton(x, schedule, eps, dtype=path.dtype)
+            return out.to(x.dtype)
+        return ns_triton.zeropower_triton(x, schedule, eps)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -356,8 +350,7 @@ def _gram_torch(
     first Q = P is formed (a added to Z's diagonal in place). Q is kept whole: splitting
     it into q I + (Q - q I) cancels catastrophically in 16 bits (Q - q I has eigenvalues
     near -q where Q's are near 1). The `del`s keep the live m x m matrices at what
-    `gram_workspace_numel` counts; `muon.ns_triton.zeropower_gram_triton` runs the same
-    products in the same order.
+    `gram_workspace_numel` counts.
     """
     squeeze = x.ndim == 2
     if squeeze:
@@ -372,25 +365,23 @@ def _gram_torch(
         q = None
         for k in segment:
             a, b, c = schedule.coefficients[k]
-            last = k == segment[-1]
             z = torch.baddbmm(r, r, r, beta=b, alpha=c)
+            last = k == segment[-1]
             if last:
                 del r
-            if q is None:  # the segment's first P, formed: Q = P, then P R and P (P R)
+            if q is None:
                 q = z
                 q.diagonal(dim1=-2, dim2=-1).add_(a)
-                if not last:
-                    w = torch.bmm(q, r)
-                    del r
-                    r = torch.bmm(q, w)
-                    del w
             else:
                 q = torch.baddbmm(q, z, q, beta=a)
-                if not last:
+            if not last:
+                if z is q:  # P itself, formed: P R, then P (P R)
+                    w = torch.bmm(q, r)
+                    r = torch.bmm(q, w)
+                else:
                     w = torch.baddbmm(r, z, r, beta=a)
-                    del r
                     r = torch.baddbmm(w, z, w, beta=a)
-                    del w
+                del w
             del z
         xs = torch.bmm(q, xs)
         del q
@@ -402,10 +393,9 @@ def _iteration_numel(segments: tuple[range, ...], m: int) -> int:
     most = 0
     for segment in segments:
         length = len(segment)
-        # the first iteration: R, P; not last: + W = P R, then R freed before P W.
-        # Later: R, Q, Z + the new Q (R freed first when last); not last: Z, Q, R + W,
-        # then R freed before Z W.
-        most = max(most, 2 if length == 1 else 3 if length == 2 else 4)
+        # one iteration: R, Z; first and not last: + W (P R), P^2 R; last and not first:
+        # Q, Z, the new Q (R freed); in between: R, Q, Z, W, P^2 R
+        most = max(most, 2 if length == 1 else 4 if length == 2 else 5)
     return most * m * m
 
 
@@ -426,9 +416,8 @@ def standard_workspace_numel(count: int, rows: int, cols: int) -> int:
 
     The iterate, its successor and two Gram-sized temporaries (m x m, m = min(rows,
     cols)); the torch and Triton paths hold the same (the Triton path allocates its two
-    iterates, the normalized fp16 copy being the first, and two Gram-sized buffers up
-    front; its cast back to the input's dtype runs once they are freed). The result
-    (one iterate) is included; per-matrix norms are not.
+    iterates and two Gram-sized buffers up front and reads a tall input through a
+    view). The result (one iterate) is included; per-matrix norms are not.
     """
     m = min(rows, cols)
     return count * (2 * rows * cols + 2 * m * m)
@@ -476,13 +465,3 @@ def ns_flops_symmetric(rows: int, cols: int, steps: int = 1) -> int:
     """
     m, n = min(rows, cols), max(rows, cols)
     return steps * (3 * m * m * n + m * m * m)
-
-
-def gram_flops_symmetric(rows: int, cols: int, schedule: NewtonSchulzSchedule) -> int:
-    """FLOPs of Gram Newton-Schulz when every m x m product and X X^T compute only half.
-
-    Per restart segment of L iterations: m^2 n for R = X X^T, 2 m^2 n for Q X, and
-    (4 L - 3) m^3 for the m x m products (`muon.ns_triton.zeropower_gram_triton`).
-    """
-    m, n = min(rows, cols), max(rows, cols)
-    return sum(3 * m * m * n + (4 * len(s) - 3) * m**3 for s in schedule.gram_segments())

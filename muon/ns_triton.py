@@ -1,27 +1,25 @@
 """Newton-Schulz with symmetric Triton kernels (CUDA; Hopper measured).
 
-X (m x n, m <= n after orientation) is normalized and cast to fp16 once; per quintic
-iteration:
+Per quintic iteration on X (m x n, m <= n after orientation):
 
     A = X X^T                   sym_matmul(X)                             (half the tiles)
     P = a I + b A + c A A       sym_matmul(A, c=A, alpha=c, beta=b, diag=a) (A A = A A^T)
     X = P X                     torch.bmm (cuBLAS)
 
 `sym_matmul` launches only the lower-triangular output tiles (i >= j) of
-`x @ y^T` (y = x here), one program per (tile, matrix of the batch), accumulates in
-fp32, applies the epilogue `alpha * acc + beta * c + diag * I` in fp32 (one
+`x @ x^T`, one program per (tile, matrix of the batch), accumulates in fp32,
+applies the epilogue `s * (alpha * acc + beta * c + diag * I)` in fp32 (one
 rounding), and writes each tile to (i, j) and, transposed, to (j, i): the result
 is exactly symmetric. Folding `a X` into P as `a I` leaves cuBLAS a plain product
-(`baddbmm` would first copy X into its output to add `a X`); in fp16 that fold's
-rounding is 8x finer than in bf16 (`zeropower_triton`). Configurations
+(`baddbmm` would first copy X into its output to add `a X`), and folding 1/||X||
+into the first iteration's epilogues spares the normalized copy of X. Configurations
 are fixed per shape class (`config_for`); nothing is autotuned at step time. The
 first call of each (config, K-divisibility, epilogue) variant JIT-compiles (about a
 second each; Triton's disk cache makes later processes load in milliseconds);
 `bench/newton_schulz.py` prints the cost.
 
-Gram Newton-Schulz (`zeropower_gram_triton`) uses the same kernel for every m x m
-product: they are all polynomials in one Gram matrix, so they commute and their products
-are symmetric (`sym_matmul`'s `y`); cuBLAS does only Q X.
+Gram Newton-Schulz (`zeropower_gram_triton`) uses the same kernel for R = X X^T and
+P = a I + b R + c R R, and cuBLAS for the general m x m products (P R P, P Q) and Q X.
 
 Batch invariance: the kernel runs one program per (tile, matrix) with a configuration
 fixed per shape, so a matrix's result does not depend on the batch; `auto_takes` is a
@@ -146,9 +144,9 @@ if triton is not None:
 
     @triton.jit
     def _epilogue(
-        acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son,
+        acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
         alpha, beta, diag,
-        HAS_C: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         offs_i = i * BLOCK + tl.arange(0, BLOCK)
         offs_j = j * BLOCK + tl.arange(0, BLOCK)
@@ -163,25 +161,28 @@ if triton is not None:
             acc = acc + beta * c_tile.to(tl.float32)
         if i == j:
             acc = tl.where(offs_i[:, None] == offs_j[None, :], acc + diag, acc)
+        if SCALE_POWER > 0:
+            s = tl.load(scale_ptr + bid)
+            if SCALE_POWER == 2:
+                s = s * s
+            acc = acc * s
         out = acc.to(out_ptr.dtype.element_ty)
         out_base = out_ptr + bid * sob
-        # The lower triangle of the result, then its mirror: on a diagonal tile x_p . y_q
-        # and x_q . y_p round differently unless y is x, so only p >= q is kept there.
-        lower = mask & (offs_i[:, None] >= offs_j[None, :])
-        tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=lower)
-        mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
-        tl.store(
-            out_base + offs_j[:, None] * som + offs_i[None, :] * son,
-            tl.trans(out),
-            mask=mask_t & (offs_j[:, None] < offs_i[None, :]),
-        )
+        tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
+        if i != j:
+            mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
+            tl.store(
+                out_base + offs_j[:, None] * som + offs_i[None, :] * son,
+                tl.trans(out),
+                mask=mask_t,
+            )
 
     @triton.jit
     def _sym_kernel(
-        x_ptr, y_ptr, c_ptr, out_ptr, M, K,
-        sxb, sxm, sxk, syb, sym, syk, scb, scm, scn, sob, som, son,
+        x_ptr, c_ptr, out_ptr, scale_ptr, M, K,
+        sxb, sxm, sxk, scb, scm, scn, sob, som, son,
         alpha, beta, diag,
-        HAS_C: tl.constexpr, EVEN_K: tl.constexpr,
+        HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         i, j = _tile(tl.program_id(0))
@@ -190,8 +191,9 @@ if triton is not None:
         rows_i = (i * BLOCK + tl.arange(0, BLOCK)) % M
         rows_j = (j * BLOCK + tl.arange(0, BLOCK)) % M
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + bid * sxb + rows_i[:, None] * sxm + offs_k[None, :] * sxk
-        b_ptrs = y_ptr + bid * syb + rows_j[:, None] * sym + offs_k[None, :] * syk
+        x_base = x_ptr + bid * sxb
+        a_ptrs = x_base + rows_i[:, None] * sxm + offs_k[None, :] * sxk
+        b_ptrs = x_base + rows_j[:, None] * sxm + offs_k[None, :] * sxk
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
@@ -205,22 +207,22 @@ if triton is not None:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K * sxk
-            b_ptrs += BLOCK_K * syk
+            b_ptrs += BLOCK_K * sxk
         _epilogue(
-            acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son,
-            alpha, beta, diag, HAS_C, BLOCK,
+            acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
+            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
         )  # fmt: skip
 
     @triton.jit
     def _sym_kernel_tma(
-        x_desc, y_desc, c_ptr, out_ptr, M, K,
+        x_desc, c_ptr, out_ptr, scale_ptr, M, K,
         scb, scm, scn, sob, som, son,
         alpha, beta, diag,
-        HAS_C: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, BLOCK: tl.constexpr,
         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
-        # x_desc and y_desc view the batch as (batch * M, K): rows past a matrix's M read
-        # the next matrix (or TMA's zero fill) and only reach masked outputs; K is zero-filled.
+        # x_desc views the batch as (batch * M, K): rows past a matrix's M read the next
+        # matrix (or TMA's zero fill) and only reach masked outputs; K is zero-filled.
         i, j = _tile(tl.program_id(0))
         bid = tl.program_id(1).to(tl.int64)
         row_i = (bid * M + i * BLOCK).to(tl.int32)
@@ -228,13 +230,13 @@ if triton is not None:
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             a = x_desc.load([row_i, k * BLOCK_K])
-            b = y_desc.load([row_j, k * BLOCK_K])
+            b = x_desc.load([row_j, k * BLOCK_K])
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc)
         _epilogue(
-            acc, i, j, bid, c_ptr, out_ptr, M, scb, scm, scn, sob, som, son,
-            alpha, beta, diag, HAS_C, BLOCK,
+            acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
+            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
         )  # fmt: skip
 
 
@@ -258,38 +260,39 @@ def sym_matmul(
     alpha: float = 1.0,
     beta: float = 0.0,
     *,
-    y: Tensor | None = None,
     diag: float = 0.0,
+    scale: Tensor | None = None,
+    scale_power: int = 1,
     out: Tensor | None = None,
     config: SymConfig | str | None = None,
 ) -> Tensor:
-    """`alpha * x @ y^T + beta * c + diag * I` (y defaults to x), fp32 accumulation.
+    """`s**scale_power * (alpha * x @ x^T + beta * c + diag * I)`, fp32 accumulation.
 
-    x and y have shape (m, k) or (batch, m, k), any strides (a transposed view is read
-    in place). Only the lower-triangular output tiles are computed and each is mirrored,
-    so `x @ y^T` must be symmetric in exact arithmetic: y = x, or x and y symmetric
-    matrices that commute (polynomials in one matrix, as in Gram Newton-Schulz; for
-    symmetric y, `x @ y^T` is `x @ y`). `c`, when given, must be symmetric (only its
-    lower triangle is read). The epilogue runs in fp32 and rounds once; the result has
-    x's dtype and is exactly symmetric (its lower triangle, mirrored). `out` must not
-    overlap x or y.
+    x has shape (m, k) or (batch, m, k), any strides (a transposed view is read in
+    place). `scale`, when given, is a float32 tensor with one `s` per matrix of the
+    batch (else s = 1); `scale_power` is 1 or 2. `c`, when given, must be symmetric
+    (only its lower-triangular tiles are read, and mirrored). The epilogue runs in fp32
+    and rounds once; the result has x's dtype and is exactly symmetric.
     """
     _check(x)
     squeeze = x.ndim == 2
     if squeeze:
-        x, y = x.unsqueeze(0), None if y is None else y.unsqueeze(0)
+        x = x.unsqueeze(0)
         c = None if c is None else c.unsqueeze(0)
         out = None if out is None else out.unsqueeze(0)
     if x.ndim != 3:
         raise ValueError(f"sym_matmul takes (m, k) or (batch, m, k) but got: {tuple(x.shape)}")
-    y = x if y is None else y
-    if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
-        raise ValueError(f"y must be like x {tuple(x.shape)} but is: {tuple(y.shape)} {y.dtype}")
     batch, m, k = x.shape
     if out is None:
         out = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
     if out.shape != (batch, m, m) or (c is not None and c.shape != (batch, m, m)):
         raise ValueError("out and c must have shape (batch, m, m)")
+    if scale is not None and (
+        scale.shape != (batch,) or scale.dtype != torch.float32 or not scale.is_contiguous()
+    ):
+        raise ValueError(f"scale must be a contiguous float32 tensor of shape ({batch},)")
+    if scale_power not in (1, 2):
+        raise ValueError(f"scale_power should be 1 or 2 but is: {scale_power}")
     if isinstance(config, str):
         config = CONFIGS[config]
     cfg = config or config_for(m, k)
@@ -299,31 +302,29 @@ def sym_matmul(
     # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: upcast there only.
     upcast = _interpreting()
     cc = c if has_c else out  # never read when HAS_C is False
+    power = 0 if scale is None else scale_power
+    scale_arg = out if scale is None else scale  # never read when SCALE_POWER is 0
     scalars = (float(alpha), float(beta), float(diag))
-    dense = x.is_contiguous() and y.is_contiguous() and (k * x.element_size()) % 16 == 0
-    if cfg.tma and dense:
+    if cfg.tma and x.is_contiguous() and (k * x.element_size()) % 16 == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        block = [cfg.block, cfg.block_k]
-        x_desc = TensorDescriptor.from_tensor(x.view(batch * m, k), block)
-        y_desc = x_desc if y is x else TensorDescriptor.from_tensor(y.view(batch * m, k), block)
+        desc = TensorDescriptor.from_tensor(x.view(batch * m, k), [cfg.block, cfg.block_k])
         _sym_kernel_tma[grid](
-            x_desc, y_desc, cc, out, m, k,
+            desc, cc, out, scale_arg, m, k,
             cc.stride(0), cc.stride(1), cc.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             *scalars,
-            HAS_C=has_c, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
+            HAS_C=has_c, SCALE_POWER=power, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
             UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _sym_kernel[grid](
-            x, y, cc, out, m, k,
+            x, cc, out, scale_arg, m, k,
             x.stride(0), x.stride(1), x.stride(2),
-            y.stride(0), y.stride(1), y.stride(2),
             cc.stride(0), cc.stride(1), cc.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             *scalars,
-            HAS_C=has_c, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block,
+            HAS_C=has_c, SCALE_POWER=power, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block,
             BLOCK_K=cfg.block_k, UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -348,56 +349,43 @@ def _restored(x: Tensor, tall: bool, squeeze: bool) -> Tensor:
     return x.mT if tall else x
 
 
-def _normalized(
-    x: Tensor, schedule: NewtonSchulzSchedule, eps: float, dtype: torch.dtype
-) -> Tensor:
-    """x / max(norm_scale * ||x||_F, eps) per matrix, computed in fp32 and rounded once to
-    `dtype` (a fresh contiguous (batch, m, n) tensor: the iteration's first iterate)."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"the Triton path computes in bfloat16 or float16 but got: {dtype}")
-    norm = matrix_norms(x, torch.float32)  # one reduction per matrix: batch-invariant
-    if schedule.norm_scale != 1.0:
-        norm = norm * schedule.norm_scale
-    xs = torch.empty(x.shape, device=x.device, dtype=dtype)
-    return torch.div(x, norm.clamp(min=eps), out=xs)
-
-
 def zeropower_triton(
     x: Tensor,
     schedule: NewtonSchulzSchedule,
     eps: float,
     *,
-    dtype: torch.dtype = torch.float16,
     config: SymConfig | str | None = None,
 ) -> Tensor:
-    """`muon.newton_schulz.zeropower` (standard algorithm) in `dtype` with symmetric products.
+    """`muon.newton_schulz.zeropower` (standard algorithm) with symmetric products.
 
-    X is normalized and cast to `dtype` once (`_normalized`); each iteration is
+    Same orientation, norm and schedule as the plain path, regrouped so that no pass
+    is spent outside the matrix products: each iteration is
 
         A = X X^T              sym_matmul(X)
         P = a I + b A + c A A  sym_matmul(A, c=A, alpha=c, beta=b, diag=a)
         X = P X                torch.bmm (cuBLAS, no epilogue, no copy of X)
 
-    Folding a X into P as a I leaves cuBLAS a plain product, but rounds a I + (b A + c A^2)
-    to `dtype`: P's diagonal carries an absolute error of up to a * 2^-9 in bf16, where the
-    plain path's fused addmm adds a X exactly. That perturbation is symmetric: it barely
-    moves the polar factor of a matrix with clustered singular values but does where they
-    spread to 0 (square Gaussian: 3-20% above the plain bf16 path on the H200). fp16 (8x
-    finer; entries stay within range: |X|, |A| <= 1 after normalization) makes the
-    iteration about 5x more accurate than plain bf16 (bench/ns_accuracy.py).
-    Returns `dtype` (a transposed view for tall x); `zeropower` casts back.
+    and the normalization X / ||X|| is folded into the first iteration (A scaled by
+    1/||X||^2 and P by 1/||X|| in their epilogues), so a tall input is read through a
+    transposed view and never copied. Agrees with the plain path to bf16 rounding
+    (not bitwise). Returns x's dtype (a transposed view for tall x).
     """
     x, tall, squeeze = _oriented(x)
-    xs = _normalized(x, schedule, eps, dtype)
-    batch, m, n = xs.shape
-    gram = torch.empty(batch, m, m, device=x.device, dtype=dtype)
+    batch, m, n = x.shape
+    norm = matrix_norms(x).view(batch)  # one reduction per matrix: batch-invariant
+    if schedule.norm_scale != 1.0:
+        norm = norm * schedule.norm_scale
+    inv_norm = norm.clamp(min=eps).float().reciprocal()
+    gram = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
     poly = torch.empty_like(gram)
-    spare = torch.empty_like(xs)
-    for a, b, c in schedule.coefficients:
-        sym_matmul(xs, out=gram, config=config)
-        sym_matmul(gram, gram, alpha=c, beta=b, diag=a, out=poly, config=config)
-        xs, spare = torch.bmm(poly, xs, out=spare), xs
-    return _restored(xs, tall, squeeze)
+    buffers = [torch.empty(batch, m, n, device=x.device, dtype=x.dtype) for _ in range(2)]
+    for step, (a, b, c) in enumerate(schedule.coefficients):
+        first = step == 0
+        scale = inv_norm if first else None
+        sym_matmul(x, out=gram, scale=scale, scale_power=2, config=config)
+        sym_matmul(gram, gram, alpha=c, beta=b, diag=a, scale=scale, out=poly, config=config)
+        x = torch.bmm(poly, x, out=buffers[step % 2])
+    return _restored(x, tall, squeeze)
 
 
 def zeropower_gram_triton(
@@ -410,61 +398,42 @@ def zeropower_gram_triton(
 ) -> Tensor:
     """Gram Newton-Schulz (`muon.newton_schulz`) in `dtype` with symmetric products.
 
-    X (m x n, m <= n) is normalized and cast once. Every m x m matrix of a segment is a
-    polynomial in its R, so every m x m product is symmetric and takes `sym_matmul`
-    (half the tiles), the same arithmetic as `muon.newton_schulz._gram_torch`. With
-    Z = b R + c R^2 and P = a I + Z, per restart segment:
+    X (m x n, m <= n) is normalized and cast once; per restart segment:
 
-        R = X X^T                     sym_matmul(X)
-        first iteration:  Q = P       sym_matmul(R, c=R, alpha=c, beta=b, diag=a)
-                          W = P R     sym_matmul(P, y=R)
-                          R = P W     sym_matmul(P, y=W)
-        later ones:       Z           sym_matmul(R, c=R, alpha=c, beta=b)
-                          Q = Z Q + a Q    sym_matmul(Z, y=Q, c=Q, beta=a)
-                          W = Z R + a R    sym_matmul(Z, y=R, c=R, beta=a)
-                          R = Z W + a W    sym_matmul(Z, y=W, c=W, beta=a)
-        X = Q X                       torch.bmm, once at the segment's end
+        R = X X^T                  sym_matmul(X)
+        P = a I + b R + c R R      sym_matmul(R, c=R, alpha=c, beta=b, diag=a)
+        Q = P Q                    torch.bmm (Q = P at the segment's first iteration)
+        R = P R P                  torch.bmm twice
+        X = Q X                    torch.bmm, once at the segment's end
 
-    R is not updated after a segment's last iteration. FLOPs in m^3 (alpha = n/m, T
-    iterations, s segments): 4T - 3s for the m x m products and 3 s alpha for R and Q X;
-    14 + 6 alpha for 5 iterations and one restart (Dao-AILab's count; the standard
-    iteration on the same kernels costs T (1 + 3 alpha)).
-    R <- P (P R), not R P^2: P^2 rounded to 16 bits swamps P's small end. Holds the m x m
-    matrices `muon.newton_schulz.gram_workspace_numel` counts. Returns `dtype` (a
-    transposed view for tall x).
+    R is not updated after a segment's last iteration. a I is added in the fp32
+    epilogue of P's product (rounded once). Holds the m x m matrices that
+    `muon.newton_schulz.gram_workspace_numel` counts. Returns `dtype` (a transposed view
+    for tall x).
     """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton path computes in bfloat16 or float16 but got: {dtype}")
     x, tall, squeeze = _oriented(x)
-    xs = _normalized(x, schedule, eps, dtype)
-
-    def sym(lhs, c=None, alpha=1.0, beta=0.0, **kw):
-        return sym_matmul(lhs, c, alpha, beta, config=config, **kw)
-
+    norm = matrix_norms(x, torch.float32)
+    if schedule.norm_scale != 1.0:
+        norm = norm * schedule.norm_scale
+    xs = torch.empty(x.shape, device=x.device, dtype=dtype)
+    torch.div(x, norm.clamp(min=eps), out=xs)  # normalized and cast, rounded once
     for segment in schedule.gram_segments():
-        r = sym(xs)
+        r = sym_matmul(xs, config=config)
         q = None
         for k in segment:
             a, b, c = schedule.coefficients[k]
+            p = sym_matmul(r, r, alpha=c, beta=b, diag=a, config=config)
             last = k == segment[-1]
-            if q is None:  # the segment's first P, formed with a I (rounded once): Q = P
-                q = sym(r, r, alpha=c, beta=b, diag=a)
-                if last:
-                    del r
-                else:
-                    w = sym(q, y=r)
-                    del r
-                    r = sym(q, y=w)
-                    del w
-                continue
-            z = sym(r, r, alpha=c, beta=b)
             if last:
                 del r
-            q = sym(z, q, beta=a, y=q)
-            if not last:
-                w = sym(z, r, beta=a, y=r)
-                del r
-                r = sym(z, w, beta=a, y=w)
+            q = p if q is None else torch.bmm(p, q)
+            if not last:  # P R P, not R P^2: P^2 rounded to 16 bits swamps P's small end
+                w = torch.bmm(r, p)
+                r = torch.bmm(p, w)
                 del w
-            del z
+            del p
         xs = torch.bmm(q, xs)
         del q
     return _restored(xs, tall, squeeze)

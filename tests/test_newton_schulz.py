@@ -16,8 +16,6 @@ from muon.newton_schulz import (
     SCHEDULES,
     NewtonSchulzPath,
     NewtonSchulzSchedule,
-    gram_flops_symmetric,
-    ns_flops_symmetric,
     ns_path,
     ns_workspace_numel,
     zeropower,
@@ -112,13 +110,6 @@ def test_ns_path_is_per_shape():
     assert cuda(long - 1, side).algorithm == "standard"
     assert cuda(side, side, algorithm="gram").dtype == torch.float16
     assert ns_path(64, 192, torch.float32, "cuda", 9, "torch", "gram").dtype == torch.float32
-    # the Triton backend runs both algorithms in fp16 (issue 11: a bf16 P = a I + ... was
-    # less accurate than the plain bf16 path on square shapes), whatever the aspect
-    triton = functools.partial(ns_path, dtype=torch.bfloat16, device_type="cuda", capability=9)
-    assert triton(4096, 4096, backend="triton") == NewtonSchulzPath(
-        "standard", "triton", torch.float16
-    )
-    assert triton(4096, 4096, backend="triton", algorithm="gram").dtype == torch.float16
     with pytest.raises(ValueError, match="algorithm"):
         cpu(8, 8, algorithm="polar")
     with pytest.raises(ValueError, match="algorithm"):
@@ -165,15 +156,3 @@ def test_per_matrix_launches_match_the_batch_and_the_model(algorithm):
         assert torch.equal(out, zeropower(x, KELLER_JORDAN, algorithm=algorithm))
     cuda = ns_path(8, 64, torch.bfloat16, "cuda", 9, "torch", "auto")
     assert cuda.per_matrix and not ns_path(256, 512, torch.bfloat16, "cuda", 9, "torch").per_matrix
-
-
-def test_gram_flops_are_the_published_count():
-    # Dao-AILab: (4T - 6 + 6 alpha) m^3 for T = 5 and one restart, with symmetric products;
-    # the standard iteration on the same kernels: T (1 + 3 alpha) m^3
-    m = 64
-    for alpha in (1, 2, 3):
-        assert gram_flops_symmetric(m, alpha * m, KELLER_JORDAN) == (14 + 6 * alpha) * m**3
-        assert gram_flops_symmetric(alpha * m, m, KELLER_JORDAN) == (14 + 6 * alpha) * m**3
-        assert ns_flops_symmetric(m, alpha * m, 5) == 5 * (1 + 3 * alpha) * m**3
-    # deepseek_v4: segments of 2, 3, 3, 2 iterations
-    assert gram_flops_symmetric(m, 3 * m, DEEPSEEK_V4) == (4 * 10 - 3 * 4 + 4 * 9) * m**3

@@ -148,29 +148,33 @@ def test_interp_sym_matmul_epilogue(shape):
 
 
 @interp
-def test_interp_sym_matmul_diag_and_two_operands():
-    # alpha x y^T + beta c + diag I for commuting symmetric x, y (polynomials in one matrix),
-    # y read through a transposed view
+@pytest.mark.parametrize("scale_power", [1, 2])
+def test_interp_sym_matmul_diag_and_scale(scale_power):
+    # s**p * (alpha x x^T + beta c + diag I), one s per matrix, x read through a transposed view
     from muon.ns_triton import sym_matmul
 
     gen = torch.Generator().manual_seed(4)
-    g = torch.randn(3, 37, 37, generator=gen) / 37
-    r = g @ g.mT
-    eye = torch.eye(37)
-    x = (0.5 * eye - 1.5 * r + 2.0 * r @ r).half()
-    y_view = (eye + r).half().mT  # symmetric, so the view is y itself; not contiguous
-    c = (3.0 * r).half()
+    stored = torch.randn(3, 50, 37, generator=gen).bfloat16()
+    x = stored.mT  # (3, 37, 50), not contiguous
+    g = torch.randn(3, 37, 37, generator=gen)
+    c = ((g + g.mT) / 2).bfloat16()
+    scale = torch.tensor([0.5, 2.0, 0.125])
     alpha, beta, diag = 0.75, -1.5, 3.4445
-    ref = alpha * (x.float() @ y_view.float().mT) + beta * c.float() + diag * eye
-    tol = 2 * 2.0**-10 * ref.abs().amax(dim=(-2, -1), keepdim=True)
-    for y in (y_view, y_view.contiguous()):  # pointer loads; TMA where the config has it
-        for config in _interp_configs():
-            out = sym_matmul(x, c, alpha, beta, y=y, diag=diag, config=config)
-            assert torch.equal(out, out.mT) and out.dtype == torch.float16
-            assert ((out.float() - ref).abs() <= tol).all()
-    y = y_view
-    with pytest.raises(ValueError, match="y must be like x"):
-        sym_matmul(x, y=y[:, :36])
+    eye = torch.eye(37)
+    s = scale.view(3, 1, 1) ** scale_power
+    ref = s * (alpha * (x.float() @ x.float().mT) + beta * c.float() + diag * eye)
+    for config in _interp_configs():
+        out = sym_matmul(
+            x, c, alpha=alpha, beta=beta, diag=diag, scale=scale, scale_power=scale_power,
+            config=config,
+        )  # fmt: skip
+        assert torch.equal(out, out.mT)
+        tol = 2 * BF16_ULP * ref.abs().amax(dim=(-2, -1), keepdim=True)
+        assert ((out.float() - ref).abs() <= tol).all()
+    with pytest.raises(ValueError, match="scale"):
+        sym_matmul(x, scale=scale.double())
+    with pytest.raises(ValueError, match="scale_power"):
+        sym_matmul(x, scale=scale, scale_power=3)
 
 
 @interp
@@ -204,19 +208,16 @@ def test_interp_zeropower(name, shape):
 
 @interp
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-@pytest.mark.parametrize("shape", [(2, 20, 36), (40, 40)])
-def test_interp_zeropower_bf16_dispatch(name, shape):
-    # issue 11: bf16 through zeropower(backend="triton") (the default on Hopper) is more
-    # accurate than the plain bf16 path against the fp64 iteration, square shapes included.
-    # It runs in fp16: in bf16, P = a I + b A + c A^2 rounds a I, which the plain path's
-    # addmm adds exactly, and was less accurate than the plain path on square shapes (H200)
+def test_interp_zeropower_bf16_dispatch(name):
+    # bf16 through zeropower(backend="triton"); the interpreter truncates fp32 -> bf16
+    # (biased, where the GPU rounds to nearest), so only a loose bound holds here
     schedule = SCHEDULES[name]
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).bfloat16()
-    fast = zeropower(x, schedule, backend="triton", algorithm="standard")
-    assert fast.dtype == torch.bfloat16 and fast.shape == x.shape
+    x = torch.randn(2, 20, 36, generator=torch.Generator().manual_seed(3)).bfloat16()
+    fast = zeropower(x, schedule, backend="triton")
+    assert fast.dtype == torch.bfloat16
     plain = zeropower(x, schedule, backend="torch")
     ref = _fp64_reference(x, schedule)
-    assert _rel(fast, ref) <= 0.5 * _rel(plain, ref), (_rel(fast, ref), _rel(plain, ref))
+    assert _rel(fast, ref) <= 4 * _rel(plain, ref) + 1e-2
 
 
 @interp
@@ -224,10 +225,7 @@ def test_interp_zeropower_bf16_dispatch(name, shape):
 @pytest.mark.parametrize("shape", [(48, 20), (20, 48), (3, 24, 40)])
 def test_interp_zeropower_gram(name, shape):
     # Gram Newton-Schulz in fp16 on the symmetric kernels: more accurate than the plain
-    # bf16 standard path against the fp64 iteration (issue 11's bar), the same iteration as
-    # plain Gram. Every m x m product keeps only its lower triangle, dropping what rounding
-    # leaves of the commutator of Q and Z: at m <= 24 that costs Polar Express up to 2.5x
-    # plain Gram's error (0.6x the bf16 path's); at m = 64 it is below plain Gram's
+    # bf16 standard path against the fp64 iteration (issue 11's bar), close to plain Gram
     from muon.ns_triton import SymConfig, zeropower_gram_triton
 
     schedule = SCHEDULES[name]
@@ -236,12 +234,12 @@ def test_interp_zeropower_gram(name, shape):
     assert fast.shape == x.shape and fast.dtype == torch.float16
     ref = _fp64_reference(x, schedule)
     plain = zeropower(x.bfloat16(), schedule, backend="torch", algorithm="standard")
-    assert _rel(fast, ref) <= 0.75 * _rel(plain, ref), (_rel(fast, ref), _rel(plain, ref))
+    assert _rel(fast, ref) <= 0.5 * _rel(plain, ref), (_rel(fast, ref), _rel(plain, ref))
     gram16 = zeropower(x, schedule, backend="torch", algorithm="gram")
-    assert _rel(fast, gram16) <= 2e-2
+    assert _rel(fast, gram16) <= 1e-2
     # through the dispatch (its own config): forced Triton, Gram, in the input's dtype
     out = zeropower(x, schedule, backend="triton", algorithm="gram")
-    assert out.dtype == torch.float16 and _rel(out, ref) <= 0.75 * _rel(plain, ref)
+    assert out.dtype == torch.float16 and _rel(out, ref) <= 0.5 * _rel(plain, ref)
 
 
 @interp
@@ -285,9 +283,7 @@ def test_gpu_fp64_reference(kind, name):
     fast = zeropower(x, schedule, backend="triton", algorithm="standard")
     assert fast.shape == x.shape and fast.dtype == torch.bfloat16
     err_plain, err_fast = _rel(plain, ref), _rel(fast, ref)
-    # issue 11: the Triton path (fp16) is more accurate than the plain bf16 one, square
-    # shapes included (in bf16 it was 3-20% less accurate there)
-    assert err_fast <= 0.5 * err_plain, (err_fast, err_plain)
+    assert err_fast <= 1.1 * err_plain + 2e-3, (err_fast, err_plain)
     # fast == plain within bf16 tolerance
     assert _rel(fast, plain) <= 2.5e-2
     # singular values in the same band as the plain path's
@@ -320,11 +316,6 @@ def test_gpu_every_config():
             torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2, msg=cfg.name)
             out_b = sym_matmul(a, a, alpha=2.0315, beta=-4.775, config=cfg)
             torch.testing.assert_close(out_b, ref_b, rtol=1.6e-2, atol=2e-2, msg=cfg.name)
-            # two operands (TMA: two descriptors): B A + 3 A, symmetric as B and A commute
-            out_y = sym_matmul(out_b, a, beta=3.0, y=a, config=cfg)
-            ref_y = (out_b.float() @ a.float() + 3.0 * a.float()).bfloat16()
-            assert torch.equal(out_y, out_y.mT), cfg.name
-            torch.testing.assert_close(out_y, ref_y, rtol=1.6e-2, atol=4e-2, msg=cfg.name)
 
 
 @pytest.mark.gpu
