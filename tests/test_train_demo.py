@@ -200,7 +200,16 @@ def test_sigint_to_the_launcher_stops_its_ranks(tmp_path):
     argv += ["--steps", "100000", "--log-every", "100000", "--json", str(tmp_path / "r.json")]
     log = tmp_path / "log"
     with open(log, "w") as out:
-        launcher = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        # SIGINT at its default, as from a terminal: a shell without job control starts
+        # background commands (e.g. a CI script run with `&`) with SIGINT ignored, and
+        # Python then leaves it ignored
+        launcher = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     ranks: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
