@@ -82,11 +82,10 @@ class MuonOffloadOptimizers(OptimizersContainer):
 
     @staticmethod
     def _init_state(optimizer) -> None:
-        """torchtitan's state-creating zero-lr step, finished before the state is read:
-        under forward overlap the step creates a chunk's state only when the chunk
-        runs, and torchtitan reads `optimizer.state` to learn what to load."""
+        """torchtitan's state-creating zero-lr step. Under forward overlap the step creates
+        a chunk's state only when the chunk runs; `CPUOffloadOptimizer.state`, which
+        torchtitan reads to learn what to load, finishes the step first."""
         init_optim_state(optimizer)
-        getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
 
     def wait_for_optimizer_step(self) -> None:
         """Finish every part's overlapped step (before reading params outside a forward)."""
