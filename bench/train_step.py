@@ -71,6 +71,7 @@ from torch import nn
 from bench import hf_llama
 from bench.data import random_tokens
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize
+from bench.phases import PHASES, PhaseMarks, decoder_layers_and_head
 from bench.report import write_json
 from bench.timing import timed_window
 from bench.train import free_port
@@ -185,10 +186,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sweep-optimizers", default="adamw", help="optimizers to sweep")
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each step's phases (bench.phases: device and host ms; one micro-batch)",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "train_step.json")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.micro_batches < 1:
         raise SystemExit("--batch and --micro-batches should be >= 1")
+    if args.phases and args.micro_batches != 1:
+        raise SystemExit("--phases times one micro-batch a step: drop --micro-batches")
     args.sweep = [parse_bytes(v) for v in args.resident_sweep.split(",") if v.strip()]
     return args
 
@@ -289,14 +297,26 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         random_tokens(vocab, seq, args.batch, device, seed=i) for i in range(args.micro_batches)
     ]
 
+    marks: PhaseMarks | None = None  # set for the timed window with --phases
+
     def step() -> float:
         """One step (micro-batches accumulated), no device sync; seconds until step() returned."""
+        if marks is not None:
+            marks.begin()
         optimizer.zero_grad(set_to_none=True)
         for inputs, targets in batches:
-            (loss(inputs, targets) / len(batches)).backward()
+            value = loss(inputs, targets) / len(batches)
+            if marks is not None:
+                marks.mark()
+            value.backward()
+            if marks is not None:
+                marks.mark()
         start = time.perf_counter()
         optimizer.step()
-        return time.perf_counter() - start
+        returned = time.perf_counter() - start
+        if marks is not None:
+            marks.mark()
+        return returned
 
     # Warmup builds plans, allocates state and host slabs; a slow arm stops early. "auto"
     # decides after its measured steps: the window starts after that.
@@ -313,6 +333,8 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     steps = max(1, min(args.steps, math.floor(args.arm_budget_s / max(warm_s[-1], 1e-9))))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if args.phases:
+        marks = PhaseMarks(*decoder_layers_and_head(model), device)
     returns: list[float] = []
     per_step, window_s = timed_window(lambda: returns.append(step()), steps, device)
     getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
@@ -332,6 +354,9 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
         if optimizer.residency is not None:
             result["residency"] = dataclasses.asdict(optimizer.residency)
+    if marks is not None:
+        result["phases"] = marks.summary()
+        marks.close()
     if device.type == "cuda":
         result["kept_mib"] = kept_between_steps(model, optimizer, device) / 2**20
     close = getattr(optimizer, "close", None)
@@ -456,6 +481,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"({c['state_bytes'] / GiB:.2f} GiB state); stall {c['measured_stall_ms']:.1f} "
                 f"ms a step all offloaded, predicted {c['predicted_stall_ms']:.1f} ms"
             )
+    _print_phases(results, width)
     print(
         "\nstep ms: median over the window's steps (events between steps, synced only at the "
         "window's ends); window: window / steps; returns: host ms until step() returns; "
@@ -463,6 +489,22 @@ def print_table(results: list[dict[str, Any]]) -> None:
         "allocated after step() + zero_grad beyond params and device state; resident: MiB of "
         "state kept on the GPU; bwd: chunks the last step found loaded in the backward"
     )
+
+
+def _print_phases(results: list[dict[str, Any]], width: int) -> None:
+    """With --phases: each arm's median phase times, device / host ms (bench.phases)."""
+    timed = [r for r in results if "phases" in r]
+    if not timed:
+        return
+    header = f"{'phases: device / host ms':<{width}} " + " ".join(f"{p:>15}" for p in PHASES)
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in timed:
+        cells = []
+        for phase in PHASES:
+            t = r["phases"][phase]
+            device = "-" if t["device_ms"] is None else f"{t['device_ms']:.1f}"
+            cells.append(f"{device + ' / ' + format(t['host_ms'], '.1f'):>15}")
+        print(f"{r['arm']:<{width}} " + " ".join(cells))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
