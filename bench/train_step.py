@@ -8,6 +8,8 @@
         --resident-sweep 0,1GiB,2GiB,3GiB,auto                  # + PNG next to the JSON
     python -m bench.train_step --model hf-llama-0.85b \\
         --arms plain/none,plain/offload+overlap,plain/torchao
+    python -m bench.train_step --model hf-llama-0.85b --batch 4 --phases \\
+        --arms adamw/none,adamw/offload+overlap     # + device and host ms per phase
 
 Smoke mode on the CPU (tiny sizes, seconds, every code path but the CUDA-only ones):
 
