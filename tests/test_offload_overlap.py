@@ -102,18 +102,25 @@ def test_overlap_needs_a_subset_step():
         CPUOffloadOptimizer(Custom(model.parameters(), lr=0.1), overlap_forward=model)
 
 
-def test_zero_grad_in_place_finishes_the_step_first():
-    data = batches(2)
+def _train_plain_and_overlapped(set_to_none: bool):
+    """Two steps of AdamW, plain and offloaded with overlap; the overlapped step is left
+    pending. Returns (plain model, plain AdamW, overlapped model, its optimizer)."""
     plain_model, model = make_model(), make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     overlapped = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
     )
     for m, opt in ((plain_model, plain), (model, overlapped)):
-        for tokens in data:
-            opt.zero_grad(set_to_none=False)  # would zero the grads the pending chunks read
+        for tokens in batches(2):
+            opt.zero_grad(set_to_none=set_to_none)
             m(tokens).sum().backward()
             opt.step()
+    return plain_model, plain, model, overlapped
+
+
+def test_zero_grad_in_place_finishes_the_step_first():
+    # zeroing in place would zero the grads the pending chunks read
+    plain_model, _, model, overlapped = _train_plain_and_overlapped(set_to_none=False)
     overlapped.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -121,17 +128,7 @@ def test_zero_grad_in_place_finishes_the_step_first():
 
 def test_reading_state_finishes_the_overlapped_step_first():
     # `.state` handed out the host slabs with the pending chunks' state not yet written
-    data = batches(2)
-    plain_model, model = make_model(), make_model()
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    overlapped = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
-    )
-    for m, opt in ((plain_model, plain), (model, overlapped)):
-        for tokens in data:
-            opt.zero_grad()
-            m(tokens).sum().backward()
-            opt.step()
+    plain_model, plain, model, overlapped = _train_plain_and_overlapped(set_to_none=True)
     for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
         for key, value in plain.state[p].items():
             assert torch.equal(value, overlapped.state[q][key]), key
