@@ -62,7 +62,7 @@ import re
 import statistics
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +192,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--phases",
         action="store_true",
         help="also time each step's phases (bench.phases: device and host ms; one micro-batch)",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="after the window, profile 2 steps per arm (torch.profiler): a gzipped Chrome "
+        "trace next to the JSON, one per arm (every stream's kernels and copies)",
     )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "train_step.json")
     args = parser.parse_args(argv)
@@ -359,12 +365,34 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if marks is not None:
         result["phases"] = marks.summary()
         marks.close()
+        marks = None
+    if args.trace:
+        trace_steps(step, device, trace_path(args.json, arm))
     if device.type == "cuda":
         result["kept_mib"] = kept_between_steps(model, optimizer, device) / 2**20
     close = getattr(optimizer, "close", None)
     if close is not None:
         close()
     return result
+
+
+def trace_path(json_path: Path, arm: Arm) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", arm.name)
+    return json_path.with_name(f"{json_path.stem}.{name}.trace.json.gz")
+
+
+def trace_steps(step: Callable[[], object], device: torch.device, path: Path) -> None:
+    """Profile 2 steps (host and device activity) and write a gzipped Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        timed_window(step, 2, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))  # a .gz name is written gzipped
+    print(f"trace: {path}", flush=True)
 
 
 def kept_between_steps(model: nn.Module, optimizer: Any, device: torch.device) -> int:

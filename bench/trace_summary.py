@@ -1,0 +1,190 @@
+"""Summarize a Chrome trace that `bench.train_step --trace` wrote: where the time goes.
+
+    python -m bench.trace_summary bench/results/train_step.adamw-offload-overlap.trace.json.gz
+
+Prints, over the traced steps: each CUDA stream's busy time (kernels and copies, with
+the copies' GB/s and whether their host memory was pinned), the compute stream's idle
+gaps and what the other streams did meanwhile, the host's CUDA runtime calls (the
+longest ones are where the host blocked), and a coarse timeline, one row per stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+SHADES = " .:-=+*#"
+
+
+def load_events(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def union_ms(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals, in the trace's microseconds / 1e3."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total / 1e3
+
+
+def busy_between(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Fraction of [lo, hi) that `intervals` cover."""
+    clipped = [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+    return union_ms(clipped) * 1e3 / max(hi - lo, 1e-9)
+
+
+def summarize(events: list[dict[str, Any]], steps: int, bins: int) -> dict[str, Any]:
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+    if not device:
+        raise SystemExit("no CUDA activity in this trace (a CPU run?)")
+    lanes: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    kernel_us: Counter[int] = Counter()
+    copies: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # count, bytes, us
+    for e in device:
+        stream = int(e.get("args", {}).get("stream", e.get("tid", -1)))
+        lanes[stream].append((e["ts"], e["ts"] + e["dur"]))
+        if e["cat"] == "kernel":
+            kernel_us[stream] += e["dur"]
+        elif e["cat"] == "gpu_memcpy":
+            c = copies[f"{e['name']} (stream {stream})"]
+            c[0] += 1
+            c[1] += e.get("args", {}).get("bytes", 0)
+            c[2] += e["dur"]
+    start = min(lo for ivs in lanes.values() for lo, _ in ivs)
+    end = max(hi for ivs in lanes.values() for _, hi in ivs)
+    compute = kernel_us.most_common(1)[0][0]
+    ordered = sorted(compute_ivs := lanes[compute])
+    gaps, last = [], start
+    for lo, hi in ordered:
+        if lo - last > 1000:  # 1 ms
+            gaps.append((last, lo))
+        last = max(last, hi)
+    others = {s: ivs for s, ivs in lanes.items() if s != compute}
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # count, us, max
+    for e in events:
+        if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver":
+            r = runtime[e["name"]]
+            r[0] += 1
+            r[1] += e["dur"]
+            r[2] = max(r[2], e["dur"])
+    width = (end - start) / bins
+    timeline = {
+        stream: "".join(
+            SHADES[
+                min(
+                    len(SHADES) - 1,
+                    round(busy_between(ivs, start + i * width, start + (i + 1) * width) * 7),
+                )
+            ]
+            for i in range(bins)
+        )
+        for stream, ivs in sorted(lanes.items())
+    }
+    return {
+        "span_ms_per_step": (end - start) / 1e3 / steps,
+        "compute_stream": compute,
+        "streams": {
+            s: {
+                "busy_ms_per_step": union_ms(ivs) / steps,
+                "kernel_ms_per_step": kernel_us[s] / 1e3 / steps,
+            }
+            for s, ivs in sorted(lanes.items())
+        },
+        "copies": {
+            name: {
+                "count_per_step": c[0] / steps,
+                "gib_per_step": c[1] / 2**30 / steps,
+                "ms_per_step": c[2] / 1e3 / steps,
+                "gb_per_s": c[1] / max(c[2], 1e-9) / 1e3,
+            }
+            for name, c in sorted(copies.items())
+        },
+        "compute_gaps": {
+            "count_per_step": len(gaps) / steps,
+            "ms_per_step": sum(hi - lo for lo, hi in gaps) / 1e3 / steps,
+            "longest": [
+                {
+                    "at_ms": (lo - start) / 1e3,
+                    "ms": (hi - lo) / 1e3,
+                    "others_busy": {
+                        s: round(busy_between(o, lo, hi), 2) for s, o in others.items()
+                    },
+                }
+                for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:12]
+            ],
+        },
+        "compute_busy_ms_per_step": union_ms(compute_ivs) / steps,
+        "runtime_calls": {
+            name: {
+                "count_per_step": r[0] / steps,
+                "ms_per_step": r[1] / 1e3 / steps,
+                "longest_ms": r[2] / 1e3,
+            }
+            for name, r in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]
+        },
+        "timeline": timeline,
+        "timeline_bin_ms": width / 1e3,
+    }
+
+
+def print_summary(name: str, s: dict[str, Any]) -> None:
+    print(f"== {name}: {s['span_ms_per_step']:.1f} ms per step (device span)")
+    print(
+        f"compute stream {s['compute_stream']}: busy {s['compute_busy_ms_per_step']:.1f} ms, "
+        f"idle gaps > 1 ms: {s['compute_gaps']['count_per_step']:.1f} a step, "
+        f"{s['compute_gaps']['ms_per_step']:.1f} ms"
+    )
+    for stream, t in s["streams"].items():
+        print(
+            f"  stream {stream:>4}: busy {t['busy_ms_per_step']:7.1f} ms, "
+            f"kernels {t['kernel_ms_per_step']:7.1f} ms"
+        )
+    for copy, c in s["copies"].items():
+        print(
+            f"  {copy:<45} {c['count_per_step']:6.0f}x {c['gib_per_step']:6.2f} GiB "
+            f"{c['ms_per_step']:7.1f} ms {c['gb_per_s']:6.1f} GB/s"
+        )
+    print("  longest compute gaps (at ms, ms, other streams' busy fraction):")
+    for g in s["compute_gaps"]["longest"]:
+        print(f"    {g['at_ms']:8.1f} {g['ms']:6.1f}  {g['others_busy']}")
+    print("  host CUDA calls (per step: count, ms; longest single call ms):")
+    for call, r in s["runtime_calls"].items():
+        print(
+            f"    {call:<32} {r['count_per_step']:7.0f} {r['ms_per_step']:8.1f} "
+            f"{r['longest_ms']:8.2f}"
+        )
+    print(f"  timeline, {s['timeline_bin_ms']:.1f} ms a column (busy: ' ' none ... '#' all):")
+    for stream, row in s["timeline"].items():
+        print(f"    {stream:>4} |{row}|")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--steps", type=int, default=2, help="steps the trace holds")
+    parser.add_argument("--bins", type=int, default=120, help="timeline columns")
+    parser.add_argument("--json", type=Path, help="write the summaries here")
+    args = parser.parse_args(argv)
+    out = {}
+    for path in args.traces:
+        out[path.name] = summarize(load_events(path), args.steps, args.bins)
+        print_summary(path.name, out[path.name])
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""bench.trace_summary on a synthetic Chrome trace: busy time, copy rates, compute gaps."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from bench.trace_summary import load_events, summarize, union_ms
+
+
+def test_union_counts_overlaps_once():
+    assert union_ms([(0, 1000), (500, 2000), (3000, 4000)]) == 3.0
+    assert union_ms([]) == 0.0
+
+
+def test_summary_of_a_copy_bound_trace(tmp_path):
+    events = []
+    for i in range(10):  # 1 ms kernels every 3 ms on stream 7; a 2.5 ms copy beside each
+        t = i * 3000.0
+        events.append(
+            {"ph": "X", "cat": "kernel", "name": "k", "ts": t, "dur": 1000.0, "args": {"stream": 7}}
+        )
+        events.append(
+            {
+                "ph": "X",
+                "cat": "gpu_memcpy",
+                "name": "Memcpy HtoD (Pinned -> Device)",
+                "ts": t + 100,
+                "dur": 2500.0,
+                "args": {"stream": 20, "bytes": 125_000_000},
+            }
+        )
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 0, "dur": 7})
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    s = summarize(load_events(path), steps=2, bins=10)
+
+    assert s["compute_stream"] == 7
+    assert s["streams"][7]["busy_ms_per_step"] == 5.0
+    assert s["streams"][20]["busy_ms_per_step"] == 12.5
+    copy = s["copies"]["Memcpy HtoD (Pinned -> Device) (stream 20)"]
+    assert copy["gb_per_s"] == 50.0 and copy["count_per_step"] == 5
+    assert s["compute_gaps"]["count_per_step"] == 4.5  # nine 2 ms gaps between ten kernels
+    assert (
+        s["compute_gaps"]["longest"][0]["others_busy"][20] == 0.8
+    )  # copies cover 1.6 of each 2 ms gap
+    assert s["runtime_calls"]["cudaMemcpyAsync"]["count_per_step"] == 0.5
