@@ -165,6 +165,19 @@ class _StagingRing:
             buffer.untyped_storage().resize_(0)
 
 
+COPY_PIECE_BYTES = 32 << 20
+"""Largest single copy between a host slab and the ring. A copy the trainer enqueues
+(activation checkpointing's recompute loads a small tensor per layer; `.item()` reads one
+back) queues in the copy engine behind ours: with whole 256 MiB runs it waited up to
+11 ms in the backward on the H200; a 32 MiB piece takes ~0.65 ms at 50 GB/s."""
+
+
+def _copy_pieces(home: Tensor, staging: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(home, staging) cut into aligned pieces of at most `COPY_PIECE_BYTES`."""
+    step = max(1, COPY_PIECE_BYTES // home.element_size())
+    return [(home[i : i + step], staging[i : i + step]) for i in range(0, home.numel(), step)]
+
+
 OVERSIZED_UNIT_WARN_BYTES = 64 << 20
 """Warn when a unit bigger than twice `chunk_bytes` makes a staging slot bigger than this."""
 
@@ -795,14 +808,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             slot = -1 if layout.resident else staged % self.staging_slots
             staged += not layout.resident
             copies = [
-                (
+                piece
+                for dtype, runs in layout.copies.items()
+                for run in runs
+                for piece in _copy_pieces(
                     slabs[dtype][run.home_start :][: run.numel],
                     staging_buffers[dtype][slot * plan.slot_numel[dtype] + run.staging_start :][
                         : run.numel
                     ],
                 )
-                for dtype, runs in layout.copies.items()
-                for run in runs
             ]
             views = []
             for view in layout.views:

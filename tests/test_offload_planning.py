@@ -260,3 +260,15 @@ def test_bind_sets_affinity_from_fake_sysfs(tmp_path):
             assert os.sched_getaffinity(0) == {cpu}
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_copy_pieces_cover_a_run_in_order_and_cap_each_piece(monkeypatch):
+    from offload import cpu_offload
+
+    monkeypatch.setattr(cpu_offload, "COPY_PIECE_BYTES", 40)  # 10 float32 elements
+    home, staging = torch.arange(23.0), torch.zeros(23)
+    pieces = cpu_offload._copy_pieces(home, staging)
+    assert [h.numel() for h, _ in pieces] == [10, 10, 3]
+    for h, st in pieces:
+        st.copy_(h)
+    assert torch.equal(staging, home)
