@@ -120,3 +120,31 @@ def test_the_plan_keeps_exactly_the_chosen_leading_units_on_every_rank():
         assert sorted(touched[True]) == list(range(final.resident_units))
         assert not touched[True] & touched[False]
         assert final.resident_units == leading_units(sizes, agreed)
+
+
+class _FakeEvent:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return other.t - self.t
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_steps_first_wait_counts_from_the_steps_start():
+    """The trainer may reach the forward's first wait after its chunk is done, held back
+    by the step itself: that time is exposed, though the wait itself takes none."""
+    from offload.residency import StepTimer
+
+    timer = StepTimer(torch.device("cpu"))
+    timer._timed = True
+    clock = iter([0.0, 26.0, 49.0, 49.01, 60.0, 65.0])
+    timer.mark = lambda stream: _FakeEvent(next(clock))
+    timer.step_started(None)  # t = 0
+    timer.chunk_done(None)  # chunk 0 done at 26 ms
+    timer.waited(0, 100, timer.mark(None), timer.mark(None))  # reached at 49: no wait
+    timer.waited(0, 100, timer.mark(None), timer.mark(None))  # waited 60 -> 65
+    (profile,) = timer.profiles()
+    assert [w.stall_ms for w in profile.waits] == [pytest.approx(49.01), 5.0]
