@@ -131,6 +131,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _numpy24_interpreter_shim() -> None:
+    """Triton 3.6's interpreter does int() on 1-element arrays (a loop bound), an error
+    since numpy 2.4: give its tensors an `__index__` (interpreter only; private API, one
+    place; checked on triton 3.6.0)."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_muon_shim", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._muon_shim = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton is not None and _interpreting():
+    _numpy24_interpreter_shim()
+
+
 def _fits_int32(x: Tensor) -> bool:
     return x.shape[-2] * x.shape[-1] <= MAX_MATRIX_NUMEL
 

@@ -28,26 +28,6 @@ from muon.newton_schulz import (
 )
 
 
-def _numpy24_interpreter_shim() -> None:
-    """Triton 3.6's interpreter does int() on 1-element arrays, an error since numpy 2.4."""
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_muon_shim", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._muon_shim = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET and HAVE_TRITON:
-    _numpy24_interpreter_shim()
-
-
 def _fp64_reference(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Tensor:
     return zeropower(x.double(), schedule, backend="torch", algorithm="standard")
 
