@@ -390,6 +390,9 @@ def test_gpu_every_config():
 
     from muon.ns_triton import CONFIGS, LARGE_CONFIG, SMALL_CONFIG, sym_matmul
 
+    # two commuting symmetric operands (c = y): the lower triangle, mirrored
+    xs, ys = (t.cuda().half() for t in _commuting_pair(2, 640, seed=13))
+    ref2 = _lower_mirrored(xs.double() @ ys.double()) + 0.75 * ys.double()
     for shape in [(2, 640, 1000), (1024, 4096)]:
         x = _gpu_input(shape, seed=3)
         ref = (x.float() @ x.float().mT).to(torch.bfloat16)
@@ -406,6 +409,9 @@ def test_gpu_every_config():
             torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2, msg=cfg.name)
             out_b = sym_matmul(a, a, alpha=2.0315, beta=-4.775, config=cfg)
             torch.testing.assert_close(out_b, ref_b, rtol=1.6e-2, atol=2e-2, msg=cfg.name)
+            out2 = sym_matmul(xs, ys, beta=0.75, y=ys, config=cfg)
+            assert torch.equal(out2, out2.mT), cfg.name
+            torch.testing.assert_close(out2.double(), ref2, rtol=2e-3, atol=1e-4, msg=cfg.name)
 
 
 @pytest.mark.gpu
