@@ -109,7 +109,8 @@ CONFIGS: dict[str, SymConfig] = {
 }
 """Candidates the bench times; `config_for` picks among them by shape class."""
 
-# least total time over the Qwen3-8B shapes on the H200 (measured row-major, group 1)
+# b128k64w4s3: least total time over the Qwen3-8B shapes on the H200, measured in the
+# row-major order (group 1); group 8 is not measured yet
 LARGE_CONFIG = "b128k64w4s3g8"
 """m >= 512 (the Qwen3-8B shapes)."""
 SMALL_CONFIG = "b64k64w4s4g8"
@@ -132,9 +133,9 @@ def _interpreting() -> bool:
 
 
 def _numpy24_interpreter_shim() -> None:
-    """Triton 3.6's interpreter does int() on 1-element arrays (a loop bound), an error
-    since numpy 2.4: give its tensors an `__index__` (interpreter only; private API, one
-    place; checked on triton 3.6.0)."""
+    """Triton 3.6's interpreter does int() on 1-element arrays, an error since numpy 2.4:
+    give its tensors an `__index__` (interpreter only; private API, one place; checked on
+    triton 3.6.0 with numpy 2.4)."""
     from triton.runtime import interpreter
 
     orig = interpreter._patch_lang_tensor
