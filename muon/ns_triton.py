@@ -7,16 +7,19 @@ Per quintic iteration on X (m x n, m <= n after orientation):
     X = P X                     torch.bmm (cuBLAS)
 
 `sym_matmul` launches only the lower-triangular output tiles (i >= j) of
-`x @ x^T`, one program per (tile, matrix of the batch), accumulates in fp32,
-applies the epilogue `s * (alpha * acc + beta * c + diag * I)` in fp32 (one
-rounding), and writes each tile to (i, j) and, transposed, to (j, i): the result
-is exactly symmetric. Folding `a X` into P as `a I` leaves cuBLAS a plain product
-(`baddbmm` would first copy X into its output to add `a X`), and folding 1/||X||
-into the first iteration's epilogues spares the normalized copy of X. Configurations
-are fixed per shape class (`config_for`); nothing is autotuned at step time. The
-first call of each (config, K-divisibility, epilogue) variant JIT-compiles (about a
-second each; Triton's disk cache makes later processes load in milliseconds);
-`bench/newton_schulz.py` prints the cost.
+`x @ y^T` (y = x unless given; symmetric in exact arithmetic), one program per
+(tile, matrix of the batch), accumulates in fp32, applies the epilogue
+`s * (alpha * acc + beta * c + diag * I)` in fp32 (one rounding), and writes each
+tile to (i, j) and, transposed, to (j, i); a diagonal tile keeps its lower triangle
+and mirrors it: the result is exactly symmetric. Programs run in bands of GROUP tile
+rows (`_grouped_tile`) so that the ones running together share operand blocks in L2.
+Folding `a X` into P as `a I` leaves cuBLAS a plain product (`baddbmm` would first
+copy X into its output to add `a X`), and folding 1/||X|| into the first iteration's
+epilogues spares the normalized copy of X. Configurations are fixed per shape class
+(`config_for`); nothing is autotuned at step time. The first call of each (config,
+K-divisibility, epilogue) variant JIT-compiles (about a second each; Triton's disk
+cache makes later processes load in milliseconds); `bench/newton_schulz.py` prints
+the cost.
 
 Gram Newton-Schulz (`zeropower_gram_triton`) uses the same kernel for R = X X^T and
 P = a I + b R + c R R, and cuBLAS for the general m x m products (P R P, P Q) and Q X.
@@ -75,12 +78,17 @@ class SymConfig:
     num_stages: int
     tma: bool = False
     """Load operands through host-side TMA descriptors (Hopper+), else pointer loads."""
+    group: int = 8
+    """Tile rows per band of the launch order (`_grouped_tile`); 1 is row-major."""
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise ValueError(f"group should be >= 1 but is: {self.group}")
 
     @property
     def name(self) -> str:
-        return f"b{self.block}k{self.block_k}w{self.num_warps}s{self.num_stages}" + (
-            "tma" if self.tma else ""
-        )
+        tiles = f"b{self.block}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+        return f"{tiles}g{self.group}" + ("tma" if self.tma else "")
 
 
 CONFIGS: dict[str, SymConfig] = {
@@ -94,13 +102,18 @@ CONFIGS: dict[str, SymConfig] = {
         SymConfig(128, 64, 8, 3, tma=True),
         SymConfig(128, 64, 8, 4, tma=True),
         SymConfig(128, 128, 8, 3, tma=True),
+        # the launch order's band height, on the large default and the TMA candidate
+        *(SymConfig(128, 64, 4, 3, group=g) for g in (1, 4, 16)),
+        *(SymConfig(128, 64, 8, 3, tma=True, group=g) for g in (1, 4, 16)),
     )
 }
 """Candidates the bench times; `config_for` picks among them by shape class."""
 
-LARGE_CONFIG = "b128k64w4s3"  # least total time over the Qwen3-8B shapes on the H200
+# b128k64w4s3: least total time over the Qwen3-8B shapes on the H200, measured in the
+# row-major order (group 1); group 8 is not measured yet
+LARGE_CONFIG = "b128k64w4s3g8"
 """m >= 512 (the Qwen3-8B shapes)."""
-SMALL_CONFIG = "b64k64w4s4"
+SMALL_CONFIG = "b64k64w4s4g8"
 """m < 512: more, smaller tiles to fill the SMs."""
 
 
@@ -117,6 +130,28 @@ def available() -> bool:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _numpy24_interpreter_shim() -> None:
+    """Triton 3.6's interpreter does int() on 1-element arrays, an error since numpy 2.4:
+    give its tensors an `__index__` (interpreter only; private API, one place; checked on
+    triton 3.6.0 with numpy 2.4)."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_muon_shim", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._muon_shim = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton is not None and _interpreting():
+    _numpy24_interpreter_shim()
 
 
 def _fits_int32(x: Tensor) -> bool:
@@ -141,6 +176,23 @@ if triton is not None:
         i = tl.where(i * (i + 1) // 2 > pid, i - 1, i)
         i = tl.where((i + 1) * (i + 2) // 2 <= pid, i + 1, i)
         return i, pid - i * (i + 1) // 2
+
+    @triton.jit
+    def _grouped_tile(pid, T, GROUP: tl.constexpr):
+        # pid -> (i, j), i >= j, over a T x T tile grid's lower triangle in bands of GROUP
+        # tile rows (the last band may be shorter), bands in order. A band holds whole rows,
+        # so the row-major index's row tells the band. Inside band [r0, r0 + h): first the
+        # full columns j < r0, column-major (consecutive programs share y's block j and
+        # cycle over the band's h blocks of x), then the band's own h x h triangle,
+        # row-major. GROUP = 1 is `_tile`'s row-major order.
+        row, _ = _tile(pid)
+        r0 = row // GROUP * GROUP
+        h = tl.minimum(T - r0, GROUP)
+        q = pid - r0 * (r0 + 1) // 2
+        full = h * r0
+        a, b = _tile(tl.maximum(q - full, 0))
+        in_full = q < full
+        return tl.where(in_full, r0 + q % h, r0 + a), tl.where(in_full, q // h, r0 + b)
 
     @triton.jit
     def _epilogue(
@@ -168,32 +220,36 @@ if triton is not None:
             acc = acc * s
         out = acc.to(out_ptr.dtype.element_ty)
         out_base = out_ptr + bid * sob
-        tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
         if i != j:
+            tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
             mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
             tl.store(
                 out_base + offs_j[:, None] * som + offs_i[None, :] * son,
                 tl.trans(out),
                 mask=mask_t,
             )
+        else:
+            # x_p . y_q and x_q . y_p round differently unless y is x: keep the lower
+            # triangle (p >= q, what off-diagonal tiles hold) and mirror it.
+            out = tl.where(offs_i[:, None] >= offs_j[None, :], out, tl.trans(out))
+            tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
 
     @triton.jit
     def _sym_kernel(
-        x_ptr, c_ptr, out_ptr, scale_ptr, M, K,
-        sxb, sxm, sxk, scb, scm, scn, sob, som, son,
+        x_ptr, y_ptr, c_ptr, out_ptr, scale_ptr, M, K,
+        sxb, sxm, sxk, syb, sym, syk, scb, scm, scn, sob, som, son,
         alpha, beta, diag,
         HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
-        i, j = _tile(tl.program_id(0))
+        i, j = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK), GROUP)
         bid = tl.program_id(1).to(tl.int64)
         # Rows past M wrap (their outputs are masked at the store): no load masks on M.
         rows_i = (i * BLOCK + tl.arange(0, BLOCK)) % M
         rows_j = (j * BLOCK + tl.arange(0, BLOCK)) % M
         offs_k = tl.arange(0, BLOCK_K)
-        x_base = x_ptr + bid * sxb
-        a_ptrs = x_base + rows_i[:, None] * sxm + offs_k[None, :] * sxk
-        b_ptrs = x_base + rows_j[:, None] * sxm + offs_k[None, :] * sxk
+        a_ptrs = x_ptr + bid * sxb + rows_i[:, None] * sxm + offs_k[None, :] * sxk
+        b_ptrs = y_ptr + bid * syb + rows_j[:, None] * sym + offs_k[None, :] * syk
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
@@ -207,7 +263,7 @@ if triton is not None:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K * sxk
-            b_ptrs += BLOCK_K * sxk
+            b_ptrs += BLOCK_K * syk
         _epilogue(
             acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
             alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
@@ -215,22 +271,22 @@ if triton is not None:
 
     @triton.jit
     def _sym_kernel_tma(
-        x_desc, c_ptr, out_ptr, scale_ptr, M, K,
+        x_desc, y_desc, c_ptr, out_ptr, scale_ptr, M, K,
         scb, scm, scn, sob, som, son,
         alpha, beta, diag,
         HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, BLOCK: tl.constexpr,
-        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
-        # x_desc views the batch as (batch * M, K): rows past a matrix's M read the next
-        # matrix (or TMA's zero fill) and only reach masked outputs; K is zero-filled.
-        i, j = _tile(tl.program_id(0))
+        # x_desc and y_desc view the batch as (batch * M, K): rows past a matrix's M read
+        # the next matrix (or TMA's zero fill) and only reach masked outputs; K is zero-filled.
+        i, j = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK), GROUP)
         bid = tl.program_id(1).to(tl.int64)
         row_i = (bid * M + i * BLOCK).to(tl.int32)
         row_j = (bid * M + j * BLOCK).to(tl.int32)
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             a = x_desc.load([row_i, k * BLOCK_K])
-            b = x_desc.load([row_j, k * BLOCK_K])
+            b = y_desc.load([row_j, k * BLOCK_K])
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc)
@@ -260,28 +316,41 @@ def sym_matmul(
     alpha: float = 1.0,
     beta: float = 0.0,
     *,
+    y: Tensor | None = None,
     diag: float = 0.0,
     scale: Tensor | None = None,
     scale_power: int = 1,
     out: Tensor | None = None,
     config: SymConfig | str | None = None,
 ) -> Tensor:
-    """`s**scale_power * (alpha * x @ x^T + beta * c + diag * I)`, fp32 accumulation.
+    """`s**scale_power * (alpha * x @ y^T + beta * c + diag * I)`, fp32 accumulation.
 
-    x has shape (m, k) or (batch, m, k), any strides (a transposed view is read in
-    place). `scale`, when given, is a float32 tensor with one `s` per matrix of the
-    batch (else s = 1); `scale_power` is 1 or 2. `c`, when given, must be symmetric
-    (only its lower-triangular tiles are read, and mirrored). The epilogue runs in fp32
-    and rounds once; the result has x's dtype and is exactly symmetric.
+    x and y (default: x) have shape (m, k) or (batch, m, k), any strides (a transposed
+    view is read in place). Only the lower-triangular output tiles are computed and
+    mirrored, so `x @ y^T` must be symmetric in exact arithmetic: y = x, or x and y
+    symmetric matrices that commute (polynomials in one matrix, as in Gram Newton-Schulz;
+    for symmetric y, `x @ y^T` is `x @ y`). `scale`, when given, is a float32 tensor with
+    one `s` per matrix of the batch (else s = 1); `scale_power` is 1 or 2. `c`, when
+    given, must be symmetric (only its lower triangle is read). The epilogue runs in fp32
+    and rounds once; the result has x's dtype and is exactly symmetric (its lower
+    triangle, mirrored). `out` must not overlap x, y or c.
     """
     _check(x)
+    same = y is None or y is x  # one operand (one TMA descriptor)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"sym_matmul takes (m, k) or (batch, m, k) but got: {tuple(x.shape)}")
+    if not same and (y.shape != x.shape or y.dtype != x.dtype or y.device != x.device):
+        raise ValueError(
+            f"y must have x's shape, dtype and device {tuple(x.shape)} {x.dtype} {x.device} "
+            f"but has: {tuple(y.shape)} {y.dtype} {y.device}"
+        )
     squeeze = x.ndim == 2
     if squeeze:
         x = x.unsqueeze(0)
+        y = None if same else y.unsqueeze(0)
         c = None if c is None else c.unsqueeze(0)
         out = None if out is None else out.unsqueeze(0)
-    if x.ndim != 3:
-        raise ValueError(f"sym_matmul takes (m, k) or (batch, m, k) but got: {tuple(x.shape)}")
+    y = x if same else y
     batch, m, k = x.shape
     if out is None:
         out = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
@@ -305,27 +374,31 @@ def sym_matmul(
     power = 0 if scale is None else scale_power
     scale_arg = out if scale is None else scale  # never read when SCALE_POWER is 0
     scalars = (float(alpha), float(beta), float(diag))
-    if cfg.tma and x.is_contiguous() and (k * x.element_size()) % 16 == 0:
+    dense = x.is_contiguous() and y.is_contiguous() and (k * x.element_size()) % 16 == 0
+    if cfg.tma and dense:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        desc = TensorDescriptor.from_tensor(x.view(batch * m, k), [cfg.block, cfg.block_k])
+        block = [cfg.block, cfg.block_k]
+        x_desc = TensorDescriptor.from_tensor(x.view(batch * m, k), block)
+        y_desc = x_desc if same else TensorDescriptor.from_tensor(y.view(batch * m, k), block)
         _sym_kernel_tma[grid](
-            desc, cc, out, scale_arg, m, k,
+            x_desc, y_desc, cc, out, scale_arg, m, k,
             cc.stride(0), cc.stride(1), cc.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             *scalars,
             HAS_C=has_c, SCALE_POWER=power, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
-            UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UPCAST=upcast, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _sym_kernel[grid](
-            x, cc, out, scale_arg, m, k,
+            x, y, cc, out, scale_arg, m, k,
             x.stride(0), x.stride(1), x.stride(2),
+            y.stride(0), y.stride(1), y.stride(2),
             cc.stride(0), cc.stride(1), cc.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             *scalars,
             HAS_C=has_c, SCALE_POWER=power, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block,
-            BLOCK_K=cfg.block_k, UPCAST=upcast,
+            BLOCK_K=cfg.block_k, UPCAST=upcast, GROUP=cfg.group,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.squeeze(0) if squeeze else out

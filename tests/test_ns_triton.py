@@ -28,26 +28,6 @@ from muon.newton_schulz import (
 )
 
 
-def _numpy24_interpreter_shim() -> None:
-    """Triton 3.6's interpreter does int() on 1-element arrays, an error since numpy 2.4."""
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-    if getattr(orig, "_muon_shim", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._muon_shim = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET and HAVE_TRITON:
-    _numpy24_interpreter_shim()
-
-
 def _fp64_reference(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Tensor:
     return zeropower(x.double(), schedule, backend="torch", algorithm="standard")
 
@@ -95,6 +75,19 @@ def test_backend_setting():
         set_backend(previous)
     with pytest.raises(ValueError):
         zeropower(torch.randn(4, 8), SCHEDULES["keller_jordan"], backend="nope")
+
+
+def test_sym_config_names_the_launch_order():
+    # the bench and `config_for` select configs by name: the band height is part of it
+    from muon.ns_triton import CONFIGS, LARGE_CONFIG, SMALL_CONFIG, SymConfig
+
+    assert SymConfig(128, 64, 4, 3, group=1).name == "b128k64w4s3g1"
+    assert SymConfig(128, 64, 8, 3, tma=True, group=16).name == "b128k64w8s3g16tma"
+    assert all(name == cfg.name for name, cfg in CONFIGS.items())
+    assert {cfg.group for cfg in CONFIGS.values()} >= {1, 4, 8, 16}
+    assert LARGE_CONFIG in CONFIGS and SMALL_CONFIG in CONFIGS
+    with pytest.raises(ValueError, match="group"):
+        SymConfig(128, 64, 4, 3, group=0)
 
 
 @runs_interpreter
@@ -255,6 +248,103 @@ def test_interp_batch_invariant(algorithm):
     assert torch.equal(zeropower(x[1:], schedule, backend="triton", algorithm=algorithm)[1], alone)
 
 
+def _grouped_order(tiles: int, group: int) -> list[tuple[int, int]]:
+    """The launch order `_grouped_tile` promises: bands of `group` tile rows; in a band,
+    the full columns j < r0 column-major, then the band's own triangle row-major."""
+    order = []
+    for r0 in range(0, tiles, group):
+        rows = range(r0, min(tiles, r0 + group))
+        order += [(i, j) for j in range(r0) for i in rows]
+        order += [(i, j) for i in rows for j in range(r0, i + 1)]
+    return order
+
+
+if INTERPRET and HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from muon.ns_triton import _grouped_tile
+
+    @triton.jit
+    def _tile_order_kernel(out_ptr, count, T, GROUP: tl.constexpr, N: tl.constexpr):
+        # every launch index at once (`_grouped_tile` is elementwise)
+        lanes = tl.arange(0, N)
+        i, j = _grouped_tile(tl.minimum(lanes, count - 1), T, GROUP)
+        tl.store(out_ptr + 2 * lanes, i, mask=lanes < count)
+        tl.store(out_ptr + 2 * lanes + 1, j, mask=lanes < count)
+
+
+@interp
+@pytest.mark.parametrize(
+    "tiles,group",
+    [(1, 1), (6, 1), (7, 2), (7, 3), (9, 4), (9, 8), (5, 16), (33, 8), (130, 16), (200, 1)],
+)
+def test_interp_grouped_tile_order(tiles, group):
+    # the kernels' launch index -> tile map: every lower tile exactly once, in the banded
+    # order; group 1 is the row-major order the kernels used before bands
+    count = tiles * (tiles + 1) // 2
+    out = torch.full((count, 2), -1, dtype=torch.int32)
+    _tile_order_kernel[(1,)](out, count, tiles, GROUP=group, N=triton.next_power_of_2(count))
+    order = [tuple(t) for t in out.tolist()]
+    assert order == _grouped_order(tiles, group)
+    assert sorted(order) == [(i, j) for i in range(tiles) for j in range(i + 1)]
+    if group == 1:
+        assert order == [(i, j) for i in range(tiles) for j in range(i + 1)]
+
+
+def _commuting_pair(batch: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric x and y = 0.5 x - 0.8 x^2 (fp64, exactly symmetric), scaled to |entries| <~ 1."""
+    g = torch.randn(batch, m, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    x = (g + g.mT) / (2 * m**0.5)
+    y = 0.5 * x - 0.8 * (x @ x)
+    return x, (y + y.mT) / 2
+
+
+def _lower_mirrored(a: torch.Tensor) -> torch.Tensor:
+    return a.tril() + a.tril(-1).mT
+
+
+@interp
+def test_interp_sym_matmul_two_operands():
+    # x @ y^T for commuting symmetric x, y in fp16 (M = 53: not a multiple of the 16-tile;
+    # 4 tile rows, so group 2 runs a band in the grouped order): the lower triangle of the
+    # fp64 product, mirrored, each element rounded once; exactly symmetric; every element
+    # written (out starts as NaN); the epilogue on top (c = y, scale, diag)
+    from muon.ns_triton import SymConfig, sym_matmul
+
+    x64, y64 = _commuting_pair(3, 53, seed=11)
+    x, y = x64.half(), y64.half()
+    ref = _lower_mirrored(x.double() @ y.double().mT)
+    ulp = 2.0**-10
+    scale = torch.tensor([0.5, 2.0, 0.25])
+    alpha, beta, diag = -1.25, 0.75, 2.5
+    ref_epi = scale.view(3, 1, 1).double() ** 2 * (
+        alpha * ref + beta * y.double() + diag * torch.eye(53, dtype=torch.float64)
+    )
+    configs = [SymConfig(16, 16, 4, 2, group=1), SymConfig(16, 32, 4, 2, tma=True, group=2)]
+    for config in configs:
+        out = sym_matmul(x, y=y, out=torch.full_like(x, float("nan")), config=config)
+        assert torch.equal(out, out.mT), config.name
+        torch.testing.assert_close(out.double(), ref, rtol=ulp, atol=1e-4, msg=config.name)
+        # the same operand given twice (separate tensor: a second TMA descriptor) is x @ x^T
+        assert torch.equal(sym_matmul(x, y=x.clone(), config=config), sym_matmul(x, config=config))
+        out = sym_matmul(
+            x, y, alpha=alpha, beta=beta, y=y, diag=diag, scale=scale, scale_power=2,
+            out=torch.full_like(x, float("nan")), config=config,
+        )  # fmt: skip
+        assert torch.equal(out, out.mT), config.name
+        tol = 2 * ulp * ref_epi.abs().amax(dim=(-2, -1), keepdim=True)
+        assert ((out.double() - ref_epi).abs() <= tol).all(), config.name
+    # 2-D, y through a transposed view (other strides than x's): x @ y^T with y = x's values
+    x2 = torch.randn(37, 50, generator=torch.Generator().manual_seed(12)).half()
+    out = sym_matmul(x2, y=x2.mT.contiguous().mT, config=configs[1])
+    assert out.shape == (37, 37) and torch.equal(out, sym_matmul(x2, config=configs[1]))
+    with pytest.raises(ValueError, match="y must have"):
+        sym_matmul(x, y=y[:, :, :50])
+    with pytest.raises(ValueError, match="y must have"):
+        sym_matmul(x, y=y.float())
+
+
 # -- GPU ------------------------------------------------------------------------------------------
 
 GPU_SHAPES = {
@@ -300,6 +390,9 @@ def test_gpu_every_config():
 
     from muon.ns_triton import CONFIGS, LARGE_CONFIG, SMALL_CONFIG, sym_matmul
 
+    # two commuting symmetric operands (c = y): the lower triangle, mirrored
+    xs, ys = (t.cuda().half() for t in _commuting_pair(2, 640, seed=13))
+    ref2 = _lower_mirrored(xs.double() @ ys.double()) + 0.75 * ys.double()
     for shape in [(2, 640, 1000), (1024, 4096)]:
         x = _gpu_input(shape, seed=3)
         ref = (x.float() @ x.float().mT).to(torch.bfloat16)
@@ -316,6 +409,9 @@ def test_gpu_every_config():
             torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2, msg=cfg.name)
             out_b = sym_matmul(a, a, alpha=2.0315, beta=-4.775, config=cfg)
             torch.testing.assert_close(out_b, ref_b, rtol=1.6e-2, atol=2e-2, msg=cfg.name)
+            out2 = sym_matmul(xs, ys, beta=0.75, y=ys, config=cfg)
+            assert torch.equal(out2, out2.mT), cfg.name
+            torch.testing.assert_close(out2.double(), ref2, rtol=2e-3, atol=1e-4, msg=cfg.name)
 
 
 @pytest.mark.gpu
