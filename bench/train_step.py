@@ -401,21 +401,30 @@ def kept_between_steps(model: nn.Module, optimizer: Any, device: torch.device) -
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
     torch.cuda.synchronize(device)
+    params = _storage_bytes(model.parameters(), device)
+    state = _storage_bytes(device_state_tensors(optimizer), device)
+    return torch.cuda.memory_allocated(device) - params - state
 
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
 
-    params = {
-        local(p).untyped_storage().data_ptr(): local(p).untyped_storage().nbytes()
-        for p in model.parameters()
-    }
-    state = {
-        local(v).untyped_storage().data_ptr(): local(v).untyped_storage().nbytes()
-        for entries in optimizer.state.values()
+def device_state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's state tensors (local shards), where it exposes `state`; torchao's
+    `CPUOffloadOptimizer` does not (its state lives in per-param optimizers on the host)."""
+    return [
+        v.to_local() if hasattr(v, "to_local") else v
+        for entries in getattr(optimizer, "state", {}).values()
         for v in entries.values()
-        if isinstance(v, torch.Tensor) and local(v).device.type == "cuda"
-    }
-    return torch.cuda.memory_allocated(device) - sum(params.values()) - sum(state.values())
+        if isinstance(v, torch.Tensor)
+    ]
+
+
+def _storage_bytes(tensors, device: torch.device) -> int:
+    """Bytes of the distinct storages of `tensors` on `device`."""
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.device.type == device.type:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def sequence_length(model: str) -> int:
