@@ -66,7 +66,8 @@ def summarize(events: list[dict[str, Any]], steps: int, bins: int) -> dict[str, 
     start = min(lo for ivs in lanes.values() for lo, _ in ivs)
     end = max(hi for ivs in lanes.values() for _, hi in ivs)
     compute = kernel_us.most_common(1)[0][0]
-    ordered = sorted(compute_ivs := lanes[compute])
+    compute_ivs = lanes[compute]
+    ordered = sorted(compute_ivs)
     gaps, last = [], start
     for lo, hi in ordered:
         if lo - last > 1000:  # 1 ms

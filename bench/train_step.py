@@ -407,10 +407,10 @@ def kept_between_steps(model: nn.Module, optimizer: Any, device: torch.device) -
 
 
 def device_state_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The optimizer's state tensors (local shards), where it exposes `state`; torchao's
+    """The optimizer's state tensors, where it exposes `state`; torchao's
     `CPUOffloadOptimizer` does not (its state lives in per-param optimizers on the host)."""
     return [
-        v.to_local() if hasattr(v, "to_local") else v
+        v
         for entries in getattr(optimizer, "state", {}).values()
         for v in entries.values()
         if isinstance(v, torch.Tensor)
