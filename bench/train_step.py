@@ -31,7 +31,8 @@ Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
   chunks inside `step()` (CPUOffloadOptimizer);
 - offload+overlap: the same, the chunks running alongside the next forward;
 - offload+overlap+bwd: and the next step's first chunks loaded during the backward
-  (`offload_load_in_backward`);
+  (`offload_load_in_backward`); offload+overlap+bwd=BYTES: that much state loaded in
+  the backward (`offload_backward_load_bytes`, extra staging slots);
 - offload+overlap[+bwd]@BYTES (or @auto): with `offload_gpu_resident_bytes=BYTES`, state
   kept on the GPU; `--resident-sweep` adds one per value (and the none and
   offload+overlap arms the plot compares against) and plots step time and peak
@@ -104,13 +105,26 @@ class Arm:
     plain: bool = False
     resident: int | str | None = None
     """offload_gpu_resident_bytes (bytes or "auto") of a sweep point."""
+    backward_load: int | None = None
+    """offload_backward_load_bytes of a +bwd arm."""
 
     @property
     def name(self) -> str:
         if self.plain:
             return f"plain/{self.mode}"
-        suffix = "" if self.resident is None else f"@{self.resident}"
-        return f"{self.optimizer}/{self.mode}{suffix}"
+        loads = "" if self.backward_load is None else f"={bytes_text(self.backward_load)}"
+        suffix = "" if self.resident is None else f"@{bytes_text(self.resident)}"
+        return f"{self.optimizer}/{self.mode}{loads}{suffix}"
+
+
+def bytes_text(value: int | str) -> str:
+    """A byte count as the arms spell it: 2GiB, 1.5GiB, 512MiB, 100B; "auto" as is."""
+    if isinstance(value, str):
+        return value
+    for unit in ("GiB", "MiB", "KiB"):
+        if value >= UNITS[unit]:
+            return f"{value / UNITS[unit]:g}{unit}"
+    return f"{value}B"
 
 
 def parse_bytes(text: str) -> int | str:
@@ -138,14 +152,30 @@ def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) 
             chosen.append(Arm("adamw", arm, plain=True))
             continue
         mode, _, resident = arm.partition("@")
+        mode, _, loads = mode.partition("=")
         for o in (prefix,) if prefix else OPTIMIZERS:
-            if o not in OPTIMIZERS or mode not in ARMS or (resident and mode not in OVERLAP_ARMS):
+            if (
+                o not in OPTIMIZERS
+                or mode not in ARMS
+                or (resident and mode not in OVERLAP_ARMS)
+                or (loads and mode != "offload+overlap+bwd")
+            ):
                 raise SystemExit(
                     f"unknown arm {item!r}: use OPT/ARM, OPT in {OPTIMIZERS}, ARM in {ARMS} "
-                    f"or ARM@BYTES with ARM in {OVERLAP_ARMS}, or plain/ARM with ARM in "
-                    f"{PLAIN_ARMS}"
+                    f"or ARM@BYTES with ARM in {OVERLAP_ARMS}, offload+overlap+bwd=BYTES, or "
+                    f"plain/ARM with ARM in {PLAIN_ARMS}"
                 )
-            chosen.append(Arm(o, mode, resident=parse_bytes(resident) if resident else None))
+            backward_load = parse_bytes(loads) if loads else None
+            if backward_load == "auto":
+                raise SystemExit(f"arm {item!r}: backward load bytes are a number, not auto")
+            chosen.append(
+                Arm(
+                    o,
+                    mode,
+                    resident=parse_bytes(resident) if resident else None,
+                    backward_load=backward_load,
+                )
+            )
     for o in sweep_optimizers.split(",") if sweep else ():
         if o not in OPTIMIZERS:
             raise SystemExit(f"--sweep-optimizers: {o!r} is not one of {OPTIMIZERS}")
@@ -287,6 +317,7 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         offload="optimizer" if arm.mode.startswith("offload") else "none",
         offload_overlap_forward=arm.mode in OVERLAP_ARMS,
         offload_load_in_backward=arm.mode == "offload+overlap+bwd",
+        offload_backward_load_bytes=arm.backward_load,
         **extra,
     )
     return setup_optimizer(model, config)
@@ -457,7 +488,12 @@ def _arm_process(arm: Arm, args: argparse.Namespace, port: int, queue) -> None:
 
 def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """One arm in a process of its own."""
-    base = {"optimizer": arm.optimizer, "arm": arm.name, "resident_bytes": arm.resident}
+    base = {
+        "optimizer": arm.optimizer,
+        "arm": arm.name,
+        "resident_bytes": arm.resident,
+        "backward_load_bytes": arm.backward_load,
+    }
     reason = unsupported_reason(arm, device)
     if reason is not None:
         return {**base, "error": reason}

@@ -77,6 +77,10 @@ class OptimizerConfig:
     offload_load_in_backward: bool = False
     """With forward overlap: load the next step's first chunks during the backward
     (CPUOffloadOptimizer's `load_in_backward`)."""
+    offload_backward_load_bytes: int | None = None
+    """With `offload_load_in_backward`: state bytes the backward loads (default: one
+    ring's worth; more holds extra staging slots from the backward to the next forward;
+    CPUOffloadOptimizer's `backward_load_bytes`)."""
     muon_options: dict[str, Any] = field(default_factory=dict)
     """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
 
@@ -109,6 +113,17 @@ class OptimizerConfig:
                 "offload_load_in_backward=True needs offload_overlap_forward=True (the forward "
                 "overlap's hooks find where the backward is); turn both on or this one off"
             )
+        if self.offload_backward_load_bytes is not None:
+            if not self.offload_load_in_backward:
+                raise ValueError(
+                    "offload_backward_load_bytes is set but offload_load_in_backward is off; "
+                    "turn it on (the bytes are what the backward loads)"
+                )
+            if self.offload_backward_load_bytes < 0:
+                raise ValueError(
+                    "offload_backward_load_bytes should be >= 0 but is: "
+                    f"{self.offload_backward_load_bytes}"
+                )
         if self.offload_chunk_bytes <= 0:
             raise ValueError(
                 f"offload_chunk_bytes should be > 0 but is: {self.offload_chunk_bytes}"
@@ -135,6 +150,8 @@ class OptimizerConfig:
                 parser.add_argument(flag, type=float, nargs=len(default), default=default)
             elif f.name == "offload_gpu_resident_bytes":
                 parser.add_argument(flag, type=_bytes_or_auto, default=default)
+            elif default is None:  # offload_backward_load_bytes
+                parser.add_argument(flag, type=int, default=default)
             else:
                 parser.add_argument(flag, type=type(default), default=default)
 
@@ -302,6 +319,7 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         overlap_forward=model if config.offload_overlap_forward else None,
         gpu_resident_bytes=config.offload_gpu_resident_bytes,
         load_in_backward=config.offload_load_in_backward,
+        backward_load_bytes=config.offload_backward_load_bytes,
     )
 
 

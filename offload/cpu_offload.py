@@ -29,7 +29,15 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
+from offload.chunk_plan import (
+    OffloadPlan,
+    ParamSpec,
+    StateSpec,
+    backward_load_count,
+    plan_offload,
+    staging_slot_order,
+    unit_sizes,
+)
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
 from offload.residency import (
@@ -218,11 +226,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             step finds them loaded. The ring is then held from there to the end of the
             step instead of from `step()` on; nothing else is allocated, and nothing of
             the update starts before `step()` (grads may still change, e.g. clipping).
+        backward_load_bytes: with `load_in_backward`, how much state (rank-invariant bytes,
+            whole chunks) the backward loads: default, the ring's `staging_slots` chunks.
+            More adds one staging slot per further chunk, allocated in the backward and
+            given back as soon as its chunk is written back (in the next forward): the
+            backward's idle copy engine then carries what the forward is too short to
+            hide. These slots are GPU memory from the backward to the next forward,
+            after the backward's peak (under gradient accumulation, from the first
+            micro-batch's backward on).
 
     GPU memory for state: the resident state, and during a step `staging_slots`
     chunks (the ring is given back to the caching allocator when the step is
-    done); on the first step, while the optimizer creates its state chunk by
-    chunk, one more chunk.
+    done) plus the backward's extra slots (`backward_load_bytes`); on the first
+    step, while the optimizer creates its state chunk by chunk, one more chunk.
 
     Host syncs: none inside `step()` (but the first step pins the host slabs and
     the step where "auto" decides rebuilds them). Reading state (`state_dict`,
@@ -247,6 +263,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         gpu_resident_bytes: int | Literal["auto"] = 0,
         gpu_resident_cap_bytes: int | None = None,
         load_in_backward: bool = False,
+        backward_load_bytes: int | None = None,
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
@@ -264,6 +281,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"gpu_resident_cap_bytes should be >= 0 but is: {gpu_resident_cap_bytes}"
             )
+        if backward_load_bytes is not None:
+            if isinstance(backward_load_bytes, bool) or not isinstance(backward_load_bytes, int):
+                raise TypeError(
+                    f"backward_load_bytes should be an int or None but is: {backward_load_bytes!r}"
+                )
+            if backward_load_bytes < 0:
+                raise ValueError(
+                    f"backward_load_bytes should be >= 0 but is: {backward_load_bytes}"
+                )
+            if not load_in_backward:
+                raise ValueError(
+                    "backward_load_bytes needs load_in_backward=True (it says how much the "
+                    "backward loads)"
+                )
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.chunk_bytes = chunk_bytes
@@ -292,6 +323,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._host_slabs: dict[torch.dtype, Tensor] = {}
         self._resident_slabs: dict[torch.dtype, Tensor] = {}
         self._ring: _StagingRing | None = None
+        self._extra_slots: list[_StagingRing] = []  # the backward's, slots staging_slots + i
+        self._backward_loads = 0  # staged chunks the backward loads (`backward_load_bytes`)
         self._step_done: torch.Event | None = None
         self._steps = 0
         self._timer = StepTimer(self.device) if gpu_resident_bytes == "auto" else None
@@ -317,6 +350,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "the backward is"
             )
         self._load_in_backward = load_in_backward
+        self.backward_load_bytes = backward_load_bytes
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0
@@ -429,7 +463,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.close()
             self._overlap = None
-        self._ring = None
+        self._ring, self._extra_slots = None, []
         self._closed = True
 
     def state_dict(self) -> dict[str, Any]:
@@ -537,7 +571,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._steps += 1
         if self._ring is not None:
             # Allocated on the trainer's stream: the copy streams start after its work so far.
-            self._ring.acquire()
+            self._acquire_slots()
             ready = streams.mark(streams.current())
             streams.wait(streams.h2d, ready)
             streams.wait(streams.d2h, ready)
@@ -607,6 +641,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     for home, staging in chunk.copies:
                         home.copy_(staging, non_blocking=True)
                     streams.record(streams.freed[chunk.slot], streams.d2h)
+                if chunk.slot >= self.staging_slots:  # the backward's: not needed again
+                    self._extra_slots[chunk.slot - self.staging_slots].release(
+                        [streams.h2d, streams.d2h, compute]
+                    )
             for view in chunk.views:
                 if state.get(view.param):
                     state[view.param][view.key] = view.home.home_state
@@ -618,9 +656,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
 
+    def _acquire_slots(self) -> None:
+        """Allocate the ring and the backward's extra slots (those not held yet)."""
+        self._ring.acquire()
+        for slot in self._extra_slots:
+            slot.acquire()
+
     def _load_ahead(self) -> None:
         """From the backward (`load_in_backward`): load the state of the step's first staged
-        chunks, one per slot, as the step would first; the step then skips those loads.
+        chunks (`backward_load_bytes`), as the step would first; the step then skips those
+        loads.
 
         Not before the plan is final ("auto" still measuring) or state exists, and not
         twice (a second backward before the step, under gradient accumulation).
@@ -635,13 +680,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             return
         state = self.optimizer.state
         had_state = {p for p in self._params if state.get(p)}
-        staged = [c for c in self._chunks if c.slot >= 0][: self.staging_slots]
+        staged = [c for c in self._chunks if c.slot >= 0][: self._backward_loads]
         if not any(p in had_state for c in staged for p in c.touched):
             return
         streams = self._streams
         with torch.no_grad():
             # Allocated on the backward's stream: the loads start after its work so far.
-            self._ring.acquire()
+            self._acquire_slots()
             streams.wait(streams.h2d, streams.mark(streams.current()))
             self._loaded_ahead = {i: self._load(c, had_state) for i, c in enumerate(staged)}
         self._loaded_ahead_done = streams.mark(streams.h2d)
@@ -792,30 +837,42 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for dtype, n in plan.resident_numel.items()
         }
         staging_numel = {dtype: self.staging_slots * n for dtype, n in plan.slot_numel.items()}
+        staged_bytes = [c.invariant_bytes for c in plan.chunks if not c.resident]
+        loads = 0
+        if ring and self._load_in_backward:
+            loads = backward_load_count(staged_bytes, self.staging_slots, self.backward_load_bytes)
+        slot_order = iter(staging_slot_order(len(staged_bytes), self.staging_slots, loads))
+        extra = max(0, loads - self.staging_slots)
+        self._streams.ensure_slots(self.staging_slots + extra)
         if ring:
             self._ring = _StagingRing(staging_numel, self.device)
+            self._extra_slots = [_StagingRing(plan.slot_numel, self.device) for _ in range(extra)]
             staging_buffers = self._ring.buffers
         else:
             staging_buffers = {
                 dtype: torch.empty(n, dtype=dtype, device="meta")
                 for dtype, n in staging_numel.items()
             }
+        self._backward_loads = loads
+
+        def slot_buffer(dtype: torch.dtype, slot: int) -> Tensor:
+            """A slot's staging memory for `dtype` (a slice of the ring, or an extra slot)."""
+            if slot >= self.staging_slots:
+                return self._extra_slots[slot - self.staging_slots].buffers[dtype]
+            return staging_buffers[dtype][slot * plan.slot_numel[dtype] :][: plan.slot_numel[dtype]]
+
         homes: dict[tuple[Tensor, str], _Home] = {}
         chunks = []
-        staged = 0
         for layout in plan.chunks:
             slabs = self._resident_slabs if layout.resident else self._host_slabs
-            slot = -1 if layout.resident else staged % self.staging_slots
-            staged += not layout.resident
+            slot = -1 if layout.resident else next(slot_order)
             copies = [
                 piece
                 for dtype, runs in layout.copies.items()
                 for run in runs
                 for piece in _copy_pieces(
                     slabs[dtype][run.home_start :][: run.numel],
-                    staging_buffers[dtype][slot * plan.slot_numel[dtype] + run.staging_start :][
-                        : run.numel
-                    ],
+                    slot_buffer(dtype, slot)[run.staging_start :][: run.numel],
                 )
             ]
             views = []
@@ -831,9 +888,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 elif view.stop == view.start:  # nothing of it on this rank: no slot space
                     staging = torch.empty(view.shape, dtype=spec.dtype, device=self.device)
                 else:
-                    base = slot * plan.slot_numel[spec.dtype] + view.staging_offset
-                    staging = staging_buffers[spec.dtype][base:][: view.stop - view.start]
-                    staging = staging.view(view.shape)
+                    staging = slot_buffer(spec.dtype, slot)[view.staging_offset :]
+                    staging = staging[: view.stop - view.start].view(view.shape)
                 staging_state = staging if view.sliced else _as_state(param, staging)
                 views.append(_View(param, spec.key, home, staging, staging_state))
             chunks.append(
@@ -851,7 +907,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 [chunk.touched for chunk in chunks], self._unit_ends(units_key)
             )
         if ring and not plan.slot_numel:
-            self._ring = None  # everything is resident: no staging
+            self._ring, self._extra_slots = None, []  # everything is resident: no staging
         state = self.optimizer.state
         for (param, key), home in homes.items():
             entries = state.get(param)
@@ -859,7 +915,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 home.home.copy_(local_tensor(entries[key]))
                 entries[key] = home.home_state
         if self._ring is not None:
-            self._ring.release([])  # acquired again at the start of each step
+            for slots in (self._ring, *self._extra_slots):
+                slots.release([])  # acquired again at the start of each step
 
     def _unit_ends(self, units_key: tuple[tuple[int, ...], ...]) -> dict[Tensor, int]:
         """Where each param's unit ends in the step: its state bytes and all before it."""

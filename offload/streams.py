@@ -26,9 +26,15 @@ class CopyStreams:
         self.async_copies = device.type != "cpu"
         self.h2d = self.new_stream()
         self.d2h = self.new_stream()
-        self.loaded = [self.new_event() for _ in range(slots)]
-        self.stepped = [self.new_event() for _ in range(slots)]
-        self.freed = [self.new_event() for _ in range(slots)]
+        self.loaded: list[torch.Event | None] = []
+        self.stepped: list[torch.Event | None] = []
+        self.freed: list[torch.Event | None] = []
+        self.ensure_slots(slots)
+
+    def ensure_slots(self, slots: int) -> None:
+        """Events for at least `slots` staging slots (the backward's extra slots add some)."""
+        for events in (self.loaded, self.stepped, self.freed):
+            events += [self.new_event() for _ in range(slots - len(events))]
 
     def new_stream(self) -> torch.Stream | None:
         return torch.Stream(device=self.device) if self.async_copies else None

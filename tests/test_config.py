@@ -40,6 +40,20 @@ class Net(torch.nn.Module):
             {"offload": "optimizer", "offload_load_in_backward": True},
             "needs offload_overlap_forward=True",
         ),
+        (
+            {"offload": "optimizer", "offload_backward_load_bytes": 2**30},
+            "offload_load_in_backward is off",
+        ),
+        (
+            {
+                "offload": "optimizer",
+                "offload_overlap_forward": True,
+                "offload_load_in_backward": True,
+                "offload_backward_load_bytes": -1,
+            },
+            "offload_backward_load_bytes should be >= 0",
+        ),
+        ({"offload_backward_load_bytes": 1.5}, "should be of type int | None"),
         ({"ns_schedule": "newton"}, "ns_schedule should be one of"),
         ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn should be one of"),
         ({"lr": -1.0}, "lr should be >= 0"),
@@ -109,10 +123,12 @@ def test_offload_wraps_and_overlap_registers_hooks():
             offload="optimizer",
             offload_overlap_forward=True,
             offload_load_in_backward=True,
+            offload_backward_load_bytes=2**30,
         ),
     )
     assert isinstance(overlapped.optimizer, Muon) and overlapped._overlap is not None
     assert overlapped._overlap.backward_reached is not None
+    assert overlapped.backward_load_bytes == 2**30
 
 
 def test_config_from_cli_flags_and_toml(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from offload.chunk_plan import (
@@ -11,8 +12,10 @@ from offload.chunk_plan import (
     Span,
     StateSpec,
     UnitSize,
+    backward_load_count,
     pack_units,
     plan_offload,
+    staging_slot_order,
 )
 from offload.cpu_offload import invariant_numel
 from offload.numa import bound_to_node, numa_nodes, parse_cpulist, pci_numa_node
@@ -272,3 +275,24 @@ def test_copy_pieces_cover_a_run_in_order_and_cap_each_piece(monkeypatch):
     for h, st in pieces:
         st.copy_(h)
     assert torch.equal(staging, home)
+
+
+def test_the_backward_loads_the_ring_or_the_leading_chunks_that_fit_its_budget():
+    sizes = [100, 100, 80, 100, 60]
+    assert backward_load_count(sizes, ring_slots=2, budget=None) == 2
+    assert backward_load_count(sizes, ring_slots=2, budget=0) == 2  # the ring is held anyway
+    assert backward_load_count(sizes, ring_slots=2, budget=279) == 2
+    assert backward_load_count(sizes, ring_slots=2, budget=280) == 3
+    assert backward_load_count(sizes, ring_slots=2, budget=380) == 4
+    assert backward_load_count(sizes, ring_slots=2, budget=10**9) == 5
+    assert backward_load_count(sizes[:1], ring_slots=4, budget=None) == 1
+
+
+def test_extra_slots_follow_the_ring_then_the_ring_turns_again():
+    assert staging_slot_order(7, ring_slots=3, backward_loads=0) == [0, 1, 2, 0, 1, 2, 0]
+    assert staging_slot_order(7, ring_slots=3, backward_loads=3) == [0, 1, 2, 0, 1, 2, 0]
+    # chunks 3 and 4 take extra slots 3 and 4; chunk 5 reuses slot 0 once chunk 0 is back
+    assert staging_slot_order(7, ring_slots=3, backward_loads=5) == [0, 1, 2, 3, 4, 0, 1]
+    assert staging_slot_order(4, ring_slots=3, backward_loads=4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="ring_slots"):
+        staging_slot_order(3, ring_slots=0, backward_loads=0)
