@@ -144,11 +144,12 @@ class ForwardOverlap:
         self._in_flight = False  # the next forward must still wait for the pending step
         self.timer: StepTimer | None = None
         """While "auto" measures: times the trainer stream's waits for chunks in the forward."""
-        self.backward_reached: Callable[[], None] | None = None
-        """Called once the backward of the first forward after a step has passed the last
-        owner module that forward ran (the grad of that module's input is computed)."""
+        self.backward_reached: Callable[[int, int], None] | None = None
+        """Called as the backward of the first forward after a step passes each owner module
+        that forward ran on an input needing grad (once the grad of that input is computed),
+        with (how many of them the backward has passed, how many there are)."""
         self._watch_inputs = False  # in the first forward after a step
-        self._last_input: Tensor | None = None
+        self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
         handles = _register_hooks(model, self.owners, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles)
 
@@ -157,7 +158,7 @@ class ForwardOverlap:
         self._remove_hooks()
         self._pending = None
         self._in_flight = False
-        self._watch_inputs, self._last_input = False, None
+        self._watch_inputs, self._watched = False, []
 
     def forward_order(self, units: Sequence[Sequence[Tensor]]) -> list[Sequence[Tensor]]:
         """Units sorted by the first owner module that reads them (stable: the same on
@@ -246,8 +247,9 @@ class ForwardOverlap:
 
     def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._watch_inputs:
-            # The backward reaches this module's input last of the modules run so far.
-            self._last_input = _first_grad_tensor((*args, *kwargs.values()), self._last_input)
+            watched = _first_grad_tensor((*args, *kwargs.values()))
+            if watched is not None:
+                self._watched.append(watched)
         if not self._in_flight or not self._module_chunk:
             return
         module = self.owners[index][0]
@@ -263,27 +265,33 @@ class ForwardOverlap:
     def _after_forward(self) -> None:
         if self._in_flight:
             self.finish()
-        if self._last_input is not None:
+        if self._watched:
             # Activation checkpointing reruns modules in the backward: watch this forward
             # only (a forward without grads, e.g. an evaluation, leaves the next one to it).
             self._watch_inputs = False
-            watched, self._last_input = self._last_input, None
-            watched.register_hook(_backward_reached_hook(weakref.ref(self)))
+            watched, self._watched = self._watched, []
+            for index, tensor in enumerate(watched):  # the backward passes them last first
+                passed = len(watched) - index
+                tensor.register_hook(
+                    _backward_reached_hook(weakref.ref(self), passed, len(watched))
+                )
 
 
-def _first_grad_tensor(values: Iterable[Any], default: Tensor | None) -> Tensor | None:
-    """The first tensor in `values` that the backward computes a grad for, else `default`."""
+def _first_grad_tensor(values: Iterable[Any]) -> Tensor | None:
+    """The first tensor in `values` that the backward computes a grad for, else None."""
     for value in values:
         if isinstance(value, Tensor) and value.requires_grad:
             return value
-    return default
+    return None
 
 
-def _backward_reached_hook(overlap: weakref.ref[ForwardOverlap]) -> Callable[[Tensor], None]:
+def _backward_reached_hook(
+    overlap: weakref.ref[ForwardOverlap], passed: int, watched: int
+) -> Callable[[Tensor], None]:
     def hook(grad: Tensor) -> None:
         target = overlap()
         if target is not None and target.backward_reached is not None:
-            target.backward_reached()
+            target.backward_reached(passed, watched)
 
     return hook
 

@@ -403,3 +403,34 @@ def test_backward_load_bytes_is_checked(kwargs, error, match):
     model = make_model()
     with pytest.raises(error, match=match):
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model, **kwargs)
+
+
+def test_the_backward_spreads_its_loads_over_the_modules_it_passes():
+    """Loads enqueued at once stalled the trainer's own copies in the backward (H200): each
+    owner module the backward passes enqueues its share, the last one's nothing more."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model,
+        load_in_backward=True,
+        backward_load_bytes=2**40,
+    )
+    calls = []
+    load_ahead = opt._load_ahead
+
+    def recording(passed, watched):
+        load_ahead(passed, watched)
+        calls.append((passed, watched, len(opt._loaded_ahead)))
+
+    opt._overlap.backward_reached = recording
+    data = batches(2)
+    run(model, opt, data[:1])
+    model(data[1]).square().mean().backward()
+    staged = len([c for c in opt._chunks if c.slot >= 0])
+    assert staged >= 8
+    # five Linear layers take inputs that need grads (the Embedding's are token ids)
+    shares = [min(staged, -(-staged * passed // 4)) for passed in range(1, 6)]
+    assert calls == [(passed, 5, shares[passed - 1]) for passed in range(1, 6)]
+    assert shares[0] < staged and shares[3] == staged
