@@ -397,11 +397,12 @@ def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: in
 def staging_slot_order(staged: int, ring_slots: int, backward_loads: int) -> list[int]:
     """Each staged chunk's staging slot, in step order.
 
-    The first `ring_slots` chunks take the ring's slots, the rest of the `backward_loads`
-    chunks one extra slot each (slot `ring_slots + i`: loaded in the backward, given back
-    once written back), and the chunks after them take the ring's slots in turn.
+    Of the `backward_loads` chunks, all but the last `ring_slots` take one extra slot each
+    (slot `ring_slots + k`: loaded in the backward, given back once written back, and
+    nothing waits for that write-back, so it can wait for the forward); the chunks after
+    them take the ring's slots in turn.
     """
     if ring_slots < 1:
         raise ValueError(f"ring_slots should be >= 1 but is: {ring_slots}")
-    first = max(backward_loads, ring_slots)
-    return [k if k < first else (k - first) % ring_slots for k in range(staged)]
+    extra = max(0, backward_loads - ring_slots)
+    return [ring_slots + k if k < extra else (k - extra) % ring_slots for k in range(staged)]

@@ -434,3 +434,36 @@ def test_the_backward_spreads_its_loads_over_the_modules_it_passes():
     shares = [min(staged, -(-staged * passed // 4)) for passed in range(1, 6)]
     assert calls == [(passed, 5, shares[passed - 1]) for passed in range(1, 6)]
     assert shares[0] < staged and shares[3] == staged
+
+
+def test_write_backs_of_the_backwards_chunks_wait_for_the_forward_to_move_on():
+    """A trainer's copy queues behind ours (HF Llama's `.item()` early in its forward waited
+    for the step's first write-backs): a backward-loaded chunk is written back only once
+    the forward reaches the module after the one that waited for it."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model,
+        load_in_backward=True,
+        backward_load_bytes=2**40,
+    )
+    events = []
+    write_back = opt._write_back
+    opt._write_back = lambda chunk, *a: events.append(("back", chunk.slot)) or write_back(chunk, *a)
+    for index, module in enumerate(model):
+        module.register_forward_pre_hook(lambda *_, i=index: events.append(("module", i)))
+    data = batches(3)
+    run(model, opt, data[:2])
+    events.clear()
+    model(data[2])
+    extra = [e for e in events if e[0] == "back" and e[1] >= 2]
+    extra_slots = sum(c.slot >= 2 for c in opt._chunks)  # (a chunk's repr reads freed slots)
+    assert len(extra) == extra_slots > 0
+    # the step's first chunks have stepped (its up-front chunks), none went back yet
+    assert events[0] == ("module", 0)
+    # the embedding's go back as the next owner starts (our hook runs before this test's),
+    # the later modules' later
+    first = events.index(("module", 1))
+    assert 0 < len([e for e in events[:first] if e in extra]) < len(extra)

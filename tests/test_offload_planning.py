@@ -291,8 +291,8 @@ def test_the_backward_loads_the_ring_or_the_leading_chunks_that_fit_its_budget()
 def test_extra_slots_follow_the_ring_then_the_ring_turns_again():
     assert staging_slot_order(7, ring_slots=3, backward_loads=0) == [0, 1, 2, 0, 1, 2, 0]
     assert staging_slot_order(7, ring_slots=3, backward_loads=3) == [0, 1, 2, 0, 1, 2, 0]
-    # chunks 3 and 4 take extra slots 3 and 4; chunk 5 reuses slot 0 once chunk 0 is back
-    assert staging_slot_order(7, ring_slots=3, backward_loads=5) == [0, 1, 2, 3, 4, 0, 1]
-    assert staging_slot_order(4, ring_slots=3, backward_loads=4) == [0, 1, 2, 3]
+    # chunks 0 and 1 take extra slots 3 and 4; chunk 5 reuses slot 0 once chunk 2 is back
+    assert staging_slot_order(7, ring_slots=3, backward_loads=5) == [3, 4, 0, 1, 2, 0, 1]
+    assert staging_slot_order(4, ring_slots=3, backward_loads=4) == [3, 0, 1, 2]
     with pytest.raises(ValueError, match="ring_slots"):
         staging_slot_order(3, ring_slots=0, backward_loads=0)
