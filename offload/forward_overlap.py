@@ -148,8 +148,6 @@ class ForwardOverlap:
         """Called as the backward of the first forward after a step passes each owner module
         that forward ran on an input needing grad (once the grad of that input is computed),
         with (how many of them the backward has passed, how many there are)."""
-        self.forward_reached: Callable[[int], None] | None = None
-        """Called once the trainer's stream waits for a module's chunk, with that chunk."""
         self._watch_inputs = False  # in the first forward after a step
         self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
         handles = _register_hooks(model, self.owners, weakref.ref(self))
@@ -263,8 +261,6 @@ class ForwardOverlap:
             return
         self.advance(chunk + self._staging_slots)  # keep a few chunks ahead of the forward
         self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
-        if self.forward_reached is not None:
-            self.forward_reached(chunk)
 
     def _after_forward(self) -> None:
         if self._in_flight:
