@@ -349,8 +349,9 @@ def _gram_torch(
     beta: P M = a M + Z M, so R <- P (P R) and Q <- P Q never form P. Only a segment's
     first Q = P is formed (a added to Z's diagonal in place). Q is kept whole: splitting
     it into q I + (Q - q I) cancels catastrophically in 16 bits (Q - q I has eigenvalues
-    near -q where Q's are near 1). The `del`s keep the live m x m matrices at what
-    `gram_workspace_numel` counts.
+    near -q where Q's are near 1). R's update is written over R and Q's over W (P R), dead
+    by then, so the live m x m matrices are what `gram_workspace_numel` counts, the same
+    as `muon.ns_triton.zeropower_gram_triton`'s.
     """
     squeeze = x.ndim == 2
     if squeeze:
@@ -366,23 +367,20 @@ def _gram_torch(
         for k in segment:
             a, b, c = schedule.coefficients[k]
             z = torch.baddbmm(r, r, r, beta=b, alpha=c)
-            last = k == segment[-1]
-            if last:
+            first = q is None
+            if first:  # the segment's first P, formed: Q = P
+                z.diagonal(dim1=-2, dim2=-1).add_(a)
+            w = None
+            if k == segment[-1]:
                 del r
-            if q is None:
-                q = z
-                q.diagonal(dim1=-2, dim2=-1).add_(a)
+            elif first:  # P itself: P R, then P (P R)
+                w = torch.bmm(z, r)
+                torch.bmm(z, w, out=r)
             else:
-                q = torch.baddbmm(q, z, q, beta=a)
-            if not last:
-                if z is q:  # P itself, formed: P R, then P (P R)
-                    w = torch.bmm(q, r)
-                    r = torch.bmm(q, w)
-                else:
-                    w = torch.baddbmm(r, z, r, beta=a)
-                    r = torch.baddbmm(w, z, w, beta=a)
-                del w
-            del z
+                w = torch.baddbmm(r, z, r, beta=a)
+                torch.baddbmm(w, z, w, beta=a, out=r)
+            q = z if first else torch.baddbmm(q, z, q, beta=a, out=w)
+            del z, w
         xs = torch.bmm(q, xs)
         del q
     return xs.squeeze(0) if squeeze else xs
@@ -393,9 +391,10 @@ def _iteration_numel(segments: tuple[range, ...], m: int) -> int:
     most = 0
     for segment in segments:
         length = len(segment)
-        # one iteration: R, Z; first and not last: + W (P R), P^2 R; last and not first:
-        # Q, Z, the new Q (R freed); in between: R, Q, Z, W, P^2 R
-        most = max(most, 2 if length == 1 else 4 if length == 2 else 5)
+        # P is Z on the torch path. One iteration: R, P (then Q = P). First and not last:
+        # R, P, W (P R; P W is written over R). Last and not first: Q, P, the new Q (R
+        # freed). In between: R, Q, P, W (the new Q is written over W, dead after R's update)
+        most = max(most, 2 if length == 1 else 3 if length == 2 else 4)
     return most * m * m
 
 

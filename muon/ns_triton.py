@@ -21,8 +21,10 @@ K-divisibility, epilogue) variant JIT-compiles (about a second each; Triton's di
 cache makes later processes load in milliseconds); `bench/newton_schulz.py` prints
 the cost.
 
-Gram Newton-Schulz (`zeropower_gram_triton`) uses the same kernel for R = X X^T and
-P = a I + b R + c R R, and cuBLAS for the general m x m products (P R P, P Q) and Q X.
+Gram Newton-Schulz (`zeropower_gram_triton`) uses the same kernel for R = X X^T,
+P = a I + b R + c R R and, with a second operand, R <- P (P R)^T; cuBLAS for the
+products that are symmetric only in exact arithmetic (P R, P Q) and Q X; and one Triton
+pass (`_normalize_kernel`) for X / ||X|| cast to fp16.
 
 Batch invariance: the kernel runs one program per (tile, matrix) with a configuration
 fixed per shape, so a matrix's result does not depend on the batch; `auto_takes` is a
@@ -297,6 +299,25 @@ if triton is not None:
             alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
         )  # fmt: skip
 
+    @triton.jit
+    def _normalize_kernel(
+        x_ptr, out_ptr, norm_ptr, M, N, sxb, sxm, sxn, sob, som, son,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # One tile of one matrix: x / norm in fp32 (correctly rounded, as torch's division),
+        # rounded once to out's dtype. Strides of 1 are specialized, so a transposed x is
+        # read along its storage and written along out's.
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        pid = tl.program_id(0)
+        bid = tl.program_id(1).to(tl.int64)
+        offs_m = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x_ptrs = x_ptr + bid * sxb + offs_m[:, None] * sxm + offs_n[None, :] * sxn
+        v = tl.math.div_rn(tl.load(x_ptrs, mask=mask).to(tl.float32), tl.load(norm_ptr + bid))
+        out_ptrs = out_ptr + bid * sob + offs_m[:, None] * som + offs_n[None, :] * son
+        tl.store(out_ptrs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 def _check(x: Tensor) -> None:
     if x.dtype not in SUPPORTED_DTYPES:
@@ -329,13 +350,13 @@ def sym_matmul(
 
     x and y (default: x) have shape (m, k) or (batch, m, k), any strides (a transposed
     view is read in place). Only the lower-triangular output tiles are computed and
-    mirrored, so `x @ y^T` must be symmetric in exact arithmetic: y = x, or x and y
-    symmetric matrices that commute (polynomials in one matrix, as in Gram Newton-Schulz;
-    for symmetric y, `x @ y^T` is `x @ y`). `scale`, when given, is a float32 tensor with
-    one `s` per matrix of the batch (else s = 1); `scale_power` is 1 or 2. `c`, when
-    given, must be symmetric (only its lower triangle is read). The epilogue runs in fp32
-    and rounds once; the result has x's dtype and is exactly symmetric (its lower
-    triangle, mirrored). `out` must not overlap x, y or c.
+    mirrored, so `x @ y^T` must be symmetric in exact arithmetic: y = x; y = x S for a
+    symmetric S (x S x^T; Gram Newton-Schulz's P (P R)^T); or x and y symmetric matrices
+    that commute (for symmetric y, `x @ y^T` is `x @ y`). `scale`, when given, is a
+    float32 tensor with one `s` per matrix of the batch (else s = 1); `scale_power` is 1
+    or 2. `c`, when given, must be symmetric (only its lower triangle is read). The
+    epilogue runs in fp32 and rounds once; the result has x's dtype and is exactly
+    symmetric (its lower triangle, mirrored). `out` must not overlap x, y or c.
     """
     _check(x)
     same = y is None or y is x  # one operand (one TMA descriptor)
@@ -463,6 +484,25 @@ def zeropower_triton(
     return _restored(x, tall, squeeze)
 
 
+# Tiles of the normalize pass: memory-bound, one 64 x 64 tile per program.
+NORMALIZE_BLOCK = 64
+
+
+def _normalized(x: Tensor, norm: Tensor, dtype: torch.dtype) -> Tensor:
+    """x / norm per matrix (x: (batch, m, n), any strides; norm: (batch,) float32), computed
+    in fp32 and rounded once to `dtype`: the same bits as `torch.div(x, norm, out=...)`
+    into a fresh contiguous (batch, m, n) tensor, in one pass (torch's mixed-dtype,
+    broadcast division takes its slow generic kernel, and transposes a tall x in it)."""
+    batch, m, n = x.shape
+    out = torch.empty(batch, m, n, device=x.device, dtype=dtype)
+    tiles = -(-m // NORMALIZE_BLOCK) * -(-n // NORMALIZE_BLOCK)
+    _normalize_kernel[(tiles, batch)](
+        x, out, norm, m, n, *x.stride(), *out.stride(),
+        BLOCK_M=NORMALIZE_BLOCK, BLOCK_N=NORMALIZE_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def zeropower_gram_triton(
     x: Tensor,
     schedule: NewtonSchulzSchedule,
@@ -473,42 +513,48 @@ def zeropower_gram_triton(
 ) -> Tensor:
     """Gram Newton-Schulz (`muon.newton_schulz`) in `dtype` with symmetric products.
 
-    X (m x n, m <= n) is normalized and cast once; per restart segment:
+    X (m x n, m <= n) is normalized and cast once (`_normalized`); per restart segment:
 
         R = X X^T                  sym_matmul(X)
         P = a I + b R + c R R      sym_matmul(R, c=R, alpha=c, beta=b, diag=a)
-        Q = P Q                    torch.bmm (Q = P at the segment's first iteration)
-        R = P R P                  torch.bmm twice
+        W = P R                    torch.bmm (cuBLAS, both triangles)
+        R = P W^T = P R P          sym_matmul(P, y=W, out=R)
+        Q = P Q                    torch.bmm (cuBLAS, out=W; Q = P at the segment's first)
         X = Q X                    torch.bmm, once at the segment's end
 
-    R is not updated after a segment's last iteration. a I is added in the fp32
-    epilogue of P's product (rounded once). Holds the m x m matrices that
-    `muon.newton_schulz.gram_workspace_numel` counts. Returns `dtype` (a transposed view
-    for tall x).
+    P R P is symmetric for any symmetric P and R, so its product computes half the tiles.
+    W and Q stay whole products: P, R and Q commute only in exact arithmetic, and
+    mirroring one triangle of the rounded P R or P Q turns their rounding-sized
+    commutator into an error of the same size that Polar Express's steep first
+    polynomial amplifies (TRITON_INTERPRET=1, fp16, 128 x 128: 1.4-2.6x the plain bf16
+    path's error against the fp64 iteration with both mirrored, 0.7-1.1x with Q
+    mirrored, 0.22-0.35x as here; cuBLAS for both W = R P and P W: 0.25-0.47x).
+    R is not updated after a segment's last iteration. a I is added in the fp32 epilogue
+    of P's product (rounded once). Writing R's and Q's updates over dead buffers holds at
+    most R, Q, P and W, what `muon.newton_schulz.gram_workspace_numel` counts. Returns
+    `dtype` (a transposed view for tall x).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the Triton path computes in bfloat16 or float16 but got: {dtype}")
     x, tall, squeeze = _oriented(x)
-    norm = matrix_norms(x, torch.float32)
+    norm = matrix_norms(x, torch.float32).view(x.size(0))  # one reduction per matrix
     if schedule.norm_scale != 1.0:
         norm = norm * schedule.norm_scale
-    xs = torch.empty(x.shape, device=x.device, dtype=dtype)
-    torch.div(x, norm.clamp(min=eps), out=xs)  # normalized and cast, rounded once
+    xs = _normalized(x, norm.clamp(min=eps), dtype)
     for segment in schedule.gram_segments():
         r = sym_matmul(xs, config=config)
         q = None
         for k in segment:
             a, b, c = schedule.coefficients[k]
             p = sym_matmul(r, r, alpha=c, beta=b, diag=a, config=config)
-            last = k == segment[-1]
-            if last:
+            w = None
+            if k == segment[-1]:
                 del r
-            q = p if q is None else torch.bmm(p, q)
-            if not last:  # P R P, not R P^2: P^2 rounded to 16 bits swamps P's small end
-                w = torch.bmm(r, p)
-                r = torch.bmm(p, w)
-                del w
-            del p
+            else:  # P (P R)^T, not R P^2: P^2 rounded to 16 bits swamps P's small end
+                w = torch.bmm(p, r)
+                sym_matmul(p, y=w, out=r, config=config)
+            q = p if q is None else torch.bmm(p, q, out=w)
+            del p, w
         xs = torch.bmm(q, xs)
         del q
     return _restored(xs, tall, squeeze)
