@@ -405,9 +405,8 @@ def test_backward_load_bytes_is_checked(kwargs, error, match):
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model, **kwargs)
 
 
-def test_the_backward_spreads_its_loads_over_the_modules_it_passes():
-    """Loads enqueued at once stalled the trainer's own copies in the backward (H200): each
-    owner module the backward passes enqueues its share, the last one's nothing more."""
+def _loading_in_the_backward(budget: int) -> tuple[torch.nn.Module, CPUOffloadOptimizer]:
+    """A model and an optimizer loading `budget` bytes in the backward, 2 ring slots."""
     model = make_model()
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -415,8 +414,15 @@ def test_the_backward_spreads_its_loads_over_the_modules_it_passes():
         staging_slots=2,
         overlap_forward=model,
         load_in_backward=True,
-        backward_load_bytes=2**40,
+        backward_load_bytes=budget,
     )
+    return model, opt
+
+
+def test_the_backward_spreads_its_loads_over_the_modules_it_passes():
+    """Loads enqueued at once stalled the trainer's own copies in the backward (H200): each
+    owner module the backward passes enqueues its share, the last one's nothing more."""
+    model, opt = _loading_in_the_backward(2**40)
     calls = []
     load_ahead = opt._load_ahead
 
@@ -440,15 +446,7 @@ def test_write_backs_of_the_backwards_chunks_go_after_the_rings():
     """Copies queue in the copy engine in the order they are enqueued: the forward waits
     for ring loads behind ring write-backs, and nothing waits for a backward-loaded chunk's
     write-back, so those go last."""
-    model = make_model()
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=512,
-        staging_slots=2,
-        overlap_forward=model,
-        load_in_backward=True,
-        backward_load_bytes=8 * 512,
-    )
+    model, opt = _loading_in_the_backward(8 * 512)
     events = []
     write_back = opt._write_back
     opt._write_back = lambda chunk, *a: events.append(("back", chunk.slot)) or write_back(chunk, *a)
