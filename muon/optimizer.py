@@ -537,7 +537,8 @@ class MuonStep:
     same result, bit for bit, as `Muon.step`; it batches the local matrices of
     all the units it is handed by shape (under the bucket cap), so an offload
     chunk of many small units still makes large Newton-Schulz launches. Every
-    rank must call it with the same units, in the same order.
+    rank must call it with the same units, in the same order, each unit once; it
+    drops a unit's grads once the unit has stepped.
     """
 
     def __init__(self, optimizer: Muon, plan: MuonPlan) -> None:
@@ -557,6 +558,7 @@ class MuonStep:
         ]
         self._kinds = plan.step_units(len(self._adamw))
         self.units: list[list[Tensor]] = [self._unit_params(kind) for kind in self._kinds]
+        self._stepped: set[int] = set()  # units done this step
         optimizer.metrics = []
 
     def _unit_params(self, kind: tuple[str, int]) -> list[Tensor]:
@@ -575,7 +577,10 @@ class MuonStep:
             if any(inside) != all(inside):
                 raise ValueError(f"step_params needs whole units; unit {index} is split")
             if all(inside):
+                if index in self._stepped:
+                    raise ValueError(f"unit {index} has already stepped this step")
                 chosen.append(self._kinds[index])
+                self._stepped.add(index)
         if sum(len(self._unit_params(kind)) for kind in chosen) != len(wanted):
             raise ValueError("step_params got params that are not in this optimizer's units")
         with torch.no_grad():
@@ -592,6 +597,18 @@ class MuonStep:
                     grads.append(grad)
             for group, (params_, grads) in by_group.items():
                 self._adamw_group(group, params_, grads)
+        self._release(chosen)
+
+    def _release(self, kinds: Sequence[tuple[str, int]]) -> None:
+        """Drop the grads of stepped units: nothing reads them again this step, and a trainer
+        that let go of them after an overlapped step gets their memory back chunk by chunk."""
+        for what, k in kinds:
+            if what == "adamw":
+                group, p, _ = self._adamw[k]
+                self._adamw[k] = (group, p, None)
+            else:
+                for i in self._plan.buckets[k].params if what == "bucket" else (k,):
+                    self._grads[i] = None
 
     # -- Muon buckets ----------------------------------------------------------------------------
 

@@ -12,7 +12,10 @@ through the GPU in chunks. The contract:
   rank, decided from global shapes.
 - `step_params(params)` updates exactly a union of whole units. It reads state
   from `optimizer.state` at call time (the wrapper has swapped in GPU staging
-  views), enqueues on the current stream and never syncs the host.
+  views), enqueues on the current stream and never syncs the host. Each unit
+  steps once a step, so once it has, the step drops what it captured of it (its
+  grads): a trainer that let go of its grads after an overlapped `step()`
+  (`zero_grad()`) gets their memory back chunk by chunk, not at the step's end.
 - `state_layout(param)` names the state tensors (ndim >= 1) the step keeps for
   `param`, with their local shapes and dtypes, before any step has run, so the
   host slabs can be sized and allocated once. On the first step `step_params`
@@ -28,7 +31,7 @@ when its per-param updates are independent.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -134,11 +137,26 @@ class GroupStep:
         saved_grads = {p: p.grad for p in params}
         try:
             for p in params:
-                p.grad = self._grads[p]
+                p.grad = self._grad(p)
             self._step_narrowed([(p, self._group_of[p]) for p in params])
         finally:
             for p, grad in saved_grads.items():
                 p.grad = grad
+        self._release(params)
+
+    def _grad(self, param: Tensor) -> Tensor | None:
+        if param not in self._grads:
+            raise ValueError(
+                "step_params got a param that is not in this step's units or that has "
+                "already stepped this step (each unit steps once)"
+            )
+        return self._grads[param]
+
+    def _release(self, params: Iterable[Tensor]) -> None:
+        """Drop the captured grads of params this step is done with (nothing reads them
+        again; the stream that read them was recorded on them by whoever handed them over)."""
+        for p in params:
+            del self._grads[p]
 
     def _step_narrowed(
         self, tensors: Sequence[tuple[Tensor, int]], options: Mapping[int, dict] | None = None
@@ -181,6 +199,7 @@ class ElementwiseGroupStep(GroupStep):
         state = optimizer.state
         self._had_state = {p for p in self._group_of if state.get(p)}
         self._scalars: dict[Tensor, dict[str, Any]] = {}
+        self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
 
     def step_params(self, params: Collection[Tensor]) -> None:
         self.step_slices(params, ())
@@ -189,7 +208,7 @@ class ElementwiseGroupStep(GroupStep):
         state = self._optimizer.state
         stand_ins = []
         for param, piece in [(p, None) for p in params] + [(s.param, s) for s in slices]:
-            grad = self._grads[param]
+            grad = self._grad(param)
             if grad is None:  # the full step skips a param without a grad
                 continue
             stand_in = local_tensor(param).detach()
@@ -207,17 +226,34 @@ class ElementwiseGroupStep(GroupStep):
                 entries.update({k: _copied(v) for k, v in self._scalars[param].items()})
             state[stand_in] = entries
             stand_ins.append((param, stand_in))
-        if not stand_ins:
-            return
-        groups = {self._group_of[p] for p, _ in stand_ins}
-        try:
-            self._step_narrowed(
-                [(t, self._group_of[p]) for p, t in stand_ins],
-                {g: self._implementation(g, stand_ins) for g in groups},
-            )
-        finally:
-            for p, stand_in in stand_ins:
-                state[p].update(state.pop(stand_in, {}))
+        if stand_ins:
+            groups = {self._group_of[p] for p, _ in stand_ins}
+            try:
+                self._step_narrowed(
+                    [(t, self._group_of[p]) for p, t in stand_ins],
+                    {g: self._implementation(g, stand_ins) for g in groups},
+                )
+            finally:
+                for p, stand_in in stand_ins:
+                    state[p].update(state.pop(stand_in, {}))
+        self._release(params)
+        for param in self._finished(slices):
+            # A shorter shard's trailing slices are empty, and still step (on the first step
+            # they create their slice's state): they get an empty grad.
+            grad = self._grads[param]
+            self._grads[param] = None if grad is None else local_tensor(grad).new_empty(0)
+
+    def _finished(self, slices: Sequence[ParamSlice]) -> list[Tensor]:
+        """The params whose last local elements `slices` stepped."""
+        done = []
+        for piece in slices:
+            if self._left.get(piece.param) == 0:
+                continue
+            left = self._left.get(piece.param, local_tensor(piece.param).numel())
+            self._left[piece.param] = left = left - (piece.stop - piece.start)
+            if left == 0:
+                done.append(piece.param)
+        return done
 
     def _implementation(self, group: int, stand_ins: list[tuple[Tensor, Tensor]]) -> dict:
         """Pin the foreach choice torch would make for the real params (DTensors, say):

@@ -190,3 +190,25 @@ def test_offloaded_muon_is_bitwise_equal_and_keeps_its_launches(launches):
         assert largest["4 layers"][shape] >= count and largest["all"][shape] >= count
     for count, rows, cols in runs["4 layers"][2] + runs["all"][2]:
         assert count * rows * cols * 2 <= cap
+
+
+def test_a_unit_lets_go_of_its_grads_once_it_has_stepped():
+    params = _params()
+    opt = Muon(_groups(params), lr=0.02, adjust_lr_fn="match_rms_adamw")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    step = opt.begin_subset_step()
+    grads = [weakref.ref(p.grad) for p in params]
+    for p in params:
+        p.grad = None  # the trainer's zero_grad: only the step holds them now
+    first, *rest = step.units
+    step.step_params(first)
+    gc.collect()
+    stepped = {id(p) for p in first}
+    for p, grad in zip(params, grads, strict=True):
+        assert (grad() is None) == (id(p) in stepped)
+    with pytest.raises(ValueError, match="already stepped"):
+        step.step_params(first)
+    step.step_params([p for unit in rest for p in unit])
+    gc.collect()
+    assert all(grad() is None for grad in grads)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from fake_step_timer import FakeStepTimer
 
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
 from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
-from offload.subset_step import GroupStep
+from offload.subset_step import GroupStep, ParamSlice
 
 OPTIMIZERS = {
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
@@ -457,3 +459,23 @@ def test_a_sliced_param_without_a_grad_keeps_its_state_and_step(name):
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
+
+
+def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
+    model = make_model()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model(torch.randint(0, 50, (4, 6))).square().mean().backward()
+    step = opt._subset.begin_subset_step()
+    params = list(model.parameters())
+    grads = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)  # only the step holds them now
+    whole, sliced = model[4].weight, model[1].weight
+    half = sliced.numel() // 2
+    step.step_slices([whole], [ParamSlice(sliced, 0, half)])
+    gc.collect()
+    assert [g() is None for g in grads] == [p is whole for p in params]  # `sliced` half done
+    step.step_slices([], [ParamSlice(sliced, half, sliced.numel())])
+    gc.collect()
+    assert all(g() is None for p, g in zip(params, grads, strict=True) if p is sliced)
+    with pytest.raises(ValueError, match="already stepped"):
+        step.step_params([whole])

@@ -462,3 +462,35 @@ def test_write_backs_of_the_backwards_chunks_go_after_the_rings():
     assert extra_slots > 0 and ring_slots > 0
     assert backs == [s for s in backs if s < 2] + [s for s in backs if s >= 2]
     assert len(backs) == extra_slots + ring_slots
+
+
+def test_an_overlapped_step_lets_go_of_each_chunks_grads_as_the_forward_passes():
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    first, last = model[0].weight, model[-1].weight
+    seen = []
+
+    def check(module, args):
+        seen.append((grads[first]() is None, grads[last]() is None))
+
+    data = batches(3)
+    for tokens in data:
+        model(tokens).square().mean().backward()
+        grads = {p: weakref.ref(p.grad) for p in (first, last)}
+        opt.step()
+        opt.zero_grad()  # the trainer lets go: only the pending step holds the grads
+        gc.collect()
+    handle = model[1].register_forward_pre_hook(check)  # after the embedding's chunks ran
+    model(data[0])
+    handle.remove()
+    assert seen == [
+        (True, False)
+    ]  # the embedding's chunks ran and gave its grad back; the head's not yet
+    opt.wait_for_optimizer_step()
+    gc.collect()
+    assert grads[last]() is None
