@@ -215,11 +215,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         gpu_resident_bytes: state bytes (rank-invariant count, whole units) kept
             on the GPU, never copied: the units the forward needs first with
             `overlap_forward` (overlap cannot hide them), else the last ones
-            (nothing overlaps their copies). "auto": measure, over the first steps
-            with everything offloaded, how long the trainer's stream stalls waiting
-            for chunks (`offload.residency`), then keep the fewest leading units that
-            remove the stall the cap can remove, at most `gpu_resident_cap_bytes`;
-            `residency` says what it chose.
+            (nothing overlaps their copies), up to the first unit that does not fit.
+            "auto": measure, over the first steps with everything offloaded, how long
+            the trainer's stream stalls waiting for chunks (`offload.residency`), then
+            keep the fewest leading units that remove the stall the cap can remove, at
+            most `gpu_resident_cap_bytes`; `residency` says what it chose.
         gpu_resident_cap_bytes: the most "auto" may keep on the GPU (default:
             half the state).
         load_in_backward: with `overlap_forward`, load the next step's first chunks (as
@@ -234,8 +234,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             the trainer's own small copies wait behind the loads.
         backward_load_bytes: with `load_in_backward`, how much state (rank-invariant bytes,
             whole chunks) the backward loads: default, the ring's `staging_slots` chunks.
-            More adds one staging slot per further chunk, allocated in the backward and
-            given back as soon as its chunk is written back (in the next forward): the
+            More adds one staging slot per further chunk (sized for it), allocated in the
+            backward and given back as soon as its chunk is written back (in the next forward): the
             backward's idle copy engine then carries what the forward is too short to
             hide. These slots are GPU memory from the backward to the next forward,
             after the backward's peak (under gradient accumulation, from the first
@@ -874,12 +874,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         loads = 0
         if ring and self._load_in_backward:
             loads = backward_load_count(staged_bytes, self.staging_slots, self.backward_load_bytes)
-        slot_order = iter(staging_slot_order(len(staged_bytes), self.staging_slots, loads))
+        slots = staging_slot_order(len(staged_bytes), self.staging_slots, loads)
+        slot_order = iter(slots)
         extra = max(0, loads - self.staging_slots)
         self._streams.ensure_slots(self.staging_slots + extra)
         if ring:
             self._ring = _StagingRing(staging_numel, self.device)
-            self._extra_slots = [_StagingRing(plan.slot_numel, self.device) for _ in range(extra)]
+            # An extra slot holds one chunk: sized for it, not for the largest.
+            staged = [c for c in plan.chunks if not c.resident]
+            self._extra_slots = [
+                _StagingRing(chunk.staging_numel, self.device)
+                for chunk, slot in zip(staged, slots, strict=True)
+                if slot >= self.staging_slots
+            ]
             staging_buffers = self._ring.buffers
         else:
             staging_buffers = {

@@ -154,10 +154,14 @@ def test_plan_keeps_the_resident_budget_of_whole_units_on_the_gpu():
             assert (plan.resident_bytes == 0) == (n_resident == 0)
             assert (plan.host_bytes == 0) == (n_resident == 6)
             _check_layout(plan, params)
-    # a unit larger than what is left of the budget is skipped, not the end of residency
-    params = [spec(1000, torch.float32), spec(10, torch.float32), spec(10, torch.float32)]
-    plan = plan_offload([[0], [1], [2]], params, 10**9, resident_bytes=100, resident_first=True)
-    assert [(c.params, c.resident) for c in plan.chunks] == [((0,), False), ((1, 2), True)]
+    # a unit larger than what is left of the budget ends residency: the staged units stay
+    # one run (residency past it would cut them into runs that pack on their own)
+    params = [spec(10, torch.float32), spec(1000, torch.float32)] + [
+        spec(10, torch.float32) for _ in range(4)
+    ]
+    units = [[i] for i in range(6)]
+    plan = plan_offload(units, params, 10**9, resident_bytes=200, resident_first=True)
+    assert [(c.params, c.resident) for c in plan.chunks] == [((0,), True), ((1, 2, 3, 4, 5), False)]
 
 
 class _ShardedParam:
