@@ -219,6 +219,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep-optimizers", default="adamw", help="optimizers to sweep")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument(
+        "--chunk-bytes",
+        type=parse_bytes,
+        help="offload_chunk_bytes of the offload arms (e.g. 512MiB; default: the config's)",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="also time each step's phases (bench.phases: device and host ms; one micro-batch)",
@@ -309,7 +314,8 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         adamw = torch.optim.AdamW(params, lr=args.lr, fused=True)
         if arm.mode == "none":
             return adamw
-        return CPUOffloadOptimizer(adamw, overlap_forward=model)
+        chunking = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
+        return CPUOffloadOptimizer(adamw, overlap_forward=model, **chunking)
     extra = {} if arm.resident is None else {RESIDENT_FIELD: arm.resident}
     config = OptimizerConfig(
         type=arm.optimizer,
@@ -318,6 +324,7 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         offload_overlap_forward=arm.mode in OVERLAP_ARMS,
         offload_load_in_backward=arm.mode == "offload+overlap+bwd",
         offload_backward_load_bytes=arm.backward_load,
+        **({} if args.chunk_bytes is None else {"offload_chunk_bytes": args.chunk_bytes}),
         **extra,
     )
     return setup_optimizer(model, config)
@@ -614,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "wrap": args.wrap,
         "batch": args.batch,
         "micro_batches": args.micro_batches,
+        "offload_chunk_bytes": args.chunk_bytes,
         "seq": args.seq or sequence_length(args.model),
         "mixed_precision": "bf16 params, fp32 reduce (plain arms: bf16 autocast)",
         "activation_checkpointing": True,
