@@ -205,7 +205,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         chunk_bytes: target state bytes per chunk (rank-invariant count). An
             elementwise optimizer's param (AdamW, Adam, SGD, ...) larger than this
             is cut into slices; a unit that cannot be cut (a Muon bucket) and is
-            larger than this is a chunk of its own.
+            larger than this is a chunk of its own, and then chunks fill up to its
+            size (a staging slot holds it anyway).
         staging_slots: GPU staging slots in the ring (>= 2 to overlap copies).
         overlap_forward: the model whose next forward the step overlaps. `step()`
             then returns once the first chunks are queued; the rest update on a

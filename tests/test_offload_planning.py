@@ -300,3 +300,19 @@ def test_extra_slots_follow_the_ring_then_the_ring_turns_again():
     assert staging_slot_order(4, ring_slots=3, backward_loads=4) == [3, 0, 1, 2]
     with pytest.raises(ValueError, match="ring_slots"):
         staging_slot_order(3, ring_slots=0, backward_loads=0)
+
+
+def test_chunks_fill_up_to_the_largest_staged_unit_that_cannot_be_cut():
+    """A staging slot holds the largest uncut unit anyway: chunks fill up to it, so a step
+    makes fewer, larger launches for the same ring (not up to a resident unit's size)."""
+    params = [spec(8192, torch.float32)] + [spec(512, torch.float32) for _ in range(64)]
+    units = [[i] for i in range(len(params))]
+    plan = plan_offload(units, params, chunk_bytes=4096)
+    staged = [c.invariant_bytes for c in plan.chunks]
+    assert max(staged) == 32768 and sum(b > 4096 for b in staged) > 1
+    assert plan.staging_bytes(1) == 32768
+    kept = plan_offload(units, params, 4096, resident_bytes=32768, resident_first=True)
+    assert kept.chunks[0].resident and max(c.invariant_bytes for c in kept.chunks[1:]) <= 4096
+    # splittable units are cut to chunk_bytes as before
+    sliced = [spec(8192, torch.float32, splittable=True)] + params[1:]
+    assert max(c.invariant_bytes for c in plan_offload(units, sliced, 4096).chunks) <= 4096
