@@ -34,7 +34,13 @@ from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER, params_with_grads
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower
-from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend
+from muon.newton_schulz import (
+    gram_flops_symmetric,
+    ns_flops,
+    ns_flops_symmetric,
+    ns_path,
+    set_backend,
+)
 
 
 def _with_backends(elementwise_backend: str, ns_backend: str, fn):
@@ -65,6 +71,15 @@ def _profile(step, device: torch.device) -> list[dict[str, object]]:
     return sorted((r for r in rows if r["ms"] > 0), key=lambda r: -r["ms"])
 
 
+def default_path_flops(rows: int, cols: int, device: torch.device) -> int:
+    """FLOPs of the Newton-Schulz products the default path runs for one bf16 matrix here."""
+    capability = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+    path = ns_path(rows, cols, torch.bfloat16, device.type, capability)
+    if path.algorithm == "gram":
+        return gram_flops_symmetric(rows, cols, KELLER_JORDAN)
+    return ns_flops_symmetric(rows, cols, KELLER_JORDAN.steps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -83,6 +98,7 @@ def main() -> None:
     shapes = [(r // args.divisor, c // args.divisor) for r, c in QWEN3_8B_LAYER] * args.layers
     flops = sum(ns_flops(r, c, KELLER_JORDAN.steps) for r, c in shapes)
     sym_flops = sum(ns_flops_symmetric(r, c, KELLER_JORDAN.steps) for r, c in shapes)
+    default_flops = sum(default_path_flops(r, c, device) for r, c in shapes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"torch {torch.__version__}, {name}, {len(shapes)} matrices, "
@@ -100,6 +116,8 @@ def main() -> None:
         "matmul_sustained_tflops": sustained,
         "ns_symmetric_tflop_per_step": sym_flops / 1e12,
         "ns_floor_sustained_ms": 1e3 * sym_flops / (sustained * 1e12),
+        "ns_default_tflop_per_step": default_flops / 1e12,
+        "ns_default_floor_sustained_ms": 1e3 * default_flops / (sustained * 1e12),
     }
     ns_backends = ["torch"] if args.no_triton else ["torch", "triton"]
 
@@ -203,6 +221,13 @@ def main() -> None:
         f"symmetric products is {sym_flops / 1e12:.1f} TFLOP: floor {floor:.1f} ms at the "
         f"sustained rate ({1e3 * sym_flops / (peak * 1e12):.1f} ms at the burst rate); "
         f"{best} at {results[f'{best}_ms'] / floor:.2f}x that floor"
+    )
+    default_floor = results["ns_default_floor_sustained_ms"]
+    print(
+        f"the default path's products (Gram where `ns_path` takes it, as computed: "
+        f"`gram_flops_symmetric`) are {default_flops / 1e12:.1f} TFLOP: floor "
+        f"{default_floor:.1f} ms at the sustained rate; {best} at "
+        f"{results[f'{best}_ms'] / default_floor:.2f}x that floor"
     )
     if "fused_vs_torch_bitwise" in results:
         print(

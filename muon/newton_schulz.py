@@ -457,6 +457,22 @@ def ns_flops(rows: int, cols: int, steps: int = 1) -> int:
     return steps * (4 * m * m * n + 2 * m * m * m)
 
 
+def gram_flops_symmetric(rows: int, cols: int, schedule: NewtonSchulzSchedule) -> int:
+    """FLOPs of Gram Newton-Schulz as `muon.ns_triton.zeropower_gram_triton` computes it.
+
+    Per restart segment of L iterations (m <= n): m^2 n for R = X X^T (half the tiles)
+    and 2 m^2 n for Q X; per iteration m^3 for P (half); after each iteration but the
+    last, 2 m^3 for W = P R and m^3 for R = P W^T (half); for each iteration but the
+    first, 2 m^3 for Q = P Q.
+    """
+    m, n = min(rows, cols), max(rows, cols)
+    total = 0
+    for segment in schedule.gram_segments():
+        steps = len(segment)
+        total += 3 * m * m * n + steps * m**3 + 3 * (steps - 1) * m**3 + 2 * (steps - 1) * m**3
+    return total
+
+
 def ns_flops_symmetric(rows: int, cols: int, steps: int = 1) -> int:
     """FLOPs of `steps` iterations when X X^T and A A compute only half (the symmetric kernels).
 

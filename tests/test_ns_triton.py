@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from triton_interpreter import (
@@ -585,3 +587,37 @@ def test_gpu_gram_fp16_at_least_as_accurate_as_standard_bf16(kind, name):
         sv = torch.linalg.svdvals(gram.float())
         assert abs(sv.max().item() - sv_ref.max().item()) <= 0.05, backend
         assert abs(sv.min().item() - sv_ref.min().item()) <= 0.05, backend
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("shape", [(2, 24, 72), (40, 8)])
+def test_gram_flops_symmetric_counts_what_the_triton_gram_path_computes(monkeypatch, name, shape):
+    """The bench's floor for the Gram path: the products `zeropower_gram_triton` issues,
+    counted (stand-ins for its kernels, so it runs without triton), against the formula."""
+    from muon import ns_triton
+    from muon.newton_schulz import gram_flops_symmetric
+
+    counted = []
+
+    def sym_matmul(x, c=None, alpha=1.0, beta=0.0, *, y=None, diag=0.0, out=None, **_):
+        y = x if y is None else y
+        *batch, m, k = x.shape
+        counted.append(math.prod(batch) * m * m * k)  # half the tiles of x @ y^T
+        result = alpha * x.float() @ y.float().mT + (0 if c is None else beta * c.float())
+        result = (result + diag * torch.eye(m)).to(x.dtype)
+        return result if out is None else out.copy_(result)
+
+    def bmm(a, b, out=None):
+        counted.append(2 * a.size(0) * a.size(1) * a.size(2) * b.size(2))
+        return torch.matmul(a, b, out=out)
+
+    monkeypatch.setattr(ns_triton, "_check", lambda x: None)
+    monkeypatch.setattr(ns_triton, "sym_matmul", sym_matmul)
+    monkeypatch.setattr(
+        ns_triton, "_normalized", lambda x, norm, dtype: (x / norm.view(-1, 1, 1)).to(dtype)
+    )
+    monkeypatch.setattr(ns_triton.torch, "bmm", bmm)
+    x = torch.randn(*shape).bfloat16()
+    ns_triton.zeropower_gram_triton(x, SCHEDULES[name], 1e-7, dtype=torch.bfloat16)
+    count = x.size(0) if x.ndim == 3 else 1
+    assert sum(counted) == count * gram_flops_symmetric(*shape[-2:], SCHEDULES[name])
