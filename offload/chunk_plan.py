@@ -270,7 +270,7 @@ def _resident_units(unit_bytes: Sequence[int], budget: int, first: bool) -> list
 
     One run: units resident past a skipped one would cut the staged units into runs that
     each pack (and ramp) on their own (H200, HF Llama at 3 GiB: the layers' small norms
-    kept past a skipped matrix made 30 staged chunks of 3.3 GiB instead of 13)."""
+    kept past a skipped matrix made 30 staged chunks of 3.3 GiB, 16 as one run)."""
     resident = [False] * len(unit_bytes)
     used = 0
     order = range(len(unit_bytes)) if first else range(len(unit_bytes) - 1, -1, -1)

@@ -871,18 +871,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for dtype, n in plan.resident_numel.items()
         }
         staging_numel = {dtype: self.staging_slots * n for dtype, n in plan.slot_numel.items()}
-        staged_bytes = [c.invariant_bytes for c in plan.chunks if not c.resident]
+        staged = [c for c in plan.chunks if not c.resident]
         loads = 0
         if ring and self._load_in_backward:
-            loads = backward_load_count(staged_bytes, self.staging_slots, self.backward_load_bytes)
-        slots = staging_slot_order(len(staged_bytes), self.staging_slots, loads)
+            loads = backward_load_count(
+                [c.invariant_bytes for c in staged], self.staging_slots, self.backward_load_bytes
+            )
+        slots = staging_slot_order(len(staged), self.staging_slots, loads)
         slot_order = iter(slots)
         extra = max(0, loads - self.staging_slots)
         self._streams.ensure_slots(self.staging_slots + extra)
         if ring:
             self._ring = _StagingRing(staging_numel, self.device)
             # An extra slot holds one chunk: sized for it, not for the largest.
-            staged = [c for c in plan.chunks if not c.resident]
             self._extra_slots = [
                 _StagingRing(chunk.staging_numel, self.device)
                 for chunk, slot in zip(staged, slots, strict=True)
