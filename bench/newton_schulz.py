@@ -271,7 +271,8 @@ def main() -> None:
     if configs:
         totals: dict[str, dict[str, float]] = {}
         for entry in per_shape.values():
-            cls = "large" if entry["m"] >= 512 // d else "small"
+            m = entry["m"] * d  # the classes of `ns_triton.config_for`
+            cls = "large" if m >= 2048 else "medium" if m >= 512 else "small"
             for arm, v in entry.items():
                 if arm.startswith("triton:") and isinstance(v, dict) and "ms" in v:
                     totals.setdefault(cls, {}).setdefault(arm, 0.0)

@@ -6,8 +6,10 @@ Two one-pass kernels over 2-D rectangles (any strides), with torch's arithmetic:
   (`grad.lerp(buf, momentum)` with Nesterov, else `buf`) cast to the destination's
   dtype and written there (the exchange's send slot or the full-matrix view).
   The plain path reads and writes the matrix about four times for this.
-- `apply_`: `param.mul_(decay)` then `param.add_(update, alpha=alpha)`, rounding to
-  the param's dtype after each, as the two torch ops do.
+- `apply_`: `param.mul_(decay)` then `param.add_(update.to(dtype), alpha=alpha)`,
+  rounding to the param's dtype after each, as the torch ops do. Rounding the update
+  here spares the pass that would cast a Newton-Schulz result computed in fp16 to the
+  step's bf16 (H200, 12 Qwen3-8B layers: 7.2 ms of a 241 ms step).
 
 torch's CPU and CUDA kernels compute lerp as one fused multiply-add,
 `base + coef * (end - start)` (aten/src/ATen/native/Lerp.h; coef = weight, base =
@@ -88,15 +90,22 @@ if triton is not None:
     @triton.jit
     def _apply_kernel(
         param_ptr, update_ptr, M, N, spm, spn, sum_, sun, decay, alpha,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPDATE_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         p_offs, mask = _offsets(M, N, spm, spn, BLOCK_M, BLOCK_N)
         u_offs, _ = _offsets(M, N, sum_, sun, BLOCK_M, BLOCK_N)
         dtype = param_ptr.dtype.element_ty
         param = tl.load(param_ptr + p_offs, mask=mask).to(tl.float32)
         param = (param * decay).to(dtype).to(tl.float32)  # mul_ rounds to the param dtype
-        update = tl.load(update_ptr + u_offs, mask=mask).to(tl.float32)
+        update = tl.load(update_ptr + u_offs, mask=mask).to(UPDATE_DTYPE).to(tl.float32)
         tl.store(param_ptr + p_offs, tl.fma(alpha, update, param).to(dtype), mask=mask)
+
+
+_TRITON_DTYPES = (
+    {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if triton is not None
+    else {}
+)
 
 
 def _check(*tensors: Tensor) -> None:
@@ -134,14 +143,23 @@ def momentum_(grad: Tensor, buf: Tensor, out: Tensor, momentum: float, nesterov:
     )  # fmt: skip
 
 
-def apply_(param: Tensor, update: Tensor, decay: float, alpha: float) -> None:
-    """`param.mul_(decay)`, then `param.add_(update, alpha=alpha)`, in one pass."""
+def apply_(
+    param: Tensor, update: Tensor, decay: float, alpha: float, dtype: torch.dtype | None = None
+) -> None:
+    """`param.mul_(decay)`, then `param.add_(update.to(dtype), alpha=alpha)`, in one pass.
+
+    `dtype` (default: update's) is what the update is rounded to (nearest even, as
+    `Tensor.to`) before it is added.
+    """
     _check(param, update)
+    dtype = update.dtype if dtype is None else dtype
+    if dtype not in _TRITON_DTYPES:
+        raise ValueError(f"the update is rounded to one of {list(_TRITON_DTYPES)}, not {dtype}")
     if param.numel() == 0:
         return
     _apply_kernel[_grid(param)](
         param, update, param.shape[0], param.shape[1],
         param.stride(0), param.stride(1), update.stride(0), update.stride(1),
-        float(decay), float(alpha),
+        float(decay), float(alpha), UPDATE_DTYPE=_TRITON_DTYPES[dtype],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
     )  # fmt: skip

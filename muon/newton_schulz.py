@@ -217,10 +217,13 @@ def ns_path(
     `capability` is the CUDA compute capability's major version (None elsewhere).
     "auto" algorithm: Gram where the aspect ratio pays on the matrix's backend
     (`GRAM_MIN_ASPECT`) on CUDA, else standard (on CPU always standard, so one matrix
-    equals torch.optim.Muon's result bit for bit). Gram runs in float16 on CUDA for
-    16-bit inputs (issue 11, H200: error against the fp32 iteration 0.003 vs 0.02 for
-    bf16 standard and bf16 Gram), else in the input's dtype (CPU float16 matmuls are
-    very slow).
+    equals torch.optim.Muon's result bit for bit). Gram, and the standard iteration on
+    the Triton backend, run in float16 on CUDA for 16-bit inputs, else in the input's
+    dtype (CPU float16 matmuls are very slow). H200, error against the fp64 iteration
+    (bench.ns_accuracy, bench/measured/ns_accuracy_h200.log), Gaussian inputs: Gram fp16
+    1.8-4.3e-3, Triton standard fp16 1.8-2.2e-3, the plain bf16 standard path 5.6-13e-3;
+    Triton standard in bf16 (P = a I + b A + c A^2 rounded to 8 bits, a I included) had
+    lost to the plain path by 3-20% on the square rows before it moved to fp16.
     "auto" backend: `muon.ns_triton.auto_takes` on CUDA, else "torch".
     """
     if backend not in BACKENDS:
@@ -240,7 +243,8 @@ def ns_path(
         aspect = max(rows, cols) / max(1, min(rows, cols))
         algorithm = "gram" if cuda and aspect >= GRAM_MIN_ASPECT[backend] else "standard"
     compute = dtype
-    if algorithm == "gram" and cuda and dtype in (torch.bfloat16, torch.float16):
+    sixteen_bit = dtype in (torch.bfloat16, torch.float16)
+    if cuda and sixteen_bit and (algorithm == "gram" or backend == "triton"):
         compute = torch.float16
     # fp32 batched cuBLAS products were not batch-invariant on the H200 (a matrix's Muon
     # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were.
@@ -267,28 +271,40 @@ def zeropower(
     eps: float = DEFAULT_EPS,
     backend: str | None = None,
     algorithm: str = "auto",
+    *,
+    cast: bool = True,
 ) -> Tensor:
     """Orthogonalize each matrix of `x` (shape (rows, cols) or (batch, rows, cols)).
 
     Tall matrices are transposed so the Gram matrix is the small one, then
     transposed back (the result may be a transposed view). `x` is not modified.
     `backend` (default: `get_backend()`) and `algorithm` ("auto", "standard" or
-    "gram") choose the path per matrix shape (`ns_path`). The result has x's dtype;
-    each matrix's result is the same bits whatever else shares the batch (given
-    batch-invariant matrix products: the plain path on CPU, see the README for CUDA).
+    "gram") choose the path per matrix shape (`ns_path`). The result has x's dtype,
+    or with `cast=False` the path's compute dtype (`NewtonSchulzPath.dtype`), for a
+    caller that rounds it to x's dtype where it reads it anyway (the Muon step's
+    apply kernel), sparing a pass over the result. Each matrix's result is the same
+    bits whatever else shares the batch (given batch-invariant matrix products: the
+    plain path on CPU, see the README for CUDA).
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"zeropower takes (rows, cols) or (batch, rows, cols): {tuple(x.shape)}")
-    return zeropower_along(x, schedule, eps, path_for(x, backend, algorithm))
+    path = path_for(x, backend, algorithm)
+    return zeropower_along(x, schedule, eps, path, x.dtype if cast else path.dtype)
 
 
 def zeropower_along(
-    x: Tensor, schedule: NewtonSchulzSchedule, eps: float, path: NewtonSchulzPath
+    x: Tensor,
+    schedule: NewtonSchulzSchedule,
+    eps: float,
+    path: NewtonSchulzPath,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """`zeropower` along a given path (`ns_path`)."""
+    """`zeropower` along a given path (`ns_path`); the result in `dtype` (default: the
+    path's compute dtype)."""
+    dtype = path.dtype if dtype is None else dtype
     if path.per_matrix and x.ndim == 3:
         single = dataclasses.replace(path, per_matrix=False)
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
         for i in range(x.size(0)):  # a batch of one: the same launches whatever the batch
             out[i].copy_(zeropower_along(x[i : i + 1], schedule, eps, single)[0])
         return out
@@ -297,15 +313,17 @@ def zeropower_along(
 
         if path.algorithm == "gram":
             out = ns_triton.zeropower_gram_triton(x, schedule, eps, dtype=path.dtype)
-            return out.to(x.dtype)
-        return ns_triton.zeropower_triton(x, schedule, eps)
+        else:
+            out = ns_triton.zeropower_triton(x, schedule, eps, dtype=path.dtype)
+        return out.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     if path.algorithm == "gram":
-        out = _gram_torch(x, schedule, eps, path.dtype).to(x.dtype)
+        out = _gram_torch(x, schedule, eps, path.dtype)
     else:
         out = _standard_torch(x, schedule, eps)
+    out = out.to(dtype)
     return out.mT if tall else out
 
 

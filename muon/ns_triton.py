@@ -6,20 +6,21 @@ Per quintic iteration on X (m x n, m <= n after orientation):
     P = a I + b A + c A A       sym_matmul(A, c=A, alpha=c, beta=b, diag=a) (A A = A A^T)
     X = P X                     torch.bmm (cuBLAS)
 
-`sym_matmul` launches only the lower-triangular output tiles (i >= j) of
+`sym_matmul` launches only the output tiles on or below the diagonal of
 `x @ y^T` (y = x unless given; symmetric in exact arithmetic), one program per
 (tile, matrix of the batch), accumulates in fp32, applies the epilogue
 `s * (alpha * acc + beta * c + diag * I)` in fp32 (one rounding), and writes each
-tile to (i, j) and, transposed, to (j, i); a diagonal tile keeps its lower triangle
-and mirrors it: the result is exactly symmetric. Programs run in bands of GROUP tile
-rows (`_grouped_tile`) so that the ones running together share operand blocks in L2.
+tile to (i, j) and, transposed, to (j, i); a tile across the diagonal keeps its
+elements on or below it and mirrors them: the result is exactly symmetric. Tiles are
+square or tall (`SymConfig.height`); programs run in bands of GROUP tile rows
+(`_grouped_tile`) so that the ones running together share operand blocks in L2.
 Folding `a X` into P as `a I` leaves cuBLAS a plain product (`baddbmm` would first
-copy X into its output to add `a X`), and folding 1/||X|| into the first iteration's
-epilogues spares the normalized copy of X. Configurations are fixed per shape class
-(`config_for`); nothing is autotuned at step time. The first call of each (config,
-K-divisibility, epilogue) variant JIT-compiles (about a second each; Triton's disk
-cache makes later processes load in milliseconds); `bench/newton_schulz.py` prints
-the cost.
+copy X into its output to add `a X`). The iteration runs in fp16 for 16-bit inputs
+(`muon.newton_schulz.ns_path`): a bf16 P with a I in it rounds too coarsely.
+Configurations are fixed per shape class (`config_for`); nothing is autotuned at step
+time. The first call of each (config, K-divisibility, epilogue) variant JIT-compiles
+(about a second each; Triton's disk cache makes later processes load in milliseconds);
+`bench/newton_schulz.py` prints the cost.
 
 Gram Newton-Schulz (`zeropower_gram_triton`) uses the same kernel for R = X X^T,
 P = a I + b R + c R R and, with a second operand, R <- P (P R)^T; cuBLAS for the
@@ -71,10 +72,10 @@ MAX_MATRIX_NUMEL = 2**31 - 1
 
 @dataclass(frozen=True)
 class SymConfig:
-    """One fixed launch configuration of the symmetric kernel (square output tiles)."""
+    """One fixed launch configuration of the symmetric kernel."""
 
     block: int
-    """Output tile edge (BLOCK x BLOCK; square so a tile's mirror is a tile)."""
+    """Output tile width; the tile is `height * block` rows by `block` columns."""
     block_k: int
     num_warps: int
     num_stages: int
@@ -83,14 +84,22 @@ class SymConfig:
     group: int = 1
     """Tile rows per band of the launch order (`_grouped_tile`); 1 is row-major, the order
     every configuration was measured in before bands."""
+    height: int = 1
+    """Output tile rows in units of `block`. A tall tile (2) holds two square tiles of one
+    tile column, so each operand block loaded from shared memory feeds twice the products
+    (wgmma's 64-row steps over 256 rows with 8 warps); its tile row's last tile is half
+    above the diagonal, computed and not stored (3% more work at m = 4096)."""
 
     def __post_init__(self) -> None:
         if self.group < 1:
             raise ValueError(f"group should be >= 1 but is: {self.group}")
+        if self.height < 1:
+            raise ValueError(f"height should be >= 1 but is: {self.height}")
 
     @property
     def name(self) -> str:
-        tiles = f"b{self.block}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+        edge = f"{self.block}" if self.height == 1 else f"{self.height * self.block}x{self.block}"
+        tiles = f"b{edge}k{self.block_k}w{self.num_warps}s{self.num_stages}"
         return f"{tiles}g{self.group}" + ("tma" if self.tma else "")
 
 
@@ -108,15 +117,22 @@ CONFIGS: dict[str, SymConfig] = {
         # the launch order's band height, on the large default and the TMA candidate
         *(SymConfig(128, 64, 4, 3, group=g) for g in (4, 8, 16)),
         *(SymConfig(128, 64, 8, 3, tma=True, group=g) for g in (4, 8, 16)),
+        # tall tiles (256 x 128): Triton's Hopper GEMM shape, two warpgroups
+        SymConfig(128, 64, 8, 3, height=2),
+        SymConfig(128, 64, 8, 4, height=2),
+        SymConfig(128, 64, 8, 3, height=2, group=8),
+        *(SymConfig(128, 64, 8, s, tma=True, height=2, group=g) for s in (3, 4) for g in (1, 8)),
     )
 }
 """Candidates the bench times; `config_for` picks among them by shape class."""
 
-# b128k64w4s3: least total time over the Qwen3-8B shapes on the H200 (row-major order);
-# H200 bench.sym_kernel: bands changed its y = x products by -7% to +13% (group 16 slower
-# at K = 12288, faster at m = 1024), so the defaults keep group 1
-LARGE_CONFIG = "b128k64w4s3g1"
-"""m >= 512 (the Qwen3-8B shapes)."""
+# H200, bench.sym_kernel (bench/measured/sym_kernel_tall_h200.log): tall TMA tiles run
+# x x^T at 1.12-1.20x the square tile's rate at m = 4096 (K = 4096 and 12288, fp16 and
+# bf16); at m = 1024 neither wins in both dtypes, so the square tile stays there
+LARGE_CONFIG = "b256x128k64w8s4g8tma"
+"""m >= 2048 (the Qwen3-8B hidden and MLP sides)."""
+MEDIUM_CONFIG = "b128k64w4s3g1"
+"""512 <= m < 2048 (b128k64w4s3: least total time over the Qwen3-8B shapes before tall tiles)."""
 SMALL_CONFIG = "b64k64w4s4g1"
 """m < 512: more, smaller tiles to fill the SMs."""
 
@@ -124,7 +140,9 @@ SMALL_CONFIG = "b64k64w4s4g1"
 def config_for(m: int, k: int) -> SymConfig:
     """The fixed configuration for an m x m output with reduction length k."""
     del k  # one class per m for now; the bench reports per (m, k)
-    return CONFIGS[LARGE_CONFIG if m >= 512 else SMALL_CONFIG]
+    if m >= 2048:
+        return CONFIGS[LARGE_CONFIG]
+    return CONFIGS[MEDIUM_CONFIG if m >= 512 else SMALL_CONFIG]
 
 
 def available() -> bool:
@@ -199,14 +217,27 @@ if triton is not None:
         return tl.where(in_full, r0 + q % h, r0 + a), tl.where(in_full, q // h, r0 + b)
 
     @triton.jit
+    def _tile_of(pid, M, BLOCK: tl.constexpr, HEIGHT: tl.constexpr, GROUP: tl.constexpr):
+        # pid -> (tile row i of HEIGHT * BLOCK rows, tile column j of BLOCK columns): tile
+        # row i holds columns j < (i + 1) * HEIGHT, HEIGHT per step of `_grouped_tile`'s
+        # triangle (whose row i has i + 1 entries), so the tiles cover each element on or
+        # below the diagonal exactly once.
+        i, jj = _grouped_tile(pid // HEIGHT, tl.cdiv(M, BLOCK * HEIGHT), GROUP)
+        return i, jj * HEIGHT + pid % HEIGHT
+
+    @triton.jit
     def _epilogue(
         acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
         alpha, beta, diag,
         HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, BLOCK: tl.constexpr,
+        HEIGHT: tl.constexpr,
     ):  # fmt: skip
-        offs_i = i * BLOCK + tl.arange(0, BLOCK)
+        BLOCK_M: tl.constexpr = BLOCK * HEIGHT
+        offs_i = i * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_j = j * BLOCK + tl.arange(0, BLOCK)
         mask = (offs_i[:, None] < M) & (offs_j[None, :] < M)
+        # strictly below the diagonal: every element is stored, and mirrored
+        below = i * BLOCK_M >= (j + 1) * BLOCK
         acc = acc * alpha
         if HAS_C:
             c_tile = tl.load(
@@ -215,7 +246,7 @@ if triton is not None:
                 other=0.0,
             )
             acc = acc + beta * c_tile.to(tl.float32)
-        if i == j:
+        if not below:
             acc = tl.where(offs_i[:, None] == offs_j[None, :], acc + diag, acc)
         if SCALE_POWER > 0:
             s = tl.load(scale_ptr + bid)
@@ -224,19 +255,23 @@ if triton is not None:
             acc = acc * s
         out = acc.to(out_ptr.dtype.element_ty)
         out_base = out_ptr + bid * sob
-        if i != j:
-            tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
-            mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
-            tl.store(
-                out_base + offs_j[:, None] * som + offs_i[None, :] * son,
-                tl.trans(out),
-                mask=mask_t,
-            )
-        else:
-            # x_p . y_q and x_q . y_p round differently unless y is x: keep the lower
-            # triangle (p >= q, what off-diagonal tiles hold) and mirror it.
+        out_ptrs = out_base + offs_i[:, None] * som + offs_j[None, :] * son
+        mirror_ptrs = out_base + offs_j[:, None] * som + offs_i[None, :] * son
+        mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
+        # Each branch stores with masks it builds itself: a mask merged from branches loses
+        # the compiler's contiguity facts and the stores go scalar (H200: 1.3x the time).
+        # x_p . y_q and x_q . y_p round differently unless y is x, so on the diagonal
+        # only the lower triangle (p >= q, what tiles below it hold) is kept and mirrored.
+        if below:
+            tl.store(out_ptrs, out, mask=mask)
+            tl.store(mirror_ptrs, tl.trans(out), mask=mask_t)
+        elif HEIGHT == 1:  # the square diagonal tile: its lower triangle and its mirror
             out = tl.where(offs_i[:, None] >= offs_j[None, :], out, tl.trans(out))
-            tl.store(out_base + offs_i[:, None] * som + offs_j[None, :] * son, out, mask=mask)
+            tl.store(out_ptrs, out, mask=mask)
+        else:  # a tall tile across the diagonal: elements on or below it, then their mirrors
+            tl.store(out_ptrs, out, mask=mask & (offs_i[:, None] >= offs_j[None, :]))
+            upper = offs_i[None, :] > offs_j[:, None]
+            tl.store(mirror_ptrs, tl.trans(out), mask=mask_t & upper)
 
     @triton.jit
     def _sym_kernel(
@@ -245,16 +280,18 @@ if triton is not None:
         alpha, beta, diag,
         HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
+        HEIGHT: tl.constexpr,
     ):  # fmt: skip
-        i, j = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK), GROUP)
+        BLOCK_M: tl.constexpr = BLOCK * HEIGHT
+        i, j = _tile_of(tl.program_id(0), M, BLOCK, HEIGHT, GROUP)
         bid = tl.program_id(1).to(tl.int64)
         # Rows past M wrap (their outputs are masked at the store): no load masks on M.
-        rows_i = (i * BLOCK + tl.arange(0, BLOCK)) % M
+        rows_i = (i * BLOCK_M + tl.arange(0, BLOCK_M)) % M
         rows_j = (j * BLOCK + tl.arange(0, BLOCK)) % M
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + bid * sxb + rows_i[:, None] * sxm + offs_k[None, :] * sxk
         b_ptrs = y_ptr + bid * syb + rows_j[:, None] * sym + offs_k[None, :] * syk
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
@@ -270,7 +307,7 @@ if triton is not None:
             b_ptrs += BLOCK_K * syk
         _epilogue(
             acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
-            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
+            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK, HEIGHT,
         )  # fmt: skip
 
     @triton.jit
@@ -279,15 +316,15 @@ if triton is not None:
         scb, scm, scn, sob, som, son,
         alpha, beta, diag,
         HAS_C: tl.constexpr, SCALE_POWER: tl.constexpr, BLOCK: tl.constexpr,
-        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, GROUP: tl.constexpr, HEIGHT: tl.constexpr,
     ):  # fmt: skip
         # x_desc and y_desc view the batch as (batch * M, K): rows past a matrix's M read
         # the next matrix (or TMA's zero fill) and only reach masked outputs; K is zero-filled.
-        i, j = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK), GROUP)
+        i, j = _tile_of(tl.program_id(0), M, BLOCK, HEIGHT, GROUP)
         bid = tl.program_id(1).to(tl.int64)
-        row_i = (bid * M + i * BLOCK).to(tl.int32)
+        row_i = (bid * M + i * BLOCK * HEIGHT).to(tl.int32)
         row_j = (bid * M + j * BLOCK).to(tl.int32)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        acc = tl.zeros((BLOCK * HEIGHT, BLOCK), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             a = x_desc.load([row_i, k * BLOCK_K])
             b = y_desc.load([row_j, k * BLOCK_K])
@@ -296,7 +333,7 @@ if triton is not None:
             acc = tl.dot(a, tl.trans(b), acc)
         _epilogue(
             acc, i, j, bid, c_ptr, out_ptr, scale_ptr, M, scb, scm, scn, sob, som, son,
-            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK,
+            alpha, beta, diag, HAS_C, SCALE_POWER, BLOCK, HEIGHT,
         )  # fmt: skip
 
     @triton.jit
@@ -388,8 +425,8 @@ def sym_matmul(
     if isinstance(config, str):
         config = CONFIGS[config]
     cfg = config or config_for(m, k)
-    tiles = -(-m // cfg.block)
-    grid = (tiles * (tiles + 1) // 2, batch)
+    rows = -(-m // (cfg.block * cfg.height))  # tile rows of `_tile_of`
+    grid = (cfg.height * rows * (rows + 1) // 2, batch)
     has_c = c is not None
     # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: upcast there only.
     upcast = _interpreting()
@@ -402,15 +439,21 @@ def sym_matmul(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         block = [cfg.block, cfg.block_k]
-        x_desc = TensorDescriptor.from_tensor(x.view(batch * m, k), block)
-        y_desc = x_desc if same else TensorDescriptor.from_tensor(y.view(batch * m, k), block)
+        x_block = [cfg.height * cfg.block, cfg.block_k]
+        x_desc = TensorDescriptor.from_tensor(x.view(batch * m, k), x_block)
+        y_desc = (
+            x_desc
+            if same and cfg.height == 1
+            else TensorDescriptor.from_tensor(y.view(batch * m, k), block)
+        )
         _sym_kernel_tma[grid](
             x_desc, y_desc, cc, out, scale_arg, m, k,
             cc.stride(0), cc.stride(1), cc.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             *scalars,
             HAS_C=has_c, SCALE_POWER=power, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
-            UPCAST=upcast, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UPCAST=upcast, GROUP=cfg.group, HEIGHT=cfg.height,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _sym_kernel[grid](
@@ -421,7 +464,7 @@ def sym_matmul(
             out.stride(0), out.stride(1), out.stride(2),
             *scalars,
             HAS_C=has_c, SCALE_POWER=power, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block,
-            BLOCK_K=cfg.block_k, UPCAST=upcast, GROUP=cfg.group,
+            BLOCK_K=cfg.block_k, UPCAST=upcast, GROUP=cfg.group, HEIGHT=cfg.height,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.squeeze(0) if squeeze else out
@@ -450,9 +493,11 @@ def zeropower_triton(
     schedule: NewtonSchulzSchedule,
     eps: float,
     *,
+    dtype: torch.dtype | None = None,
     config: SymConfig | str | None = None,
 ) -> Tensor:
-    """`muon.newton_schulz.zeropower` (standard algorithm) with symmetric products.
+    """`muon.newton_schulz.zeropower` (standard algorithm) with symmetric products, in
+    `dtype` (default: x's).
 
     Same orientation, norm and schedule as the plain path, regrouped so that no pass
     is spent outside the matrix products: each iteration is
@@ -461,23 +506,32 @@ def zeropower_triton(
         P = a I + b A + c A A  sym_matmul(A, c=A, alpha=c, beta=b, diag=a)
         X = P X                torch.bmm (cuBLAS, no epilogue, no copy of X)
 
-    and the normalization X / ||X|| is folded into the first iteration (A scaled by
-    1/||X||^2 and P by 1/||X|| in their epilogues), so a tall input is read through a
-    transposed view and never copied. Agrees with the plain path to bf16 rounding
-    (not bitwise). Returns x's dtype (a transposed view for tall x).
+    In x's dtype the normalization X / ||X|| is folded into the first iteration (A
+    scaled by 1/||X||^2 and P by 1/||X|| in their epilogues), so a tall input is read
+    through a transposed view and never copied; in another dtype X is normalized and
+    cast once (`_normalized`) into the first of the two iterate buffers. Agrees with the
+    plain path to rounding (not bitwise). Returns `dtype` (a transposed view for tall x).
     """
     x, tall, squeeze = _oriented(x)
+    dtype = x.dtype if dtype is None else dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton path computes in bfloat16 or float16 but got: {dtype}")
     batch, m, n = x.shape
-    norm = matrix_norms(x).view(batch)  # one reduction per matrix: batch-invariant
+    norm = matrix_norms(x, torch.float32).view(batch)  # one reduction per matrix
     if schedule.norm_scale != 1.0:
         norm = norm * schedule.norm_scale
-    inv_norm = norm.clamp(min=eps).float().reciprocal()
-    gram = torch.empty(batch, m, m, device=x.device, dtype=x.dtype)
+    norm = norm.clamp(min=eps)
+    gram = torch.empty(batch, m, m, device=x.device, dtype=dtype)
     poly = torch.empty_like(gram)
-    buffers = [torch.empty(batch, m, n, device=x.device, dtype=x.dtype) for _ in range(2)]
+    if dtype == x.dtype:
+        inv_norm = norm.reciprocal()
+        buffers = [torch.empty(batch, m, n, device=x.device, dtype=dtype) for _ in range(2)]
+    else:
+        inv_norm = None
+        x = _normalized(x, norm, dtype)
+        buffers = [torch.empty_like(x), x]  # step 0 writes over the other buffer
     for step, (a, b, c) in enumerate(schedule.coefficients):
-        first = step == 0
-        scale = inv_norm if first else None
+        scale = inv_norm if step == 0 else None
         sym_matmul(x, out=gram, scale=scale, scale_power=2, config=config)
         sym_matmul(gram, gram, alpha=c, beta=b, diag=a, scale=scale, out=poly, config=config)
         x = torch.bmm(poly, x, out=buffers[step % 2])

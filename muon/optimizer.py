@@ -466,7 +466,7 @@ class _TorchElementwise:
             _local(step._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
         for i, target, update in targets:
             m = plan.matrices[i]
-            target.add_(update, alpha=-step._adjusted_lr(m))
+            target.add_(update.to(step._opt.ns_dtype), alpha=-step._adjusted_lr(m))
 
 
 class _FusedElementwise:
@@ -503,7 +503,7 @@ class _FusedElementwise:
             m = plan.matrices[i]
             hp = step._hp(m.param)
             decay = 1 - hp["lr"] * hp["weight_decay"]
-            fused.apply_(target, update, decay, -step._adjusted_lr(m))
+            fused.apply_(target, update, decay, -step._adjusted_lr(m), step._opt.ns_dtype)
 
 
 def _elementwise_for(device: torch.device) -> type[_TorchElementwise] | type[_FusedElementwise]:
@@ -706,6 +706,7 @@ class MuonStep:
                 _schedule(hp["ns_coefficients"], hp["ns_steps"]),
                 hp["eps"],
                 algorithm=hp["ns_algorithm"],
+                cast=False,  # rounded to ns_dtype by the apply (or the return exchange's copy)
             )
             results.update(zip(batch.matrices, out.unbind(0), strict=True))
         ns_s = clock.lap()

@@ -166,7 +166,7 @@ def _check_momentum(device, shape, grad_dtype, out_dtype, nesterov, momentum, eq
         equal(out, ref_out.to(out_dtype), layout)
 
 
-def _check_apply(device, shape, param_dtype, update_dtype, equal):
+def _check_apply(device, shape, param_dtype, update_dtype, round_to, equal):
     from muon import fused
 
     gen = torch.Generator(device=device).manual_seed(1)
@@ -175,14 +175,15 @@ def _check_apply(device, shape, param_dtype, update_dtype, equal):
         param_layout = "window" if layout == "window" else "contiguous"  # params are row-major
         param = _rect(shape, param_dtype, device, gen, param_layout)
         update = _rect(shape, update_dtype, device, gen, layout)
+        rounded = update if round_to is None else update.to(round_to)
         ref = param.clone()
         ref.mul_(1 - lr * weight_decay)
         if device.type == "cuda" or param_dtype == torch.float32:
-            ref.add_(update, alpha=-alr)
+            ref.add_(rounded, alpha=-alr)
         else:  # torch's CPU add rounds alpha to a bf16 param's dtype; CUDA's keeps it fp32
-            fma = _fma_f32(np.float32(-alr), update.float().numpy(), ref.float().numpy())
+            fma = _fma_f32(np.float32(-alr), rounded.float().numpy(), ref.float().numpy())
             ref.copy_(torch.from_numpy(fma))
-        fused.apply_(param, update, 1 - lr * weight_decay, -alr)
+        fused.apply_(param, update, 1 - lr * weight_decay, -alr, round_to)
         equal(param, ref, layout)
 
 
@@ -199,10 +200,12 @@ MOMENTUM_CASES = [
     (torch.float32, torch.bfloat16, True, 0.3),  # the other branch of each lerp
     (torch.float16, torch.float32, False, 0.0),
 ]
-APPLY_CASES = [
-    (torch.float32, torch.bfloat16),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float32, torch.float32),
+APPLY_CASES = [  # param, update, the dtype the update is rounded to (None: its own)
+    (torch.float32, torch.bfloat16, None),
+    (torch.bfloat16, torch.bfloat16, None),
+    (torch.float32, torch.float32, None),
+    (torch.float32, torch.float16, torch.bfloat16),  # an fp16 Newton-Schulz result, bf16 step
+    (torch.bfloat16, torch.float16, torch.bfloat16),
 ]
 
 
@@ -231,6 +234,8 @@ def test_interp_rejects():
         fused.apply_(torch.zeros(3, 4), torch.zeros(4, 3), 1.0, -0.1)
     with pytest.raises(ValueError):
         fused.apply_(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), 1.0, -0.1)
+    with pytest.raises(ValueError, match="rounded"):
+        fused.apply_(x, x, 1.0, -0.1, torch.float64)
 
 
 # -- the Muon step, fused vs torch elementwise ----------------------------------------------------

@@ -109,6 +109,10 @@ def test_ns_path_is_per_shape():
     assert cuda(side, long) == NewtonSchulzPath("gram", "torch", torch.float16)
     assert cuda(long - 1, side).algorithm == "standard"
     assert cuda(side, side, algorithm="gram").dtype == torch.float16
+    # the Triton standard iteration in fp16 too (bf16 folds a I into P at 8 bits)
+    triton = ns_path(4096, 4096, torch.bfloat16, "cuda", 9, "triton", "standard")
+    assert triton == NewtonSchulzPath("standard", "triton", torch.float16)
+    assert cuda(side, side).dtype == torch.bfloat16  # the plain standard path keeps bf16
     assert ns_path(64, 192, torch.float32, "cuda", 9, "torch", "gram").dtype == torch.float32
     with pytest.raises(ValueError, match="algorithm"):
         cpu(8, 8, algorithm="polar")

@@ -81,15 +81,18 @@ def test_backend_setting():
 
 def test_sym_config_names_the_launch_order():
     # the bench and `config_for` select configs by name: the band height is part of it
-    from muon.ns_triton import CONFIGS, LARGE_CONFIG, SMALL_CONFIG, SymConfig
+    from muon.ns_triton import CONFIGS, LARGE_CONFIG, MEDIUM_CONFIG, SMALL_CONFIG, SymConfig
 
     assert SymConfig(128, 64, 4, 3, group=1).name == "b128k64w4s3g1"
     assert SymConfig(128, 64, 8, 3, tma=True, group=16).name == "b128k64w8s3g16tma"
+    assert SymConfig(128, 64, 8, 3, height=2).name == "b256x128k64w8s3g1"
     assert all(name == cfg.name for name, cfg in CONFIGS.items())
     assert {cfg.group for cfg in CONFIGS.values()} >= {1, 4, 8, 16}
-    assert LARGE_CONFIG in CONFIGS and SMALL_CONFIG in CONFIGS
+    assert {LARGE_CONFIG, MEDIUM_CONFIG, SMALL_CONFIG} <= set(CONFIGS)
     with pytest.raises(ValueError, match="group"):
         SymConfig(128, 64, 4, 3, group=0)
+    with pytest.raises(ValueError, match="height"):
+        SymConfig(128, 64, 4, 3, height=0)
 
 
 @runs_interpreter
@@ -103,7 +106,12 @@ def test_interpreter_subprocess():
 def _interp_configs():
     from muon.ns_triton import SymConfig
 
-    return [SymConfig(16, 16, 4, 2), SymConfig(16, 32, 4, 2, tma=True)]
+    return [
+        SymConfig(16, 16, 4, 2),
+        SymConfig(16, 32, 4, 2, tma=True),
+        SymConfig(16, 16, 4, 2, height=2),
+        SymConfig(16, 32, 4, 2, tma=True, height=2, group=2),
+    ]
 
 
 # The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): 1 ulp.
@@ -369,7 +377,12 @@ def test_interp_sym_matmul_two_operands():
     ref_epi = scale.view(3, 1, 1).double() ** 2 * (
         alpha * ref + beta * y.double() + diag * torch.eye(53, dtype=torch.float64)
     )
-    configs = [SymConfig(16, 16, 4, 2, group=1), SymConfig(16, 32, 4, 2, tma=True, group=2)]
+    configs = [
+        SymConfig(16, 16, 4, 2, group=1),
+        SymConfig(16, 32, 4, 2, tma=True, group=2),
+        SymConfig(16, 16, 4, 2, height=2),  # 2 tile rows of 32: the last one partly past M
+        SymConfig(16, 16, 4, 2, tma=True, height=2),
+    ]
     for config in configs:
         out = sym_matmul(x, y=y, out=torch.full_like(x, float("nan")), config=config)
         assert torch.equal(out, out.mT), config.name
@@ -401,6 +414,7 @@ GPU_SHAPES = {
     "square": (1024, 1024),
     "batched": (4, 640, 1280),
     "batched_tall_ragged": (3, 1000, 300),
+    "large": (2048, 4096),  # tall tiles (`LARGE_CONFIG`)
 }
 
 
@@ -436,7 +450,7 @@ def test_gpu_fp64_reference(kind, name):
 def test_gpu_every_config():
     import triton.runtime.errors
 
-    from muon.ns_triton import CONFIGS, LARGE_CONFIG, SMALL_CONFIG, sym_matmul
+    from muon.ns_triton import CONFIGS, LARGE_CONFIG, MEDIUM_CONFIG, SMALL_CONFIG, sym_matmul
 
     # two commuting symmetric operands (c = y): the lower triangle, mirrored
     xs, ys = (t.cuda().half() for t in _commuting_pair(2, 640, seed=13))
@@ -451,7 +465,7 @@ def test_gpu_every_config():
                 out = sym_matmul(x, config=cfg)
             except triton.runtime.errors.OutOfResources:
                 # a candidate too big for this GPU's shared memory: never a default
-                assert cfg.name not in (LARGE_CONFIG, SMALL_CONFIG), cfg.name
+                assert cfg.name not in (LARGE_CONFIG, MEDIUM_CONFIG, SMALL_CONFIG), cfg.name
                 continue
             assert torch.equal(out, out.mT), cfg.name
             torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2, msg=cfg.name)
@@ -511,7 +525,7 @@ def test_gpu_normalized_is_torch_division_bitwise():
         assert torch.equal(_normalized(view, norm, torch.float16), expected), shape
 
 
-GPU_INVARIANCE_SHAPES = [(1024, 1024), (768, 2304), (2304, 768), (64, 512), (8, 48)]
+GPU_INVARIANCE_SHAPES = [(2048, 2048), (1024, 1024), (768, 2304), (2304, 768), (64, 512), (8, 48)]
 
 
 @pytest.mark.parametrize("shape", GPU_INVARIANCE_SHAPES)
