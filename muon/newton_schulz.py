@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -444,22 +444,30 @@ def ns_workspace_numel(
     batches: Iterable[tuple[int, int, int]],
     schedule: NewtonSchulzSchedule = KELLER_JORDAN,
     path: Callable[[int, int], NewtonSchulzPath] | None = None,
+    gram: Sequence[NewtonSchulzSchedule | None] | None = None,
 ) -> int:
     """Peak elements `zeropower` allocates for (count, rows, cols) batches run in this order.
 
     Each batch's result stays alive until the bucket is applied, so batch j's
     workspace sits on top of the earlier results. `path(rows, cols)` is the path each
     shape takes (e.g. `functools.partial(ns_path, dtype=..., device_type=...)`); None
-    means the standard algorithm. Elements are of the input's size (`NewtonSchulzPath.
-    dtype` always is).
+    means the standard algorithm. `gram`, when given, says per batch instead: the
+    schedule of a batch that takes Gram Newton-Schulz, None for the standard algorithm
+    (the planner, which knows a group's `ns_algorithm` but not the device). Elements are
+    of the input's size (`NewtonSchulzPath.dtype` always is).
     """
+    if path is not None and gram is not None:
+        raise ValueError("ns_workspace_numel takes `path` or `gram`, not both")
     peak = done = 0
-    for count, rows, cols in batches:
+    for j, (count, rows, cols) in enumerate(batches):
         chosen = path(rows, cols) if path is not None else None
-        gram = chosen is not None and chosen.algorithm == "gram"
         launch = 1 if chosen is not None and chosen.per_matrix else count
-        if gram:
-            need = gram_workspace_numel(launch, rows, cols, schedule)
+        if gram is not None:
+            gram_schedule = gram[j]
+        else:
+            gram_schedule = schedule if chosen is not None and chosen.algorithm == "gram" else None
+        if gram_schedule is not None:
+            need = gram_workspace_numel(launch, rows, cols, gram_schedule)
         else:
             need = standard_workspace_numel(launch, rows, cols)
         if launch < count:  # the output, filled one matrix at a time

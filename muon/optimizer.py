@@ -351,13 +351,20 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_plan(self) -> MuonPlan:
         """The plan for the current Muon params, rebuilt only when they or what shapes the
-        plan (groups, row blocks, ns_dtype, bucket cap) change."""
+        plan (groups, row blocks, ns_dtype, bucket cap, groups forced to Gram Newton-Schulz
+        and their schedules) change."""
         entries = self._muon_params()
         params = tuple(p for p, _ in entries)
+        gram = tuple(
+            (g, _schedule(group["ns_coefficients"], group["ns_steps"]))
+            for g, group in enumerate(self.param_groups)
+            if group["algorithm"] == "muon" and group["ns_algorithm"] == "gram"
+        )
         key = (
             tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
             self.ns_dtype,
             self.bucket_cap_bytes,
+            gram,
         )
         if (
             self._plan is None
@@ -366,7 +373,9 @@ class Muon(torch.optim.Optimizer):
         ):
             layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
             itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
-            self._plan = MuonPlan.build(layouts, self.bucket_cap_bytes, itemsize)
+            self._plan = MuonPlan.build(
+                layouts, self.bucket_cap_bytes, itemsize, gram_schedules=gram
+            )
             self._plan_params = params
             self._plan_key = key
         return self._plan

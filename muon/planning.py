@@ -29,7 +29,11 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from muon.newton_schulz import ns_flops, ns_workspace_numel  # re-exported for the planner
+from muon.newton_schulz import (  # ns_flops and ns_workspace_numel re-exported for the planner
+    NewtonSchulzSchedule,
+    ns_flops,
+    ns_workspace_numel,
+)
 
 # Default cap on the bytes of full matrices a bucket holds on one exchange
 # group (bf16): small enough to bound the workspace (512 MiB - 1 GiB
@@ -259,6 +263,11 @@ class ExchangePlan:
     me: int
     """This rank's index on the exchange axis (0 for a local bucket)."""
     itemsize: int
+    gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = ()
+    """(group, schedule) of the param groups with `ns_algorithm="gram"`: their batches'
+    workspace is Gram Newton-Schulz's. Other groups are modelled on the standard
+    algorithm, which bounds "auto"'s Gram too: it takes Gram only where the long side
+    is at least twice the short one, where Gram's workspace is the smaller."""
 
     @property
     def send_numel(self) -> int:
@@ -294,7 +303,11 @@ class ExchangePlan:
     @property
     def ns_numel(self) -> int:
         """Peak elements `zeropower` allocates on top of the buffers (see `ns_workspace_numel`)."""
-        return ns_workspace_numel([(len(b.matrices), b.rows, b.cols) for b in self.batches])
+        gram = dict(self.gram_schedules)
+        return ns_workspace_numel(
+            [(len(b.matrices), b.rows, b.cols) for b in self.batches],
+            gram=[gram.get(b.group) for b in self.batches],
+        )
 
     @property
     def workspace_bytes(self) -> int:
@@ -385,6 +398,8 @@ class MuonPlan:
     """Per bucket, its matrices with owners, in bucket order."""
     itemsize: int
     cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+    gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = ()
+    """`ExchangePlan.gram_schedules` of every exchange plan."""
     _exchanges: dict[tuple[int, frozenset[int]], ExchangePlan] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -399,6 +414,7 @@ class MuonPlan:
         cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         itemsize: int = 2,
         cost_fn: Callable[[int, int], int] = ns_flops,
+        gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = (),
     ) -> MuonPlan:
         """Plan buckets, then owners bucket by bucket, balancing `cost_fn(rows, cols)`.
 
@@ -427,7 +443,7 @@ class MuonPlan:
                     for m, o in zip(matrices, owners, strict=True)
                 )
             )
-        return cls(layouts, buckets, tuple(planned), itemsize, cap_bytes)
+        return cls(layouts, buckets, tuple(planned), itemsize, cap_bytes, gram_schedules)
 
     def seen_from(self, layouts: Sequence[ParamLayout]) -> MuonPlan:
         """This plan on the rank whose layouts (same params, other coordinates) are `layouts`.
@@ -449,7 +465,9 @@ class MuonPlan:
             tuple(bucket_matrices(layouts, bucket, owner=0)) if bucket.axis is None else planned
             for bucket, planned in zip(self.buckets, self.matrices, strict=True)
         )
-        return MuonPlan(layouts, self.buckets, matrices, self.itemsize, self.cap_bytes)
+        return MuonPlan(
+            layouts, self.buckets, matrices, self.itemsize, self.cap_bytes, self.gram_schedules
+        )
 
     def exchange(self, bucket: int, active: frozenset[int]) -> ExchangePlan:
         """This rank's exchange plan for `bucket` when only params in `active` step."""
@@ -457,7 +475,12 @@ class MuonPlan:
         plan = self._exchanges.get(key)
         if plan is None:
             plan = self._exchanges[key] = plan_exchange(
-                self.layouts, self.buckets[bucket], self.matrices[bucket], active, self.itemsize
+                self.layouts,
+                self.buckets[bucket],
+                self.matrices[bucket],
+                active,
+                self.itemsize,
+                self.gram_schedules,
             )
         return plan
 
@@ -484,7 +507,11 @@ class MuonPlan:
                     raise ValueError(f"params {members} are exchanged, not local")
                 bucket = Bucket(bucket_of[members[0]], members, cut.mesh_key, None, cut.nbytes)
                 matrices = bucket_matrices(self.layouts, bucket, owner=0)
-                plans.append(plan_exchange(self.layouts, bucket, matrices, active, self.itemsize))
+                plans.append(
+                    plan_exchange(
+                        self.layouts, bucket, matrices, active, self.itemsize, self.gram_schedules
+                    )
+                )
             plans = self._locals[key] = tuple(plans)
         return plans
 
@@ -568,6 +595,7 @@ def plan_exchange(
     matrices: Sequence[Matrix],
     active: frozenset[int],
     itemsize: int = 2,
+    gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = (),
 ) -> ExchangePlan:
     """Split sizes and buffer layouts for one rank and one bucket (see the module example).
 
@@ -622,4 +650,5 @@ def plan_exchange(
         tuple(batches),
         me,
         itemsize,
+        gram_schedules,
     )

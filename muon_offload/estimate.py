@@ -21,16 +21,17 @@ Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
   `launch_order`: each launch's send, receive and full buffers of exactly its
   `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`) from its start to its
   finish (a local launch holds only `full` and finishes as it starts), its
-  `ns_numel` on top while it finishes (`transient_peak_numel`), and on the torch
-  momentum path (CPU) its fp32 momentum-step results while it packs. After the
+  `ns_numel` on top while it finishes (`transient_peak_numel`: the standard
+  iteration's workspace, which bounds what "auto" takes on any device, the groups of
+  `muon_param_groups` here; the optimizer's own plan counts Gram's for groups that
+  force `ns_algorithm="gram"`), and on the torch momentum path (CPU) its fp32
+  momentum-step results while it packs. After the
   launches, torch's AdamW on CUDA (foreach) copies `sqrt(exp_avg_sq)` of every
   param of the call; on CPU (single tensor) one param at a time.
 The step's peak is kept + the step transient. Not modelled: the caching
 allocator's rounding and fragmentation, the first step's creation of state
-(with offload, one more chunk then), cuBLAS workspaces, Newton-Schulz paths
-other than the standard one (`ExchangePlan.ns_numel`; "auto" takes Gram for
-some shapes on CUDA), and with `overlap_forward` the chunk order (units sorted
-by the forward's first use).
+(with offload, one more chunk then), cuBLAS workspaces, and with `overlap_forward`
+the chunk order (units sorted by the forward's first use).
 """
 
 from __future__ import annotations

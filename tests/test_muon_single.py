@@ -347,3 +347,36 @@ def test_complex_params_are_refused_and_empty_ones_step_like_torch():
     _run(torch.optim.Muon(theirs), theirs)
     for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)
+
+
+def test_plan_models_the_gram_workspace(monkeypatch):
+    # issue 11: a group forced to Gram Newton-Schulz on squarish matrices (where Gram
+    # holds more than the standard iteration): the plan's workspace is what the step's
+    # Newton-Schulz launches allocate, earlier launches' results included
+    from ns_alloc_tracker import PeakTracker
+
+    from muon import optimizer as optimizer_module
+    from muon.newton_schulz import standard_workspace_numel
+
+    shapes = [(48, 48)] * 3 + [(40, 56), (24, 72)]
+    params = _params(shapes)
+    opt = Muon(params, ns_algorithm="gram", ns_dtype=torch.float32, bucket_cap_bytes=2**30)
+    calls = []
+    real = optimizer_module.zeropower
+
+    def tracked(x, *args, **kwargs):
+        with PeakTracker(ignore_numel=x.size(0)) as tracker:
+            out = real(x, *args, **kwargs)
+        calls.append((tracker.peak, out.numel()))
+        return out
+
+    monkeypatch.setattr(optimizer_module, "zeropower", tracked)
+    _run(opt, params, steps=1)
+    measured = done = 0
+    for peak, numel in calls:
+        measured, done = max(measured, done + peak), done + numel
+    (metric,) = opt.metrics
+    full = sum(r * c for r, c in shapes)
+    planned = metric.workspace_bytes // 4 - full  # a local bucket: its full buffer, then NS
+    assert planned == measured
+    assert planned > standard_workspace_numel(3, 48, 48) + sum(r * c for r, c in shapes[3:])

@@ -114,6 +114,8 @@ def test_ns_path_is_per_shape():
     assert triton == NewtonSchulzPath("standard", "triton", torch.float16)
     assert cuda(side, side).dtype == torch.bfloat16  # the plain standard path keeps bf16
     assert ns_path(64, 192, torch.float32, "cuda", 9, "torch", "gram").dtype == torch.float32
+    with pytest.raises(ValueError, match="`path` or `gram`"):
+        ns_workspace_numel([(1, 8, 8)], path=cpu, gram=[None])
     with pytest.raises(ValueError, match="algorithm"):
         cpu(8, 8, algorithm="polar")
     with pytest.raises(ValueError, match="algorithm"):
