@@ -1,6 +1,6 @@
 """The symmetric kernel alone: cuBLAS vs `muon.ns_triton.sym_matmul` under every config.
 
-Per (batch, m, k) and dtype (fp16, bf16), x of shape (batch, m, k):
+Per (m, k), batch count and dtype (fp16, bf16), x of shape (batch, m, k):
 
 - `cublas`: `torch.bmm(x, x.mT)`, the full m x m product;
 - `sym:<config>`: `sym_matmul(x, config=...)` (y = x), for every config in
@@ -13,7 +13,11 @@ Per (batch, m, k) and dtype (fp16, bf16), x of shape (batch, m, k):
 "Effective TFLOP/s" counts the full product, 2 batch m^2 k / t, so the symmetric kernel's
 saving of half the tiles shows as a rate above cuBLAS's. Prints a table, the ratios to
 cuBLAS and of each config's two-operand time to its one-operand time (same run), and the
-largest relative error against cuBLAS (a broken config shows there). Writes JSON.
+largest relative error against cuBLAS (a broken config shows there), and whether each
+config's result has the same bits as the first config's (`bits`: every config should, so
+a configuration is a choice of speed only). Batches of 1 and 2 are what the Muon step
+launches per shape from a 512 MiB bucket (about 1.4 Qwen3-8B layers); 24 is all 12
+layers' gate and up projections at once. Writes JSON.
 
     python -m bench.sym_kernel --out bench/results/sym_kernel_h200.json
     TRITON_INTERPRET=1 python -m bench.sym_kernel --device cpu --divisor 64 --warmup 0 \\
@@ -31,8 +35,8 @@ from bench.report import write_json
 from bench.timing import time_calls
 from muon import ns_triton
 
-SHAPES = [(24, 4096, 4096), (24, 4096, 12288), (24, 1024, 4096)]
-"""(batch, m, k)."""
+SHAPES = [(4096, 4096), (4096, 12288), (1024, 4096)]
+"""(m, k); each runs at every `--batches` count."""
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 BETA = 0.75
 
@@ -73,6 +77,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--configs", default="all", help="comma-separated ns_triton config names")
+    parser.add_argument("--batches", default="24,2,1", help="comma-separated batch counts")
     parser.add_argument("--dtypes", default="fp16,bf16")
     parser.add_argument("--out", default="bench/results/sym_kernel.json")
     args = parser.parse_args()
@@ -94,7 +99,8 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     entries: dict[str, dict[str, object]] = {}
-    for batch, m, k in SHAPES:
+    batches = [int(b) for b in args.batches.split(",")]
+    for batch, (m, k) in ((b, s) for s in SHAPES for b in batches):
         m, k = m // args.divisor, k // args.divisor
         flops = 2 * batch * m * m * k
         for dtype_name in args.dtypes.split(","):
@@ -104,6 +110,7 @@ def main() -> None:
             )
             entry: dict[str, object] = {"flops": flops}
             refs: dict[str, torch.Tensor] = {}
+            firsts: dict[str, torch.Tensor] = {}  # the first config's result per prefix
             for arm, (fn, ref) in _arms(x, configs, k == m, gen).items():
                 try:
                     out = fn()  # the first call compiles
@@ -118,6 +125,9 @@ def main() -> None:
                 else:
                     err = _rel_err(out, refs[ref])
                 entry[arm] = {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12, "err": err}
+                if ref is not None:
+                    first = firsts.setdefault(arm.split(":")[0], out)
+                    entry[arm]["same_bits"] = torch.equal(out, first)
                 if ref is not None and "ms" in entry.get(ref, {}):
                     entry[arm]["vs_cublas"] = entry[ref]["ms"] / entry[arm]["ms"]
                 one = arm.replace("sym2:", "sym:")
@@ -128,22 +138,26 @@ def main() -> None:
             for arm, v in entry.items():
                 if isinstance(v, dict) and "ms" in v:
                     rows.append((key, arm, v))
-            del x, refs
+            del x, refs, firsts
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     results["entries"] = entries
 
     print(
         f"\n{'shape:dtype':<22} {'arm':<26} {'ms':>9} {'eff TFLOP/s':>12} "
-        f"{'x cuBLAS':>9} {'2op/1op':>8} {'rel err':>9}"
+        f"{'x cuBLAS':>9} {'2op/1op':>8} {'rel err':>9} {'bits':>5}"
     )
     for key, arm, v in rows:
         vs = f"{v['vs_cublas']:.2f}" if "vs_cublas" in v else "-"
         two = f"{v['vs_one_operand']:.2f}" if "vs_one_operand" in v else "-"
+        bits = {True: "same", False: "DIFF"}.get(v.get("same_bits"), "-")
         print(
             f"{key:<22} {arm:<26} {v['ms']:>9.3f} {v['tflops']:>12.1f} "
-            f"{vs:>9} {two:>8} {v['err']:>9.1e}"
+            f"{vs:>9} {two:>8} {v['err']:>9.1e} {bits:>5}"
         )
+    differing = [f"{key} {arm}" for key, arm, v in rows if v.get("same_bits") is False]
+    results["configs_with_other_bits"] = differing
+    print(f"\nconfigs whose bits differ from the first config's: {differing or 'none'}")
     best = {}
     for key, entry in entries.items():
         for prefix in ("sym:", "sym2:"):

@@ -122,14 +122,18 @@ CONFIGS: dict[str, SymConfig] = {
         SymConfig(128, 64, 8, 4, height=2),
         SymConfig(128, 64, 8, 3, height=2, group=8),
         *(SymConfig(128, 64, 8, s, tma=True, height=2, group=g) for s in (3, 4) for g in (1, 8)),
+        # square TMA tiles, deeper pipelines, in bands
+        *(SymConfig(128, 64, 8, s, tma=True, group=8) for s in (4, 5)),
     )
 }
 """Candidates the bench times; `config_for` picks among them by shape class."""
 
-# H200, bench.sym_kernel (bench/measured/sym_kernel_tall_h200.log): tall TMA tiles run
-# x x^T at 1.12-1.20x the square tile's rate at m = 4096 (K = 4096 and 12288, fp16 and
-# bf16); at m = 1024 neither wins in both dtypes, so the square tile stays there
-LARGE_CONFIG = "b256x128k64w8s4g8tma"
+# H200, bench.sym_kernel (bench/measured/sym_kernel_square_h200.log): at m = 4096 square
+# TMA tiles with 8 warps and 4 stages beat the tall (256 x 128) tiles at every batch, most
+# where Muon's buckets launch 1 or 2 matrices: 272 tall tiles per matrix are 2.06 waves of
+# the H200's 132 SMs, the last almost empty, where 528 square ones are exactly 4. Every
+# configuration computes the same bits (tests/test_ns_triton.py), so this is speed only.
+LARGE_CONFIG = "b128k64w8s4g8tma"
 """m >= 2048 (the Qwen3-8B hidden and MLP sides)."""
 MEDIUM_CONFIG = "b128k64w4s3g1"
 """512 <= m < 2048 (b128k64w4s3: least total time over the Qwen3-8B shapes before tall tiles)."""

@@ -414,7 +414,7 @@ GPU_SHAPES = {
     "square": (1024, 1024),
     "batched": (4, 640, 1280),
     "batched_tall_ragged": (3, 1000, 300),
-    "large": (2048, 4096),  # tall tiles (`LARGE_CONFIG`)
+    "large": (2048, 4096),  # `LARGE_CONFIG`
 }
 
 
@@ -448,6 +448,8 @@ def test_gpu_fp64_reference(kind, name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
 def test_gpu_every_config():
+    # Each config is correct and computes the default config's bits: a configuration is a
+    # choice of speed, never of result (bench.sym_kernel's `bits` column says the same).
     import triton.runtime.errors
 
     from muon.ns_triton import CONFIGS, LARGE_CONFIG, MEDIUM_CONFIG, SMALL_CONFIG, sym_matmul
@@ -460,6 +462,11 @@ def test_gpu_every_config():
         ref = (x.float() @ x.float().mT).to(torch.bfloat16)
         a = (ref.float() / ref.float().abs().max()).bfloat16()
         ref_b = (-4.775 * a.float() + 2.0315 * (a.float() @ a.float())).bfloat16()
+        default = (
+            sym_matmul(x),
+            sym_matmul(a, a, alpha=2.0315, beta=-4.775),
+            sym_matmul(xs, ys, beta=0.75, y=ys),
+        )
         for cfg in CONFIGS.values():
             try:
                 out = sym_matmul(x, config=cfg)
@@ -474,6 +481,8 @@ def test_gpu_every_config():
             out2 = sym_matmul(xs, ys, beta=0.75, y=ys, config=cfg)
             assert torch.equal(out2, out2.mT), cfg.name
             torch.testing.assert_close(out2.double(), ref2, rtol=2e-3, atol=1e-4, msg=cfg.name)
+            for got, want in zip((out, out_b, out2), default, strict=True):
+                assert torch.equal(got, want), cfg.name
 
 
 @pytest.mark.gpu
