@@ -68,7 +68,7 @@ def _input(shape: tuple[int, ...], spectrum: str, gen: torch.Generator, device) 
 
 
 def _band(x: torch.Tensor) -> tuple[float, float]:
-    if not x.isfinite().all():  # e.g. Gram in bf16 (CPU) on a skewed spectrum
+    if not x.isfinite().all():  # a path that diverged (Gram in bf16 did on skewed spectra)
         return float("nan"), float("nan")
     sv = torch.linalg.svdvals(x.float())
     return sv.min().item(), sv.max().item()

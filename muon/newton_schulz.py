@@ -217,9 +217,12 @@ def ns_path(
     `capability` is the CUDA compute capability's major version (None elsewhere).
     "auto" algorithm: Gram where the aspect ratio pays on the matrix's backend
     (`GRAM_MIN_ASPECT`) on CUDA, else standard (on CPU always standard, so one matrix
-    equals torch.optim.Muon's result bit for bit). Gram, and the standard iteration on
-    the Triton backend, run in float16 on CUDA for 16-bit inputs, else in the input's
-    dtype (CPU float16 matmuls are very slow). H200, error against the fp64 iteration
+    equals torch.optim.Muon's result bit for bit). Gram runs in float16 for 16-bit inputs
+    on every device, as does the standard iteration on the Triton backend; else the input's
+    dtype. Gram in bf16 is not stable: on CPU (tests/test_newton_schulz.py) it returned
+    NaN for deepseek_v4 on a skewed spectrum and 1.7-6x the plain bf16 path's error
+    otherwise. CPU float16 matmuls are slow (20-60x bf16's at 256 x 256), a cost only a
+    forced CPU Gram pays: "auto" never takes Gram on CPU. H200, error against the fp64 iteration
     (bench.ns_accuracy, bench/measured/ns_accuracy_h200.log), Gaussian inputs: Gram fp16
     1.8-4.3e-3, Triton standard fp16 1.8-2.2e-3, the plain bf16 standard path 5.6-13e-3;
     Triton standard in bf16 (P = a I + b A + c A^2 rounded to 8 bits, a I included) had
@@ -244,7 +247,7 @@ def ns_path(
         algorithm = "gram" if cuda and aspect >= GRAM_MIN_ASPECT[backend] else "standard"
     compute = dtype
     sixteen_bit = dtype in (torch.bfloat16, torch.float16)
-    if cuda and sixteen_bit and (algorithm == "gram" or backend == "triton"):
+    if sixteen_bit and (algorithm == "gram" or backend == "triton"):
         compute = torch.float16
     # fp32 batched cuBLAS products were not batch-invariant on the H200 (a matrix's Muon
     # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were.
