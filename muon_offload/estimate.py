@@ -22,9 +22,9 @@ Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
   `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`) from its start to its
   finish (a local launch holds only `full` and finishes as it starts), its
   `ns_numel` on top while it finishes (`transient_peak_numel`: the standard
-  iteration's workspace, which bounds what "auto" takes on any device, the groups of
-  `muon_param_groups` here; the optimizer's own plan counts Gram's for groups that
-  force `ns_algorithm="gram"`), and on the torch momentum path (CPU) its fp32
+  iteration's workspace, which bounds what "auto" takes on any device; Gram's with
+  `StepSettings.ns_algorithm="gram"`, as the optimizer's plan counts it for groups that
+  force it), and on the torch momentum path (CPU) its fp32
   momentum-step results while it packs. After the
   launches, torch's AdamW on CUDA (foreach) copies `sqrt(exp_avg_sq)` of every
   param of the call; on CPU (single tensor) one param at a time.
@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from muon.model_shapes import ParamShape, meta_module
-from muon.newton_schulz import ns_flops
-from muon.optimizer import DEFAULT_MAX_INFLIGHT
+from muon.newton_schulz import SCHEDULES, ns_flops
+from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
 from muon.param_groups import muon_param_groups
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,
@@ -144,6 +144,12 @@ class StepSettings:
     offload_slots: int = DEFAULT_STAGING_SLOTS
     offload_resident_bytes: int = 0
     """`CPUOffloadOptimizer`'s `gpu_resident_bytes` (an int: "auto" decides at run time)."""
+    ns_algorithm: str = "auto"
+    """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
+    workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""
+    ns_schedule: str = "keller_jordan"
+    """The Newton-Schulz schedule (a key of `muon.SCHEDULES`): Gram's workspace follows
+    its restart segments."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_bytes <= 0:
@@ -161,6 +167,14 @@ class StepSettings:
         if self.offload_resident_bytes < 0:
             raise ValueError(
                 f"offload_resident_bytes should be >= 0 but is: {self.offload_resident_bytes}"
+            )
+        if self.ns_algorithm not in NS_ALGORITHMS:
+            raise ValueError(
+                f"ns_algorithm should be one of {NS_ALGORITHMS} but is: {self.ns_algorithm!r}"
+            )
+        if self.ns_schedule not in SCHEDULES:
+            raise ValueError(
+                f"ns_schedule should be one of {tuple(SCHEDULES)} but is: {self.ns_schedule!r}"
             )
 
     def as_dict(self) -> dict[str, object]:
@@ -489,6 +503,10 @@ def estimate(
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
     muon, adamw = _split(module, row_blocks)
     itemsize = settings.ns_dtype.itemsize
+    gram = ()
+    if settings.ns_algorithm == "gram":  # as `Muon._muon_plan` keys the groups forcing it
+        schedule = SCHEDULES[settings.ns_schedule]
+        gram = tuple((g, schedule) for g in sorted({g for _, _, _, g in muon}))
     built: dict[tuple[int, ...], MuonPlan] = {}
     plans, ranks = [], []
     for rank in range(mesh.fsdp):
@@ -502,7 +520,9 @@ def estimate(
         if key in built:
             plan = built[key].seen_from(layouts)
         else:
-            plan = built[key] = MuonPlan.build(layouts, settings.bucket_cap_bytes, itemsize)
+            plan = built[key] = MuonPlan.build(
+                layouts, settings.bucket_cap_bytes, itemsize, gram_schedules=gram
+            )
         plans.append(plan)
         ranks.append(_rank(plan, layouts, adamw, mesh, settings, rank))
     padded = tuple(padded_alternative(plans[0], b) for b in range(len(plans[0].buckets)))

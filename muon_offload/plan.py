@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from muon.model_shapes import PRESETS, from_config, from_preset, load_config
-from muon.optimizer import DEFAULT_MAX_INFLIGHT
+from muon.newton_schulz import SCHEDULES
+from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
 from muon.planning import DEFAULT_BUCKET_CAP_BYTES, MuonPlan
 from muon_offload.estimate import (
     EXPERT_SHARDS,
@@ -314,6 +315,11 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
+        "--ns-algorithm", choices=NS_ALGORITHMS, default="auto",
+        help="Muon's ns_algorithm: gram plans Gram Newton-Schulz's workspace",
+    )  # fmt: skip
+    p.add_argument("--ns-schedule", choices=sorted(SCHEDULES), default="keller_jordan")
+    p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda",
         help="cuda: fused momentum kernel and foreach AdamW; cpu: the torch paths",
     )  # fmt: skip
@@ -346,6 +352,8 @@ def settings_from(args: argparse.Namespace) -> StepSettings:
         offload_chunk_bytes=int(args.offload_chunk_mib * 2**20),
         offload_slots=args.offload_slots,
         offload_resident_bytes=int(args.offload_resident_mib * 2**20),
+        ns_algorithm=args.ns_algorithm,
+        ns_schedule=args.ns_schedule,
     )
 
 

@@ -317,7 +317,7 @@ def _dtensors(module, model, device_meshes, rank):
         setattr(owner, leaf, param)
 
 
-def _check_world(world: int, transient: bool) -> None:
+def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
@@ -333,6 +333,7 @@ def _check_world(world: int, transient: bool) -> None:
             device="cpu",
             offload_chunk_bytes=OFFLOAD_CHUNK,
             offload_slots=2,
+            ns_algorithm=ns_algorithm,
         )
         model = estimate(from_module(module), spec, settings)
         dense_shape = (spec.fsdp,) if spec.replicate == 1 else (spec.replicate, spec.fsdp)
@@ -349,6 +350,7 @@ def _check_world(world: int, transient: bool) -> None:
             bucket_cap_bytes=CAP,
             max_inflight=2,
             ns_dtype=torch.float32,
+            ns_algorithm=ns_algorithm,
         )
         opt.step()
         estimated = model.ranks[rank % spec.fsdp]
@@ -419,8 +421,8 @@ def _check_measured_transient(opt, model, rank: int, adamw: int, where: str) -> 
     assert expected <= measured <= 1.02 * expected + 256 + late, (where, measured, expected, late)
 
 
-def _worker(rank: int, world: int, transient: bool) -> None:
-    _check_world(world, transient)
+def _worker(rank: int, world: int, transient: bool, ns_algorithm: str = "auto") -> None:
+    _check_world(world, transient, ns_algorithm)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -431,6 +433,23 @@ def test_optimizer_builds_the_planned_plan(world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_measured_step_transient_is_the_estimate(world):
     run_on_ranks(_worker, world, True)
+
+
+def test_estimate_plans_gram_workspace_when_forced():
+    # the estimate's workspace and transient follow ns_algorithm="gram" as the optimizer's
+    # plan does (before StepSettings took ns_algorithm it could only model the standard one)
+    run_on_ranks(_worker, 2, True, "gram")
+    module = meta_module(from_config(TINY_MOE))
+    plain, gram = (
+        estimate(from_module(module), MeshSpec(2), StepSettings(ns_algorithm=a))
+        for a in ("standard", "gram")
+    )
+    ws = [[load.ns_bytes for load in m.ranks[0].loads] for m in (plain, gram)]
+    assert ws[0] != ws[1], ws
+    with pytest.raises(ValueError, match="ns_algorithm should be one of"):
+        StepSettings(ns_algorithm="svd")
+    with pytest.raises(ValueError, match="ns_schedule should be one of"):
+        StepSettings(ns_schedule="newton")
 
 
 # -- the estimate against the allocator on a GPU -----------------------------------------------
