@@ -212,15 +212,19 @@ def test_interp_zeropower(name, shape):
 @interp
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_interp_zeropower_bf16_dispatch(name):
-    # bf16 through zeropower(backend="triton"); the interpreter truncates fp32 -> bf16
-    # (biased, where the GPU rounds to nearest), so only a loose bound holds here
+    # bf16 through zeropower(backend="triton"): normalized and cast to fp16 (`_normalized`),
+    # iterated in fp16 as on the GPU (`ns_path`), the result cast back. Measured here:
+    # 0.18-0.33x the plain bf16 path's error against the fp64 iteration
+    from muon.newton_schulz import path_for
+
     schedule = SCHEDULES[name]
     x = torch.randn(2, 20, 36, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert path_for(x, "triton").dtype == torch.float16
     fast = zeropower(x, schedule, backend="triton")
     assert fast.dtype == torch.bfloat16
     plain = zeropower(x, schedule, backend="torch")
     ref = _fp64_reference(x, schedule)
-    assert _rel(fast, ref) <= 4 * _rel(plain, ref) + 1e-2
+    assert _rel(fast, ref) <= 0.5 * _rel(plain, ref), (_rel(fast, ref), _rel(plain, ref))
 
 
 @interp
