@@ -12,7 +12,8 @@ exchange overhead. NS TFLOP/s uses REFERENCE.md's dense cost (4 m^2 n + 2 m^3 pe
 iteration) against a bf16 8192^3 matmul measured in the same run, in a burst and
 sustained (back to back for ~0.6 s, where the GPU sits at its power-limited clock as
 during a step); the floor is the symmetric kernels' FLOPs (3 m^2 n + m^3 per
-iteration) at the sustained rate. Parity: the
+iteration) at the sustained rate; the step floor adds the momentum and apply passes' bytes
+(24 per fp32 param) at a device-to-device copy rate measured in the same run. Parity: the
 first layer's params and momentum after the timed steps, fused/triton vs
 torch/triton (same inputs, same NS). Prints a table, writes JSON. Runs in well
 under 2 minutes.
@@ -32,7 +33,13 @@ import torch
 
 from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER, params_with_grads
-from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls
+from bench.timing import (
+    copy_bandwidth_gbs,
+    matmul_tflops,
+    sustained_matmul_tflops,
+    sync,
+    time_calls,
+)
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower
 from muon.newton_schulz import (
     gram_flops_symmetric,
@@ -107,6 +114,12 @@ def main() -> None:
 
     peak = matmul_tflops(device, 8192 // args.divisor, args.warmup, args.repeats)
     sustained = sustained_matmul_tflops(device, 8192 // args.divisor)
+    copy_gbs = copy_bandwidth_gbs(device, 2**30 // args.divisor**2)
+    # Bytes per param element of the step's two memory-bound passes on these fp32 params:
+    # momentum reads the grad and the fp32 buffer, writes the buffer and the 16-bit
+    # Newton-Schulz input; apply reads the 16-bit update and reads and writes the param.
+    numel = sum(r * c for r, c in shapes)
+    elementwise_bytes = numel * ((4 + 4 + 4 + 2) + (2 + 4 + 4))
     results: dict[str, object] = {
         "torch": torch.__version__,
         "device": name,
@@ -118,6 +131,9 @@ def main() -> None:
         "ns_floor_sustained_ms": 1e3 * sym_flops / (sustained * 1e12),
         "ns_default_tflop_per_step": default_flops / 1e12,
         "ns_default_floor_sustained_ms": 1e3 * default_flops / (sustained * 1e12),
+        "copy_gbs": copy_gbs,
+        "elementwise_bytes": elementwise_bytes,
+        "elementwise_floor_ms": 1e3 * elementwise_bytes / (copy_gbs * 1e9),
     }
     ns_backends = ["torch"] if args.no_triton else ["torch", "triton"]
 
@@ -229,6 +245,14 @@ def main() -> None:
         f"{default_floor:.1f} ms at the sustained rate; {best} at "
         f"{results[f'{best}_ms'] / default_floor:.2f}x that floor"
     )
+    step_floor = default_floor + results["elementwise_floor_ms"]
+    print(
+        f"momentum and apply move {elementwise_bytes / 1e9:.1f} GB: "
+        f"{results['elementwise_floor_ms']:.1f} ms at the copy rate measured here "
+        f"({copy_gbs:.0f} GB/s); with the default path's FLOP floor a step floor of "
+        f"{step_floor:.1f} ms; {best} at {results[f'{best}_ms'] / step_floor:.2f}x it"
+    )
+    results["step_floor_ms"] = step_floor
     if "fused_vs_torch_bitwise" in results:
         print(
             f"parity fused vs torch elementwise (layer 0 params + momentum): bitwise "

@@ -59,6 +59,15 @@ def sustained_matmul_tflops(device: torch.device, n: int, seconds: float = 0.6) 
     return 2 * n**3 * calls / total / 1e12
 
 
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30) -> float:
+    """Measured device-to-device copy rate, bytes read plus bytes written per second / 1e9:
+    the ceiling for memory-bound passes (on the CPU, a large memcpy)."""
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = statistics.median(time_calls(lambda: dst.copy_(src), device, 2, 5))
+    return 2 * nbytes / seconds / 1e9
+
+
 def timed_window(
     step: Callable[[], object], steps: int, device: torch.device
 ) -> tuple[list[float], float]:
