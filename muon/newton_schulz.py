@@ -219,10 +219,12 @@ def ns_path(
     (`GRAM_MIN_ASPECT`) on CUDA, else standard (on CPU always standard, so one matrix
     equals torch.optim.Muon's result bit for bit). Gram runs in float16 for 16-bit inputs
     on every device, as does the standard iteration on the Triton backend; else the input's
-    dtype. Gram in bf16 is not stable: on CPU (tests/test_newton_schulz.py) it returned
-    NaN for deepseek_v4 on a skewed spectrum and 1.7-6x the plain bf16 path's error
-    otherwise. CPU float16 matmuls are slow (20-60x bf16's at 256 x 256), a cost only a
-    forced CPU Gram pays: "auto" never takes Gram on CPU. H200, error against the fp64 iteration
+    dtype. Gram in bf16 is not stable: in one CPU run over 256 x 256, 768 x 256 and 64 x 256
+    inputs it returned NaN for deepseek_v4 on skewed spectra and 1.0-6.4x the plain bf16
+    path's error otherwise, fp16 0.13-0.79x (tests/test_newton_schulz.py holds a skewed case).
+    CPU float16 matmuls are slow (there Gram took 9-73x bf16's time at 256 x 256), a cost
+    only a forced CPU Gram pays: "auto" never takes Gram on CPU. H200, error against the fp64
+    iteration
     (bench.ns_accuracy, bench/measured/ns_accuracy_h200.log), Gaussian inputs: Gram fp16
     1.8-4.3e-3, Triton standard fp16 1.8-2.2e-3, the plain bf16 standard path 5.6-13e-3;
     Triton standard in bf16 (P = a I + b A + c A^2 rounded to 8 bits, a I included) had
