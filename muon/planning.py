@@ -267,7 +267,7 @@ class ExchangePlan:
     """(group, schedule) of the param groups with `ns_algorithm="gram"`: their batches'
     workspace is Gram Newton-Schulz's. Other groups are modelled on the standard
     algorithm, which bounds "auto"'s Gram too: it takes Gram only where the long side
-    is at least twice the short one, where Gram's workspace is the smaller."""
+    is at least twice the short one, where Gram's workspace is no larger."""
 
     @property
     def send_numel(self) -> int:
