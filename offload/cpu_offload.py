@@ -38,7 +38,7 @@ from offload.chunk_plan import (
     staging_slot_order,
     unit_sizes,
 )
-from offload.forward_overlap import ForwardOverlap
+from offload.forward_overlap import ForwardOverlap, check_reads_are_seen
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
 from offload.residency import (
     AUTO_MEASURED_STEPS,
@@ -346,6 +346,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"overlap_forward needs an optimizer with a subset step; "
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
+            check_reads_are_seen(overlap_forward, self._params)
             self._overlap = ForwardOverlap(overlap_forward, self._streams, staging_slots)
             self._overlap.timer = self._timer
             if load_in_backward:
@@ -427,8 +428,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> dict[Tensor, dict[str, Any]]:  # type: ignore[override]
         """The wrapped optimizer's state, once the last step has written it back (an
-        overlapped step's pending chunks run first, as for `state_dict`)."""
+        overlapped step's pending chunks run first, as for `state_dict`). Chunks the
+        backward loaded for the next step are loaded again by it: the caller may edit
+        their state in place."""
         self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
         return self.optimizer.state
 
     @property

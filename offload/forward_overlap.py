@@ -2,20 +2,28 @@
 object that runs an offloaded step's chunks as the next forward reaches them.
 
 With forward overlap the offloaded step's chunks update params on a side stream
-while the next forward runs. A module must not read (FSDP2: all-gather) its
-params before the chunk holding them has stepped, so a forward pre-hook,
-prepended so it runs before FSDP2's own unshard hook, waits for that chunk (and for
-the chunks of the modules FSDP2 prefetches from there).
+while the next forward runs. Nothing may read or write a param before the chunk
+holding it has stepped:
+- a forward pre-hook on each module that reads params (prepended, so it runs before
+  FSDP2's own unshard hook) waits for their chunk (and for the chunks of the modules
+  FSDP2 prefetches from there), and enqueues the chunks a few ahead of the forward;
+- a torch function mode, on the trainer's thread only while a step is pending, makes
+  any torch call given a param whose chunk has not landed wait for it first: a tied
+  weight read by the module the hooks did not expect, a functional read of another
+  module's weight, `model.state_dict()` / `load_state_dict()`, an in-place edit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from offload.residency import StepTimer
@@ -112,6 +120,25 @@ def forward_prefetched(module: nn.Module) -> list[nn.Module]:
     return [m for state in states for m in getattr(state, "_modules", ())]
 
 
+def check_reads_are_seen(model: nn.Module, params: Sequence[Tensor]) -> None:
+    """Refuse params whose reads neither the hooks nor the pending-read mode can see.
+
+    FSDP2 all-gathers a unit's params from their local shards, not through a torch call
+    on the param, so only a hook on the unit's module sees that read: every sharded
+    (DTensor) param must belong to an FSDP2 module inside `model`. Other params are
+    seen wherever they are read.
+    """
+    owned = {p for _, ps in param_owners(model) for p in ps}
+    for index, param in enumerate(params):
+        if hasattr(param, "placements") and param not in owned:
+            raise ValueError(
+                f"param {index} (shape {tuple(param.shape)}) is a sharded DTensor that no "
+                f"FSDP2 module inside overlap_forward ({type(model).__name__}) manages: its "
+                "all-gather would read it before its update lands. Pass the root module that "
+                "was fully_shard-ed (the one the trainer calls) as overlap_forward"
+            )
+
+
 class ForwardOverlap:
     """Runs an offloaded step's chunks as the next forward reaches the modules that read them.
 
@@ -150,8 +177,11 @@ class ForwardOverlap:
         with (how many of them the backward has passed, how many there are)."""
         self._watch_inputs = False  # in the first forward after a step
         self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
+        self._param_chunk: dict[int, tuple[int, int]] = {}  # id(param) -> (chunk, needs)
+        self._landed = -1  # the last chunk the trainer's stream has waited for
+        self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
-        self._remove_hooks = weakref.finalize(self, _remove, handles)
+        self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
 
     def close(self) -> None:
         """Remove the hooks; the model's forward no longer calls into this object."""
@@ -185,6 +215,7 @@ class ForwardOverlap:
             max((param_end[p] for p in params if p in chunk_of), default=0) for params in waited
         ]
         self._step_bytes = max(param_end.values(), default=0)
+        self._param_chunk = {id(p): (c, param_end[p]) for p, c in chunk_of.items()}
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
     def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
@@ -197,9 +228,11 @@ class ForwardOverlap:
                 grad.record_stream(side)
         self._pending = pending
         self._enqueued = 0
+        self._landed = -1
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
         self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
+        self._reads.push()
 
     def advance(self, last: int) -> None:
         """Enqueue the pending step's chunks up to index `last`.
@@ -213,6 +246,7 @@ class ForwardOverlap:
             torch.inference_mode(False),
             torch.no_grad(),
             torch.autocast(self._streams.device.type, enabled=False),
+            self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
                 if next(self._pending, StopIteration) is StopIteration:
@@ -226,6 +260,7 @@ class ForwardOverlap:
         if self._in_flight and self.chunk_done:
             self._wait_for_chunk(len(self.chunk_done) - 1, self._step_bytes)
         self._in_flight = False
+        self._reads.pop()
 
     def _wait_for_chunk(self, chunk: int, needs: int, module: nn.Module | None = None) -> None:
         """The trainer's stream (and `module`'s all-gather streams) wait for `chunk`'s update;
@@ -234,6 +269,7 @@ class ForwardOverlap:
         current = streams.current()
         before = timer.mark(current) if timer is not None else None
         streams.wait(current, done)
+        self._landed = max(self._landed, chunk)
         if timer is not None:
             timer.waited(chunk, needs, before, timer.mark(current))
         if done is not None and module is not None:
@@ -262,6 +298,21 @@ class ForwardOverlap:
         self.advance(chunk + self._staging_slots)  # keep a few chunks ahead of the forward
         self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
 
+    def _before_read(self, func: Callable[..., Any], values: Iterable[Any]) -> None:
+        """Before a torch call `func` on `values` (args and kwargs, one level of lists):
+        wait for the chunk of any param among them that has not landed on the trainer's
+        stream, unless `func` touches no data (`p.grad = None` in `zero_grad`, `p.shape`)."""
+        param_chunk, landed = self._param_chunk, self._landed
+        chunk, needs = -1, 0
+        for value in values:
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                found = param_chunk.get(id(item))
+                if found is not None and found[0] > max(chunk, landed):
+                    chunk, needs = found
+        if chunk >= 0 and _touches_data(func):
+            self.advance(chunk + self._staging_slots)
+            self._wait_for_chunk(chunk, needs)
+
     def _after_forward(self) -> None:
         if self._in_flight:
             self.finish()
@@ -275,6 +326,82 @@ class ForwardOverlap:
                 tensor.register_hook(
                     _backward_reached_hook(weakref.ref(self), passed, len(watched))
                 )
+
+
+class _PendingReads(TorchFunctionMode):
+    """Torch calls on the trainer's thread wait for the pending chunk of any param they
+    are given, while a step is pending (pushed by `start`, popped by `finish`).
+
+    The mode stack is per thread: a read from another thread is not seen (the module
+    hooks still are). `pop` removes this mode from wherever it is on the stack, since
+    a user's own mode may have been pushed above it since `step()`. Private API
+    (`torch._C`'s torch function stack: `_len_torch_function_stack`,
+    `_get_function_stack_at`, `_pop_torch_function_stack`,
+    `_push_on_torch_function_stack`; torch 2.11 and 2.13).
+    """
+
+    def __init__(self, overlap: weakref.ref[ForwardOverlap]) -> None:
+        super().__init__()
+        self._overlap = overlap
+        self._suspended = False
+        self._pushed = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        target = self._overlap()
+        if target is not None and not self._suspended and target._in_flight:
+            target._before_read(func, itertools.chain(args, kwargs.values()))
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
+
+    def push(self) -> None:
+        if not self._pushed:
+            torch._C._push_on_torch_function_stack(self)
+            self._pushed = True
+
+    def pop(self) -> None:
+        if not self._pushed:
+            return
+        self._pushed = False
+        stack = [torch._C._get_function_stack_at(i) for i in range(_stack_len())]
+        if self not in stack:  # pushed on another thread: left inactive there
+            return
+        above = stack[stack.index(self) + 1 :]
+        for _ in range(len(above) + 1):
+            torch._C._pop_torch_function_stack()
+        for mode in above:
+            torch._C._push_on_torch_function_stack(mode)
+
+
+_METADATA = frozenset(
+    (
+        *("grad", "_grad", "grad_fn", "requires_grad", "requires_grad_", "is_leaf"),
+        *("register_hook", "register_post_accumulate_grad_hook", "retain_grad"),
+        *("shape", "size", "dtype", "device", "layout", "ndim", "dim", "numel", "nelement"),
+        *("stride", "storage_offset", "is_contiguous", "element_size", "data_ptr"),
+        *("is_cuda", "is_sparse", "is_meta", "is_floating_point", "is_complex", "get_device"),
+        *("__len__", "names"),
+    )
+)
+"""Tensor attributes and methods that read or set no param values."""
+
+
+def _touches_data(func: Callable[..., Any]) -> bool:
+    name = func.__name__
+    if name in ("__get__", "__set__", "__delete__"):  # a property: named by its descriptor
+        name = getattr(func.__self__, "__name__", name)
+    return name not in _METADATA
+
+
+def _stack_len() -> int:
+    return torch._C._len_torch_function_stack()
 
 
 def _first_grad_tensor(values: Iterable[Any]) -> Tensor | None:
@@ -329,6 +456,7 @@ def _register_hooks(
     return handles
 
 
-def _remove(handles: list[RemovableHandle]) -> None:
+def _remove(handles: list[RemovableHandle], reads: _PendingReads) -> None:
     for handle in handles:
         handle.remove()
+    reads.pop()

@@ -1,0 +1,194 @@
+"""Forward overlap never trains on stale weights: whatever reads or writes a param (or its
+state) while a step is pending sees the update landed, exactly as without overlap.
+
+On the CPU the pending chunks run lazily (only when something waits for them), so every
+read that the overlap does not know of shows up as a difference from the plain run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from offload import CPUOffloadOptimizer
+
+
+class TiedHeadFirst(nn.Module):
+    """An embedding tied to the head, the head registered first but called last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 40, bias=False)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.embed = nn.Embedding(40, 16)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+class TiedEmbedFirst(TiedHeadFirst):
+    """The usual order: the embedding registered and called first."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.embed = nn.Embedding(40, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.embed.weight
+
+
+class FunctionalHead(nn.Module):
+    """The root's forward reads the head's weight without calling the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 40)
+
+    def forward(self, tokens):
+        return F.linear(self.body(self.embed(tokens)), self.head.weight, self.head.bias)
+
+
+class Outside(nn.Module):
+    """Overlap given `body` only: the embedding (read first) and head lie outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 40)
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+def _tokens(steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 40, (3, 4), generator=gen) for _ in range(steps)]
+
+
+def _train(model, opt, data, after_step=None, after_backward=None) -> list[float]:
+    losses = []
+    for tokens in data:
+        opt.zero_grad()
+        loss = model(tokens).square().mean()
+        losses.append(loss.item())
+        loss.backward()
+        if after_backward is not None:
+            after_backward(model, opt)
+        opt.step()
+        if after_step is not None:
+            after_step(model, opt)
+    return losses
+
+
+def _pair(make_model, overlap_of=lambda m: m, **options):
+    torch.manual_seed(0)
+    plain_model = make_model()
+    model = copy.deepcopy(plain_model)
+    plain = CPUOffloadOptimizer(torch.optim.AdamW(plain_model.parameters(), lr=1e-2), chunk_bytes=1)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=1,
+        overlap_forward=overlap_of(model),
+        **options,
+    )
+    return plain_model, plain, model, overlapped
+
+
+def _assert_same(plain_model, plain, model, overlapped):
+    overlapped.wait_for_optimizer_step()
+    for (name, a), b in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    ref, got = plain.state_dict(), overlapped.state_dict()
+    for index, entries in ref["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(value, got["state"][index][key]), (index, key)
+
+
+@pytest.mark.parametrize(
+    "make_model, overlap_of",
+    [
+        (TiedHeadFirst, lambda m: m),
+        (TiedEmbedFirst, lambda m: m),
+        (FunctionalHead, lambda m: m),
+        (Outside, lambda m: m.body),
+        (Outside, lambda m: m.body[1]),  # owns no params at all
+    ],
+    ids=["tie_head_first", "tie_embed_first", "functional_read", "outside", "owns_none"],
+)
+def test_readers_the_hooks_do_not_know_see_the_update(make_model, overlap_of):
+    plain_model, plain, model, overlapped = _pair(make_model, overlap_of)
+    data = _tokens(4)
+    assert _train(plain_model, plain, data) == _train(model, overlapped, data)
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+def test_model_state_dict_while_pending_holds_the_update():
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    saved = []
+    data = _tokens(3)
+    _train(plain_model, plain, data)
+    _train(
+        model,
+        overlapped,
+        data,
+        after_step=lambda m, o: saved.append({k: v.clone() for k, v in m.state_dict().items()}),
+    )
+    for key, value in plain_model.state_dict().items():
+        assert torch.equal(value, saved[-1][key]), key
+
+
+def test_model_load_state_dict_while_pending_is_not_overwritten():
+    # rolling back after a loss spike: the loaded weights are the ones trained on
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    good = {k: v.clone() for k, v in plain_model.state_dict().items()}
+
+    def roll_back(m, o):
+        m.load_state_dict(good)
+
+    data = _tokens(4)
+    assert _train(plain_model, plain, data, after_step=roll_back) == _train(
+        model, overlapped, data, after_step=roll_back
+    )
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+def test_in_place_param_edit_while_pending_applies_after_the_update():
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+
+    def shrink(m, o):
+        with torch.no_grad():
+            m.head.weight.mul_(0.5)
+
+    data = _tokens(4)
+    assert _train(plain_model, plain, data, after_step=shrink) == _train(
+        model, overlapped, data, after_step=shrink
+    )
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+@pytest.mark.parametrize("budget", [None, 2**40], ids=["ring", "all"])
+def test_state_edit_after_backward_loads_is_kept(budget):
+    plain_model, plain, model, overlapped = _pair(
+        Outside, load_in_backward=True, backward_load_bytes=budget
+    )
+
+    def reset_moments(m, o):
+        for p in m.parameters():
+            if o.state.get(p):
+                o.state[p]["exp_avg"].zero_()
+
+    data = _tokens(4)
+    assert _train(plain_model, plain, data, after_backward=reset_moments) == _train(
+        model, overlapped, data, after_backward=reset_moments
+    )
+    assert overlapped.chunks_loaded_in_backward == 0  # dropped: the state changed after them
+    _assert_same(plain_model, plain, model, overlapped)
