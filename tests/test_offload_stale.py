@@ -192,3 +192,99 @@ def test_state_edit_after_backward_loads_is_kept(budget):
     )
     assert overlapped.chunks_loaded_in_backward == 0  # dropped: the state changed after them
     _assert_same(plain_model, plain, model, overlapped)
+
+
+# -- FSDP2 on gloo ---------------------------------------------------------------------
+
+
+def _fsdp(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.body:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _fsdp_pair(make_model, mesh, **options):
+    torch.manual_seed(0)
+    model = make_model()
+    plain_model = _fsdp(copy.deepcopy(model), mesh)
+    model = _fsdp(model, mesh)
+    plain = CPUOffloadOptimizer(torch.optim.AdamW(plain_model.parameters(), lr=1e-2), chunk_bytes=1)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=1,
+        overlap_forward=model,
+        **options,
+    )
+    return plain_model, plain, model, overlapped
+
+
+def _rank_tokens(rank: int, steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3 + rank)
+    return [torch.randint(0, 40, (3, 4), generator=gen) for _ in range(steps)]
+
+
+def _assert_same_local(plain_model, plain, model, overlapped):
+    overlapped.wait_for_optimizer_step()
+    for (name, a), b in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local()), name
+    ref, got = plain.state_dict()["state"], overlapped.state_dict()["state"]
+    for index, entries in ref.items():
+        for key, value in entries.items():
+            if key != "step":
+                assert torch.equal(value.to_local(), got[index][key].to_local()), (index, key)
+
+
+def _fsdp_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    data = _rank_tokens(rank, 3)
+
+    def snapshot(m, o, into):
+        into.append({k: v.to_local().clone() for k, v in m.state_dict().items()})
+
+    for make_model in (TiedHeadFirst, TiedEmbedFirst, FunctionalHead):
+        pair = _fsdp_pair(make_model, mesh)
+        assert _train(*pair[:2], data) == _train(*pair[2:], data), make_model.__name__
+        _assert_same_local(*pair)
+
+    # model.state_dict() and load_state_dict() while a step is pending
+    plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
+    good = {k: v.detach().clone() for k, v in plain_model.state_dict().items()}
+    saved: list[list[dict]] = [[], []]
+    for i, (m, o) in enumerate(((plain_model, plain), (model, overlapped))):
+        _train(m, o, data, after_step=lambda m, o, i=i: snapshot(m, o, saved[i]))
+        _train(m, o, data[:2], after_step=lambda m, o: m.load_state_dict(good))
+    for ref, got in zip(*saved, strict=True):
+        for key, value in ref.items():
+            assert torch.equal(value, got[key]), key
+    _assert_same_local(plain_model, plain, model, overlapped)
+
+    # in-place edits of the state between the backward (which loads chunks) and the step
+    def reset_moments(m, o):
+        for p in m.parameters():
+            if o.state.get(p):
+                o.state[p]["exp_avg"].zero_()
+
+    pair = _fsdp_pair(TiedEmbedFirst, mesh, load_in_backward=True)
+    assert _train(*pair[:2], data, after_backward=reset_moments) == _train(
+        *pair[2:], data, after_backward=reset_moments
+    )
+    _assert_same_local(*pair)
+
+    # params whose all-gather the overlap cannot see: refused, naming the param
+    torch.manual_seed(0)
+    model = _fsdp(Outside(), mesh)
+    with pytest.raises(ValueError, match="param 0 .* no FSDP2 module inside overlap_forward"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model.body)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_readers_state_dicts_and_state_edits_see_the_update(world):
+    from spawn_ranks import run_on_ranks
+
+    run_on_ranks(_fsdp_worker, world)
