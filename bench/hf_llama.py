@@ -62,12 +62,18 @@ def seq_len(preset: str) -> int:
 
 
 def build_hf_llama(
-    preset: str, device: torch.device, *, seed: int = 0, attn_implementation: str = "sdpa"
+    preset: str,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    tie_word_embeddings: bool = False,
 ) -> nn.Module:
     """`LlamaForCausalLM` with the preset's shapes, seeded, in fp32 on `device`, in train mode.
 
     attn_implementation: "sdpa", or "eager" where bitwise reproducibility matters
     (SDPA's kernels on CUDA differ run to run even in deterministic mode).
+    tie_word_embeddings: the head shares the embedding's weight.
     """
     transformers = require_transformers()
     shapes = dict(PRESETS[preset])
@@ -75,7 +81,7 @@ def build_hf_llama(
     config = transformers.LlamaConfig(
         **shapes,
         max_position_embeddings=length,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         use_cache=False,
         attn_implementation=attn_implementation,
     )

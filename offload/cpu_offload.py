@@ -38,7 +38,7 @@ from offload.chunk_plan import (
     staging_slot_order,
     unit_sizes,
 )
-from offload.forward_overlap import ForwardOverlap, check_reads_are_seen
+from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
 from offload.residency import (
     AUTO_MEASURED_STEPS,
@@ -346,8 +346,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"overlap_forward needs an optimizer with a subset step; "
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
-            check_reads_are_seen(overlap_forward, self._params)
-            self._overlap = ForwardOverlap(overlap_forward, self._streams, staging_slots)
+            self._overlap = ForwardOverlap(
+                overlap_forward, self._params, self._streams, staging_slots
+            )
             self._overlap.timer = self._timer
             if load_in_backward:
                 load_ahead = weakref.WeakMethod(self._load_ahead)  # the model must not keep self

@@ -120,15 +120,19 @@ def forward_prefetched(module: nn.Module) -> list[nn.Module]:
     return [m for state in states for m in getattr(state, "_modules", ())]
 
 
-def check_reads_are_seen(model: nn.Module, params: Sequence[Tensor]) -> None:
-    """Refuse params whose reads neither the hooks nor the pending-read mode can see.
+def _check_reads_are_seen(
+    model: nn.Module, owners: list[tuple[nn.Module, list[Tensor]]], params: Sequence[Tensor]
+) -> bool:
+    """Refuse params whose reads neither the hooks nor the pending-read mode can see;
+    True when the hooks alone see every read the forward makes.
 
     FSDP2 all-gathers a unit's params from their local shards, not through a torch call
     on the param, so only a hook on the unit's module sees that read: every sharded
-    (DTensor) param must belong to an FSDP2 module inside `model`. Other params are
-    seen wherever they are read.
+    (DTensor) param must belong to an FSDP2 module inside `model`. Then its forward reads
+    only the all-gathered copies, after the hooks waited. Other params are seen wherever
+    they are read, by the mode.
     """
-    owned = {p for _, ps in param_owners(model) for p in ps}
+    owned = {p for module, ps in owners if _is_fsdp(module) for p in ps}
     for index, param in enumerate(params):
         if hasattr(param, "placements") and param not in owned:
             raise ValueError(
@@ -137,6 +141,7 @@ def check_reads_are_seen(model: nn.Module, params: Sequence[Tensor]) -> None:
                 "all-gather would read it before its update lands. Pass the root module that "
                 "was fully_shard-ed (the one the trainer calls) as overlap_forward"
             )
+    return all(p in owned for p in params)
 
 
 class ForwardOverlap:
@@ -156,10 +161,19 @@ class ForwardOverlap:
 
     CHUNKS_UP_FRONT = 2  # x staging slots enqueued when an overlapped step() returns
 
-    def __init__(self, model: nn.Module, streams: CopyStreams, staging_slots: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[Tensor],
+        streams: CopyStreams,
+        staging_slots: int,
+    ) -> None:
         self._streams = streams
         self._staging_slots = staging_slots
         self.owners = param_owners(model)
+        # FSDP2 units hold every param: inside the model's forward the mode has nothing to
+        # see (it reads all-gathered copies), so it is off there and costs nothing.
+        self._hooks_see_forward = _check_reads_are_seen(model, self.owners, params)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
@@ -177,8 +191,7 @@ class ForwardOverlap:
         with (how many of them the backward has passed, how many there are)."""
         self._watch_inputs = False  # in the first forward after a step
         self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
-        self._param_chunk: dict[int, tuple[int, int]] = {}  # id(param) -> (chunk, needs)
-        self._landed = -1  # the last chunk the trainer's stream has waited for
+        self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
@@ -215,7 +228,9 @@ class ForwardOverlap:
             max((param_end[p] for p in params if p in chunk_of), default=0) for params in waited
         ]
         self._step_bytes = max(param_end.values(), default=0)
-        self._param_chunk = {id(p): (c, param_end[p]) for p, c in chunk_of.items()}
+        self._chunk_needs = [max((param_end[p] for p in ps), default=0) for ps in chunk_params]
+        self._chunk_needs = list(itertools.accumulate(self._chunk_needs, max))
+        self._reads.chunk_of = {id(p): c for p, c in chunk_of.items()}
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
     def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
@@ -228,7 +243,6 @@ class ForwardOverlap:
                 grad.record_stream(side)
         self._pending = pending
         self._enqueued = 0
-        self._landed = -1
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
         self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
@@ -269,7 +283,7 @@ class ForwardOverlap:
         current = streams.current()
         before = timer.mark(current) if timer is not None else None
         streams.wait(current, done)
-        self._landed = max(self._landed, chunk)
+        self._reads.landed = max(self._reads.landed, chunk)
         if timer is not None:
             timer.waited(chunk, needs, before, timer.mark(current))
         if done is not None and module is not None:
@@ -298,20 +312,14 @@ class ForwardOverlap:
         self.advance(chunk + self._staging_slots)  # keep a few chunks ahead of the forward
         self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
 
-    def _before_read(self, func: Callable[..., Any], values: Iterable[Any]) -> None:
-        """Before a torch call `func` on `values` (args and kwargs, one level of lists):
-        wait for the chunk of any param among them that has not landed on the trainer's
-        stream, unless `func` touches no data (`p.grad = None` in `zero_grad`, `p.shape`)."""
-        param_chunk, landed = self._param_chunk, self._landed
-        chunk, needs = -1, 0
-        for value in values:
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                found = param_chunk.get(id(item))
-                if found is not None and found[0] > max(chunk, landed):
-                    chunk, needs = found
-        if chunk >= 0 and _touches_data(func):
-            self.advance(chunk + self._staging_slots)
-            self._wait_for_chunk(chunk, needs)
+    def _wait_for_read(self, chunk: int) -> None:
+        """A torch call on the trainer's thread reads a param that lands with `chunk`."""
+        self.advance(chunk + self._staging_slots)
+        self._wait_for_chunk(chunk, self._chunk_needs[chunk])
+
+    def _before_forward(self) -> None:
+        if self._in_flight and self._hooks_see_forward:
+            self._reads.active = False
 
     def _after_forward(self) -> None:
         if self._in_flight:
@@ -329,12 +337,15 @@ class ForwardOverlap:
 
 
 class _PendingReads(TorchFunctionMode):
-    """Torch calls on the trainer's thread wait for the pending chunk of any param they
-    are given, while a step is pending (pushed by `start`, popped by `finish`).
+    """While a step is pending (pushed by `start`, popped by `finish`), torch calls on
+    the trainer's thread that are given a param whose chunk has not landed on the
+    trainer's stream wait for that chunk first.
 
+    Every torch call pays the look-up while the mode is on the stack, so it is kept
+    short: a dict hit per argument (one level into lists), the rest only on a hit.
     The mode stack is per thread: a read from another thread is not seen (the module
-    hooks still are). `pop` removes this mode from wherever it is on the stack, since
-    a user's own mode may have been pushed above it since `step()`. Private API
+    hooks still are). `pop` takes this mode from wherever it is on the stack, since a
+    user's own mode may have been pushed above it since `step()`. Private API
     (`torch._C`'s torch function stack: `_len_torch_function_stack`,
     `_get_function_stack_at`, `_pop_torch_function_stack`,
     `_push_on_torch_function_stack`; torch 2.11 and 2.13).
@@ -343,30 +354,40 @@ class _PendingReads(TorchFunctionMode):
     def __init__(self, overlap: weakref.ref[ForwardOverlap]) -> None:
         super().__init__()
         self._overlap = overlap
-        self._suspended = False
+        self.active = False  # off while the step itself runs (`suspended`)
+        self.chunk_of: dict[int, int] = {}  # id(param) -> the chunk its update lands with
+        self.landed = -1  # the last chunk the trainer's stream has waited for
         self._pushed = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        target = self._overlap()
-        if target is not None and not self._suspended and target._in_flight:
-            target._before_read(func, itertools.chain(args, kwargs.values()))
+        if kwargs is None:
+            kwargs = {}
+        if self.active:
+            chunk = _latest_chunk(self.chunk_of, args)
+            if kwargs:
+                chunk = max(chunk, _latest_chunk(self.chunk_of, kwargs.values()))
+            if chunk > self.landed and _touches_data(func):
+                overlap = self._overlap()
+                if overlap is not None:
+                    overlap._wait_for_read(chunk)
         return func(*args, **kwargs)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        previous, self._suspended = self._suspended, True
+        active, self.active = self.active, False
         try:
             yield
         finally:
-            self._suspended = previous
+            self.active = active
 
     def push(self) -> None:
+        self.landed, self.active = -1, True
         if not self._pushed:
             torch._C._push_on_torch_function_stack(self)
             self._pushed = True
 
     def pop(self) -> None:
+        self.active = False
         if not self._pushed:
             return
         self._pushed = False
@@ -378,6 +399,22 @@ class _PendingReads(TorchFunctionMode):
             torch._C._pop_torch_function_stack()
         for mode in above:
             torch._C._push_on_torch_function_stack(mode)
+
+
+def _latest_chunk(chunk_of: dict[int, int], values: Iterable[Any]) -> int:
+    """The latest chunk among the params in `values` (one level into lists), else -1."""
+    latest = -1
+    for value in values:
+        if type(value) in (list, tuple):
+            for item in value:
+                chunk = chunk_of.get(id(item), -1)
+                if chunk > latest:
+                    latest = chunk
+        else:
+            chunk = chunk_of.get(id(value), -1)
+            if chunk > latest:
+                latest = chunk
+    return latest
 
 
 _METADATA = frozenset(
@@ -428,8 +465,9 @@ def _register_hooks(
     owners: list[tuple[nn.Module, list[Tensor]]],
     overlap: weakref.ref[ForwardOverlap],
 ) -> list[RemovableHandle]:
-    """A pre-hook on each owner module (prepended: before FSDP2's unshard) and a
-    forward hook on the model, calling into `overlap` while it lives."""
+    """A pre-hook on each owner module (prepended: before FSDP2's unshard), and a
+    pre-hook and a forward hook (also called when the forward raises) on the model,
+    calling into `overlap` while it lives."""
 
     # Compiled forwards run the hooks eagerly: traced, the optimizer's step would
     # become part of the user's graph (and recompile as chunks advance).
@@ -443,6 +481,12 @@ def _register_hooks(
         return hook
 
     @torch.compiler.disable
+    def model_pre_hook(module: nn.Module, args: Any) -> None:
+        target = overlap()
+        if target is not None:
+            target._before_forward()
+
+    @torch.compiler.disable
     def post_hook(module: nn.Module, args: Any, output: Any) -> None:
         target = overlap()
         if target is not None:
@@ -452,7 +496,8 @@ def _register_hooks(
         module.register_forward_pre_hook(pre_hook(i), prepend=True, with_kwargs=True)
         for i, (module, _) in enumerate(owners)
     ]
-    handles.append(model.register_forward_hook(post_hook))
+    handles.append(model.register_forward_pre_hook(model_pre_hook, prepend=True))
+    handles.append(model.register_forward_hook(post_hook, always_call=True))
     return handles
 
 

@@ -45,14 +45,25 @@ def offload_configs(base: OptimizerConfig) -> dict[str, OptimizerConfig]:
 
 
 def train(
-    config: OptimizerConfig, device: torch.device, wrap: str
+    config: OptimizerConfig,
+    device: torch.device,
+    wrap: str,
+    *,
+    tie_word_embeddings: bool = False,
+    steps: int = STEPS,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """STEPS steps of the tiny HF Llama, FSDP2 over the default group; the (local)
+    """`steps` steps of the tiny HF Llama, FSDP2 over the default group; the (local)
     losses and the full params after the last step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    model = hf_llama.build_hf_llama(PRESET, device, seed=0, attn_implementation="eager")
+    model = hf_llama.build_hf_llama(
+        PRESET,
+        device,
+        seed=0,
+        attn_implementation="eager",
+        tie_word_embeddings=tie_word_embeddings,
+    )
     hf_llama.shard_hf_llama(model, mesh, wrap=wrap)
     optimizer = setup_optimizer(model, config)
     vocab, seq = model.config.vocab_size, hf_llama.seq_len(PRESET)
@@ -60,7 +71,7 @@ def train(
     # One batch per rank, seen every step: the loss must fall, so the steps did something.
     tokens = torch.randint(vocab, (2, seq), device=device, generator=gen)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = hf_llama.causal_lm_loss(model, tokens)
         loss.backward()
@@ -75,12 +86,26 @@ def train(
     return losses, params
 
 
-def assert_all_bitwise_equal(device: torch.device, cases: list[tuple[str, str]]) -> None:
-    """For each (optimizer, wrap): every offload config against no offload."""
+def assert_all_bitwise_equal(
+    device: torch.device, cases: list[tuple[str, str]], tied: bool = False
+) -> None:
+    """For each (optimizer, wrap): every offload config against no offload. `tied`: the
+    head shares the embedding's weight, and the offloaded arm chooses its resident
+    state ("auto", which re-plans within the run)."""
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
+
     for opt, wrap in cases:
+        configs = offload_configs(OptimizerConfig(type=opt, lr=1e-2))
+        steps = STEPS
+        if tied:
+            auto = dataclasses.replace(
+                configs["offload+overlap"], offload_gpu_resident_bytes="auto"
+            )
+            configs = {"none": configs["none"], "offload+overlap+auto": auto}
+            steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 2
         runs = {
-            name: train(config, device, wrap)
-            for name, config in offload_configs(OptimizerConfig(type=opt, lr=1e-2)).items()
+            name: train(config, device, wrap, tie_word_embeddings=tied, steps=steps)
+            for name, config in configs.items()
         }
         ref_losses, ref_params = runs.pop("none")
         assert ref_losses[-1] < ref_losses[0], f"{opt}: the model should learn something"
@@ -110,6 +135,7 @@ def _gpu_body(rank: int, init_file: str) -> None:
     try:
         cases = [(opt, wrap) for opt in ("adamw", "muon") for wrap in hf_llama.WRAPS]
         assert_all_bitwise_equal(device, cases)
+        assert_all_bitwise_equal(device, [("adamw", "per-layer"), ("muon", "per-layer")], tied=True)
     finally:
         dist.destroy_process_group()
 
