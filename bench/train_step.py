@@ -47,8 +47,12 @@ Each arm runs in its own process (a fresh model, optimizer and allocator, and it
 own peak memory): warmup steps, then a window of `--steps` steps with the device
 synchronized only at its ends; step ms is the median over the window's steps
 (CUDA events recorded between steps), and how long `step()` takes to return on
-the host. Peak memory is `max_memory_allocated` over the window. Prints a table
-with ratios against the same optimizer's "none" arm and writes JSON.
+the host. Peak memory is `max_memory_allocated` over the window. The "none" arms
+(the baselines) run `--baseline-runs` times, spread evenly among the other arms
+(first and last with 2): their row is the median of their runs, and the table
+gives each run and the spread, since the baseline moves between runs as much as
+the arms differ. Prints a table with ratios against the same optimizer's "none"
+arm in this run and writes JSON.
 """
 
 from __future__ import annotations
@@ -203,6 +207,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation")
     parser.add_argument("--seq", type=int, help="default: the model preset's")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per arm")
+    parser.add_argument(
+        "--baseline-runs",
+        type=int,
+        default=2,
+        help="runs of each none arm, spread evenly among the other arms (first and last)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--arm-budget-s",
@@ -238,6 +248,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.batch < 1 or args.micro_batches < 1:
         raise SystemExit("--batch and --micro-batches should be >= 1")
+    if args.baseline_runs < 1:
+        raise SystemExit(f"--baseline-runs should be >= 1 but is: {args.baseline_runs}")
     if args.phases and args.micro_batches != 1:
         raise SystemExit("--phases times one micro-batch a step: drop --micro-batches")
     args.sweep = [parse_bytes(v) for v in args.resident_sweep.split(",") if v.strip()]
@@ -520,6 +532,49 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     return {**base, **result}
 
 
+def run_order(arms: Sequence[Arm], baseline_runs: int) -> list[Arm]:
+    """`arms` with each baseline (a none arm) run `baseline_runs` times: a round of
+    baselines first, then the other arms in `baseline_runs - 1` even slices, each
+    followed by a round of baselines."""
+    baselines = [a for a in arms if a.mode == "none"]
+    others = [a for a in arms if a.mode != "none"]
+    if not baselines or baseline_runs == 1:
+        return list(arms)
+    order = list(baselines)
+    slices = baseline_runs - 1
+    for i in range(slices):
+        order += others[len(others) * i // slices : len(others) * (i + 1) // slices]
+        order += baselines
+    return order
+
+
+def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per arm, first appearance's order: an arm that ran several times has the
+    median of its runs' step ms, each run's (`step_ms_runs`) and the spread
+    (max / min - 1), its other fields from its first run."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        runs.setdefault(r["arm"], []).append(r)
+    merged = []
+    for rows in runs.values():
+        ok = [r for r in rows if "error" not in r]
+        if len(rows) == 1 or not ok:
+            merged.append(rows[0])
+            continue
+        times = [r["step_ms"] for r in ok]
+        merged.append(
+            {
+                **ok[0],
+                "step_ms": statistics.median(times),
+                "step_ms_runs": times,
+                "spread": max(times) / min(times) - 1,
+                "window_ms_per_step": statistics.median(r["window_ms_per_step"] for r in ok),
+                "peak_gib": ok[0]["peak_gib"],
+            }
+        )
+    return merged
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     base = {
         r["optimizer"]: r
@@ -562,6 +617,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"{c['resident_bytes'] / GiB:.2f} of {c['cap_bytes'] / GiB:.2f} GiB cap "
                 f"({c['state_bytes'] / GiB:.2f} GiB state); stall {c['measured_stall_ms']:.1f} "
                 f"ms a step all offloaded, predicted {c['predicted_stall_ms']:.1f} ms"
+            )
+    for r in results:
+        if "step_ms_runs" in r:
+            runs = ", ".join(f"{t:.1f}" for t in r["step_ms_runs"])
+            print(
+                f"{r['arm']} ran {len(r['step_ms_runs'])} times: {runs} ms "
+                f"(spread {100 * r['spread']:.1f}%, ratios use the median)"
             )
     _print_phases(results, width)
     print(
@@ -606,13 +668,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"wrap {args.wrap}, one process per arm, {gpu}",
         flush=True,
     )
-    results = []
-    for arm in arms:
+    runs = []
+    for arm in run_order(arms, args.baseline_runs):
         started = time.perf_counter()
         r = run_arm(arm, args, device)
-        results.append(r)
+        runs.append(r)
         summary = r["error"] if "error" in r else f"step {r['step_ms']:.1f} ms"
         print(f"{arm.name}: {summary} ({time.perf_counter() - started:.0f} s)", flush=True)
+    results = merge_runs(runs)
     print_table(results)
     out = {
         "torch": torch.__version__,
@@ -625,7 +688,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "seq": args.seq or sequence_length(args.model),
         "mixed_precision": "bf16 params, fp32 reduce (plain arms: bf16 autocast)",
         "activation_checkpointing": True,
+        "baseline_runs": args.baseline_runs,
         "results": results,
+        "runs": runs,
     }
     print()
     write_json(args.json, out)

@@ -25,3 +25,22 @@ def test_state_tensors_and_their_distinct_storage_bytes():
     assert len(tensors) == 3  # step, exp_avg, exp_avg_sq
     shared = torch.zeros(8)
     assert _storage_bytes([shared[:4], shared[4:], torch.zeros(2)], torch.device("cpu")) == 40
+
+
+def test_baselines_run_first_and_last_and_merge_into_one_row_with_their_spread():
+    from bench.train_step import Arm, merge_runs, run_order
+
+    none, a, b, c = Arm("adamw", "none"), Arm("adamw", "offload"), Arm("adamw", "x"), Arm("m", "y")
+    assert run_order([none, a, b, c], 2) == [none, a, b, c, none]
+    assert run_order([none, a, b, c], 3) == [none, a, none, b, c, none]
+    assert run_order([a, b], 2) == [a, b]
+    runs = [
+        {"arm": "adamw/none", "step_ms": 200.0, "window_ms_per_step": 201.0, "peak_gib": 1.0},
+        {"arm": "adamw/offload", "step_ms": 210.0, "window_ms_per_step": 211.0, "peak_gib": 0.5},
+        {"arm": "adamw/none", "step_ms": 180.0, "window_ms_per_step": 181.0, "peak_gib": 1.0},
+    ]
+    merged = merge_runs(runs)
+    assert [r["arm"] for r in merged] == ["adamw/none", "adamw/offload"]
+    assert merged[0]["step_ms"] == 190.0 and merged[0]["step_ms_runs"] == [200.0, 180.0]
+    assert abs(merged[0]["spread"] - (200 / 180 - 1)) < 1e-12
+    assert "spread" not in merged[1]
