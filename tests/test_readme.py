@@ -65,3 +65,14 @@ def test_readme_commands_are_what_ci_runs():
         ) in ci, f"README's set-up step {part!r} is not in .ci/run"
     assert setup.endswith("python -m bench.train")
     assert tests in ci.splitlines(), f"README's test command {tests!r} is not in .ci/run"
+
+
+def test_relative_links_point_at_files_and_headings():
+    for document in DOCUMENTS:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#([^)]+))?\)", document.read_text()):
+            path, anchor = (document.parent / target[0]).resolve(), target[1]
+            assert path.exists(), f"{document.name} links to missing {target[0]}"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+                slugs = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in headings}
+                assert anchor in slugs, f"{document.name} links to missing #{anchor} in {path.name}"
