@@ -50,14 +50,13 @@ ALGORITHMS = ("auto", "standard", "gram")
 
 # `algorithm="auto"` takes Gram Newton-Schulz on CUDA for matrices with
 # long side / short side >= GRAM_MIN_ASPECT[backend], the backend the matrix takes.
-# H200, `python -m bench.newton_schulz --aspect-sweep` (bench/measured/ns_aspect_h200.log),
-# aspects 1, 1.5, 2, 3, 4 at short sides 2048 and 4096, standard / Gram time: the plain
-# path's Gram wins from 2 (1.07x at 2048x4096, 1.12x at 4096x8192), the symmetric Triton
-# path's only from 3 (0.89-0.92x at 2, 1.08-1.19x at 3): its standard iteration is faster.
+# Chosen by `python -m bench.newton_schulz --aspect-sweep` (aspects 1 to 4 at short sides
+# 2048 and 4096, standard / Gram time): the plain path's Gram wins from 2, the symmetric
+# Triton path's only from 3, since its standard iteration is faster.
 GRAM_MIN_ASPECT = {"torch": 2.0, "triton": 3.0}
-# cuBLAS batched products are batch-invariant on the H200 for every shape measured with
-# a short side of 256 and up (bf16 and fp16); fp16 `x @ x.mT` of 2 x 2048 matrices is not
-# (bench/measured/cublas_batch_invariance_h200.log). Below this short side the plain
+# cuBLAS batched products were batch-invariant for every shape measured with a short
+# side of 256 and up (bf16 and fp16); fp16 `x @ x.mT` of 2 x 2048 matrices was not.
+# tests/test_muon_gpu.py holds a matrix's update to it. Below this short side the plain
 # CUDA path launches per matrix.
 CUBLAS_BATCH_INVARIANT_MIN_SIDE = 256
 
@@ -223,12 +222,10 @@ def ns_path(
     inputs it returned NaN for deepseek_v4 on skewed spectra and 1.0-6.4x the plain bf16
     path's error otherwise, fp16 0.13-0.79x (tests/test_newton_schulz.py holds a skewed case).
     CPU float16 matmuls are slow (there Gram took 9-73x bf16's time at 256 x 256), a cost
-    only a forced CPU Gram pays: "auto" never takes Gram on CPU. H200, error against the fp64
-    iteration
-    (bench.ns_accuracy, bench/measured/ns_accuracy_h200.log), Gaussian inputs: Gram fp16
-    1.8-4.3e-3, Triton standard fp16 1.8-2.2e-3, the plain bf16 standard path 5.6-13e-3;
-    Triton standard in bf16 (P = a I + b A + c A^2 rounded to 8 bits, a I included) had
-    lost to the plain path by 3-20% on the square rows before it moved to fp16.
+    only a forced CPU Gram pays: "auto" never takes Gram on CPU. On CUDA the fp16 paths'
+    error against the fp64 iteration is below the plain bf16 path's (`bench/ns_accuracy.py`
+    measures it; tests/test_ns_triton.py holds it); Triton standard in bf16
+    (P = a I + b A + c A^2 rounded to 8 bits, a I included) was not, on square shapes.
     "auto" backend: `muon.ns_triton.auto_takes` on CUDA, else "torch".
     """
     if backend not in BACKENDS:
@@ -251,7 +248,7 @@ def ns_path(
     sixteen_bit = dtype in (torch.bfloat16, torch.float16)
     if sixteen_bit and (algorithm == "gram" or backend == "triton"):
         compute = torch.float16
-    # fp32 batched cuBLAS products were not batch-invariant on the H200 (a matrix's Muon
+    # fp32 batched cuBLAS products were not batch-invariant on CUDA (a matrix's Muon
     # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were.
     variant = min(rows, cols) < CUBLAS_BATCH_INVARIANT_MIN_SIDE or compute == torch.float32
     return NewtonSchulzPath(algorithm, backend, compute, cuda and backend == "torch" and variant)

@@ -30,7 +30,8 @@ pass (`_normalize_kernel`) for X / ||X|| cast to fp16.
 Batch invariance: the kernel runs one program per (tile, matrix) with a configuration
 fixed per shape, so a matrix's result does not depend on the batch; `auto_takes` is a
 rule per matrix shape; norms are one reduction per matrix (`matrix_norms`); cuBLAS
-products were measured batch-invariant on the H200 for these sizes (README).
+products are batch-invariant for these sizes (`muon.newton_schulz`
+`CUBLAS_BATCH_INVARIANT_MIN_SIDE`).
 
 Triton is imported lazily; `available()` is False where it is missing and the
 plain torch path in `muon.newton_schulz` is used instead.
@@ -59,9 +60,8 @@ if TYPE_CHECKING:
 # `backend="auto"` takes this path on GPUs of these compute capabilities (major) for
 # matrices whose short side is at least AUTO_MIN_SIDE: a rule per matrix shape, never
 # per launch, so a matrix's result does not depend on what shares its batch.
-# H200, bench/newton_schulz.py (bench/measured/newton_schulz_h200.log): 16 x 768x2048
-# ran 1.30x the plain path, 4 x 1024^2 1.17x, 8 x 1024x4096 1.29x, 4096 and up
-# 1.23-1.32x; one 1024x1024 or 1024x4096 alone 0.66-0.73x (a batch of one fills few SMs;
+# Chosen by `python -m bench.newton_schulz`: batched launches from a short side of 768 up
+# beat the plain path, a lone 1024-side matrix did not (a batch of one fills few SMs;
 # Muon batches same-shape matrices, so the batched numbers decide).
 AUTO_CAPABILITIES = frozenset({9})
 AUTO_MIN_SIDE = 768
@@ -128,13 +128,12 @@ CONFIGS: dict[str, SymConfig] = {
 }
 """Candidates the bench times; `config_for` picks among them by shape class."""
 
-# H200, bench.sym_kernel (bench/measured/sym_kernel_square_h200.log), m = 4096: square TMA
-# tiles with 8 warps and 4 stages beat the tall (256 x 128) tiles where Muon's 512 MiB
-# buckets launch 1 or 2 matrices of a shape (fp16 x x^T of one 4096 x 4096: 0.169 against
-# 0.228 ms): 272 tall tiles per matrix are 2.06 waves of the H200's 132 SMs, the last
-# almost empty, where 528 square ones are exactly 4. At 24 matrices the tall tiles are
-# 5% faster (2.68 against 2.83 ms). Every configuration computes the same bits
-# (tests/test_ns_triton.py), so this is speed only.
+# Chosen by `python -m bench.sym_kernel` at m = 4096: square TMA tiles with 8 warps and
+# 4 stages beat the tall (256 x 128) tiles where Muon's 512 MiB buckets launch 1 or 2
+# matrices of a shape (a 4096 x 4096 output is 272 tall tiles, a last wave almost empty
+# on a GPU of 132 SMs, or 528 square ones, whole waves); at 24 matrices the tall tiles
+# are faster. Every configuration computes the same bits (tests/test_ns_triton.py), so
+# this is speed only.
 LARGE_CONFIG = "b128k64w8s4g8tma"
 """m >= 2048 (the Qwen3-8B hidden and MLP sides)."""
 MEDIUM_CONFIG = "b128k64w4s3g1"
@@ -265,7 +264,7 @@ if triton is not None:
         mirror_ptrs = out_base + offs_j[:, None] * som + offs_i[None, :] * son
         mask_t = (offs_j[:, None] < M) & (offs_i[None, :] < M)
         # Each branch stores with masks it builds itself: a mask merged from branches loses
-        # the compiler's contiguity facts and the stores go scalar (H200: 1.3x the time).
+        # the compiler's contiguity facts and the stores go scalar (`bench.sym_kernel`).
         # x_p . y_q and x_q . y_p round differently unless y is x, so on the diagonal
         # only the lower triangle (p >= q, what tiles below it hold) is kept and mirrored.
         if below:

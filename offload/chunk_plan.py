@@ -269,7 +269,7 @@ def _resident_units(unit_bytes: Sequence[int], budget: int, first: bool) -> list
     back, the units that fit in `budget` bytes up to the first that does not.
 
     One run: units resident past a skipped one would cut the staged units into runs that
-    each pack (and ramp) on their own (H200, HF Llama at 3 GiB: the layers' small norms
+    each pack (and ramp) on their own (HF Llama 0.85B at 3 GiB: the layers' small norms
     kept past a skipped matrix made 30 staged chunks of 3.3 GiB, 16 as one run)."""
     resident = [False] * len(unit_bytes)
     used = 0
@@ -318,9 +318,9 @@ def plan_offload(
     sizes = unit_sizes(units, params)
     resident = _resident_units([s.bytes for s in sizes], resident_bytes, resident_first)
     # A staging slot is as large as the largest staged unit that cannot be cut, so chunks
-    # fill up to that too: the same ring, fewer and larger launches (H200, HF Llama at
-    # batch 4, Muon beside two 500 MiB AdamW units: chunks of 256 MiB left the overlapped
-    # forward host-bound enqueuing them, 1.26-1.44x no offload; of 512 MiB, 1.087x).
+    # fill up to that too: the same ring, fewer and larger launches (Muon beside HF Llama's
+    # two 500 MiB AdamW units: chunks of 256 MiB left the overlapped forward host-bound
+    # enqueuing them, in `bench/train_step.py`).
     fill = max(
         [chunk_bytes]
         + [s.bytes for s, kept in zip(sizes, resident, strict=True) if not (kept or s.splittable)]

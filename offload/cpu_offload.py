@@ -174,13 +174,12 @@ class _StagingRing:
 
 
 COPY_PIECE_BYTES = 32 << 20
-"""Largest single copy between a host slab and the ring (~0.65 ms at 50 GB/s). A copy the
-trainer enqueues (FSDP2's in each post-backward; `.item()` reads one back) queues in the
-copy engine behind ours, in the order they were enqueued, pieces or not (H200 trace: 115 ms
-behind 6.35 GiB enqueued at once), so what bounds its wait is how much is enqueued ahead
-of it (`_load_ahead` spreads the backward's loads). Pieces went in with whole 256 MiB runs
-waiting up to 11 ms in the backward; the step measured 1.50x -> 1.37-1.39x no offload at
-batch 4 across runs, not in one."""
+"""Largest single copy between a host slab and the ring, in bytes. A copy the trainer
+enqueues (FSDP2's in each post-backward; `.item()` reads one back) queues in the copy
+engine behind ours, in the order they were enqueued, pieces or not, so what bounds its
+wait is how much is enqueued ahead of it (`_load_ahead` spreads the backward's loads).
+Chosen with `bench/train_step.py --trace` and `bench/trace_summary.py`, which show the
+trainer's copies waiting behind whole chunks."""
 
 
 def _copy_pieces(home: Tensor, staging: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -231,8 +230,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             end of the step instead of from `step()` on; nothing else is allocated, and
             nothing of the update starts before `step()` (grads may still change, e.g.
             clipping). Each module's backward should outlast loading its share (about
-            `chunk_bytes` at 50 GB/s per module with the defaults and a 16-layer model), or
-            the trainer's own small copies wait behind the loads.
+            `chunk_bytes` per module at the host link's copy rate, with the defaults and a
+            16-layer model), or the trainer's own small copies wait behind the loads.
         backward_load_bytes: with `load_in_backward`, how much state (rank-invariant bytes,
             whole chunks) the backward loads: default, the ring's `staging_slots` chunks.
             More adds one staging slot per further chunk (sized for it), allocated in the
@@ -613,10 +612,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         loaded = {}
         # With overlap, the extra slots' write-backs go after all the ring's: nothing waits
         # for them, while the forward waits for ring loads that wait for ring write-backs,
-        # and copies queue in the copy engine in the order they are enqueued (H200, batch 4,
-        # 3.5 GiB loaded in the backward: 264 -> 221 ms a step against write-backs as the
-        # forward passed each module). A trainer's own copy early in the forward (HF Llama's
-        # `.item()`) then finds no write-back ahead of it either.
+        # and copies queue in the copy engine in the order they are enqueued (faster in
+        # `bench/train_step.py` than write-backs as the forward passed each module). A
+        # trainer's own copy early in the forward (HF Llama's `.item()`) then finds no
+        # write-back ahead of it either.
         deferred: list[_Chunk] = []
         loaded_ahead, self._loaded_ahead = self._loaded_ahead, {}
         self._loaded_ahead_done = None
@@ -701,7 +700,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         Spread, and each share started only once the device's backward gets there: copies
         the trainer makes (FSDP2 copies a small tensor to the GPU in each module's
         post-backward) queue in the copy engine behind ours, and loads enqueued all at once
-        stalled the H200's backward for as long as they took (115 ms for 6.35 GiB).
+        stalled the backward for as long as they took (`bench/trace_summary.py` shows it).
 
         Not before the plan is final ("auto" still measuring) or state exists.
         """

@@ -77,8 +77,8 @@ def _with_shared_all_gathers(modules: Sequence[nn.Module]) -> list[list[Tensor]]
     """`waited_params` of each module, where FSDP2 modules sharded together wait together.
 
     `fully_shard([norm, lm_head])` (torchtitan's wrap) makes one unit of both: whichever
-    runs first all-gathers both, so each waits for both (H200: lm_head waited only for its
-    own chunk and its forward read stale weights). Private API (`_get_fsdp_state()`, one
+    runs first all-gathers both, so each waits for both (waiting only for its own
+    chunk, lm_head's forward read stale weights). Private API (`_get_fsdp_state()`, one
     state object per `fully_shard` call; torch 2.11 and 2.13).
     """
     waited = [waited_params(m) for m in modules]

@@ -222,10 +222,9 @@ class StepTimer:
 
         A step's first wait counts from the step's start instead: the forward can do
         nothing before its first module's params are updated, so whatever held the
-        trainer back until then is the step's. (H200, HF Llama at batch 16: the trainer
-        reached the root module's wait 49 ms after `step()`, past the 26 ms its chunk took,
-        so the wait itself measured 0 ms; keeping the root's 1 GiB of state resident took
-        the step from 1.063x to 1.009x.)
+        trainer back until then is the step's. (A trainer that reaches the first module's
+        wait after its chunk is done measures a wait of 0 and "auto" keeps nothing; seen in
+        `bench/train_step.py`'s resident "auto" arms.)
         """
         if self._waits:
             if not self._waits[-1]:

@@ -188,8 +188,8 @@ class ElementwiseGroupStep(GroupStep):
     for a slice), with the matching view of its grad and state. The math per element
     is the same as on the param, and a stand-in skips tensor-subclass dispatch: a
     DTensor costs every foreach op a sharding pass on the host, which, once per chunk,
-    made the host the bottleneck of an overlapped step (H200, HF Llama at batch 4:
-    about 3 ms a chunk). The param's scalar state (`step`, ...) is copied from its
+    made the host the bottleneck of an overlapped step (`bench/train_step.py --trace`
+    shows it). The param's scalar state (`step`, ...) is copied from its
     value at the step's start into each stand-in, so every slice computes with the
     same counters, and the result (the same from every slice) becomes the param's.
     """
