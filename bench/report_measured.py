@@ -181,9 +181,18 @@ def _train_step(d: dict[str, Any]) -> Table:
             + [_fmt(r["step_ms"]), _ratio(r["step_ms"], b.get("step_ms"))]
             + [_fmt(window), _ratio(window, b.get("window_ms_per_step"))]
             + [_fmt(r["peak_gib"], 2), _fmt(r.get("kept_mib"), 2)]
+            + [", ".join(_fmt(t) for t in r.get("step_ms_runs", ()))]
         )
     return ["arm", "median step ms", "vs none", "window ms/step", "window vs none",
-            "peak GiB", "kept MiB"], rows  # fmt: skip
+            "peak GiB", "kept MiB", "step ms of each run"], rows  # fmt: skip
+
+
+def _writeback_paths(d: dict[str, Any]) -> Table:
+    rows = [
+        [r["path"], _fmt(r.get("blocks")), _fmt(r.get("gib_s")), _fmt(r["item_ms"], 2)]
+        for r in d["rows"]
+    ]
+    return ["write-back path", "thread blocks", "GiB/s", "trainer's .item() ms"], rows
 
 
 def _train_step_config(d: dict[str, Any]) -> str:
@@ -216,6 +225,7 @@ BENCHES = (  # longest prefix first: offload_step is a suffix of muon_offload_st
     Bench("sym_kernel", "python -m bench.sym_kernel", _sym_kernel),
     Bench("plan_vs_measured", "python -m bench.plan_vs_measured", _plan_vs_measured),
     Bench("train_step", "python -m bench.train_step", _train_step, _train_step_config),
+    Bench("writeback_paths", "python -m bench.writeback_paths", _writeback_paths),
 )
 
 
