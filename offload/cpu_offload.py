@@ -9,9 +9,7 @@ from the caching allocator and given back when the step is done):
     D2H stream      write back c   write back c+1 ...
 
 ordered by events only, so the copies each way and the update math overlap
-and the host never waits inside `step()`. Write-backs go by a kernel where CUDA and
-Triton allow (`host_writes`), so the trainer's own device-to-host copies (`.item()`)
-never queue behind them in the copy engine. Chunks whose state is GPU-resident
+and the host never waits inside `step()`. Chunks whose state is GPU-resident
 (`gpu_resident_bytes`) step in place, with no copies. Forward overlap (running
 the chunks as the next forward reaches them) is `forward_overlap.ForwardOverlap`.
 """
@@ -42,12 +40,6 @@ from offload.chunk_plan import (
 )
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
-from offload.host_writes import (
-    HostWriter,
-    kernel_writer,
-    write_by_copy_engine,
-    write_by_kernel,
-)
 from offload.residency import (
     AUTO_MEASURED_STEPS,
     AUTO_WARMUP_STEPS,
@@ -145,8 +137,7 @@ class _Chunk:
     params: list[Tensor]  # updated whole
     slices: list[ParamSlice]  # updated in slices
     slot: int  # staging slot; -1 when resident
-    copies: list[tuple[Tensor, Tensor]]  # (home slab range, staging slot range), pieces
-    write_backs: list[tuple[Tensor, Tensor]]  # the same ranges as the write-back takes them
+    copies: list[tuple[Tensor, Tensor]]  # (home slab range, staging slot range)
     views: list[_View]
 
     @property
@@ -338,7 +329,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._host_slabs: dict[torch.dtype, Tensor] = {}
         self._resident_slabs: dict[torch.dtype, Tensor] = {}
         self._ring: _StagingRing | None = None
-        self._write_to_host: HostWriter = write_by_copy_engine
         self._extra_slots: list[_StagingRing] = []  # the backward's, slots staging_slots + i
         self._backward_loads = 0  # staged chunks the backward loads (`backward_load_bytes`)
         self._step_done: torch.Event | None = None
@@ -687,8 +677,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         streams = self._streams
         with streams.on(streams.d2h):
             streams.wait(streams.d2h, streams.stepped[chunk.slot])
-            for home, staging in chunk.write_backs:
-                self._write_to_host(home, staging)
+            for home, staging in chunk.copies:
+                home.copy_(staging, non_blocking=True)
             streams.record(streams.freed[chunk.slot], streams.d2h)
         if chunk.slot >= self.staging_slots:  # the backward's: not needed again this step
             self._extra_slots[chunk.slot - self.staging_slots].release(
@@ -880,8 +870,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 stacklevel=_user_stacklevel(),
             )
         self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
-        slab = next((t for t in self._host_slabs.values() if t.numel()), torch.empty(0))
-        self._write_to_host = kernel_writer(slab, self.device) if ring else write_by_copy_engine
         self._resident_slabs = {
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
@@ -924,17 +912,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for layout in plan.chunks:
             slabs = self._resident_slabs if layout.resident else self._host_slabs
             slot = -1 if layout.resident else next(slot_order)
-            runs = [
-                (
+            copies = [
+                piece
+                for dtype, runs in layout.copies.items()
+                for run in runs
+                for piece in _copy_pieces(
                     slabs[dtype][run.home_start :][: run.numel],
                     slot_buffer(dtype, slot)[run.staging_start :][: run.numel],
                 )
-                for dtype, dtype_runs in layout.copies.items()
-                for run in dtype_runs
             ]
-            copies = [piece for home, staging in runs for piece in _copy_pieces(home, staging)]
-            # A kernel's write-back keeps the copy engine free whatever its size: whole runs.
-            write_backs = runs if self._write_to_host is write_by_kernel else copies
             views = []
             for view in layout.views:
                 spec, param = view.spec, self._params[view.param]
@@ -958,7 +944,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     [ParamSlice(self._params[s.param], s.start, s.stop) for s in layout.slices],
                     slot,
                     copies,
-                    write_backs,
                     views,
                 )
             )

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from offload import CPUOffloadOptimizer
-from offload.host_writes import kernel_writer, write_by_kernel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,31 +62,6 @@ def test_cuda_offload_is_bitwise_equal(make, chunk_bytes):
             assert torch.equal(value.cpu(), got[index][key].cpu()), (index, key)
             if value.ndim >= 1:
                 assert got[index][key].is_pinned()
-    assert offloaded._write_to_host is write_by_kernel  # the copy engine stays the trainer's
-
-
-@pytest.mark.parametrize(
-    "dtype, start, numel",
-    [
-        (torch.float32, 0, 3 * MiB + 5),
-        (torch.bfloat16, 1, MiB + 3),  # starts off a 4-byte boundary: copied by bytes
-        (torch.bfloat16, 2, 2 * MiB),
-        (torch.int64, 3, 1000),
-        (torch.uint8, 7, 12345),
-    ],
-)
-def test_a_kernels_write_back_into_a_pinned_slab_is_bytewise(dtype, start, numel):
-    from offload.host_memory import allocate_host_slabs
-
-    slab = allocate_host_slabs({dtype: start + numel + 9}, torch.device("cuda"))[dtype]
-    assert kernel_writer(slab, torch.device("cuda")) is write_by_kernel
-    source = torch.randint(0, 100, (numel,), device="cuda").to(dtype)
-    before = slab.clone()
-    write_by_kernel(slab[start : start + numel], source)
-    torch.cuda.synchronize()
-    assert torch.equal(slab[start : start + numel], source.cpu())
-    assert torch.equal(slab[:start], before[:start])  # nothing written outside the range
-    assert torch.equal(slab[start + numel :], before[start + numel :])
 
 
 def test_ring_is_staging_slots_x_chunk_bytes_and_lives_only_in_the_step():
