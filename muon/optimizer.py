@@ -59,12 +59,12 @@ from muon.exchange import (
     send_slots,
     send_to_owners,
 )
-from muon.newton_schulz import (
+from muon.newton_schulz import zeropower
+from muon.ns_schedules import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
     KELLER_JORDAN_COEFFICIENTS,
     NewtonSchulzSchedule,
-    zeropower,
 )
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,

@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from muon.model_shapes import ParamShape, meta_module
-from muon.newton_schulz import SCHEDULES, ns_flops
+from muon.newton_schulz import ns_flops
+from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
 from muon.param_groups import muon_param_groups
 from muon.planning import (

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from muon.model_shapes import PRESETS, from_config, from_preset, load_config
-from muon.newton_schulz import SCHEDULES
+from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
 from muon.planning import DEFAULT_BUCKET_CAP_BYTES, MuonPlan
 from muon_offload.estimate import (
