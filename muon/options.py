@@ -26,6 +26,7 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # write a torch.dtype).
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
+
 def _number(value: Any, name: str) -> float:
     if isinstance(value, Tensor):
         raise ValueError(f"Tensor {name} is not supported; pass a float")
