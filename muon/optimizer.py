@@ -218,7 +218,8 @@ class Muon(torch.optim.Optimizer):
             iterates on the matrix, "gram" on its small Gram matrix (cheaper for
             rectangular matrices), "auto" (default) picks per matrix shape, never
             per launch, so a matrix's result does not depend on its batch.
-        ns_dtype: dtype on the wire and in Newton-Schulz: bf16 (default) or fp32.
+        ns_dtype: dtype on the wire and in Newton-Schulz: torch.bfloat16 (default) or
+            torch.float32, or their names "bfloat16", "float32" (for TOML and JSON).
         bucket_cap_bytes: cap on one bucket's full-matrix bytes (in `ns_dtype`).
             A bucket's buffers and Newton-Schulz workspace live only while the
             bucket runs, so the cap bounds the step's transient memory; nothing

@@ -64,13 +64,18 @@ def check_momentum(value: Any, name: str = "momentum") -> None:
         raise ValueError(f"{name} should be in [0, 1) but is: {value}")
 
 
+def check_beta(value: Any, name: str) -> None:
+    """One of AdamW's betas."""
+    if not 0 <= _number(value, name) < 1:
+        raise ValueError(f"{name} should be in [0, 1) but is: {value}")
+
+
 def check_betas(value: Any, name: str = "betas") -> None:
     """AdamW's (beta1, beta2), each in [0, 1)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"{name} should be a pair (beta1, beta2) but is: {value!r}")
     for i, beta in enumerate(value):
-        if not 0 <= _number(beta, f"{name}[{i}]") < 1:
-            raise ValueError(f"{name}[{i}] should be in [0, 1) but is: {beta}")
+        check_beta(beta, f"{name}[{i}]")
 
 
 def check_nesterov(value: Any, name: str = "nesterov") -> None:
