@@ -37,6 +37,11 @@ def check_gpu_resident_bytes(value: Any, name: str = "gpu_resident_bytes") -> No
     _count(value, name, 0, "an int or 'auto'")
 
 
+def check_bytes(value: Any, name: str) -> None:
+    """A byte count >= 0."""
+    _count(value, name, 0)
+
+
 def check_optional_bytes(value: Any, name: str) -> None:
     """None (the default) or a byte count >= 0."""
     if value is not None:

@@ -118,3 +118,22 @@ def test_ns_dtype_by_name_from_toml_and_the_cli(tmp_path):
     )
     optimizer = setup_optimizer(torch.nn.Linear(8, 4), from_cli)
     assert optimizer.ns_dtype is torch.float32
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--budget-gib", "-1"], "argument --budget-gib: should be a number of GiB > 0"),
+        (["--sweep-fsdp", "8,a"], "argument --sweep-fsdp: should be comma-separated sizes"),
+        (["--sweep-fsdp", "8,0"], "argument --sweep-fsdp: should be comma-separated sizes"),
+    ],
+)
+def test_planner_flags_are_checked_naming_the_flag(flags, message, capsys):
+    # --budget-gib -1 exited 0 marking every row over budget; --sweep-fsdp 8,a printed
+    # "invalid literal for int()" without the flag
+    from muon_offload.plan import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "qwen3-8b", "--sweep-fsdp", "8,16", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
