@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from muon.newton_schulz import ALGORITHMS as NS_ALGORITHMS
+from muon.ns_schedules import SCHEDULES
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # dtypes on the wire and in Newton-Schulz, also by name (TOML and the CLI cannot
@@ -91,6 +92,13 @@ def check_adjust_lr_fn(value: Any, name: str = "adjust_lr_fn") -> None:
 def check_ns_algorithm(value: Any, name: str = "ns_algorithm") -> None:
     if value not in NS_ALGORITHMS:
         raise ValueError(f"{name} should be one of {NS_ALGORITHMS} but is: {value!r}")
+
+
+def check_ns_schedule(value: Any, name: str = "ns_schedule") -> None:
+    """A schedule by name (a key of `muon.SCHEDULES`), where a schedule object cannot be
+    written (config, CLI, TOML, planner)."""
+    if value not in SCHEDULES:
+        raise ValueError(f"{name} should be one of {list(SCHEDULES)} but is: {value!r}")
 
 
 def check_ns_steps(value: Any, name: str = "ns_steps") -> None:

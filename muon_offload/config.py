@@ -30,7 +30,6 @@ from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS, inva
 
 OPTIMIZER_TYPES = ("adamw", "muon")
 OFFLOAD_MODES = ("none", "optimizer")
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
 # Muon arguments the config sets from its own fields; muon_options may set the rest.
 _MUON_ARGS_FROM_FIELDS = {
     "self",
@@ -46,7 +45,19 @@ _MUON_ARGS_FROM_FIELDS = {
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """What to optimize with, and whether its state lives on the host."""
+    """What to optimize with, and whether its state lives on the host.
+
+    Every field is checked at construction, by the same checks `muon.Muon` and
+    `offload.CPUOffloadOptimizer` run (`muon.options`, `offload.options`), whether it
+    comes from Python, `add_arguments`' flags or TOML.
+
+    Defaults are a training recipe in which one lr serves Muon and AdamW groups, so
+    three differ from `muon.Muon(...)`'s, which are torch's: lr 3e-4 (Muon: 1e-3,
+    torch.optim.Muon's), adjust_lr_fn "match_rms_adamw" (Muon: None, i.e. "original"),
+    betas (0.9, 0.95) for AdamW groups (Muon's AdamW groups: (0.9, 0.999),
+    torch.optim.AdamW's). With type="adamw" the same fields build torch.optim.AdamW,
+    whose own defaults are lr 1e-3, betas (0.9, 0.999), weight_decay 0.01.
+    """
 
     type: str = "adamw"
     """"adamw", or "muon" (Muon for hidden matrices and expert stacks, AdamW for the rest)."""
@@ -92,10 +103,6 @@ class OptimizerConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name], _field_default(f))
-        _one_of("type", self.type, OPTIMIZER_TYPES)
-        _one_of("offload", self.offload, OFFLOAD_MODES)
-        _one_of("ns_schedule", self.ns_schedule, tuple(SCHEDULES))
-        _one_of("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
         for name, check in _FIELD_CHECKS.items():
             check(getattr(self, name), name)
         if self.offload_overlap_forward and self.offload != "optimizer":
@@ -241,9 +248,12 @@ def _check_muon_options(options: dict[str, Any]) -> None:
             muon_checks.CHECKS[name](value, f"muon_options[{name!r}]")
 
 
-def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} should be one of {list(choices)} but is: {value!r}")
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
+    def check(value: Any, name: str) -> None:
+        if value not in choices:
+            raise ValueError(f"{name} should be one of {list(choices)} but is: {value!r}")
+
+    return check
 
 
 def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -348,6 +358,10 @@ def _checked(
 # What checks each field (besides its type), from `muon.options` and `offload.options`:
 # the dataclass, its CLI flags and TOML all go through these.
 _FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
+    "type": _one_of(OPTIMIZER_TYPES),
+    "offload": _one_of(OFFLOAD_MODES),
+    "ns_schedule": muon_checks.check_ns_schedule,
+    "adjust_lr_fn": muon_checks.check_adjust_lr_fn,
     "lr": muon_checks.check_lr,
     "weight_decay": muon_checks.check_weight_decay,
     "betas": muon_checks.check_betas,

@@ -48,7 +48,12 @@ from muon.model_shapes import ParamShape, meta_module
 from muon.newton_schulz import ns_flops
 from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
-from muon.options import check_bucket_cap_bytes, check_max_inflight, check_ns_algorithm
+from muon.options import (
+    check_bucket_cap_bytes,
+    check_max_inflight,
+    check_ns_algorithm,
+    check_ns_schedule,
+)
 from muon.param_groups import muon_param_groups
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,
@@ -164,10 +169,7 @@ class StepSettings:
         check_staging_slots(self.offload_slots, "offload_slots")
         check_bytes(self.offload_resident_bytes, "offload_resident_bytes")
         check_ns_algorithm(self.ns_algorithm)
-        if self.ns_schedule not in SCHEDULES:
-            raise ValueError(
-                f"ns_schedule should be one of {tuple(SCHEDULES)} but is: {self.ns_schedule!r}"
-            )
+        check_ns_schedule(self.ns_schedule)
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -137,3 +137,33 @@ def test_planner_flags_are_checked_naming_the_flag(flags, message, capsys):
         main(["--preset", "qwen3-8b", "--sweep-fsdp", "8,16", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_door_refuses_a_value_with_the_same_check():
+    from muon import Muon
+    from muon_offload.estimate import StepSettings
+
+    def message(make) -> str:
+        with pytest.raises((TypeError, ValueError, argparse.ArgumentError)) as info:
+            make()
+        return str(info.value)
+
+    params = [torch.nn.Parameter(torch.zeros(3, 4))]
+    momentum = [
+        message(lambda: Muon(params, momentum=1.5)),
+        message(lambda: Muon([{"params": params, "momentum": 1.5}])),
+        message(lambda: OptimizerConfig(momentum=1.5)),
+        message(lambda: _parse(["--momentum", "1.5"])),
+    ]
+    assert {m.removeprefix("argument --momentum: ") for m in momentum} == {
+        "momentum should be in [0, 1) but is: 1.5"
+    }
+    chunk = [
+        message(lambda: CPUOffloadOptimizer(_adamw(), chunk_bytes=0)),
+        message(lambda: OptimizerConfig(offload="optimizer", offload_chunk_bytes=0)),
+        message(lambda: _parse(["--offload-chunk-bytes", "0"])),
+        message(lambda: StepSettings(offload_chunk_bytes=0)),
+    ]
+    assert [m.removeprefix("argument --offload-chunk-bytes: ") for m in chunk] == [
+        "chunk_bytes should be >= 1 but is: 0"
+    ] + ["offload_chunk_bytes should be >= 1 but is: 0"] * 3
