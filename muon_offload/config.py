@@ -326,10 +326,13 @@ def _bytes_or_auto(text: str) -> int | str:
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    """`--muon-options`: a JSON object."""
+    """`--muon-options`: a JSON object (text that is not JSON: argparse's "invalid JSON
+    object value")."""
     value = json.loads(text)
     if not isinstance(value, dict):
-        raise ValueError(f"should be a JSON object like '{{\"max_inflight\": 3}}' but is: {text}")
+        raise argparse.ArgumentTypeError(
+            f"should be a JSON object like '{{\"max_inflight\": 3}}' but is: {text}"
+        )
     return value
 
 

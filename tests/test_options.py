@@ -91,7 +91,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         (["--offload-chunk-bytes", "0"], "argument --offload-chunk-bytes: .* >= 1 but is: 0"),
         (["--offload-gpu-resident-bytes", "-5"], "argument --offload-gpu-resident-bytes"),
         (["--betas", "0.9", "1.5"], r"argument --betas: betas should be in \[0, 1\) but is: 1.5"),
-        (["--muon-options", "[3]"], "argument --muon-options: invalid JSON object value"),
+        (["--muon-options", "{max_inflight: 3}"], "argument --muon-options: invalid JSON object"),
+        (["--muon-options", "[3]"], "argument --muon-options: should be a JSON object like"),
         (
             ["--muon-options", '{"max_inflight": 0}'],
             r"argument --muon-options: muon_options\['max_inflight'\] should be >= 1 but is: 0",
