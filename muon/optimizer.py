@@ -16,6 +16,10 @@ Differences from torch.optim.Muon, by design:
   the logical matrix's shape, so for a fused or stacked param the result
   differs from torch.optim.Muon (which sees the whole tensor).
 - The momentum buffer is fp32 whatever the param dtype.
+- Hyperparameters are checked by `muon.options`: momentum must be in [0, 1) and
+  lr, weight_decay, eps finite, where torch.optim.Muon takes momentum 1.5 or lr inf;
+  a matrix with no elements is left alone where torch's "original" lr adjustment
+  divides by its zero columns.
 - Same-shape matrices are orthogonalized as one batch (`baddbmm`); on CPU this
   is bitwise equal to torch's per-matrix `addmm`; on GPU cuBLAS may pick other
   kernels for a batch, so agreement there is to rounding.
