@@ -30,9 +30,9 @@ def check_staging_slots(value: Any, name: str = "staging_slots") -> None:
 
 def check_gpu_resident_bytes(value: Any, name: str = "gpu_resident_bytes") -> None:
     """A byte count >= 0, or "auto"."""
-    if value == "auto" and isinstance(value, str):
-        return
     if isinstance(value, str):
+        if value == "auto":
+            return
         raise ValueError(f"{name} should be an int >= 0 or 'auto' but is: {value!r}")
     _count(value, name, 0, "an int or 'auto'")
 
