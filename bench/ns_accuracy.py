@@ -28,7 +28,8 @@ import argparse
 import torch
 
 from bench.report import write_json
-from muon.newton_schulz import SCHEDULES, path_for, zeropower
+from muon.newton_schulz import path_for, zeropower
+from muon.ns_schedules import SCHEDULES
 
 SHAPES = {  # name -> (shape, spectrum)
     "tall": ((2048, 768), "gaussian"),

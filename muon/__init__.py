@@ -1,14 +1,12 @@
 """Exact Muon for plain tensors and FSDP2 (DTensor) params."""
 
-from muon.newton_schulz import (
+from muon.newton_schulz import NewtonSchulzPath, ns_path, zeropower
+from muon.ns_schedules import (
     DEEPSEEK_V4,
     KELLER_JORDAN,
     POLAR_EXPRESS,
     SCHEDULES,
-    NewtonSchulzPath,
     NewtonSchulzSchedule,
-    ns_path,
-    zeropower,
 )
 from muon.optimizer import BucketMetrics, Muon, MuonStep
 from muon.param_groups import muon_param_groups

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -52,10 +51,7 @@ try:  # ships with CUDA builds of torch; this module is imported only off the CP
 except Exception:  # pragma: no cover - depends on the install
     triton = tl = None
 
-from muon.newton_schulz import matrix_norms
-
-if TYPE_CHECKING:
-    from muon.newton_schulz import NewtonSchulzSchedule
+from muon.ns_schedules import NewtonSchulzSchedule, matrix_norms
 
 # `backend="auto"` takes this path on GPUs of these compute capabilities (major) for
 # matrices whose short side is at least AUTO_MIN_SIDE: a rule per matrix shape, never

@@ -16,6 +16,10 @@ Differences from torch.optim.Muon, by design:
   the logical matrix's shape, so for a fused or stacked param the result
   differs from torch.optim.Muon (which sees the whole tensor).
 - The momentum buffer is fp32 whatever the param dtype.
+- Hyperparameters are checked by `muon.options`: momentum must be in [0, 1) and
+  lr, weight_decay, eps finite, where torch.optim.Muon takes momentum 1.5 or lr inf;
+  a matrix with no elements is left alone where torch's "original" lr adjustment
+  divides by its zero columns.
 - Same-shape matrices are orthogonalized as one batch (`baddbmm`); on CPU this
   is bitwise equal to torch's per-matrix `addmm`; on GPU cuBLAS may pick other
   kernels for a batch, so agreement there is to rounding.
@@ -59,12 +63,22 @@ from muon.exchange import (
     send_slots,
     send_to_owners,
 )
-from muon.newton_schulz import (
+from muon.newton_schulz import zeropower
+from muon.ns_schedules import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
     KELLER_JORDAN_COEFFICIENTS,
     NewtonSchulzSchedule,
-    zeropower,
+)
+from muon.options import (
+    CHECKS,
+    check_betas,
+    check_bucket_cap_bytes,
+    check_collect_timings,
+    check_max_inflight,
+    check_ns_steps,
+    check_row_blocks,
+    ns_dtype_from,
 )
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,
@@ -80,11 +94,6 @@ ADAMW_BETAS = (0.9, 0.999)
 ADAMW_EPS = 1e-8
 # Two buckets alive: bucket k+1's exchange in flight while bucket k orthogonalizes.
 DEFAULT_MAX_INFLIGHT = 2
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-NS_DTYPES = (torch.bfloat16, torch.float32)
-# Newton-Schulz algorithms `zeropower` takes: "standard" iterates on X, "gram" on the
-# small Gram matrix X X^T, "auto" picks per matrix shape.
-NS_ALGORITHMS = ("auto", "standard", "gram")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +115,12 @@ class BucketMetrics:
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
-    """torch.optim.Muon's lr adjustment for one logical rows x cols matrix."""
+    """torch.optim.Muon's lr adjustment for one logical rows x cols matrix.
+
+    A matrix with no elements has nothing to update: its lr is `lr`, where torch's
+    "original" formula would divide by zero columns."""
+    if rows == 0 or cols == 0:
+        return lr
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
     return lr * 0.2 * math.sqrt(max(rows, cols))
@@ -208,7 +222,8 @@ class Muon(torch.optim.Optimizer):
             iterates on the matrix, "gram" on its small Gram matrix (cheaper for
             rectangular matrices), "auto" (default) picks per matrix shape, never
             per launch, so a matrix's result does not depend on its batch.
-        ns_dtype: dtype on the wire and in Newton-Schulz: bf16 (default) or fp32.
+        ns_dtype: dtype on the wire and in Newton-Schulz: torch.bfloat16 (default) or
+            torch.float32, or their names "bfloat16", "float32" (for TOML and JSON).
         bucket_cap_bytes: cap on one bucket's full-matrix bytes (in `ns_dtype`).
             A bucket's buffers and Newton-Schulz workspace live only while the
             bucket runs, so the cap bounds the step's transient memory; nothing
@@ -239,17 +254,15 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_algorithm: str = "auto",
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         collect_timings: bool = False,
     ) -> None:
-        if ns_dtype not in NS_DTYPES:
-            raise ValueError(f"ns_dtype should be bfloat16 or float32 but is: {ns_dtype}")
-        if not bucket_cap_bytes > 0:
-            raise ValueError(f"bucket_cap_bytes should be > 0 but is: {bucket_cap_bytes}")
-        if not max_inflight >= 1:
-            raise ValueError(f"max_inflight should be >= 1 but is: {max_inflight}")
+        ns_dtype = ns_dtype_from(ns_dtype)
+        check_bucket_cap_bytes(bucket_cap_bytes)
+        check_max_inflight(max_inflight)
+        check_collect_timings(collect_timings)
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -263,6 +276,7 @@ class Muon(torch.optim.Optimizer):
             "row_blocks": None,
             "algorithm": "muon",
         }
+        _validate_hyperparameters(defaults)
         self.ns_dtype = ns_dtype
         self.bucket_cap_bytes = bucket_cap_bytes
         self.max_inflight = max_inflight
@@ -391,35 +405,29 @@ def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None
         group.setdefault("eps", ADAMW_EPS)
 
 
+# Hyperparameters every group has, and those only a Muon group reads.
+_COMMON_KEYS = ("lr", "weight_decay", "eps")
+_MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", "ns_algorithm")
+
+
+def _validate_hyperparameters(values: dict[str, Any]) -> None:
+    """`muon.options`' check of each Muon hyperparameter in `values` (Muon's defaults)."""
+    for key in (*_COMMON_KEYS, *_MUON_KEYS):
+        CHECKS[key](values[key], key)
+
+
 def _validate_group(group: dict[str, Any]) -> None:
-    """One ValueError per bad hyperparameter, with the value."""
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        raise ValueError("Tensor lr is not supported; pass a float")
-    if not 0.0 <= lr:
-        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-    if not 0.0 <= group["weight_decay"]:
-        raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
-    if not 0.0 <= group["eps"]:
-        raise ValueError(f"eps should be >= 0 but is: {group['eps']}")
+    """One error per bad hyperparameter, naming the group key and the value."""
+    for key in _COMMON_KEYS:
+        CHECKS[key](group[key], key)
     algorithm = group["algorithm"]
     if algorithm == "adamw":
-        beta1, beta2 = group["betas"]
-        if not 0.0 <= beta1 < 1.0:
-            raise ValueError(f"beta1 should be in [0, 1) but is: {beta1}")
-        if not 0.0 <= beta2 < 1.0:
-            raise ValueError(f"beta2 should be in [0, 1) but is: {beta2}")
+        check_betas(group["betas"])
         return
     if algorithm != "muon":
         raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
-    if not 0.0 <= group["momentum"]:
-        raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
-    if group["ns_algorithm"] not in NS_ALGORITHMS:
-        raise ValueError(
-            f"ns_algorithm should be one of {NS_ALGORITHMS} but is: {group['ns_algorithm']!r}"
-        )
-    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    for key in _MUON_KEYS:
+        CHECKS[key](group[key], key)
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
     if isinstance(coefficients, NewtonSchulzSchedule):
         if steps is not None and steps != coefficients.steps:
@@ -429,8 +437,7 @@ def _validate_group(group: dict[str, Any]) -> None:
     else:
         if len(coefficients) != 3:
             raise ValueError(f"ns_coefficients should be (a, b, c) but is: {coefficients}")
-        if steps is not None and not (isinstance(steps, int) and 0 < steps < 100):
-            raise ValueError(f"ns_steps should be None or in [1, 99] but is: {steps}")
+        check_ns_steps(steps)
         group["ns_coefficients"] = tuple(coefficients)
     row_blocks = group["row_blocks"]
     for p in group["params"]:
@@ -441,8 +448,7 @@ def _validate_group(group: dict[str, Any]) -> None:
                 f"Muon does not support complex params but got {p.dtype} of shape "
                 f"{tuple(p.shape)}; put it in an algorithm='adamw' group or use real views"
             )
-        if row_blocks is not None and sum(row_blocks) != p.shape[-2]:
-            raise ValueError(f"row_blocks should sum to {p.shape[-2]} rows but is: {row_blocks}")
+        check_row_blocks(row_blocks, p.shape[-2])
 
 
 def _transient(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:

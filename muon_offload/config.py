@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,13 +22,14 @@ import torch
 from torch import nn
 
 from muon import SCHEDULES, Muon, muon_param_groups
+from muon import options as muon_checks
 from muon.planning import DEFAULT_BUCKET_CAP_BYTES
 from offload import CPUOffloadOptimizer
+from offload import options as offload_checks
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS, invariant_numel
 
 OPTIMIZER_TYPES = ("adamw", "muon")
 OFFLOAD_MODES = ("none", "optimizer")
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
 # Muon arguments the config sets from its own fields; muon_options may set the rest.
 _MUON_ARGS_FROM_FIELDS = {
     "self",
@@ -42,7 +45,19 @@ _MUON_ARGS_FROM_FIELDS = {
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """What to optimize with, and whether its state lives on the host."""
+    """What to optimize with, and whether its state lives on the host.
+
+    Every field is checked at construction, by the same checks `muon.Muon` and
+    `offload.CPUOffloadOptimizer` run (`muon.options`, `offload.options`), whether it
+    comes from Python, `add_arguments`' flags or TOML.
+
+    Defaults are a training recipe in which one lr serves Muon and AdamW groups, so
+    three differ from `muon.Muon(...)`'s, which are torch's: lr 3e-4 (Muon: 1e-3,
+    torch.optim.Muon's), adjust_lr_fn "match_rms_adamw" (Muon: None, i.e. "original"),
+    betas (0.9, 0.95) for AdamW groups (Muon's AdamW groups: (0.9, 0.999),
+    torch.optim.AdamW's). With type="adamw" the same fields build torch.optim.AdamW,
+    whose own defaults are lr 1e-3, betas (0.9, 0.999), weight_decay 0.01.
+    """
 
     type: str = "adamw"
     """"adamw", or "muon" (Muon for hidden matrices and expert stacks, AdamW for the rest)."""
@@ -88,77 +103,54 @@ class OptimizerConfig:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name], _field_default(f))
-        _one_of("type", self.type, OPTIMIZER_TYPES)
-        _one_of("offload", self.offload, OFFLOAD_MODES)
-        _one_of("ns_schedule", self.ns_schedule, tuple(SCHEDULES))
-        _one_of("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
-        if not self.lr >= 0:
-            raise ValueError(f"lr should be >= 0 but is: {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay should be >= 0 but is: {self.weight_decay}")
-        for i, beta in enumerate(self.betas):
-            if not 0 <= beta < 1:
-                raise ValueError(f"betas[{i}] should be in [0, 1) but is: {beta}")
-        if not self.eps >= 0:
-            raise ValueError(f"eps should be >= 0 but is: {self.eps}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum should be in [0, 1) but is: {self.momentum}")
+        for name, check in _FIELD_CHECKS.items():
+            check(getattr(self, name), name)
         if self.offload_overlap_forward and self.offload != "optimizer":
             raise ValueError(
                 "offload_overlap_forward=True needs offload='optimizer' (it overlaps the "
                 "offloaded step with the next forward); set offload='optimizer' or turn it off"
             )
-        if self.offload_load_in_backward and not self.offload_overlap_forward:
-            raise ValueError(
-                "offload_load_in_backward=True needs offload_overlap_forward=True (the forward "
-                "overlap's hooks find where the backward is); turn both on or this one off"
-            )
-        if self.offload_backward_load_bytes is not None:
-            if not self.offload_load_in_backward:
-                raise ValueError(
-                    "offload_backward_load_bytes is set but offload_load_in_backward is off; "
-                    "turn it on (the bytes are what the backward loads)"
-                )
-            if self.offload_backward_load_bytes < 0:
-                raise ValueError(
-                    "offload_backward_load_bytes should be >= 0 but is: "
-                    f"{self.offload_backward_load_bytes}"
-                )
-        if self.offload_chunk_bytes <= 0:
-            raise ValueError(
-                f"offload_chunk_bytes should be > 0 but is: {self.offload_chunk_bytes}"
-            )
-        if self.offload_staging_slots < 1:
-            raise ValueError(
-                f"offload_staging_slots should be >= 1 but is: {self.offload_staging_slots}"
-            )
+        offload_checks.check_offload_options(
+            chunk_bytes=self.offload_chunk_bytes,
+            staging_slots=self.offload_staging_slots,
+            gpu_resident_bytes=self.offload_gpu_resident_bytes,
+            overlap_forward=self.offload_overlap_forward,
+            load_in_backward=self.offload_load_in_backward,
+            backward_load_bytes=self.offload_backward_load_bytes,
+            prefix="offload_",
+        )
         if self.muon_options and self.type != "muon":
             raise ValueError(f"muon_options is set but type is {self.type!r}; use type='muon'")
         _check_muon_options(self.muon_options)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one `--flag` per field (`--offload-overlap-forward`, ...) to `parser`."""
+        """Add one `--flag` per field (`--offload-overlap-forward`, ...) to `parser`; each
+        value is checked as the field is, and an error names the flag. `--muon-options`
+        takes a JSON object, e.g. '{"ns_dtype": "float32", "max_inflight": 3}'."""
         for f in dataclasses.fields(cls):
-            if f.name == "muon_options":
-                continue
             flag = "--" + f.name.replace("_", "-")
-            default = f.default
+            default = _field_default(f)
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif isinstance(default, tuple):
-                parser.add_argument(flag, type=float, nargs=len(default), default=default)
+                continue
+            if f.name == "muon_options":
+                parse: Callable[[str], Any] = _json_object
             elif f.name == "offload_gpu_resident_bytes":
-                parser.add_argument(flag, type=_bytes_or_auto, default=default)
+                parse = _bytes_or_auto
             elif default is None:  # offload_backward_load_bytes
-                parser.add_argument(flag, type=int, default=default)
+                parse = int
             else:
-                parser.add_argument(flag, type=type(default), default=default)
+                parse = float if isinstance(default, tuple) else type(default)
+            kwargs: dict[str, Any] = {"nargs": len(default)} if isinstance(default, tuple) else {}
+            check = _FLAG_CHECKS.get(f.name)
+            parser.add_argument(
+                flag, type=_checked(parse, check, f.name), default=default, **kwargs
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OptimizerConfig:
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "muon_options"]
-        values = {name: getattr(args, name) for name in names}
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
         values["betas"] = tuple(values["betas"])
         return cls(**values)
 
@@ -252,11 +244,16 @@ def _check_muon_options(options: dict[str, Any]) -> None:
             )
         default = signature.parameters[name].default
         _check_type(f"muon_options[{name!r}]", value, hints[name], default)
+        if name in muon_checks.CHECKS:
+            muon_checks.CHECKS[name](value, f"muon_options[{name!r}]")
 
 
-def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} should be one of {list(choices)} but is: {value!r}")
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
+    def check(value: Any, name: str) -> None:
+        if value not in choices:
+            raise ValueError(f"{name} should be one of {list(choices)} but is: {value!r}")
+
+    return check
 
 
 def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -326,3 +323,61 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
 def _bytes_or_auto(text: str) -> int | str:
     """`--offload-gpu-resident-bytes`: "auto" or a byte count."""
     return text if text == "auto" else int(text)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """`--muon-options`: a JSON object (text that is not JSON: argparse's "invalid JSON
+    object value")."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"should be a JSON object like '{{\"max_inflight\": 3}}' but is: {text}"
+        )
+    return value
+
+
+_json_object.__name__ = "JSON object"  # argparse: "invalid JSON object value: ..."
+
+
+def _checked(
+    parse: Callable[[str], Any], check: Callable[[Any, str], None] | None, name: str
+) -> Callable[[str], Any]:
+    """An argparse `type`: `parse`, then the field's `check`; argparse puts the flag in
+    front of the error."""
+
+    def parse_flag(text: str) -> Any:
+        value = parse(text)
+        if check is not None:
+            try:
+                check(value, name)
+            except (TypeError, ValueError) as error:
+                raise argparse.ArgumentTypeError(str(error)) from error
+        return value
+
+    parse_flag.__name__ = parse.__name__
+    return parse_flag
+
+
+# What checks each field (besides its type), from `muon.options` and `offload.options`:
+# the dataclass, its CLI flags and TOML all go through these.
+_FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
+    "type": _one_of(OPTIMIZER_TYPES),
+    "offload": _one_of(OFFLOAD_MODES),
+    "ns_schedule": muon_checks.check_ns_schedule,
+    "adjust_lr_fn": muon_checks.check_adjust_lr_fn,
+    "lr": muon_checks.check_lr,
+    "weight_decay": muon_checks.check_weight_decay,
+    "betas": muon_checks.check_betas,
+    "eps": muon_checks.check_eps,
+    "momentum": muon_checks.check_momentum,
+}
+# A flag's value is one element of a tuple field (`--betas 0.9 0.95`).
+_FLAG_CHECKS: dict[str, Callable[[Any, str], None]] = {
+    **_FIELD_CHECKS,
+    "betas": muon_checks.check_beta,
+    "offload_chunk_bytes": offload_checks.check_chunk_bytes,
+    "offload_staging_slots": offload_checks.check_staging_slots,
+    "offload_gpu_resident_bytes": offload_checks.check_gpu_resident_bytes,
+    "offload_backward_load_bytes": offload_checks.check_optional_bytes,
+    "muon_options": lambda value, name: _check_muon_options(value),
+}

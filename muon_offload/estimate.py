@@ -45,8 +45,15 @@ import torch
 from torch import nn
 
 from muon.model_shapes import ParamShape, meta_module
-from muon.newton_schulz import SCHEDULES, ns_flops
-from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
+from muon.newton_schulz import ns_flops
+from muon.ns_schedules import SCHEDULES
+from muon.optimizer import DEFAULT_MAX_INFLIGHT
+from muon.options import (
+    check_bucket_cap_bytes,
+    check_max_inflight,
+    check_ns_algorithm,
+    check_ns_schedule,
+)
 from muon.param_groups import muon_param_groups
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,
@@ -61,6 +68,7 @@ from muon.planning import (
 # (one source of truth); this module joins muon and offload, so it lives in muon_offload.
 from offload.chunk_plan import ParamSpec, StateSpec, plan_offload
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
+from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
 
 EXPERT_SHARDS = ("auto", "experts", "rows")
 DEVICES = ("cuda", "cpu")
@@ -152,30 +160,16 @@ class StepSettings:
     its restart segments."""
 
     def __post_init__(self) -> None:
-        if self.bucket_cap_bytes <= 0:
-            raise ValueError(f"bucket_cap_bytes should be > 0 but is: {self.bucket_cap_bytes}")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight should be >= 1 but is: {self.max_inflight}")
+        # muon.options' and offload.options' checks, under this class's names
+        check_bucket_cap_bytes(self.bucket_cap_bytes)
+        check_max_inflight(self.max_inflight)
         if self.device not in DEVICES:
             raise ValueError(f"device should be one of {DEVICES} but is: {self.device!r}")
-        if self.offload_chunk_bytes <= 0:
-            raise ValueError(
-                f"offload_chunk_bytes should be > 0 but is: {self.offload_chunk_bytes}"
-            )
-        if self.offload_slots < 1:
-            raise ValueError(f"offload_slots should be >= 1 but is: {self.offload_slots}")
-        if self.offload_resident_bytes < 0:
-            raise ValueError(
-                f"offload_resident_bytes should be >= 0 but is: {self.offload_resident_bytes}"
-            )
-        if self.ns_algorithm not in NS_ALGORITHMS:
-            raise ValueError(
-                f"ns_algorithm should be one of {NS_ALGORITHMS} but is: {self.ns_algorithm!r}"
-            )
-        if self.ns_schedule not in SCHEDULES:
-            raise ValueError(
-                f"ns_schedule should be one of {tuple(SCHEDULES)} but is: {self.ns_schedule!r}"
-            )
+        check_chunk_bytes(self.offload_chunk_bytes, "offload_chunk_bytes")
+        check_staging_slots(self.offload_slots, "offload_slots")
+        check_bytes(self.offload_resident_bytes, "offload_resident_bytes")
+        check_ns_algorithm(self.ns_algorithm)
+        check_ns_schedule(self.ns_schedule)
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -28,8 +29,9 @@ from typing import Any
 import torch
 
 from muon.model_shapes import PRESETS, from_config, from_preset, load_config
-from muon.newton_schulz import SCHEDULES
-from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
+from muon.ns_schedules import SCHEDULES
+from muon.optimizer import DEFAULT_MAX_INFLIGHT
+from muon.options import NS_ALGORITHMS
 from muon.planning import DEFAULT_BUCKET_CAP_BYTES, MuonPlan
 from muon_offload.estimate import (
     EXPERT_SHARDS,
@@ -335,10 +337,36 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "--offload-resident-mib", type=float, default=0.0,
         help="CPUOffloadOptimizer's gpu_resident_bytes: state kept on the GPU",
     )  # fmt: skip
-    p.add_argument("--sweep-fsdp", help="comma-separated FSDP sizes, e.g. 8,16,32,64")
-    p.add_argument("--budget-gib", type=float, help="per-rank budget for the optimizer's peak")
+    p.add_argument("--sweep-fsdp", type=_sizes, help="comma-separated FSDP sizes, e.g. 8,16,32,64")
+    p.add_argument(
+        "--budget-gib", type=_positive_gib, help="per-rank budget for the optimizer's peak"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
+
+
+def _sizes(text: str) -> list[int]:
+    """`--sweep-fsdp`: comma-separated sizes >= 1 (argparse names the flag on an error)."""
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"should be comma-separated sizes >= 1, e.g. 8,16,32, but is: {text!r}"
+        )
+    return sizes
+
+
+def _positive_gib(text: str) -> float:
+    """`--budget-gib`: a finite number of GiB > 0."""
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not 0 < gib < math.inf:
+        raise argparse.ArgumentTypeError(f"should be a number of GiB > 0 but is: {text!r}")
+    return gib
 
 
 def settings_from(args: argparse.Namespace) -> StepSettings:
@@ -368,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.sweep_fsdp:
-            models = [estimate_from(args, int(size)) for size in args.sweep_fsdp.split(",")]
+            models = [estimate_from(args, size) for size in args.sweep_fsdp]
             budget = None if args.budget_gib is None else int(args.budget_gib * 2**30)
             rows = sweep_rows(models, budget, args.offload)
             print(json.dumps({"sweep": rows}, indent=1)) if args.json else print_sweep(rows)

@@ -40,6 +40,7 @@ from offload.chunk_plan import (
 )
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
+from offload.options import check_offload_options
 from offload.residency import (
     AUTO_MEASURED_STEPS,
     AUTO_WARMUP_STEPS,
@@ -273,34 +274,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes should be > 0 but is: {chunk_bytes}")
-        if staging_slots < 1:
-            raise ValueError(f"staging_slots should be >= 1 but is: {staging_slots}")
-        if gpu_resident_bytes != "auto" and not (
-            isinstance(gpu_resident_bytes, int) and gpu_resident_bytes >= 0
-        ):
-            raise ValueError(
-                f"gpu_resident_bytes should be an int >= 0 or 'auto' but is: {gpu_resident_bytes!r}"
-            )
-        if gpu_resident_cap_bytes is not None and gpu_resident_cap_bytes < 0:
-            raise ValueError(
-                f"gpu_resident_cap_bytes should be >= 0 but is: {gpu_resident_cap_bytes}"
-            )
-        if backward_load_bytes is not None:
-            if isinstance(backward_load_bytes, bool) or not isinstance(backward_load_bytes, int):
-                raise TypeError(
-                    f"backward_load_bytes should be an int or None but is: {backward_load_bytes!r}"
-                )
-            if backward_load_bytes < 0:
-                raise ValueError(
-                    f"backward_load_bytes should be >= 0 but is: {backward_load_bytes}"
-                )
-            if not load_in_backward:
-                raise ValueError(
-                    "backward_load_bytes needs load_in_backward=True (it says how much the "
-                    "backward loads)"
-                )
+        check_offload_options(
+            chunk_bytes=chunk_bytes,
+            staging_slots=staging_slots,
+            gpu_resident_bytes=gpu_resident_bytes,
+            gpu_resident_cap_bytes=gpu_resident_cap_bytes,
+            overlap_forward=overlap_forward is not None,
+            load_in_backward=load_in_backward,
+            backward_load_bytes=backward_load_bytes,
+        )
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.chunk_bytes = chunk_bytes
@@ -352,11 +334,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if load_in_backward:
                 load_ahead = weakref.WeakMethod(self._load_ahead)  # the model must not keep self
                 self._overlap.backward_reached = lambda *at: (load_ahead() or _nothing)(*at)
-        elif load_in_backward:
-            raise ValueError(
-                "load_in_backward needs overlap_forward=model: the forward's hooks find where "
-                "the backward is"
-            )
         self._load_in_backward = load_in_backward
         self.backward_load_bytes = backward_load_bytes
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in

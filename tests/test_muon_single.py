@@ -229,16 +229,21 @@ def test_param_group_helper():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"lr": -1.0}, "Learning rate should be >= 0 but is: -1.0"),
-        ({"momentum": -0.5}, "momentum should be >= 0 but is: -0.5"),
-        ({"weight_decay": -0.1}, "weight decay should be >= 0 but is: -0.1"),
+        ({"lr": -1.0}, "lr should be >= 0 but is: -1.0"),
+        ({"lr": float("inf")}, "lr should be finite but is: inf"),
+        ({"momentum": -0.5}, r"momentum should be in \[0, 1\) but is: -0.5"),
+        ({"momentum": 1.5}, r"momentum should be in \[0, 1\) but is: 1.5"),
+        ({"weight_decay": -0.1}, "weight_decay should be >= 0 but is: -0.1"),
+        ({"weight_decay": float("nan")}, "weight_decay should be finite but is: nan"),
         ({"eps": -1.0}, "eps should be >= 0 but is: -1.0"),
-        ({"adjust_lr_fn": "spectral"}, "spectral is not supported"),
+        ({"eps": float("inf")}, "eps should be finite but is: inf"),
+        ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn should be one of .* but is: 'spectral'"),
         ({"ns_coefficients": (1.0, 2.0)}, r"ns_coefficients should be \(a, b, c\)"),
         ({"ns_steps": 100}, "ns_steps should be None or in"),
         ({"ns_coefficients": POLAR_EXPRESS, "ns_steps": 3}, "ns_steps should be None or 5"),
         ({"ns_dtype": torch.float16}, "ns_dtype should be"),
-        ({"bucket_cap_bytes": 0}, "bucket_cap_bytes should be > 0 but is: 0"),
+        ({"ns_dtype": "half"}, "ns_dtype should be .* but is: 'half'"),
+        ({"bucket_cap_bytes": 0}, "bucket_cap_bytes should be >= 1 but is: 0"),
         ({"max_inflight": 0}, "max_inflight should be >= 1 but is: 0"),
         ({"lr": torch.tensor(0.1)}, "Tensor lr"),
     ],
@@ -248,12 +253,69 @@ def test_constructor_errors(kwargs, match):
         Muon(_params([(3, 4)]), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"nesterov": "no"}, "nesterov should be True or False but is: 'no'"),
+        ({"lr": "1e-3"}, "lr should be a number but is: '1e-3'"),
+        ({"bucket_cap_bytes": 1.5}, "bucket_cap_bytes should be an int but is: 1.5"),
+        ({"max_inflight": True}, "max_inflight should be an int but is: True"),
+        ({"collect_timings": 1}, "collect_timings should be True or False but is: 1"),
+    ],
+)
+def test_constructor_type_errors(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        Muon(_params([(3, 4)]), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "group, error, match",
+    [
+        ({"momentum": 1.5}, ValueError, r"momentum should be in \[0, 1\) but is: 1.5"),
+        ({"nesterov": "no"}, TypeError, "nesterov should be True or False but is: 'no'"),
+        ({"lr": float("inf")}, ValueError, "lr should be finite but is: inf"),
+        ({"row_blocks": (16, -4, 4)}, ValueError, r"row_blocks\[1\] should be >= 1 but is: -4"),
+        (
+            {"algorithm": "adamw", "betas": (0.9,)},
+            ValueError,
+            r"betas should be a pair \(beta1, beta2\) but is: \(0.9,\)",
+        ),
+    ],
+)
+def test_add_param_group_checks_each_hyperparameter(group, error, match):
+    opt = Muon(_params([(3, 4)]))
+    with pytest.raises(error, match=match):
+        opt.add_param_group({"params": _params([(16, 4)]), **group})
+
+
+def test_ns_dtype_by_name_is_the_dtype():
+    runs = []
+    for ns_dtype in (torch.float32, "float32"):
+        params = _params([(6, 5)])
+        opt = Muon(params, ns_dtype=ns_dtype)
+        _run(opt, params)
+        assert opt.ns_dtype is torch.float32
+        runs.append(params[0])
+    assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+def test_zero_size_matrices_are_left_alone(adjust_lr_fn):
+    # (8, 0) raised ZeroDivisionError in the "original" lr adjustment (as torch.optim.Muon
+    # does); a matrix without elements has nothing to update.
+    empty = [torch.nn.Parameter(torch.zeros(s)) for s in [(4, 8, 0), (8, 0), (0, 8)]]
+    ours, alone = _params([(3, 4)]), _params([(3, 4)])
+    _run(Muon(empty + ours, adjust_lr_fn=adjust_lr_fn), empty + ours)
+    _run(Muon(alone, adjust_lr_fn=adjust_lr_fn), alone)  # the same grads: empty ones draw none
+    assert torch.equal(ours[0], alone[0])
+
+
 def test_group_errors():
     with pytest.raises(ValueError, match="2-D and 3-D"):
         Muon(_params([(4,)]))
     with pytest.raises(ValueError, match="row_blocks should sum to 3"):
         Muon([{"params": _params([(3, 4)]), "row_blocks": (1, 1)}])
-    with pytest.raises(ValueError, match="beta2 should be in"):
+    with pytest.raises(ValueError, match=r"betas\[1\] should be in"):
         Muon([{"params": _params([(3,)]), "algorithm": "adamw", "betas": (0.9, 1.0)}])
     with pytest.raises(ValueError, match="algorithm should be"):
         Muon([{"params": _params([(3, 4)]), "algorithm": "sgd"}])
@@ -335,7 +397,7 @@ def test_a_bad_hyperparameter_set_later_raises(key, value):
     params = _params([(6, 5)])
     opt = Muon(params)
     opt.param_groups[0][key] = value
-    with pytest.raises(ValueError, match=key.replace("lr", "Learning rate")):
+    with pytest.raises(ValueError, match=key):
         _run(opt, params, steps=1)
 
 

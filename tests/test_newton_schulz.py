@@ -10,17 +10,14 @@ import torch
 from ns_alloc_tracker import PeakTracker
 
 from muon.newton_schulz import (
-    DEEPSEEK_V4,
     GRAM_MIN_ASPECT,
-    KELLER_JORDAN,
-    SCHEDULES,
     NewtonSchulzPath,
-    NewtonSchulzSchedule,
     ns_path,
     ns_workspace_numel,
     zeropower,
     zeropower_along,
 )
+from muon.ns_schedules import DEEPSEEK_V4, KELLER_JORDAN, SCHEDULES, NewtonSchulzSchedule
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

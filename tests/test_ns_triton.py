@@ -21,13 +21,8 @@ from triton_interpreter import (
     runs_interpreter,
 )
 
-from muon.newton_schulz import (
-    SCHEDULES,
-    NewtonSchulzSchedule,
-    get_backend,
-    set_backend,
-    zeropower,
-)
+from muon.newton_schulz import get_backend, set_backend, zeropower
+from muon.ns_schedules import SCHEDULES, NewtonSchulzSchedule
 
 
 def _fp64_reference(x: torch.Tensor, schedule: NewtonSchulzSchedule) -> torch.Tensor:

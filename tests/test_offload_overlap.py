@@ -388,7 +388,7 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case, bu
 
 def test_load_in_backward_needs_forward_overlap():
     model = make_model()
-    with pytest.raises(ValueError, match="load_in_backward needs overlap_forward"):
+    with pytest.raises(ValueError, match="load_in_backward=True needs overlap_forward=model"):
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), load_in_backward=True)
 
 

@@ -1,0 +1,83 @@
+"""The one check of each `CPUOffloadOptimizer` option, for every door that takes one.
+
+The constructor calls `check_offload_options` with its argument names;
+`muon_offload.OptimizerConfig` (its fields, CLI flags and TOML) with
+`prefix="offload_"`, its field names; the planner checks its settings with the
+single-option checks. Each check names the value as its door spells it and says
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+
+def _count(value: Any, name: str, least: int, kind: str = "an int") -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} should be {kind} but is: {value!r} ({type(value).__name__})")
+    if value < least:
+        raise ValueError(f"{name} should be >= {least} but is: {value}")
+
+
+def check_chunk_bytes(value: Any, name: str = "chunk_bytes") -> None:
+    _count(value, name, 1)
+
+
+def check_staging_slots(value: Any, name: str = "staging_slots") -> None:
+    _count(value, name, 1)
+
+
+def check_gpu_resident_bytes(value: Any, name: str = "gpu_resident_bytes") -> None:
+    """A byte count >= 0, or "auto"."""
+    if isinstance(value, str):
+        if value == "auto":
+            return
+        raise ValueError(f"{name} should be an int >= 0 or 'auto' but is: {value!r}")
+    _count(value, name, 0, "an int or 'auto'")
+
+
+def check_bytes(value: Any, name: str) -> None:
+    """A byte count >= 0."""
+    _count(value, name, 0)
+
+
+def check_optional_bytes(value: Any, name: str) -> None:
+    """None (the default) or a byte count >= 0."""
+    if value is not None:
+        _count(value, name, 0, "an int or None")
+
+
+def check_offload_options(
+    *,
+    chunk_bytes: Any,
+    staging_slots: Any,
+    gpu_resident_bytes: Any,
+    gpu_resident_cap_bytes: Any = None,
+    overlap_forward: bool,
+    load_in_backward: Any,
+    backward_load_bytes: Any,
+    prefix: str = "",
+) -> None:
+    """Every option and how they combine; names are `prefix` + the constructor's
+    (`overlap_forward` is a model there, a bool in the config)."""
+    overlap_on = f"{prefix}overlap_forward=True" if prefix else "overlap_forward=model"
+    check_chunk_bytes(chunk_bytes, f"{prefix}chunk_bytes")
+    check_staging_slots(staging_slots, f"{prefix}staging_slots")
+    check_gpu_resident_bytes(gpu_resident_bytes, f"{prefix}gpu_resident_bytes")
+    check_optional_bytes(gpu_resident_cap_bytes, f"{prefix}gpu_resident_cap_bytes")
+    if not isinstance(load_in_backward, bool):
+        raise TypeError(
+            f"{prefix}load_in_backward should be True or False but is: {load_in_backward!r}"
+        )
+    check_optional_bytes(backward_load_bytes, f"{prefix}backward_load_bytes")
+    if load_in_backward and not overlap_forward:
+        raise ValueError(
+            f"{prefix}load_in_backward=True needs {overlap_on} (the forward overlap's hooks "
+            f"find where the backward is); set both or turn {prefix}load_in_backward off"
+        )
+    if backward_load_bytes is not None and not load_in_backward:
+        raise ValueError(
+            f"{prefix}backward_load_bytes needs {prefix}load_in_backward=True (it is how much "
+            f"the backward loads); turn that on or leave {prefix}backward_load_bytes unset"
+        )
