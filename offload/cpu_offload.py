@@ -111,6 +111,20 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
     return state
 
 
+def _carve(flat: Tensor, shape: torch.Size, param: Tensor) -> Tensor:
+    """`flat` (contiguous, `shape`'s numel) as a state tensor of `shape` for `param`.
+
+    State shaped like the param's local shard takes the param's memory layout, as torch
+    optimizers create it (`zeros_like(p, memory_format=torch.preserve_format)`): fused
+    kernels pair a param's elements with its state's by memory, not by index, so a
+    contiguous state for a transposed or channels_last param would be updated wrongly.
+    """
+    local = local_tensor(param)
+    if shape != local.shape:
+        return flat.view(shape)
+    return flat.as_strided(shape, torch.empty_like(local, device="meta").stride())
+
+
 @dataclass
 class _Home:
     """Where one state tensor lives between steps: a host slab view, or a GPU-resident one."""
@@ -922,7 +936,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 spec, param = view.spec, self._params[view.param]
                 home = homes.get((param, spec.key))
                 if home is None:
-                    h = slabs[spec.dtype][view.home_offset :][: spec.numel].view(spec.shape)
+                    h = _carve(
+                        slabs[spec.dtype][view.home_offset :][: spec.numel], spec.shape, param
+                    )
                     home = homes[param, spec.key] = _Home(h, _as_state(param, h))
                 if layout.resident:
                     staging = home.home if not view.sliced else home.home.view(-1)
@@ -931,7 +947,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     staging = torch.empty(view.shape, dtype=spec.dtype, device=self.device)
                 else:
                     staging = slot_buffer(spec.dtype, slot)[view.staging_offset :]
-                    staging = staging[: view.stop - view.start].view(view.shape)
+                    staging = _carve(staging[: view.stop - view.start], view.shape, param)
                 staging_state = staging if view.sliced else _as_state(param, staging)
                 views.append(_View(param, spec.key, home, staging, staging_state))
             chunks.append(
@@ -993,9 +1009,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             }
             for view in layout.views:
                 spec, param = view.spec, self._params[view.param]
-                s = staging[spec.dtype][view.staging_offset :][: spec.numel].view(spec.shape)
+                s = staging[spec.dtype][view.staging_offset :][: spec.numel]
+                s = _carve(s, spec.shape, param)
                 h = self._host_slabs[spec.dtype][view.home_offset :][: spec.numel]
-                h = h.view(spec.shape)
+                h = _carve(h, spec.shape, param)
                 s.copy_(h, non_blocking=True)
                 state[param][spec.key] = _as_state(param, s)
                 staged.append((param, spec.key, h))
