@@ -207,6 +207,13 @@ OVERSIZED_UNIT_WARN_BYTES = 64 << 20
 """Warn when a unit bigger than twice `chunk_bytes` makes a staging slot bigger than this."""
 
 
+_WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = (
+    weakref.WeakKeyDictionary()
+)
+"""The open wrapper of each wrapped optimizer: a second would keep the state in its own
+slabs, and the two would step from different copies of it."""
+
+
 class CPUOffloadOptimizer(torch.optim.Optimizer):
     """Keep `optimizer`'s state in pinned host memory; stream it through the GPU to step.
 
@@ -316,6 +323,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     "backward_load_bytes needs load_in_backward=True (it says how much the "
                     "backward loads)"
                 )
+        holder = _WRAPPERS.get(optimizer)
+        if holder is not None and (wrapper := holder()) is not None and not wrapper._closed:
+            raise ValueError(
+                f"this {type(optimizer).__name__} is already wrapped by a CPUOffloadOptimizer, "
+                "which keeps its state in its own host slabs: step through that one, or "
+                "close() that one first"
+            )
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.chunk_bytes = chunk_bytes
@@ -376,6 +390,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
+        _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _check_ring_fits(self) -> None:
         """Fail at construction if the staging ring cannot fit on the device.
@@ -486,15 +501,39 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap = None
         self._ring, self._extra_slots = None, []
         self._closed = True
+        _WRAPPERS.pop(self.optimizer, None)
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's `state_dict`, with the hooks registered on the wrapper
+        called around it as `torch.optim.Optimizer.state_dict` calls them."""
         self.wait_for_optimizer_step()
-        return self.optimizer.state_dict()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self.optimizer.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hook_result = post_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the state's homes (host slabs, resident slabs) in place; nothing is staged."""
+        """Load into the state's homes (host slabs, resident slabs) in place; nothing is staged.
+
+        The hooks registered on the wrapper are called as `torch.optim.Optimizer` calls
+        them: the pre hooks get a shallow copy of `state_dict` and may return a new one.
+        """
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # State is keyed by whatever the saved groups list as params (indices, or FQNs
         # from torch.distributed.checkpoint); match them to params by position, as torch does.
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]

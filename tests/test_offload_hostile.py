@@ -60,3 +60,69 @@ def test_adamw_on_any_param_layout_is_bitwise_equal(layout, implementation, opti
         offloaded.step()
     _assert_same_adamw(plain, offloaded, a, b)
     _assert_same_adamw(plain, offloaded, a_bias, b_bias)
+
+
+def _linear(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 4)
+
+
+def _backward(model: torch.nn.Module, seed: int = 0) -> None:
+    torch.manual_seed(100 + seed)
+    model(torch.randn(2, 8)).square().sum().backward()
+
+
+def test_a_second_wrapper_over_one_optimizer_is_refused_until_the_first_is_closed():
+    inner = torch.optim.AdamW(_linear().parameters())
+    first = CPUOffloadOptimizer(inner)
+    with pytest.raises(ValueError, match=r"AdamW is already wrapped.*close\(\) that one first"):
+        CPUOffloadOptimizer(inner)
+    first.close()
+    CPUOffloadOptimizer(inner)  # a closed wrapper lets go of it
+
+
+def test_a_dropped_wrapper_lets_go_of_its_optimizer():
+    inner = torch.optim.AdamW(_linear().parameters())
+    CPUOffloadOptimizer(inner)
+    import gc
+
+    gc.collect()
+    CPUOffloadOptimizer(inner)
+
+
+def test_state_dict_hooks_on_the_wrapper_are_called_as_torch_calls_them():
+    calls = []
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _backward(model)
+    opt.step()
+
+    def state_dict_post(optimizer, state_dict):
+        calls.append(("save_post", optimizer))
+        return {**state_dict, "extra": 1}
+
+    def load_pre(optimizer, state_dict):
+        calls.append(("load_pre", optimizer, state_dict.get("extra")))
+        state_dict = dict(state_dict)
+        del state_dict["extra"]
+        return state_dict
+
+    opt.register_state_dict_pre_hook(lambda optimizer: calls.append(("save_pre", optimizer)))
+    opt.register_state_dict_post_hook(state_dict_post)
+    opt.register_load_state_dict_pre_hook(load_pre)
+    handle = opt.register_load_state_dict_post_hook(
+        lambda optimizer: calls.append(("load_post", optimizer))
+    )
+    saved = opt.state_dict()
+    assert saved["extra"] == 1
+    opt.load_state_dict(saved)
+    assert saved["extra"] == 1  # torch hands the hooks a shallow copy
+    assert calls == [
+        ("save_pre", opt),
+        ("save_post", opt),
+        ("load_pre", opt, 1),
+        ("load_post", opt),
+    ]
+    handle.remove()
+    opt.load_state_dict(saved)
+    assert [c[0] for c in calls[4:]] == ["load_pre"]
