@@ -125,6 +125,17 @@ def _carve(flat: Tensor, shape: torch.Size, param: Tensor) -> Tensor:
     return flat.as_strided(shape, torch.empty_like(local, device="meta").stride())
 
 
+def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size, fix: str) -> None:
+    """Refuse a state tensor (loaded, or assigned by hand) not shaped as the step keeps it:
+    copied into its home, a broadcastable one would fill it silently."""
+    shape = local_tensor(value).shape
+    if shape != expected:
+        raise ValueError(
+            f"state {key!r} of param {param} has shape {tuple(shape)}, expected "
+            f"{tuple(expected)} ({fix})"
+        )
+
+
 @dataclass
 class _Home:
     """Where one state tensor lives between steps: a host slab view, or a GPU-resident one."""
@@ -548,15 +559,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for key, value in entries.items()
             if isinstance(value, Tensor) and value.ndim >= 1
         }
-        views = self._host_views()
-        self._check_complete_state(state_dict["state"], param_of, views)
+        kept = self._kept_shapes()
+        self._check_complete_state(state_dict["state"], param_of, kept)
         for (index, key), value in offloaded.items():
-            view = views.get((param_of[index], key))
-            if view is not None and local_tensor(value).shape != view.home.shape:
-                raise ValueError(
-                    f"state {key!r} of param {index} has shape {tuple(local_tensor(value).shape)}, "
-                    f"expected {tuple(view.home.shape)}"
+            expected = kept.get(param_of[index], {}).get(key)
+            if expected is not None:
+                _check_state_shape(
+                    index, key, value, expected, "load a state_dict saved for these params"
                 )
+        views = self._host_views()
         light = {
             "state": {
                 index: {k: v for k, v in entries.items() if (index, k) not in offloaded}
@@ -580,23 +591,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self,
         saved: dict[Any, dict[str, Any]],
         param_of: dict[Any, Tensor],
-        views: dict[tuple[Tensor, str], _View],
+        kept: dict[Tensor, dict[str, torch.Size]],
     ) -> None:
         """Every param with saved state has every state tensor the step will read.
 
         A missing one would be staged from its slab unchanged (zeros, or the last
         run's values); plain torch optimizers raise a KeyError at the next step.
         """
-        homed: dict[Tensor, set[str]] = {}
-        for param, key in views:
-            homed.setdefault(param, set()).add(key)
         for index, entries in saved.items():
             if not entries:
                 continue
-            param = param_of[index]
-            expected = homed.get(param, set())
-            if not expected and self._subset is not None:
-                expected = set(self._subset.state_layout(param))
+            expected = set(kept.get(param_of[index], {}))
             missing = sorted(expected - set(entries))
             if missing:
                 raise KeyError(
@@ -605,6 +610,49 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"for it): load a state_dict saved from the same optimizer, or drop param "
                     f"{index}'s entry to start its state afresh"
                 )
+
+    def _kept_shapes(self) -> dict[Tensor, dict[str, torch.Size]]:
+        """The local shape of each state tensor the step keeps, per param: its home's, else
+        (before the first step) the subset step's layout; on the serial path, only those a
+        step has created."""
+        kept: dict[Tensor, dict[str, torch.Size]] = {}
+        for (param, key), home in self._homes.items():
+            kept.setdefault(param, {})[key] = home.home.shape
+        if self._subset is not None:
+            for param in self._params:
+                if param not in kept:
+                    layout = self._subset.state_layout(param).items()
+                    kept[param] = {key: torch.Size(shape) for key, (shape, _) in layout}
+        return kept
+
+    def _take_replaced_state(self) -> None:
+        """Copy state tensors assigned by hand since the last step (`opt.state[p][key] = t`)
+        into their homes: a step stages the homes, and would silently use the old values.
+
+        Done before anything reads the homes: waits for the last write-back, and forgets
+        the backward's loads (they staged the old values).
+        """
+        state = self.optimizer.state
+        replaced = [
+            (param, key, home)
+            for (param, key), home in self._homes.items()
+            if key in state.get(param, ()) and state[param][key] is not home.home_state
+        ]
+        if not replaced:
+            return
+        self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
+        for param, key, home in replaced:
+            value, index = state[param][key], self._params.index(param)
+            fix = "assign a tensor like the one it replaces, or edit that one in place"
+            _check_state_shape(index, key, value, home.home.shape, fix)
+            if value.dtype != home.home.dtype:
+                raise ValueError(
+                    f"state {key!r} of param {index} was replaced by a {value.dtype} tensor, "
+                    f"expected {home.home.dtype} ({fix})"
+                )
+            home.home.copy_(local_tensor(value))
+            state[param][key] = home.home_state
 
     # -- stepping -----------------------------------------------------------------------
 
@@ -621,6 +669,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
+        self._take_replaced_state()
         self._resolve_auto_residency()
         subset = self._subset.begin_subset_step()
         self._ensure_plan(subset, self._subset.state_layout)
@@ -1037,6 +1086,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """
         if self._plan is None and self._unhomed_state():  # loaded before the first step
             self._build_serial_plan()
+        self._take_replaced_state()
         self._check_host_memory_for_new_state()
         state = self.optimizer.state
         staged = []
@@ -1050,14 +1100,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 spec, param = view.spec, self._params[view.param]
                 s = staging[spec.dtype][view.staging_offset :][: spec.numel]
                 s = _carve(s, spec.shape, param)
-                h = self._host_slabs[spec.dtype][view.home_offset :][: spec.numel]
-                h = _carve(h, spec.shape, param)
-                s.copy_(h, non_blocking=True)
+                home = self._homes[param, spec.key]
+                s.copy_(home.home, non_blocking=True)
                 state[param][spec.key] = _as_state(param, s)
-                staged.append((param, spec.key, h))
+                staged.append((param, spec.key, home))
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        for param, key, h in staged:
+        for param, key, home in staged:
             # The step may have replaced the tensor rather than updated it (LBFGS's "d").
+            h = home.home
             now = local_tensor(state[param][key])
             if now.shape != h.shape or now.dtype != h.dtype:
                 raise RuntimeError(
@@ -1066,7 +1116,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{tuple(now.shape)} {now.dtype}; its state cannot live in fixed host slabs"
                 )
             h.copy_(now, non_blocking=True)
-            state[param][key] = _as_state(param, h)
+            state[param][key] = home.home_state
         if self._unhomed_state():  # created on the device by this step: move it home
             self._build_serial_plan()
         if self._streams.async_copies:

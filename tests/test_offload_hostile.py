@@ -126,3 +126,84 @@ def test_state_dict_hooks_on_the_wrapper_are_called_as_torch_calls_them():
     handle.remove()
     opt.load_state_dict(saved)
     assert [c[0] for c in calls[4:]] == ["load_pre"]
+
+
+class _Twin:
+    """A plain optimizer and an offloaded one over two copies of one model."""
+
+    def __init__(self, make, seed: int = 0, **options) -> None:
+        self.plain_model, self.model = _linear(seed), _linear(seed)
+        self.plain = make(self.plain_model.parameters())
+        self.opt = CPUOffloadOptimizer(make(self.model.parameters()), **options)
+
+    def step(self, seed: int) -> None:
+        for model, opt in ((self.plain_model, self.plain), (self.model, self.opt)):
+            opt.zero_grad()
+            _backward(model, seed)
+            opt.step()
+
+    def assert_equal(self) -> None:
+        self.opt.wait_for_optimizer_step()
+        for a, b in zip(self.plain_model.parameters(), self.model.parameters(), strict=True):
+            assert torch.equal(a, b)
+            for key, value in self.plain.state[a].items():
+                assert torch.equal(value, self.opt.state[b][key]), key
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _rprop(params):  # no subset step: the serial path
+    return torch.optim.Rprop(params, lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("make", "options"),
+    [
+        (_adamw, {}),
+        (_adamw, {"chunk_bytes": 64}),
+        (_adamw, {"gpu_resident_bytes": 2**30}),
+        (_rprop, {}),
+    ],
+    ids=["adamw", "adamw_sliced", "adamw_resident", "serial"],
+)
+def test_state_replaced_by_hand_is_taken_at_the_next_step(make, options):
+    twin = _Twin(make, **options)
+    twin.step(0)
+    key = next(iter(k for k, v in twin.plain.state[twin.plain_model.weight].items() if v.ndim))
+    for opt, model in ((twin.plain, twin.plain_model), (twin.opt, twin.model)):
+        opt.state[model.weight][key] = torch.full_like(opt.state[model.weight][key], 90.0)
+    twin.step(1)
+    twin.assert_equal()
+
+
+def test_state_replaced_by_hand_with_the_wrong_shape_is_refused_naming_it():
+    twin = _Twin(_adamw)
+    twin.step(0)
+    twin.opt.state[twin.model.weight]["exp_avg"] = torch.zeros(8)
+    _backward(twin.model)
+    with pytest.raises(
+        ValueError, match=r"state 'exp_avg' of param 0 has shape \(8,\), expected \(4, 8\)"
+    ):
+        twin.opt.step()
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "after_a_step"])
+@pytest.mark.parametrize("shape", [(8,), (3, 8)], ids=["broadcastable", "not_broadcastable"])
+def test_loaded_state_of_the_wrong_shape_is_refused_naming_param_and_key(stepped, shape):
+    source = _linear()
+    plain = torch.optim.AdamW(source.parameters())
+    _backward(source)
+    plain.step()
+    saved = plain.state_dict()
+    saved["state"][0]["exp_avg"] = torch.zeros(shape)
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    if stepped:
+        _backward(model)
+        opt.step()
+    with pytest.raises(
+        ValueError, match=rf"state 'exp_avg' of param 0 has shape \({shape[0]},.*expected \(4, 8\)"
+    ):
+        opt.load_state_dict(saved)
