@@ -364,6 +364,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._plan: OffloadPlan | None = None
         self._specs: list[ParamSpec] = []
         self._units_key: tuple[tuple[int, ...], ...] | None = None
+        self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
         self._chunks: list[_Chunk] = []
         self._homes: dict[tuple[Tensor, str], _Home] = {}
         self._host_slabs: dict[torch.dtype, Tensor] = {}
@@ -872,10 +873,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Chunks in the order the forward needs them (stable, so the same on every rank).
             units = self._overlap.forward_order(units)
         units_key = tuple(tuple(index[p] for p in unit) for unit in units)
+        # A sparse grad (nn.Embedding(sparse=True)) has no flat slices: its param steps whole,
+        # from the first step it shows one on (re-planned then, once: it stays whole).
+        sparse = {p for p in self._params if p.grad is not None and p.grad.is_sparse}
+        self._stepped_whole |= sparse
         if self._plan is not None:
             if units_key != self._units_key:
                 raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
-            return
+            if not any(self._specs[index[p]].splittable for p in sparse):
+                return
+            self.wait_for_optimizer_step()  # the new homes copy the old ones
+            self._drop_loaded_ahead()
         splits = isinstance(subset, SlicingSubsetStep)
         specs = []
         for p in self._params:
@@ -883,6 +891,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             local = local_tensor(p)
             splittable = (
                 splits
+                and p not in self._stepped_whole
                 and bool(state)
                 and local.is_contiguous()
                 and all(s.shape == local.shape for s in state)

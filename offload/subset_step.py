@@ -200,6 +200,7 @@ class ElementwiseGroupStep(GroupStep):
         self._had_state = {p for p in self._group_of if state.get(p)}
         self._scalars: dict[Tensor, dict[str, Any]] = {}
         self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
+        self._flat_grads: dict[Tensor, Tensor] = {}  # of sliced params still to step
 
     def step_params(self, params: Collection[Tensor]) -> None:
         self.step_slices(params, ())
@@ -215,7 +216,7 @@ class ElementwiseGroupStep(GroupStep):
             stand_in_grad = local_tensor(grad)
             if piece is not None:
                 stand_in = stand_in.view(-1)[piece.start : piece.stop]
-                stand_in_grad = stand_in_grad.view(-1)[piece.start : piece.stop]
+                stand_in_grad = self._flat_grad(param, stand_in_grad)[piece.start : piece.stop]
             stand_in.grad = stand_in_grad
             entries: dict[str, Any] = {}
             if param in self._had_state:
@@ -238,10 +239,20 @@ class ElementwiseGroupStep(GroupStep):
                     state[p].update(state.pop(stand_in, {}))
         self._release(params)
         for param in self._finished(slices):
+            self._flat_grads.pop(param, None)
             # A shorter shard's trailing slices are empty, and still step (on the first step
             # they create their slice's state): they get an empty grad.
             grad = self._grads[param]
             self._grads[param] = None if grad is None else local_tensor(grad).new_empty(0)
+
+    def _flat_grad(self, param: Tensor, grad: Tensor) -> Tensor:
+        """`grad` flattened, once for all of `param`'s slices: a view, or, for a grad with
+        no flat view (transposed, expanded: a param's grad may have any strides), a
+        contiguous copy holding the same values."""
+        flat = self._flat_grads.get(param)
+        if flat is None:
+            flat = self._flat_grads[param] = grad.reshape(-1)
+        return flat
 
     def _finished(self, slices: Sequence[ParamSlice]) -> list[Tensor]:
         """The params whose last local elements `slices` stepped."""

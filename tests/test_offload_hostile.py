@@ -207,3 +207,62 @@ def test_loaded_state_of_the_wrong_shape_is_refused_naming_param_and_key(stepped
         ValueError, match=rf"state 'exp_avg' of param 0 has shape \({shape[0]},.*expected \(4, 8\)"
     ):
         opt.load_state_dict(saved)
+
+
+def _odd_grad(param: torch.Tensor, kind: str, step: int) -> torch.Tensor:
+    torch.manual_seed(200 + step)
+    if kind == "transposed":
+        return torch.randn(param.shape[::-1]).t()
+    return torch.randn(param.shape[-1]).expand(param.shape)  # stride 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
+@pytest.mark.parametrize("kind", ["transposed", "expanded"])
+def test_non_contiguous_grads_on_a_sliced_param_step_exactly(kind, overlap):
+    plain_model, model = (torch.nn.Linear(32, 8) for _ in range(2))
+    model.load_state_dict(plain_model.state_dict())
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    # 64 bytes a chunk: the (8, 32) weight's state is cut into slices
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=64,
+        overlap_forward=model if overlap else None,
+    )
+    for step in range(3):
+        for m, o in ((plain_model, plain), (model, opt)):
+            m(torch.ones(1, 32))  # the overlapped step runs its chunks in the forward
+            for p in m.parameters():
+                p.grad = _odd_grad(p, kind, step)
+            o.step()
+    assert any(chunk.slices for chunk in opt._chunks)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain.state[a][key], opt.state[b][key]), key
+
+
+@pytest.mark.parametrize("first_sparse_step", [0, 1], ids=["from_the_first_step", "later"])
+def test_sparse_grads_on_a_param_larger_than_a_chunk_step_it_whole(first_sparse_step):
+    def run(wrap: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(20, 8, sparse=True), torch.nn.Linear(8, 16))
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        if wrap:  # the embedding's state is 640 bytes: more than a chunk
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=64)
+        for step in range(3):
+            opt.zero_grad()
+            if step < first_sparse_step:  # the embedding gets no grad: sliced at first
+                model[1](torch.ones(2, 8)).square().sum().backward()
+            else:
+                model(torch.tensor([[1, 3, 3], [step, 7, 1]])).square().sum().backward()
+            opt.step()
+        return model, opt
+
+    (plain_model, plain), (model, opt) = run(False), run(True)
+    sliced = [s.param for chunk in opt._chunks for s in chunk.slices]
+    assert all(p is not model[0].weight for p in sliced)
+    assert any(p is model[1].weight for p in sliced)  # the dense Linear's still is
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(plain.state[a]["sum"], opt.state[b]["sum"])
