@@ -192,6 +192,8 @@ class _StagingRing:
     def release(self, users: Sequence[torch.Stream | None]) -> None:
         """Give the memory back once the work queued on `users` is done with it."""
         for buffer in self.buffers.values():
+            if buffer.untyped_storage().nbytes() == 0:  # given back already
+                continue
             for stream in users:
                 if stream is not None:
                     buffer.record_stream(stream)
@@ -378,6 +380,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.residency: ResidencyChoice | None = None
         """What "auto" chose, once it has (None before, and for a byte budget)."""
         self._closed = False
+        self._interrupted: str | None = None  # why step() is refused after an interrupted step
         self._hooks_for_lr_scheduler()
         self._overlap: ForwardOverlap | None = None
         if overlap_forward is not None:
@@ -542,6 +545,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if hook_result is not None:
                 state_dict = hook_result
         self._load_state_dict(state_dict)
+        self._interrupted = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -661,6 +665,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if self._closed:
             raise RuntimeError("this CPUOffloadOptimizer is closed; build a new one to step")
+        if self._interrupted is not None:
+            raise RuntimeError(self._interrupted)
         self._check_step_inputs()
         if self._subset is None:  # the wrapped step calls the closure (LBFGS: many times)
             return self._serial_step(closure)
@@ -688,7 +694,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is None:
             # The trainer's stream runs the whole step: all of it is exposed.
             before = self._timer.mark(streams.current()) if timed else None
-            for _ in self._enqueue_chunks(subset, streams.current(), timed):
+            for _ in self._interruptible(self._enqueue_chunks(subset, streams.current(), timed)):
                 pass
             if timed:
                 everything = sum(c.invariant_bytes for c in self._plan.chunks)
@@ -696,7 +702,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
-        self._overlap.start(self._enqueue_chunks(subset, self._overlap.side_stream, timed), grads)
+        chunks = self._enqueue_chunks(subset, self._overlap.side_stream, timed)
+        self._overlap.start(self._interruptible(chunks, self._overlap.side_stream), grads)
         return loss
 
     def _enqueue_chunks(
@@ -769,6 +776,48 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._step_done = streams.mark(streams.d2h)
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
+
+    def _interruptible(
+        self, chunks: Iterator[None], compute: torch.Stream | None = None
+    ) -> Iterator[None]:
+        """`chunks` (the step's, enqueued on `compute`); if one raises (KeyboardInterrupt, an
+        error in the update), the state goes home and the step is marked interrupted."""
+        stepped = 0
+        try:
+            for _ in chunks:
+                stepped += 1
+                yield
+        except GeneratorExit:  # dropped unfinished: the wrapper is being collected
+            raise
+        except BaseException as error:
+            self._abandon_step(stepped, error, compute)
+            raise
+
+    def _abandon_step(
+        self, stepped: int, error: BaseException, compute: torch.Stream | None
+    ) -> None:
+        """After a chunk raised: every state entry back in its home (the chunk's point into
+        the staging ring), the ring given back once the work enqueued so far is done, and
+        the next `step()` refused: the step is partly applied, which cannot be finished
+        exactly (the chunk that raised may have updated some of its params)."""
+        state, streams = self.optimizer.state, self._streams
+        for (param, key), home in self._homes.items():
+            if key in state.get(param, ()):
+                state[param][key] = home.home_state
+        compute = compute if compute is not None else streams.current()
+        streams.wait(streams.d2h, streams.mark(compute))
+        self._step_done = streams.mark(streams.d2h)  # what reads the homes waits for this
+        for slots in (self._ring, *self._extra_slots):
+            if slots is not None:
+                slots.release([streams.h2d, streams.d2h, compute])
+        self._interrupted = (
+            f"the last step() was interrupted by {type(error).__name__} after {stepped} of "
+            f"{len(self._chunks)} chunks had stepped: their params and state are updated (and "
+            "perhaps some of the next chunk's), the others' not, and that cannot be finished "
+            "exactly. Restore the model and this optimizer from a checkpoint (load_state_dict "
+            "clears this), or, to go on from here, close() this optimizer and wrap the inner "
+            "one anew"
+        )
 
     def _write_back(self, chunk: _Chunk, compute: torch.Stream | None) -> None:
         """Enqueue the D2H copy of a stepped chunk's state; an extra slot goes back to the

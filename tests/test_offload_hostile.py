@@ -4,6 +4,9 @@ key or argument and the way out."""
 
 from __future__ import annotations
 
+import copy
+import gc
+
 import pytest
 import torch
 
@@ -84,8 +87,6 @@ def test_a_second_wrapper_over_one_optimizer_is_refused_until_the_first_is_close
 def test_a_dropped_wrapper_lets_go_of_its_optimizer():
     inner = torch.optim.AdamW(_linear().parameters())
     CPUOffloadOptimizer(inner)
-    import gc
-
     gc.collect()
     CPUOffloadOptimizer(inner)
 
@@ -266,3 +267,96 @@ def test_sparse_grads_on_a_param_larger_than_a_chunk_step_it_whole(first_sparse_
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
         assert torch.equal(plain.state[a]["sum"], opt.state[b]["sum"])
+
+
+def _interrupt_call(optimizer: torch.optim.Optimizer, call: int) -> None:
+    """The optimizer's `call`-th step (one per chunk) raises KeyboardInterrupt after updating."""
+    calls, step = [0], optimizer.step
+
+    def interrupted_step(*args, **kwargs):
+        calls[0] += 1
+        result = step(*args, **kwargs)
+        if calls[0] == call:
+            raise KeyboardInterrupt
+        return result
+
+    optimizer.step = interrupted_step
+
+
+def _three_linears(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
+def test_a_step_interrupted_mid_chunk_leaves_state_home_and_the_next_step_refuses(overlap):
+    model = _three_linears()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        inner, chunk_bytes=600, staging_slots=2, overlap_forward=model if overlap else None
+    )
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    opt.wait_for_optimizer_step()  # model.state_dict() reads params outside a forward
+    checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    assert len(opt._chunks) == 6  # one weight or bias a chunk
+    # With overlap, the 5th chunk runs in the next forward: the interrupt comes out of it.
+    interrupted_chunk = 5 if overlap else 2
+    _interrupt_call(inner, interrupted_chunk)
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+        model(torch.ones(1, 8))
+    del inner.step
+
+    # The state is whole and at home: every state tensor in a host slab, no stray entries.
+    slabs = {slab.untyped_storage().data_ptr() for slab in opt._host_slabs.values()}
+    state = opt.state
+    assert len(state) == len(list(model.parameters()))
+    for entries in state.values():
+        for key, value in entries.items():
+            if value.ndim:
+                assert value.untyped_storage().data_ptr() in slabs, key
+    with pytest.raises(
+        RuntimeError,
+        match=rf"interrupted by KeyboardInterrupt after {interrupted_chunk - 1} of 6 chunks"
+        r".*load_state_dict",
+    ):
+        opt.step()
+
+    # The way out: restore both from the checkpoint, then the run is plain AdamW's.
+    model.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    plain_model = _three_linears()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain_model(torch.ones(1, 8)).sum().backward()
+    plain.step()
+    for m, o in ((plain_model, plain), (model, opt)):
+        o.zero_grad()
+        m(torch.ones(1, 8)).sum().backward()
+        o.step()
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(plain.state[a][key], opt.state[b][key]), key
+
+
+def test_after_an_interrupted_step_a_new_wrapper_goes_on_from_the_state_at_home():
+    model = _three_linears()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=600)
+    _interrupt_call(inner, 2)
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    del inner.step
+    at_home = copy.deepcopy(opt.state_dict())
+    opt.close()
+    again = CPUOffloadOptimizer(inner, chunk_bytes=600)
+    assert all(
+        torch.equal(value, again.state_dict()["state"][index][key])
+        for index, entries in at_home["state"].items()
+        for key, value in entries.items()
+    )
+    again.step()
