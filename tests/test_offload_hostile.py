@@ -67,12 +67,12 @@ def test_adamw_on_any_param_layout_is_bitwise_equal(layout, implementation, opti
 
 def _linear(seed: int = 0) -> torch.nn.Linear:
     torch.manual_seed(seed)
-    return torch.nn.Linear(8, 4)
+    return torch.nn.Linear(32, 8)  # the weight is cut into slices by chunks of 64 bytes
 
 
 def _backward(model: torch.nn.Module, seed: int = 0) -> None:
     torch.manual_seed(100 + seed)
-    model(torch.randn(2, 8)).square().sum().backward()
+    model(torch.randn(2, 32)).square().sum().backward()
 
 
 def test_a_second_wrapper_over_one_optimizer_is_refused_until_the_first_is_closed():
@@ -129,12 +129,19 @@ def test_state_dict_hooks_on_the_wrapper_are_called_as_torch_calls_them():
     assert [c[0] for c in calls[4:]] == ["load_pre"]
 
 
+def _two_linears(seed: int = 0) -> torch.nn.Sequential:
+    # Two modules: the backward (`load_in_backward`) loads in the first one's.
+    return torch.nn.Sequential(_linear(seed), torch.nn.Linear(8, 8))
+
+
 class _Twin:
     """A plain optimizer and an offloaded one over two copies of one model."""
 
-    def __init__(self, make, seed: int = 0, **options) -> None:
-        self.plain_model, self.model = _linear(seed), _linear(seed)
+    def __init__(self, make, seed: int = 0, overlap: bool = False, **options) -> None:
+        self.plain_model, self.model = _two_linears(seed), _two_linears(seed)
         self.plain = make(self.plain_model.parameters())
+        if overlap:
+            options["overlap_forward"] = self.model
         self.opt = CPUOffloadOptimizer(make(self.model.parameters()), **options)
 
     def step(self, seed: int) -> None:
@@ -165,33 +172,38 @@ def _rprop(params):  # no subset step: the serial path
         (_adamw, {}),
         (_adamw, {"chunk_bytes": 64}),
         (_adamw, {"gpu_resident_bytes": 2**30}),
+        (_adamw, {"chunk_bytes": 64, "overlap": True, "load_in_backward": True}),
         (_rprop, {}),
     ],
-    ids=["adamw", "adamw_sliced", "adamw_resident", "serial"],
+    ids=["adamw", "adamw_sliced", "adamw_resident", "adamw_loaded_in_backward", "serial"],
 )
 def test_state_replaced_by_hand_is_taken_at_the_next_step(make, options):
     twin = _Twin(make, **options)
     twin.step(0)
-    key = next(iter(k for k, v in twin.plain.state[twin.plain_model.weight].items() if v.ndim))
-    for opt, model in ((twin.plain, twin.plain_model), (twin.opt, twin.model)):
-        opt.state[model.weight][key] = torch.full_like(opt.state[model.weight][key], 90.0)
     twin.step(1)
+    if options.get("load_in_backward"):  # the next backward loads state the hand replaces
+        assert twin.opt.chunks_loaded_in_backward > 0
+    key = next(iter(k for k, v in twin.plain.state[twin.plain_model[0].weight].items() if v.ndim))
+    for opt, model in ((twin.plain, twin.plain_model), (twin.opt, twin.model)):
+        state = opt.state[model[0].weight]
+        state[key] = torch.full_like(state[key], 90.0)
+    twin.step(2)
     twin.assert_equal()
 
 
 def test_state_replaced_by_hand_with_the_wrong_shape_is_refused_naming_it():
     twin = _Twin(_adamw)
     twin.step(0)
-    twin.opt.state[twin.model.weight]["exp_avg"] = torch.zeros(8)
+    twin.opt.state[twin.model[0].weight]["exp_avg"] = torch.zeros(32)
     _backward(twin.model)
     with pytest.raises(
-        ValueError, match=r"state 'exp_avg' of param 0 has shape \(8,\), expected \(4, 8\)"
+        ValueError, match=r"state 'exp_avg' of param 0 has shape \(32,\), expected \(8, 32\)"
     ):
         twin.opt.step()
 
 
 @pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "after_a_step"])
-@pytest.mark.parametrize("shape", [(8,), (3, 8)], ids=["broadcastable", "not_broadcastable"])
+@pytest.mark.parametrize("shape", [(32,), (3, 32)], ids=["broadcastable", "not_broadcastable"])
 def test_loaded_state_of_the_wrong_shape_is_refused_naming_param_and_key(stepped, shape):
     source = _linear()
     plain = torch.optim.AdamW(source.parameters())
@@ -205,7 +217,7 @@ def test_loaded_state_of_the_wrong_shape_is_refused_naming_param_and_key(stepped
         _backward(model)
         opt.step()
     with pytest.raises(
-        ValueError, match=rf"state 'exp_avg' of param 0 has shape \({shape[0]},.*expected \(4, 8\)"
+        ValueError, match=rf"state 'exp_avg' of param 0 has shape \({shape[0]},.*expected \(8, 32\)"
     ):
         opt.load_state_dict(saved)
 
