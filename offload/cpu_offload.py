@@ -1162,7 +1162,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 s.copy_(home.home, non_blocking=True)
                 state[param][spec.key] = _as_state(param, s)
                 staged.append((param, spec.key, home))
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        try:
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        finally:  # interrupted too: the state goes home as the step left it, as plain torch's
+            self._serial_write_back(staged)
+        return loss
+
+    def _serial_write_back(self, staged: list[tuple[Tensor, str, _Home]]) -> None:
+        """Copy the staged state home, and move home state the step created on the device."""
+        state = self.optimizer.state
         for param, key, home in staged:
             # The step may have replaced the tensor rather than updated it (LBFGS's "d").
             h = home.home
@@ -1179,7 +1187,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._build_serial_plan()
         if self._streams.async_copies:
             self._step_done = self._streams.mark(self._streams.current())
-        return loss
 
     def _check_host_memory_for_new_state(self) -> None:
         """If this step will create state, check the host holds all state after it."""

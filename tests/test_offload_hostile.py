@@ -372,3 +372,21 @@ def test_after_an_interrupted_step_a_new_wrapper_goes_on_from_the_state_at_home(
         for key, value in entries.items()
     )
     again.step()
+
+
+def test_an_interrupted_serial_step_leaves_the_state_at_home_as_plain_torch_leaves_it():
+    """The serial path steps all at once, as the plain optimizer: interrupted, its state
+    is the plain one's, at home, and the run goes on as the plain one does."""
+    twin = _Twin(_rprop)
+    twin.step(0)
+    for model, opt in ((twin.plain_model, twin.plain), (twin.model, twin.opt)):
+        inner = opt.optimizer if isinstance(opt, CPUOffloadOptimizer) else opt
+        _interrupt_call(inner, 1)
+        _backward(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        del inner.step
+    homes = {id(home.home_state) for home in twin.opt._homes.values()}
+    assert all(id(v) in homes for e in twin.opt.state.values() for v in e.values() if v.ndim)
+    twin.step(2)
+    twin.assert_equal()
