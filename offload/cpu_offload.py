@@ -287,7 +287,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     `close()` finishes the last step, removes the forward hooks and gives back
     the staging ring; state stays readable. A dropped optimizer is collected even
-    without `close()`: the model's hooks do not keep it alive.
+    without `close()`: the model's hooks do not keep it alive. An optimizer has
+    one open wrapper at a time.
+
+    State tensors shaped like a param are laid out like it (as torch optimizers
+    create them). One assigned by hand (`opt.state[p][key] = t`) is copied home
+    at the next step. A step interrupted inside a chunk (KeyboardInterrupt, an
+    error) leaves the state at home, partly updated, and the next `step()`
+    refuses until `load_state_dict` restores a checkpoint.
     """
 
     # NOTE: subclasses Optimizer only so LR schedulers and isinstance checks accept

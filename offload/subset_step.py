@@ -19,7 +19,9 @@ through the GPU in chunks. The contract:
 - `state_layout(param)` names the state tensors (ndim >= 1) the step keeps for
   `param`, with their local shapes and dtypes, before any step has run, so the
   host slabs can be sized and allocated once. On the first step `step_params`
-  may create that state; afterwards it never creates state.
+  may create that state; afterwards it never creates state. The wrapper lays out
+  a state tensor shaped like the param as the param is laid out (as
+  `zeros_like(p, memory_format=torch.preserve_format)` does).
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
   declares it can update slices of one-param units (`SlicingSubsetStep`), so a
   large param never makes a staging slot larger than a chunk.
