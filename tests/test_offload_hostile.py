@@ -20,15 +20,15 @@ LAYOUTS = {
 }
 
 
-def _param_like(make, seed: int, device: str = "cpu") -> torch.nn.Parameter:
+def _param_like(make, seed: int) -> torch.nn.Parameter:
     torch.manual_seed(seed)
-    return torch.nn.Parameter(make().to(device))
+    return torch.nn.Parameter(make())
 
 
 def _grad_like(param: torch.Tensor, step: int) -> torch.Tensor:
-    gen = torch.Generator(device=param.device).manual_seed(100 + step)
-    grad = torch.empty_like(param, memory_format=torch.preserve_format)
-    return grad.copy_(torch.randn(param.shape, generator=gen, device=param.device))
+    gen = torch.Generator().manual_seed(100 + step)
+    grad = torch.empty_like(param, memory_format=torch.preserve_format)  # laid out as the param
+    return grad.copy_(torch.randn(param.shape, generator=gen))
 
 
 def _assert_same_adamw(plain, offloaded, a, b) -> None:
@@ -232,10 +232,8 @@ def _odd_grad(param: torch.Tensor, kind: str, step: int) -> torch.Tensor:
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
 @pytest.mark.parametrize("kind", ["transposed", "expanded"])
 def test_non_contiguous_grads_on_a_sliced_param_step_exactly(kind, overlap):
-    plain_model, model = (torch.nn.Linear(32, 8) for _ in range(2))
-    model.load_state_dict(plain_model.state_dict())
+    plain_model, model = _linear(), _linear()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    # 64 bytes a chunk: the (8, 32) weight's state is cut into slices
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         chunk_bytes=64,
