@@ -112,6 +112,31 @@ def _as_state(param: Tensor, local: Tensor) -> Tensor:
     return state
 
 
+def _carve(flat: Tensor, shape: torch.Size, param: Tensor) -> Tensor:
+    """`flat` (contiguous, `shape`'s numel) as a state tensor of `shape` for `param`.
+
+    State shaped like the param's local shard takes the param's memory layout, as torch
+    optimizers create it (`zeros_like(p, memory_format=torch.preserve_format)`): fused
+    kernels pair a param's elements with its state's by memory, not by index, so a
+    contiguous state for a transposed or channels_last param would be updated wrongly.
+    """
+    local = local_tensor(param)
+    if shape != local.shape:
+        return flat.view(shape)
+    return flat.as_strided(shape, torch.empty_like(local, device="meta").stride())
+
+
+def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size, fix: str) -> None:
+    """Refuse a state tensor (loaded, or assigned by hand) not shaped as the step keeps it:
+    copied into its home, a broadcastable one would fill it silently."""
+    shape = local_tensor(value).shape
+    if shape != expected:
+        raise ValueError(
+            f"state {key!r} of param {param} has shape {tuple(shape)}, expected "
+            f"{tuple(expected)} ({fix})"
+        )
+
+
 @dataclass
 class _Home:
     """Where one state tensor lives between steps: a host slab view, or a GPU-resident one."""
@@ -168,6 +193,8 @@ class _StagingRing:
     def release(self, users: Sequence[torch.Stream | None]) -> None:
         """Give the memory back once the work queued on `users` is done with it."""
         for buffer in self.buffers.values():
+            if buffer.untyped_storage().nbytes() == 0:  # given back already
+                continue
             for stream in users:
                 if stream is not None:
                     buffer.record_stream(stream)
@@ -191,6 +218,13 @@ def _copy_pieces(home: Tensor, staging: Tensor) -> list[tuple[Tensor, Tensor]]:
 
 OVERSIZED_UNIT_WARN_BYTES = 64 << 20
 """Warn when a unit bigger than twice `chunk_bytes` makes a staging slot bigger than this."""
+
+
+_WRAPPERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = (
+    weakref.WeakKeyDictionary()
+)
+"""The open wrapper of each wrapped optimizer: a second would keep the state in its own
+slabs, and the two would step from different copies of it."""
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):
@@ -253,7 +287,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     `close()` finishes the last step, removes the forward hooks and gives back
     the staging ring; state stays readable. A dropped optimizer is collected even
-    without `close()`: the model's hooks do not keep it alive.
+    without `close()`: the model's hooks do not keep it alive. An optimizer has
+    one open wrapper at a time.
+
+    State tensors shaped like a param are laid out like it (as torch optimizers
+    create them). One assigned by hand (`opt.state[p][key] = t`) is copied home
+    at the next step. A step interrupted inside a chunk (KeyboardInterrupt, an
+    error) leaves the state at home, partly updated, and the next `step()`
+    refuses until `load_state_dict` restores a checkpoint.
     """
 
     # NOTE: subclasses Optimizer only so LR schedulers and isinstance checks accept
@@ -283,6 +324,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             load_in_backward=load_in_backward,
             backward_load_bytes=backward_load_bytes,
         )
+        holder = _WRAPPERS.get(optimizer)
+        if holder is not None and (wrapper := holder()) is not None and not wrapper._closed:
+            raise ValueError(
+                f"this {type(optimizer).__name__} is already wrapped by a CPUOffloadOptimizer, "
+                "which keeps its state in its own host slabs: step through that one, or "
+                "close() that one first"
+            )
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.chunk_bytes = chunk_bytes
@@ -306,6 +354,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._plan: OffloadPlan | None = None
         self._specs: list[ParamSpec] = []
         self._units_key: tuple[tuple[int, ...], ...] | None = None
+        self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
         self._chunks: list[_Chunk] = []
         self._homes: dict[tuple[Tensor, str], _Home] = {}
         self._host_slabs: dict[torch.dtype, Tensor] = {}
@@ -319,6 +368,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.residency: ResidencyChoice | None = None
         """What "auto" chose, once it has (None before, and for a byte budget)."""
         self._closed = False
+        self._interrupted: str | None = None  # why step() is refused after an interrupted step
         self._hooks_for_lr_scheduler()
         self._overlap: ForwardOverlap | None = None
         if overlap_forward is not None:
@@ -340,6 +390,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
+        _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _check_ring_fits(self) -> None:
         """Fail at construction if the staging ring cannot fit on the device.
@@ -453,15 +504,40 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap = None
         self._ring, self._extra_slots = None, []
         self._closed = True
+        _WRAPPERS.pop(self.optimizer, None)
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's `state_dict`, with the hooks registered on the wrapper
+        called around it as `torch.optim.Optimizer.state_dict` calls them."""
         self.wait_for_optimizer_step()
-        return self.optimizer.state_dict()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self.optimizer.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hook_result = post_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the state's homes (host slabs, resident slabs) in place; nothing is staged."""
+        """Load into the state's homes (host slabs, resident slabs) in place; nothing is staged.
+
+        The hooks registered on the wrapper are called as `torch.optim.Optimizer` calls
+        them: the pre hooks get a shallow copy of `state_dict` and may return a new one.
+        """
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        self._load_state_dict(state_dict)
+        self._interrupted = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # State is keyed by whatever the saved groups list as params (indices, or FQNs
         # from torch.distributed.checkpoint); match them to params by position, as torch does.
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -476,15 +552,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for key, value in entries.items()
             if isinstance(value, Tensor) and value.ndim >= 1
         }
-        views = self._host_views()
-        self._check_complete_state(state_dict["state"], param_of, views)
+        kept = self._kept_shapes()
+        self._check_complete_state(state_dict["state"], param_of, kept)
         for (index, key), value in offloaded.items():
-            view = views.get((param_of[index], key))
-            if view is not None and local_tensor(value).shape != view.home.shape:
-                raise ValueError(
-                    f"state {key!r} of param {index} has shape {tuple(local_tensor(value).shape)}, "
-                    f"expected {tuple(view.home.shape)}"
+            expected = kept.get(param_of[index], {}).get(key)
+            if expected is not None:
+                _check_state_shape(
+                    index, key, value, expected, "load a state_dict saved for these params"
                 )
+        views = self._host_views()
         light = {
             "state": {
                 index: {k: v for k, v in entries.items() if (index, k) not in offloaded}
@@ -508,23 +584,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self,
         saved: dict[Any, dict[str, Any]],
         param_of: dict[Any, Tensor],
-        views: dict[tuple[Tensor, str], _View],
+        kept: dict[Tensor, dict[str, torch.Size]],
     ) -> None:
         """Every param with saved state has every state tensor the step will read.
 
         A missing one would be staged from its slab unchanged (zeros, or the last
         run's values); plain torch optimizers raise a KeyError at the next step.
         """
-        homed: dict[Tensor, set[str]] = {}
-        for param, key in views:
-            homed.setdefault(param, set()).add(key)
         for index, entries in saved.items():
             if not entries:
                 continue
-            param = param_of[index]
-            expected = homed.get(param, set())
-            if not expected and self._subset is not None:
-                expected = set(self._subset.state_layout(param))
+            expected = set(kept.get(param_of[index], {}))
             missing = sorted(expected - set(entries))
             if missing:
                 raise KeyError(
@@ -534,12 +604,57 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{index}'s entry to start its state afresh"
                 )
 
+    def _kept_shapes(self) -> dict[Tensor, dict[str, torch.Size]]:
+        """The local shape of each state tensor the step keeps, per param: its home's, else
+        (before the first step) the subset step's layout; on the serial path, only those a
+        step has created."""
+        kept: dict[Tensor, dict[str, torch.Size]] = {}
+        for (param, key), home in self._homes.items():
+            kept.setdefault(param, {})[key] = home.home.shape
+        if self._subset is not None:
+            for param in self._params:
+                if param not in kept:
+                    layout = self._subset.state_layout(param).items()
+                    kept[param] = {key: torch.Size(shape) for key, (shape, _) in layout}
+        return kept
+
+    def _take_replaced_state(self) -> None:
+        """Copy state tensors assigned by hand since the last step (`opt.state[p][key] = t`)
+        into their homes: a step stages the homes, and would silently use the old values.
+
+        Done before anything reads the homes: waits for the last write-back, and forgets
+        the backward's loads (they staged the old values).
+        """
+        state = self.optimizer.state
+        replaced = [
+            (param, key, home)
+            for (param, key), home in self._homes.items()
+            if key in state.get(param, ()) and state[param][key] is not home.home_state
+        ]
+        if not replaced:
+            return
+        self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
+        for param, key, home in replaced:
+            value, index = state[param][key], self._params.index(param)
+            fix = "assign a tensor like the one it replaces, or edit that one in place"
+            _check_state_shape(index, key, value, home.home.shape, fix)
+            if value.dtype != home.home.dtype:
+                raise ValueError(
+                    f"state {key!r} of param {index} was replaced by a {value.dtype} tensor, "
+                    f"expected {home.home.dtype} ({fix})"
+                )
+            home.home.copy_(local_tensor(value))
+            state[param][key] = home.home_state
+
     # -- stepping -----------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if self._closed:
             raise RuntimeError("this CPUOffloadOptimizer is closed; build a new one to step")
+        if self._interrupted is not None:
+            raise RuntimeError(self._interrupted)
         self._check_step_inputs()
         if self._subset is None:  # the wrapped step calls the closure (LBFGS: many times)
             return self._serial_step(closure)
@@ -549,6 +664,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
+        self._take_replaced_state()
         self._resolve_auto_residency()
         subset = self._subset.begin_subset_step()
         self._ensure_plan(subset, self._subset.state_layout)
@@ -566,7 +682,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is None:
             # The trainer's stream runs the whole step: all of it is exposed.
             before = self._timer.mark(streams.current()) if timed else None
-            for _ in self._enqueue_chunks(subset, streams.current(), timed):
+            for _ in self._interruptible(self._enqueue_chunks(subset, streams.current(), timed)):
                 pass
             if timed:
                 everything = sum(c.invariant_bytes for c in self._plan.chunks)
@@ -574,7 +690,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
-        self._overlap.start(self._enqueue_chunks(subset, self._overlap.side_stream, timed), grads)
+        chunks = self._enqueue_chunks(subset, self._overlap.side_stream, timed)
+        self._overlap.start(self._interruptible(chunks, self._overlap.side_stream), grads)
         return loss
 
     def _enqueue_chunks(
@@ -647,6 +764,48 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._step_done = streams.mark(streams.d2h)
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
+
+    def _interruptible(
+        self, chunks: Iterator[None], compute: torch.Stream | None = None
+    ) -> Iterator[None]:
+        """`chunks` (the step's, enqueued on `compute`); if one raises (KeyboardInterrupt, an
+        error in the update), the state goes home and the step is marked interrupted."""
+        stepped = 0
+        try:
+            for _ in chunks:
+                stepped += 1
+                yield
+        except GeneratorExit:  # dropped unfinished: the wrapper is being collected
+            raise
+        except BaseException as error:
+            self._abandon_step(stepped, error, compute)
+            raise
+
+    def _abandon_step(
+        self, stepped: int, error: BaseException, compute: torch.Stream | None
+    ) -> None:
+        """After a chunk raised: every state entry back in its home (the chunk's point into
+        the staging ring), the ring given back once the work enqueued so far is done, and
+        the next `step()` refused: the step is partly applied, which cannot be finished
+        exactly (the chunk that raised may have updated some of its params)."""
+        state, streams = self.optimizer.state, self._streams
+        for (param, key), home in self._homes.items():
+            if key in state.get(param, ()):
+                state[param][key] = home.home_state
+        compute = compute if compute is not None else streams.current()
+        streams.wait(streams.d2h, streams.mark(compute))
+        self._step_done = streams.mark(streams.d2h)  # what reads the homes waits for this
+        for slots in (self._ring, *self._extra_slots):
+            if slots is not None:
+                slots.release([streams.h2d, streams.d2h, compute])
+        self._interrupted = (
+            f"the last step() was interrupted by {type(error).__name__} after {stepped} of "
+            f"{len(self._chunks)} chunks had stepped: their params and state are updated (and "
+            "perhaps some of the next chunk's), the others' not, and that cannot be finished "
+            "exactly. Restore the model and this optimizer from a checkpoint (load_state_dict "
+            "clears this), or, to go on from here, close() this optimizer and wrap the inner "
+            "one anew"
+        )
 
     def _write_back(self, chunk: _Chunk, compute: torch.Stream | None) -> None:
         """Enqueue the D2H copy of a stepped chunk's state; an extra slot goes back to the
@@ -751,10 +910,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Chunks in the order the forward needs them (stable, so the same on every rank).
             units = self._overlap.forward_order(units)
         units_key = tuple(tuple(index[p] for p in unit) for unit in units)
+        # A sparse grad (nn.Embedding(sparse=True)) has no flat slices: its param steps whole,
+        # from the first step it shows one on (re-planned then, once: it stays whole).
+        sparse = {p for p in self._params if p.grad is not None and p.grad.is_sparse}
+        self._stepped_whole |= sparse
         if self._plan is not None:
             if units_key != self._units_key:
                 raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
-            return
+            if not any(self._specs[index[p]].splittable for p in sparse):
+                return
+            self.wait_for_optimizer_step()  # the new homes copy the old ones
+            self._drop_loaded_ahead()
         splits = isinstance(subset, SlicingSubsetStep)
         specs = []
         for p in self._params:
@@ -762,6 +928,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             local = local_tensor(p)
             splittable = (
                 splits
+                and p not in self._stepped_whole
                 and bool(state)
                 and local.is_contiguous()
                 and all(s.shape == local.shape for s in state)
@@ -903,7 +1070,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 spec, param = view.spec, self._params[view.param]
                 home = homes.get((param, spec.key))
                 if home is None:
-                    h = slabs[spec.dtype][view.home_offset :][: spec.numel].view(spec.shape)
+                    h = _carve(
+                        slabs[spec.dtype][view.home_offset :][: spec.numel], spec.shape, param
+                    )
                     home = homes[param, spec.key] = _Home(h, _as_state(param, h))
                 if layout.resident:
                     staging = home.home if not view.sliced else home.home.view(-1)
@@ -912,7 +1081,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     staging = torch.empty(view.shape, dtype=spec.dtype, device=self.device)
                 else:
                     staging = slot_buffer(spec.dtype, slot)[view.staging_offset :]
-                    staging = staging[: view.stop - view.start].view(view.shape)
+                    staging = _carve(staging[: view.stop - view.start], view.shape, param)
                 staging_state = staging if view.sliced else _as_state(param, staging)
                 views.append(_View(param, spec.key, home, staging, staging_state))
             chunks.append(
@@ -963,6 +1132,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """
         if self._plan is None and self._unhomed_state():  # loaded before the first step
             self._build_serial_plan()
+        self._take_replaced_state()
         self._check_host_memory_for_new_state()
         state = self.optimizer.state
         staged = []
@@ -974,15 +1144,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             }
             for view in layout.views:
                 spec, param = view.spec, self._params[view.param]
-                s = staging[spec.dtype][view.staging_offset :][: spec.numel].view(spec.shape)
-                h = self._host_slabs[spec.dtype][view.home_offset :][: spec.numel]
-                h = h.view(spec.shape)
-                s.copy_(h, non_blocking=True)
+                s = staging[spec.dtype][view.staging_offset :][: spec.numel]
+                s = _carve(s, spec.shape, param)
+                home = self._homes[param, spec.key]
+                s.copy_(home.home, non_blocking=True)
                 state[param][spec.key] = _as_state(param, s)
-                staged.append((param, spec.key, h))
-        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        for param, key, h in staged:
+                staged.append((param, spec.key, home))
+        try:
+            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        finally:  # interrupted too: the state goes home as the step left it, as plain torch's
+            self._serial_write_back(staged)
+        return loss
+
+    def _serial_write_back(self, staged: list[tuple[Tensor, str, _Home]]) -> None:
+        """Copy the staged state home, and move home state the step created on the device."""
+        state = self.optimizer.state
+        for param, key, home in staged:
             # The step may have replaced the tensor rather than updated it (LBFGS's "d").
+            h = home.home
             now = local_tensor(state[param][key])
             if now.shape != h.shape or now.dtype != h.dtype:
                 raise RuntimeError(
@@ -991,12 +1170,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{tuple(now.shape)} {now.dtype}; its state cannot live in fixed host slabs"
                 )
             h.copy_(now, non_blocking=True)
-            state[param][key] = _as_state(param, h)
+            state[param][key] = home.home_state
         if self._unhomed_state():  # created on the device by this step: move it home
             self._build_serial_plan()
         if self._streams.async_copies:
             self._step_done = self._streams.mark(self._streams.current())
-        return loss
 
     def _check_host_memory_for_new_state(self) -> None:
         """If this step will create state, check the host holds all state after it."""

@@ -19,7 +19,9 @@ through the GPU in chunks. The contract:
 - `state_layout(param)` names the state tensors (ndim >= 1) the step keeps for
   `param`, with their local shapes and dtypes, before any step has run, so the
   host slabs can be sized and allocated once. On the first step `step_params`
-  may create that state; afterwards it never creates state.
+  may create that state; afterwards it never creates state. The wrapper lays out
+  a state tensor shaped like the param as the param is laid out (as
+  `zeros_like(p, memory_format=torch.preserve_format)` does).
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
   declares it can update slices of one-param units (`SlicingSubsetStep`), so a
   large param never makes a staging slot larger than a chunk.
@@ -200,6 +202,7 @@ class ElementwiseGroupStep(GroupStep):
         self._had_state = {p for p in self._group_of if state.get(p)}
         self._scalars: dict[Tensor, dict[str, Any]] = {}
         self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
+        self._flat_grads: dict[Tensor, Tensor] = {}  # of sliced params still to step
 
     def step_params(self, params: Collection[Tensor]) -> None:
         self.step_slices(params, ())
@@ -207,41 +210,55 @@ class ElementwiseGroupStep(GroupStep):
     def step_slices(self, params: Collection[Tensor], slices: Sequence[ParamSlice]) -> None:
         state = self._optimizer.state
         stand_ins = []
-        for param, piece in [(p, None) for p in params] + [(s.param, s) for s in slices]:
-            grad = self._grad(param)
-            if grad is None:  # the full step skips a param without a grad
-                continue
-            stand_in = local_tensor(param).detach()
-            stand_in_grad = local_tensor(grad)
-            if piece is not None:
-                stand_in = stand_in.view(-1)[piece.start : piece.stop]
-                stand_in_grad = stand_in_grad.view(-1)[piece.start : piece.stop]
-            stand_in.grad = stand_in_grad
-            entries: dict[str, Any] = {}
-            if param in self._had_state:
-                own = state[param]
-                if param not in self._scalars:
-                    self._scalars[param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
-                entries = {k: local_tensor(v) for k, v in own.items() if _is_offloaded(v)}
-                entries.update({k: _copied(v) for k, v in self._scalars[param].items()})
-            state[stand_in] = entries
-            stand_ins.append((param, stand_in))
-        if stand_ins:
-            groups = {self._group_of[p] for p, _ in stand_ins}
-            try:
+        try:  # whatever raises, no stand-in stays in the optimizer's state
+            for param, piece in [(p, None) for p in params] + [(s.param, s) for s in slices]:
+                if self._grad(param) is None:  # the full step skips a param without a grad
+                    continue
+                stand_in, entries = self._stand_in(param, piece)
+                stand_ins.append((param, stand_in))
+                state[stand_in] = entries
+            if stand_ins:
+                groups = {self._group_of[p] for p, _ in stand_ins}
                 self._step_narrowed(
                     [(t, self._group_of[p]) for p, t in stand_ins],
                     {g: self._implementation(g, stand_ins) for g in groups},
                 )
-            finally:
-                for p, stand_in in stand_ins:
-                    state[p].update(state.pop(stand_in, {}))
+        finally:
+            for p, stand_in in stand_ins:
+                state[p].update(state.pop(stand_in, {}))
         self._release(params)
         for param in self._finished(slices):
+            self._flat_grads.pop(param, None)
             # A shorter shard's trailing slices are empty, and still step (on the first step
             # they create their slice's state): they get an empty grad.
             grad = self._grads[param]
             self._grads[param] = None if grad is None else local_tensor(grad).new_empty(0)
+
+    def _stand_in(self, param: Tensor, piece: ParamSlice | None) -> tuple[Tensor, dict[str, Any]]:
+        """`param`'s stand-in (a flat view for a slice) with its grad, and its state entries."""
+        stand_in = local_tensor(param).detach()
+        stand_in_grad = local_tensor(self._grad(param))
+        if piece is not None:
+            stand_in = stand_in.view(-1)[piece.start : piece.stop]
+            stand_in_grad = self._flat_grad(param, stand_in_grad)[piece.start : piece.stop]
+        stand_in.grad = stand_in_grad
+        if param not in self._had_state:
+            return stand_in, {}
+        own = self._optimizer.state[param]
+        if param not in self._scalars:
+            self._scalars[param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
+        entries = {k: local_tensor(v) for k, v in own.items() if _is_offloaded(v)}
+        entries.update({k: _copied(v) for k, v in self._scalars[param].items()})
+        return stand_in, entries
+
+    def _flat_grad(self, param: Tensor, grad: Tensor) -> Tensor:
+        """`grad` flattened, once for all of `param`'s slices: a view, or, for a grad with
+        no flat view (transposed, expanded: a param's grad may have any strides), a
+        contiguous copy holding the same values."""
+        flat = self._flat_grads.get(param)
+        if flat is None:
+            flat = self._flat_grads[param] = grad.reshape(-1)
+        return flat
 
     def _finished(self, slices: Sequence[ParamSlice]) -> list[Tensor]:
         """The params whose last local elements `slices` stepped."""

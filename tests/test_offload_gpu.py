@@ -64,6 +64,44 @@ def test_cuda_offload_is_bitwise_equal(make, chunk_bytes):
                 assert got[index][key].is_pinned()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(1024, 768, device="cuda").t(),
+        lambda: torch.randn(8, 16, 12, 12, device="cuda").contiguous(
+            memory_format=torch.channels_last
+        ),
+    ],
+    ids=["transposed", "channels_last"],
+)
+def test_cuda_fused_adamw_on_strided_params_is_bitwise_equal(make):
+    """Issue 25 item 1: fused kernels pair elements by memory, so the state is laid out
+    like the param."""
+
+    def params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(make()), torch.nn.Parameter(torch.randn(4096, device="cuda"))]
+
+    plain_params, offload_params = params(), params()
+    plain = torch.optim.AdamW(plain_params, lr=1e-2, fused=True)
+    offloaded = CPUOffloadOptimizer(
+        torch.optim.AdamW(offload_params, lr=1e-2, fused=True), chunk_bytes=MiB
+    )
+    for step in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        for a, b in zip(plain_params, offload_params, strict=True):
+            grad = torch.randn(a.shape, device="cuda", generator=gen)
+            a.grad = torch.empty_like(a).copy_(grad)  # laid out like the param
+            b.grad = torch.empty_like(b).copy_(grad)
+        plain.step()
+        offloaded.step()
+    offloaded.wait_for_optimizer_step()
+    for a, b in zip(plain_params, offload_params, strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain.state[a][key], offloaded.state[b][key].cuda()), key
+
+
 def test_ring_is_staging_slots_x_chunk_bytes_and_lives_only_in_the_step():
     params = make_params(layers=16, dim=1024)  # 4099 x 1024 params: 32 MiB of AdamW state
     chunk_bytes = 16 * MiB

@@ -1,0 +1,390 @@
+"""What a hostile user does to CPUOffloadOptimizer (issue 25): each case is exact, bit
+for bit against the plain optimizer, or refused with an error that names the param,
+key or argument and the way out."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from offload import CPUOffloadOptimizer
+
+LAYOUTS = {
+    "transposed": lambda: torch.randn(8, 6).t(),
+    "channels_last": lambda: torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+    "permuted_3d": lambda: torch.randn(3, 4, 5).permute(2, 0, 1),
+    "strided_slice": lambda: torch.randn(6, 10)[:, ::2],  # not dense: state is contiguous
+}
+
+
+def _param_like(make, seed: int) -> torch.nn.Parameter:
+    torch.manual_seed(seed)
+    return torch.nn.Parameter(make())
+
+
+def _grad_like(param: torch.Tensor, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    grad = torch.empty_like(param, memory_format=torch.preserve_format)  # laid out as the param
+    return grad.copy_(torch.randn(param.shape, generator=gen))
+
+
+def _assert_same_adamw(plain, offloaded, a, b) -> None:
+    assert torch.equal(a, b)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(plain.state[a][key], offloaded.state[b][key]), key
+        assert plain.state[a][key].stride() == offloaded.state[b][key].stride(), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("implementation", [{"fused": True}, {"foreach": True}, {"foreach": False}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunk_bytes": 64}, {"gpu_resident_bytes": 2**30}],
+    ids=["one_chunk", "sliced_neighbour", "resident"],
+)
+def test_adamw_on_any_param_layout_is_bitwise_equal(layout, implementation, options):
+    # A contiguous neighbour that small chunks slice, next to the strided param.
+    a, b = _param_like(LAYOUTS[layout], 0), _param_like(LAYOUTS[layout], 0)
+    a_bias, b_bias = (
+        _param_like(lambda: torch.randn(40), 1),
+        _param_like(lambda: torch.randn(40), 1),
+    )
+    plain = torch.optim.AdamW([a, a_bias], lr=0.1, **implementation)
+    offloaded = CPUOffloadOptimizer(
+        torch.optim.AdamW([b, b_bias], lr=0.1, **implementation), **options
+    )
+    for step in range(3):
+        a.grad, b.grad = _grad_like(a, step), _grad_like(b, step)
+        a_bias.grad, b_bias.grad = _grad_like(a_bias, step), _grad_like(b_bias, step)
+        plain.step()
+        offloaded.step()
+    _assert_same_adamw(plain, offloaded, a, b)
+    _assert_same_adamw(plain, offloaded, a_bias, b_bias)
+
+
+def _linear(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(32, 8)  # the weight is cut into slices by chunks of 64 bytes
+
+
+def _backward(model: torch.nn.Module, seed: int = 0) -> None:
+    torch.manual_seed(100 + seed)
+    model(torch.randn(2, 32)).square().sum().backward()
+
+
+def test_a_second_wrapper_over_one_optimizer_is_refused_until_the_first_is_closed():
+    inner = torch.optim.AdamW(_linear().parameters())
+    first = CPUOffloadOptimizer(inner)
+    with pytest.raises(ValueError, match=r"AdamW is already wrapped.*close\(\) that one first"):
+        CPUOffloadOptimizer(inner)
+    first.close()
+    CPUOffloadOptimizer(inner)  # a closed wrapper lets go of it
+
+
+def test_a_dropped_wrapper_lets_go_of_its_optimizer():
+    inner = torch.optim.AdamW(_linear().parameters())
+    CPUOffloadOptimizer(inner)
+    gc.collect()
+    CPUOffloadOptimizer(inner)
+
+
+def test_state_dict_hooks_on_the_wrapper_are_called_as_torch_calls_them():
+    calls = []
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _backward(model)
+    opt.step()
+
+    def state_dict_post(optimizer, state_dict):
+        calls.append(("save_post", optimizer))
+        return {**state_dict, "extra": 1}
+
+    def load_pre(optimizer, state_dict):
+        calls.append(("load_pre", optimizer, state_dict.get("extra")))
+        state_dict = dict(state_dict)
+        del state_dict["extra"]
+        return state_dict
+
+    opt.register_state_dict_pre_hook(lambda optimizer: calls.append(("save_pre", optimizer)))
+    opt.register_state_dict_post_hook(state_dict_post)
+    opt.register_load_state_dict_pre_hook(load_pre)
+    handle = opt.register_load_state_dict_post_hook(
+        lambda optimizer: calls.append(("load_post", optimizer))
+    )
+    saved = opt.state_dict()
+    assert saved["extra"] == 1
+    opt.load_state_dict(saved)
+    assert saved["extra"] == 1  # torch hands the hooks a shallow copy
+    assert calls == [
+        ("save_pre", opt),
+        ("save_post", opt),
+        ("load_pre", opt, 1),
+        ("load_post", opt),
+    ]
+    handle.remove()
+    opt.load_state_dict(saved)
+    assert [c[0] for c in calls[4:]] == ["load_pre"]
+
+
+def _two_linears(seed: int = 0) -> torch.nn.Sequential:
+    # Two modules: the backward (`load_in_backward`) loads in the first one's.
+    return torch.nn.Sequential(_linear(seed), torch.nn.Linear(8, 8))
+
+
+class _Twin:
+    """A plain optimizer and an offloaded one over two copies of one model."""
+
+    def __init__(self, make, seed: int = 0, overlap: bool = False, **options) -> None:
+        self.plain_model, self.model = _two_linears(seed), _two_linears(seed)
+        self.plain = make(self.plain_model.parameters())
+        if overlap:
+            options["overlap_forward"] = self.model
+        self.opt = CPUOffloadOptimizer(make(self.model.parameters()), **options)
+
+    def step(self, seed: int) -> None:
+        for model, opt in ((self.plain_model, self.plain), (self.model, self.opt)):
+            opt.zero_grad()
+            _backward(model, seed)
+            opt.step()
+
+    def assert_equal(self) -> None:
+        self.opt.wait_for_optimizer_step()
+        for a, b in zip(self.plain_model.parameters(), self.model.parameters(), strict=True):
+            assert torch.equal(a, b)
+            for key, value in self.plain.state[a].items():
+                assert torch.equal(value, self.opt.state[b][key]), key
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _rprop(params):  # no subset step: the serial path
+    return torch.optim.Rprop(params, lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("make", "options"),
+    [
+        (_adamw, {}),
+        (_adamw, {"chunk_bytes": 64}),
+        (_adamw, {"gpu_resident_bytes": 2**30}),
+        (_adamw, {"chunk_bytes": 64, "overlap": True, "load_in_backward": True}),
+        (_rprop, {}),
+    ],
+    ids=["adamw", "adamw_sliced", "adamw_resident", "adamw_loaded_in_backward", "serial"],
+)
+def test_state_replaced_by_hand_is_taken_at_the_next_step(make, options):
+    twin = _Twin(make, **options)
+    twin.step(0)
+    twin.step(1)
+    if options.get("load_in_backward"):  # the next backward loads state the hand replaces
+        assert twin.opt.chunks_loaded_in_backward > 0
+    key = next(iter(k for k, v in twin.plain.state[twin.plain_model[0].weight].items() if v.ndim))
+    for opt, model in ((twin.plain, twin.plain_model), (twin.opt, twin.model)):
+        state = opt.state[model[0].weight]
+        state[key] = torch.full_like(state[key], 90.0)
+    twin.step(2)
+    twin.assert_equal()
+
+
+def test_state_replaced_by_hand_with_the_wrong_shape_is_refused_naming_it():
+    twin = _Twin(_adamw)
+    twin.step(0)
+    twin.opt.state[twin.model[0].weight]["exp_avg"] = torch.zeros(32)
+    _backward(twin.model)
+    with pytest.raises(
+        ValueError, match=r"state 'exp_avg' of param 0 has shape \(32,\), expected \(8, 32\)"
+    ):
+        twin.opt.step()
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "after_a_step"])
+@pytest.mark.parametrize("shape", [(32,), (3, 32)], ids=["broadcastable", "not_broadcastable"])
+def test_loaded_state_of_the_wrong_shape_is_refused_naming_param_and_key(stepped, shape):
+    source = _linear()
+    plain = torch.optim.AdamW(source.parameters())
+    _backward(source)
+    plain.step()
+    saved = plain.state_dict()
+    saved["state"][0]["exp_avg"] = torch.zeros(shape)
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    if stepped:
+        _backward(model)
+        opt.step()
+    with pytest.raises(
+        ValueError, match=rf"state 'exp_avg' of param 0 has shape \({shape[0]},.*expected \(8, 32\)"
+    ):
+        opt.load_state_dict(saved)
+
+
+def _odd_grad(param: torch.Tensor, kind: str, step: int) -> torch.Tensor:
+    torch.manual_seed(200 + step)
+    if kind == "transposed":
+        return torch.randn(param.shape[::-1]).t()
+    return torch.randn(param.shape[-1]).expand(param.shape)  # stride 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
+@pytest.mark.parametrize("kind", ["transposed", "expanded"])
+def test_non_contiguous_grads_on_a_sliced_param_step_exactly(kind, overlap):
+    plain_model, model = _linear(), _linear()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=64,
+        overlap_forward=model if overlap else None,
+    )
+    for step in range(3):
+        for m, o in ((plain_model, plain), (model, opt)):
+            m(torch.ones(1, 32))  # the overlapped step runs its chunks in the forward
+            for p in m.parameters():
+                p.grad = _odd_grad(p, kind, step)
+            o.step()
+    assert any(chunk.slices for chunk in opt._chunks)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain.state[a][key], opt.state[b][key]), key
+
+
+@pytest.mark.parametrize("first_sparse_step", [0, 1], ids=["from_the_first_step", "later"])
+def test_sparse_grads_on_a_param_larger_than_a_chunk_step_it_whole(first_sparse_step):
+    def run(wrap: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(20, 8, sparse=True), torch.nn.Linear(8, 16))
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        if wrap:  # the embedding's state is 640 bytes: more than a chunk
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=64)
+        for step in range(3):
+            opt.zero_grad()
+            if step < first_sparse_step:  # the embedding gets no grad: sliced at first
+                model[1](torch.ones(2, 8)).square().sum().backward()
+            else:
+                model(torch.tensor([[1, 3, 3], [step, 7, 1]])).square().sum().backward()
+            opt.step()
+        return model, opt
+
+    (plain_model, plain), (model, opt) = run(False), run(True)
+    sliced = [s.param for chunk in opt._chunks for s in chunk.slices]
+    assert all(p is not model[0].weight for p in sliced)
+    assert any(p is model[1].weight for p in sliced)  # the dense Linear's still is
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(plain.state[a]["sum"], opt.state[b]["sum"])
+
+
+def _interrupt_call(optimizer: torch.optim.Optimizer, call: int) -> None:
+    """The optimizer's `call`-th step (one per chunk) raises KeyboardInterrupt after updating."""
+    calls, step = [0], optimizer.step
+
+    def interrupted_step(*args, **kwargs):
+        calls[0] += 1
+        result = step(*args, **kwargs)
+        if calls[0] == call:
+            raise KeyboardInterrupt
+        return result
+
+    optimizer.step = interrupted_step
+
+
+def _three_linears(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
+def test_a_step_interrupted_mid_chunk_leaves_state_home_and_the_next_step_refuses(overlap):
+    model = _three_linears()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        inner, chunk_bytes=600, staging_slots=2, overlap_forward=model if overlap else None
+    )
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    opt.wait_for_optimizer_step()  # model.state_dict() reads params outside a forward
+    checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    assert len(opt._chunks) == 6  # one weight or bias a chunk
+    # With overlap, the 5th chunk runs in the next forward: the interrupt comes out of it.
+    interrupted_chunk = 5 if overlap else 2
+    _interrupt_call(inner, interrupted_chunk)
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+        model(torch.ones(1, 8))
+    del inner.step
+
+    # The state is whole and at home: every state tensor in a host slab, no stray entries.
+    slabs = {slab.untyped_storage().data_ptr() for slab in opt._host_slabs.values()}
+    state = opt.state
+    assert len(state) == len(list(model.parameters()))
+    for entries in state.values():
+        for key, value in entries.items():
+            if value.ndim:
+                assert value.untyped_storage().data_ptr() in slabs, key
+    with pytest.raises(
+        RuntimeError,
+        match=rf"interrupted by KeyboardInterrupt after {interrupted_chunk - 1} of 6 chunks"
+        r".*load_state_dict",
+    ):
+        opt.step()
+
+    # The way out: restore both from the checkpoint, then the run is plain AdamW's.
+    model.load_state_dict(checkpoint[0])
+    opt.load_state_dict(checkpoint[1])
+    plain_model = _three_linears()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain_model(torch.ones(1, 8)).sum().backward()
+    plain.step()
+    for m, o in ((plain_model, plain), (model, opt)):
+        o.zero_grad()
+        m(torch.ones(1, 8)).sum().backward()
+        o.step()
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(plain.state[a][key], opt.state[b][key]), key
+
+
+def test_after_an_interrupted_step_a_new_wrapper_goes_on_from_the_state_at_home():
+    model = _three_linears()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=600)
+    _interrupt_call(inner, 2)
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    del inner.step
+    at_home = copy.deepcopy(opt.state_dict())
+    opt.close()
+    again = CPUOffloadOptimizer(inner, chunk_bytes=600)
+    assert all(
+        torch.equal(value, again.state_dict()["state"][index][key])
+        for index, entries in at_home["state"].items()
+        for key, value in entries.items()
+    )
+    again.step()
+
+
+def test_an_interrupted_serial_step_leaves_the_state_at_home_as_plain_torch_leaves_it():
+    """The serial path steps all at once, as the plain optimizer: interrupted, its state
+    is the plain one's, at home, and the run goes on as the plain one does."""
+    twin = _Twin(_rprop)
+    twin.step(0)
+    for model, opt in ((twin.plain_model, twin.plain), (twin.model, twin.opt)):
+        inner = opt.optimizer if isinstance(opt, CPUOffloadOptimizer) else opt
+        _interrupt_call(inner, 1)
+        _backward(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        del inner.step
+    homes = {id(home.home_state) for home in twin.opt._homes.values()}
+    assert all(id(v) in homes for e in twin.opt.state.values() for v in e.values() if v.ndim)
+    twin.step(2)
+    twin.assert_equal()
