@@ -171,8 +171,9 @@ class ForwardOverlap:
         self._streams = streams
         self._staging_slots = staging_slots
         self.owners = param_owners(model)
-        # FSDP2 units hold every param: inside the model's forward the mode has nothing to
-        # see (it reads all-gathered copies), so it is off there and costs nothing.
+        # FSDP2 units hold every param: the model's forward reads only all-gathered copies,
+        # so the mode has nothing to see there and leaves the stack at its start (nothing
+        # for torch.compile to trace; the forward's end finishes the step).
         self._hooks_see_forward = _check_reads_are_seen(model, self.owners, params)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self.side_stream = streams.new_stream()
@@ -319,7 +320,7 @@ class ForwardOverlap:
 
     def _before_forward(self) -> None:
         if self._in_flight and self._hooks_see_forward:
-            self._reads.active = False
+            self._reads.pop()
 
     def _after_forward(self) -> None:
         if self._in_flight:
@@ -359,7 +360,7 @@ class _PendingReads(TorchFunctionMode):
         self.landed = -1  # the last chunk the trainer's stream has waited for
         self._pushed = False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         if self.active:
@@ -391,7 +392,8 @@ class _PendingReads(TorchFunctionMode):
         if not self._pushed:
             return
         self._pushed = False
-        stack = [torch._C._get_function_stack_at(i) for i in range(_stack_len())]
+        depth = torch._C._len_torch_function_stack()
+        stack = [torch._C._get_function_stack_at(i) for i in range(depth)]
         if self not in stack:  # pushed on another thread: left inactive there
             return
         above = stack[stack.index(self) + 1 :]
@@ -435,10 +437,6 @@ def _touches_data(func: Callable[..., Any]) -> bool:
     if name in ("__get__", "__set__", "__delete__"):  # a property: named by its descriptor
         name = getattr(func.__self__, "__name__", name)
     return name not in _METADATA
-
-
-def _stack_len() -> int:
-    return torch._C._len_torch_function_stack()
 
 
 def _first_grad_tensor(values: Iterable[Any]) -> Tensor | None:

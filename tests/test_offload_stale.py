@@ -252,6 +252,16 @@ def _fsdp_worker(rank: int, world: int) -> None:
         assert _train(*pair[:2], data) == _train(*pair[2:], data), make_model.__name__
         _assert_same_local(*pair)
 
+    # FSDP2 units hold every param: the forward reads only all-gathered copies, and the
+    # pending-read mode is off the stack inside it (nothing for torch.compile to trace)
+    plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
+    depths = []
+    model.body[0].register_forward_pre_hook(
+        lambda *_: depths.append(torch._C._len_torch_function_stack())
+    )
+    _train(model, overlapped, data, after_step=lambda m, o: depths.append(-1))
+    assert depths == [0, -1, 0, -1, 0, -1]
+
     # model.state_dict() and load_state_dict() while a step is pending
     plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
     good = {k: v.detach().clone() for k, v in plain_model.state_dict().items()}
