@@ -25,6 +25,7 @@ rank 1 sends [4, 0] and receives [0, 0]: it allocates no full matrix.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,24 @@ class ParamLayout:
                 start, stop = chunk_range(stop - start, self.mesh_shape[axis], coord[axis], start)
         return start, stop
 
+    def holders(self, axis: int, dim: int, start: int, stop: int) -> range:
+        """Indices on mesh `axis` (other axes at my coordinate) whose part of tensor dim `dim`
+        may meet [start, stop): those whose chunk on `axis` meets it (a later axis sharding
+        `dim` again only narrows a part). By arithmetic, for `plan_exchange`'s receive side."""
+        if self.shard_dims[axis] != dim:
+            return range(self.mesh_shape[axis])
+        low, high = 0, self.shape[dim]
+        for earlier in range(axis):  # the chunk that `axis` cuts, as `dim_range` nests them
+            if self.shard_dims[earlier] == dim:
+                low, high = chunk_range(
+                    high - low, self.mesh_shape[earlier], self.coord[earlier], low
+                )
+        start, stop = max(start, low), min(stop, high)
+        if stop <= start:
+            return range(0)
+        step = -(-(high - low) // self.mesh_shape[axis])
+        return range((start - low) // step, -(-(stop - low) // step))
+
     def local_shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in (self.dim_range(d) for d in range(self.ndim)))
 
@@ -177,15 +196,17 @@ def assign_owners(
 
     Ties: equal costs keep their input order; equal loads go to the rank with
     the least `prior_load` (work owned in earlier buckets), then the lowest rank.
-    Deterministic, so every rank computes the same owners.
+    Deterministic, so every rank computes the same owners. A heap keyed by
+    (load, prior, rank) pops exactly that rank: O(matrices log world + world).
     """
     prior = list(prior_load) if prior_load is not None else [0] * world
-    load = [0] * world
+    heap = [(0, prior[rank], rank) for rank in range(world)]
+    heapq.heapify(heap)
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], prior[r], r))
+        load, before, rank = heap[0]
         owners[i] = rank
-        load[rank] += costs[i]
+        heapq.heapreplace(heap, (load + costs[i], before, rank))
     return tuple(owners)
 
 
@@ -629,14 +650,19 @@ def plan_exchange(
             layouts, matrices, world,
             ((owner, i, first.coord) for owner in range(world) for i in by_owner[owner]),
         )  # fmt: skip
-        # pieces of matrices I own, in (sender, matrix) order
+        # pieces of matrices I own, in (sender, matrix) order, asked only of the senders
+        # that hold a part of them: linear in what this rank receives, not in the world
+        senders = []
+        for i in by_owner[me]:
+            m = matrices[i]
+            layout = layouts[m.param]
+            dim = layout.shard_dims[axis]
+            extent = (m.row0, m.row0 + m.rows) if dim == layout.ndim - 2 else (0, m.cols)
+            senders += ((sender, i) for sender in layout.holders(axis, dim, *extent))
+        senders.sort()
         recv_pieces, recv_splits = _lay_out(
             layouts, matrices, world,
-            (
-                (sender, i, first.peer_coord(axis, sender))
-                for sender in range(world)
-                for i in by_owner[me]
-            ),
+            ((sender, i, first.peer_coord(axis, sender)) for sender, i in senders),
         )  # fmt: skip
     return ExchangePlan(
         bucket.index,
