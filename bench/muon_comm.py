@@ -120,7 +120,7 @@ def _model_arm(
 
     shapes = _muon_params(config)
     settings = StepSettings(max_inflight=args.max_inflight, device=device.type)
-    model = estimate(from_config(config), spec, settings)
+    model = estimate(from_config(config), spec, settings, ranks=[rank])
     inner = spec.fsdp // spec.ep
     meshes = {"dense": init_device_mesh(device.type, (spec.fsdp,))}
     meshes["experts"] = (
@@ -143,7 +143,7 @@ def _model_arm(
     sent = sum(m.bytes_sent for m in opt.metrics)
     received = sum(m.bytes_received for m in opt.metrics)
 
-    est = model.ranks[rank]
+    est = model.rank(rank)
     est_transient = model.muon_step_transient(rank)  # the bench's optimizer has no AdamW
     padded = [p for p in model.padded if p is not None]
     largest = max((p.padded_bytes for p in padded), default=0) // ITEMSIZE

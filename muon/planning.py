@@ -587,6 +587,15 @@ def _piece(
     return r0 - matrix.row0, r1 - matrix.row0, held_cols[0], held_cols[1], r0 - held_rows[0], 0
 
 
+def held_numel(layout: ParamLayout, matrix: Matrix, coord: tuple[int, ...]) -> int:
+    """Elements of `matrix` the rank at `coord` holds (its piece in `plan_exchange`)."""
+    geometry = _piece(layout, matrix, coord)
+    if geometry is None:
+        return 0
+    r0, r1, c0, c1, _, _ = geometry
+    return (r1 - r0) * (c1 - c0)
+
+
 def _lay_out(
     layouts: Sequence[ParamLayout],
     matrices: Sequence[Matrix],

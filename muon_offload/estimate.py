@@ -11,6 +11,13 @@ exactly as `MuonStep` makes them (each exchanged bucket, each param of a local
 bucket, each AdamW param; none sliced: `MuonStep` has no `step_slices`) into the
 chunks `CPUOffloadOptimizer` streams.
 
+Which ranks: every fsdp index of one replica is screened (`screen_ranks`: shard
+sizes by arithmetic on all ranks at once, owners from one plan per exchange
+group), which finds the busiest and idlest rank and the top-peak candidates
+without planning each rank; only those (`ModelEstimate.picked`) and any asked
+for are planned in full, so the time grows with the ranks plus the matrices,
+not their product. A mesh not planned within `time_limit_s` is refused.
+
 Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
 - kept between steps: the state (fp32 momentum of the local shards, AdamW's two
   moments); with offload only the GPU-resident state (`gpu_resident_bytes`,
@@ -37,9 +44,10 @@ the chunk order (units sorted by the forward's first use).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
 
 import torch
 from torch import nn
@@ -55,6 +63,7 @@ from muon.planning import (
     ParamLayout,
     buffer_timeline,
     chunk_range,
+    held_numel,
 )
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
@@ -119,6 +128,24 @@ class MeshSpec:
             return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
         axes = self._axes((self.fsdp,), (0,), (rank,))
         return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
+
+    def coords(self, mesh_key: str) -> torch.Tensor:
+        """Per fsdp index, its coordinate on the mesh `mesh_key` ("dense" or "experts") as
+        `layout` places it: an (fsdp, axes) int64 tensor."""
+        rank = torch.arange(self.fsdp, dtype=torch.int64)
+        columns = [rank]
+        if mesh_key == "experts":
+            inner = self.fsdp // self.ep
+            columns = [rank // inner, rank % inner]
+        if self.replicate > 1:
+            columns.insert(0, torch.zeros_like(rank))
+        return torch.stack(columns, dim=1)
+
+    def leaders(self, mesh_key: str) -> range:
+        """The first fsdp index of each exchange group on `mesh_key` (its members are the
+        next `fsdp // groups` indices: owner index o of leader g is fsdp index g + o)."""
+        step = self.fsdp // self.ep if mesh_key == "experts" else self.fsdp
+        return range(0, self.fsdp, step)
 
     def local_shape(self, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
         """A dense (AdamW) param's Shard(0) shard at fsdp index `rank`."""
@@ -379,50 +406,99 @@ def padded_alternative(plan: MuonPlan, bucket: int) -> PaddedAlternative | None:
 
 
 @dataclass(frozen=True, slots=True)
+class RankScreen:
+    """Every fsdp index of one replica, counted from shard sizes and the owner assignment
+    without planning an exchange: what picks the ranks `estimate` plans. Per bucket and
+    rank it equals the planned ranks' `BucketLoad`s (a test holds every rank to that)."""
+
+    ns_flops: torch.Tensor
+    """(buckets, fsdp) int64: Newton-Schulz FLOPs of the matrices each rank owns per bucket."""
+    bytes_sent: torch.Tensor
+    """(buckets, fsdp) int64: bytes each rank puts on the wire per bucket."""
+    buffer_bytes: torch.Tensor
+    """(buckets, fsdp) int64: send, receive and full buffers per bucket."""
+    state_bytes: torch.Tensor
+    """(fsdp,) int64: optimizer state (Muon momentum, AdamW moments)."""
+
+    @property
+    def flops(self) -> torch.Tensor:
+        """(fsdp,): Newton-Schulz FLOPs per rank in the step."""
+        return self.ns_flops.sum(0)
+
+    @staticmethod
+    def most(values: torch.Tensor) -> int:
+        """The rank with the largest value (the lowest such rank)."""
+        return int(torch.argmax(values))  # torch returns the first maximal index
+
+    @staticmethod
+    def fewest(values: torch.Tensor) -> int:
+        """The rank with the smallest value (the highest such rank, so that with balanced
+        values it is not `most`'s)."""
+        return len(values) - 1 - int(torch.argmin(values.flip(0)))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelEstimate:
-    """Every rank of one replica (the replicas are identical)."""
+    """One replica: every rank screened (`screen`), a few planned in full (`ranks`)."""
 
     mesh: MeshSpec
     settings: StepSettings
     names: tuple[str, ...]
     """Muon params in the optimizer's order (`MuonPlan` indices)."""
-    plans: tuple[MuonPlan, ...]
-    """Per fsdp index, the `MuonPlan` `Muon` builds on that rank."""
+    screen: RankScreen
     ranks: tuple[RankEstimate, ...]
+    """The planned ranks, in rank order: the `picked` ones and any `estimate` was asked for."""
+    picked: tuple[tuple[str, int], ...]
+    """(why, rank) of each representative rank, found from `screen`."""
     padded: tuple[PaddedAlternative | None, ...]
     """Per bucket; None for a local bucket."""
+    plan_of: Callable[[int], MuonPlan] = field(compare=False, repr=False)
+    """The `MuonPlan` `Muon` builds at an fsdp index (cached)."""
+
+    def plan(self, rank: int) -> MuonPlan:
+        return self.plan_of(rank)
+
+    def rank(self, rank: int) -> RankEstimate:
+        """The planned estimate of fsdp index `rank`."""
+        for planned in self.ranks:
+            if planned.rank == rank:
+                return planned
+        raise ValueError(
+            f"rank {rank} was not planned; pass ranks=[{rank}] to estimate() to plan it"
+        )
 
     def muon_step_transient(self, rank: int) -> Transient:
         """The Muon launches of a whole step on `rank`, without AdamW."""
-        plan = self.plans[rank]
+        plan = self.plan(rank)
         return launches_transient(plan, plan.step_units(0), self.settings)
 
     def exchange(self, rank: int, bucket: int) -> ExchangePlan:
         """The `ExchangePlan` of `rank` for `bucket`, every param active."""
-        plan = self.plans[rank]
+        plan = self.plan(rank)
         return plan.exchange(bucket, frozenset(plan.buckets[bucket].params))
 
     @property
     def busiest(self) -> RankEstimate:
         """The rank with the most Newton-Schulz FLOPs (the lowest such rank)."""
-        return max(self.ranks, key=lambda r: (r.ns_flops, -r.rank))
+        return self.rank(RankScreen.most(self.screen.flops))
 
     @property
     def idlest(self) -> RankEstimate:
         """The rank with the fewest Newton-Schulz FLOPs (the highest such rank, so that with
         balanced FLOPs it is not the busiest)."""
-        return min(self.ranks, key=lambda r: (r.ns_flops, -r.rank))
+        return self.rank(RankScreen.fewest(self.screen.flops))
 
     def largest_peak(self, offload: bool) -> RankEstimate:
-        """The rank whose step peaks highest (the one a memory budget must fit)."""
+        """Of the planned ranks, the one whose step peaks highest (the one a memory budget
+        must fit; `picked` says which ranks were candidates)."""
         return max(self.ranks, key=lambda r: (_memory(r, offload).peak_bytes, -r.rank))
 
     @property
     def imbalance(self) -> float:
-        """Max over mean of the ranks' Newton-Schulz FLOPs (1.0 is perfect)."""
-        flops = [r.ns_flops for r in self.ranks]
-        mean = sum(flops) / len(flops)
-        return max(flops) / mean if mean else 1.0
+        """Max over mean of the ranks' Newton-Schulz FLOPs (1.0 is perfect), over all ranks."""
+        flops = self.screen.flops
+        total = int(flops.sum())
+        return int(flops.max()) * len(flops) / total if total else 1.0
 
     @property
     def padding_fraction(self) -> float:
@@ -492,13 +568,150 @@ def _shards(layout: ParamLayout) -> int:
     return math.prod(n for n, dim in sizes if dim is not None)
 
 
+# How long `estimate` may plan before it refuses the mesh (seconds); qwen3-30b-a3b on
+# 8192 ranks plans in a few seconds on a 2-core machine (bench/plan_scale.py).
+DEFAULT_TIME_LIMIT_S = 60.0
+
+
+class PlanTooLarge(ValueError):
+    """The mesh could not be planned within the time limit."""
+
+
+class _Deadline:
+    def __init__(self, mesh: MeshSpec, limit_s: float) -> None:
+        self._mesh, self._limit = mesh, limit_s
+        self._end = time.monotonic() + limit_s
+
+    def check(self, doing: str) -> None:
+        if time.monotonic() > self._end:
+            raise PlanTooLarge(
+                f"planning fsdp {self._mesh.fsdp} x replicate {self._mesh.replicate} did not "
+                f"finish within time_limit_s={self._limit:g} (stopped {doing}); plan a smaller "
+                f"mesh or raise the limit (--time-limit-s)"
+            )
+
+
+def _local_sizes(layout: ParamLayout, coords: torch.Tensor) -> torch.Tensor:
+    """`layout.local_shape()` at each of `coords` ((ranks, axes)), as a (ranks, ndim) tensor:
+    `ParamLayout.dim_range`'s torch.chunk arithmetic on all ranks at once."""
+    sizes = []
+    for dim in range(layout.ndim):
+        start = torch.zeros(len(coords), dtype=torch.int64)
+        stop = torch.full_like(start, layout.shape[dim])
+        for axis, sharded in enumerate(layout.shard_dims):
+            if sharded == dim:
+                size, chunks = stop - start, layout.mesh_shape[axis]
+                step = (size + chunks - 1) // chunks
+                first = torch.minimum(coords[:, axis] * step, size)
+                start, stop = start + first, start + torch.minimum(first + step, size)
+        sizes.append(stop - start)
+    return torch.stack(sizes, dim=1)
+
+
+def screen_ranks(
+    mesh: MeshSpec,
+    plan_of: Callable[[int], MuonPlan],
+    adamw: Sequence[tuple[int, tuple[int, ...]]],
+    settings: StepSettings,
+    deadline: _Deadline | None = None,
+) -> RankScreen:
+    """`RankScreen` of every fsdp index: shard sizes by arithmetic on all ranks at once, and
+    the owners of each exchange group's matrices from one plan per group (`MeshSpec.leaders`),
+    each owner's own piece (what it does not send) by `held_numel`. Time linear in the ranks
+    plus the matrices, not in their product."""
+    first = plan_of(0)
+    buckets, fsdp = first.buckets, mesh.fsdp
+    itemsize = first.itemsize
+    numel: dict[tuple, torch.Tensor] = {}
+    local: list[torch.Tensor] = []
+    for layout in first.layouts:
+        key = (layout.shape, layout.mesh_key, layout.shard_dims)
+        if key not in numel:
+            numel[key] = _local_sizes(layout, mesh.coords(layout.mesh_key))
+        local.append(numel[key])
+    rows = torch.arange(fsdp, dtype=torch.int64)
+    state = sum((sizes.prod(1) for sizes in local), torch.zeros(fsdp, dtype=torch.int64))
+    state = state * MOMENTUM_DTYPE.itemsize
+    for _, shape in adamw:  # Shard(0) over the fsdp ranks
+        step = -(-shape[0] // fsdp)
+        held = torch.minimum(rows * step + step, torch.tensor(shape[0])) - torch.minimum(
+            rows * step, torch.tensor(shape[0])
+        )
+        state += 2 * held * math.prod(shape[1:]) * settings.param_dtype.itemsize
+
+    flops = torch.zeros(len(buckets), fsdp, dtype=torch.int64)
+    send, full, own = (torch.zeros_like(flops) for _ in range(3))
+    for bucket in buckets:
+        for i in bucket.params:
+            layout = first.layouts[i]
+            if bucket.axis is not None:
+                send[bucket.index] += local[i].prod(1)
+                continue
+            experts = local[i][:, 0] if layout.ndim == 3 else torch.ones_like(rows)
+            cols = layout.shape[-1]
+            flops[bucket.index] += experts * sum(ns_flops(r, cols) for r in layout.blocks)
+            full[bucket.index] += experts * layout.shape[-2] * cols
+    # owned matrices of exchanged buckets, as flat (bucket * fsdp + rank) indices
+    where: list[int] = []
+    owned: list[tuple[int, int, int]] = []
+    for key in sorted({b.mesh_key for b in buckets if b.axis is not None}, key=str):
+        for leader in mesh.leaders(key):
+            if deadline is not None:
+                deadline.check(f"screening the exchange group of rank {leader}")
+            plan = plan_of(leader)
+            for bucket in buckets:
+                if bucket.axis is None or bucket.mesh_key != key:
+                    continue
+                for m in plan.matrices[bucket.index]:
+                    layout = plan.layouts[m.param]
+                    where.append(bucket.index * fsdp + leader + m.owner)
+                    owned.append(
+                        (
+                            ns_flops(m.rows, m.cols),
+                            m.rows * m.cols,
+                            held_numel(layout, m, layout.peer_coord(bucket.axis, m.owner)),
+                        )
+                    )
+    if where:
+        index = torch.tensor(where, dtype=torch.int64)
+        values = torch.tensor(owned, dtype=torch.int64)
+        for target, column in ((flops, 0), (full, 1), (own, 2)):
+            target.view(-1).index_add_(0, index, values[:, column])
+    exchanged = torch.tensor([b.axis is not None for b in buckets]).unsqueeze(1)
+    recv = torch.where(exchanged, full, 0)
+    wire = torch.where(exchanged, send + recv - 2 * own, 0)
+    return RankScreen(flops, wire * itemsize, (send + recv + full) * itemsize, state)
+
+
+def _representatives(screen: RankScreen) -> tuple[tuple[str, int], ...]:
+    """The ranks the report shows, found from the screen: the most and fewest Newton-Schulz
+    FLOPs, and as top-peak candidates the most state and the most state plus the largest
+    bucket's buffers (what bounds a step's peak, with and without offload)."""
+    return (
+        ("most Newton-Schulz FLOPs", RankScreen.most(screen.flops)),
+        ("fewest Newton-Schulz FLOPs", RankScreen.fewest(screen.flops)),
+        ("most state", RankScreen.most(screen.state_bytes)),
+        (
+            "most state + largest bucket buffers",
+            RankScreen.most(screen.state_bytes + screen.buffer_bytes.max(0).values),
+        ),
+    )
+
+
 def estimate(
     shapes: Sequence[ParamShape] | nn.Module,
     mesh: MeshSpec,
     settings: StepSettings | None = None,
     row_blocks: Mapping[str, Sequence[int]] | None = None,
+    ranks: Iterable[int] = (),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
 ) -> ModelEstimate:
-    """Estimate a model (shapes or a live module) on `mesh` for every rank of one replica."""
+    """Estimate a model (shapes or a live module) on `mesh`: every rank of one replica
+    screened, the representative ranks (`ModelEstimate.picked`) and `ranks` planned in full.
+
+    Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
+    """
+    deadline = _Deadline(mesh, time_limit_s)
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
     muon, adamw = _split(module, row_blocks)
@@ -507,10 +720,14 @@ def estimate(
     if settings.ns_algorithm == "gram":  # as `Muon._muon_plan` keys the groups forcing it
         schedule = SCHEDULES[settings.ns_schedule]
         gram = tuple((g, schedule) for g in sorted({g for _, _, _, g in muon}))
+    layout = cache(mesh.layout)
     built: dict[tuple[int, ...], MuonPlan] = {}
-    plans, ranks = [], []
-    for rank in range(mesh.fsdp):
-        layouts = [mesh.layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
+
+    @cache
+    def plan_of(rank: int) -> MuonPlan:
+        if not 0 <= rank < mesh.fsdp:
+            raise ValueError(f"rank should be in [0, {mesh.fsdp}) but is: {rank}")
+        layouts = [layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
         # ranks holding as many experts of each exchanged stack share one owner assignment
         key = tuple(
             layout.local_shape()[0]
@@ -518,16 +735,22 @@ def estimate(
             if layout.ndim == 3 and layout.exchange_axis is not None
         )
         if key in built:
-            plan = built[key].seen_from(layouts)
-        else:
-            plan = built[key] = MuonPlan.build(
-                layouts, settings.bucket_cap_bytes, itemsize, gram_schedules=gram
-            )
-        plans.append(plan)
-        ranks.append(_rank(plan, layouts, adamw, mesh, settings, rank))
-    padded = tuple(padded_alternative(plans[0], b) for b in range(len(plans[0].buckets)))
+            return built[key].seen_from(layouts)
+        plan = built[key] = MuonPlan.build(
+            layouts, settings.bucket_cap_bytes, itemsize, gram_schedules=gram
+        )
+        return plan
+
+    screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
+    picked = _representatives(screen)
+    planned = []
+    for rank in sorted({r for _, r in picked} | set(ranks)):
+        deadline.check(f"planning rank {rank}")
+        planned.append(_rank(plan_of(rank), plan_of(rank).layouts, adamw, mesh, settings, rank))
+    first = plan_of(0)
+    padded = tuple(padded_alternative(first, b) for b in range(len(first.buckets)))
     names = tuple(name for name, _, _, _ in muon)
-    return ModelEstimate(mesh, settings, names, tuple(plans), tuple(ranks), padded)
+    return ModelEstimate(mesh, settings, names, screen, tuple(planned), picked, padded, plan_of)
 
 
 # Ranks with the same shard shapes get the same chunks; 64 ranks plan in well under a second.

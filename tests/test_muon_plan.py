@@ -99,10 +99,20 @@ def test_presets_match_published_sizes_and_group_like_the_optimizer():
 @pytest.mark.parametrize("config", [TINY_MOE, TINY_DENSE], ids=["moe", "dense"])
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 def test_every_rank_is_its_exchange_plans(config, mesh):
-    """Per-rank figures are the real ExchangePlans'; seen_from == build."""
+    """Per-rank figures are the real ExchangePlans'; seen_from == build; the screen that
+    picks the planned ranks counts every rank's loads and state as its plan does."""
     settings = StepSettings(bucket_cap_bytes=CAP, max_inflight=2)
-    model = estimate(from_config(config), mesh, settings)
-    for rank, (mine, estimated) in enumerate(zip(model.plans, model.ranks, strict=True)):
+    model = estimate(from_config(config), mesh, settings, ranks=range(mesh.fsdp))
+    assert [r.rank for r in model.ranks] == list(range(mesh.fsdp))
+    for rank, estimated in enumerate(model.ranks):
+        mine = model.plan(rank)
+        for b, load in enumerate(estimated.loads):
+            assert (
+                model.screen.ns_flops[b, rank],
+                model.screen.bytes_sent[b, rank],
+                model.screen.buffer_bytes[b, rank],
+            ) == (load.ns_flops, load.bytes_sent, load.buffer_bytes), (rank, b)
+        assert model.screen.state_bytes[rank] == estimated.state_bytes, rank
         rebuilt = MuonPlan.build(mine.layouts, CAP)
         assert rebuilt.buckets == mine.buckets and rebuilt.matrices == mine.matrices
         for b, load in enumerate(estimated.loads):
@@ -136,6 +146,12 @@ def test_every_rank_is_its_exchange_plans(config, mesh):
     flops = [r.ns_flops for r in model.ranks]
     assert model.imbalance == pytest.approx(max(flops) * len(flops) / sum(flops))
     assert model.busiest.ns_flops == max(flops) and model.idlest.ns_flops == min(flops)
+    # planning only the picked ranks reports the same ranks as planning every one
+    picked = estimate(from_config(config), mesh, settings)
+    assert len(picked.ranks) <= 4
+    assert (picked.busiest, picked.idlest) == (model.busiest, model.idlest)
+    for offload in (False, True):
+        assert picked.largest_peak(offload) == model.largest_peak(offload)
 
 
 @dataclass(frozen=True)
@@ -177,16 +193,16 @@ def test_estimate_equals_an_independent_count():
     """A tiny dense model on 2 ranks, one bucket, counted from torch.chunk and the owners."""
     shapes = from_config(TINY_DENSE)
     settings = StepSettings(bucket_cap_bytes=2**30, max_inflight=2)
-    model = estimate(shapes, MeshSpec(2), settings)
+    model = estimate(shapes, MeshSpec(2), settings, ranks=(0, 1))
     module = meta_module(shapes)
     muon, adamw = muon_param_groups(module)
     for rank in (0, 1):
         local = [p.chunk(2)[rank].numel() for p in muon["params"]]
         adamw_local = [p.chunk(2)[rank].numel() for p in adamw["params"]]
-        est = model.ranks[rank]
+        est = model.rank(rank)
         assert est.muon_state_bytes == 4 * sum(local)
         assert est.adamw_state_bytes == 2 * 4 * sum(adamw_local)
-        (matrices,) = model.plans[rank].matrices
+        (matrices,) = model.plan(rank).matrices
         owned = [m for m in matrices if m.owner == rank]
         full = sum(m.rows * m.cols for m in owned)
         # every local element goes out (to itself too); the owner receives whole matrices
@@ -335,7 +351,7 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
             offload_slots=2,
             ns_algorithm=ns_algorithm,
         )
-        model = estimate(from_module(module), spec, settings)
+        model = estimate(from_module(module), spec, settings, ranks=range(spec.fsdp))
         dense_shape = (spec.fsdp,) if spec.replicate == 1 else (spec.replicate, spec.fsdp)
         inner = (spec.ep, spec.fsdp // spec.ep)
         expert_shape = inner if spec.replicate == 1 else (spec.replicate, *inner)
@@ -353,8 +369,8 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
             ns_algorithm=ns_algorithm,
         )
         opt.step()
-        estimated = model.ranks[rank % spec.fsdp]
-        mine, theirs = model.plans[rank % spec.fsdp], opt._muon_plan()
+        estimated = model.rank(rank % spec.fsdp)
+        mine, theirs = model.plan(rank % spec.fsdp), opt._muon_plan()
         where = f"{spec} rank {rank}"
         fields = [(b.index, b.params, b.axis, b.nbytes) for b in theirs.buckets]
         assert fields == [(b.index, b.params, b.axis, b.nbytes) for b in mine.buckets], where
