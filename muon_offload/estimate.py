@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 
 import torch
@@ -58,9 +58,12 @@ from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
 from muon.param_groups import muon_param_groups
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,
+    DEFAULT_SPREAD_MODEL,
+    REPLICA_OWNERS,
     ExchangePlan,
     MuonPlan,
     ParamLayout,
+    SpreadModel,
     buffer_timeline,
     chunk_range,
     held_numel,
@@ -108,48 +111,51 @@ class MeshSpec:
     def world(self) -> int:
         return self.replicate * self.fsdp
 
-    def _axes(self, sizes: tuple[int, ...], dims: tuple[int | None, ...], coord: tuple[int, ...]):
+    def _axes(self, sizes: tuple[int, ...], dims: tuple[int | None, ...], rank: int):
+        index, inner = rank % self.fsdp, self.fsdp // self.ep
+        coord = (index,) if len(sizes) == 1 else (index // inner, index % inner)
         if self.replicate == 1:
             return sizes, dims, coord
-        return (self.replicate, *sizes), (None, *dims), (0, *coord)
+        return (self.replicate, *sizes), (None, *dims), (rank // self.fsdp, *coord)
 
     def layout(self, shape: tuple[int, ...], row_blocks: Sequence[int], group: int, rank: int):
-        """The `ParamLayout` `Muon` derives for a Muon param at fsdp index `rank`."""
+        """The `ParamLayout` `Muon` derives for a Muon param at global rank `rank` (replica
+        `rank // fsdp`, fsdp index `rank % fsdp`)."""
         if len(shape) == 3:
             rows = self.expert_shard == "rows" or (
                 self.expert_shard == "auto" and shape[0] < self.fsdp
             )
             dim = 1 if rows else 0
             if self.ep > 1:
-                inner = self.fsdp // self.ep
-                axes = self._axes((self.ep, inner), (0, dim), (rank // inner, rank % inner))
+                axes = self._axes((self.ep, self.fsdp // self.ep), (0, dim), rank)
                 return ParamLayout(shape, tuple(row_blocks), *axes, "experts", group)
-            axes = self._axes((self.fsdp,), (dim,), (rank,))
+            axes = self._axes((self.fsdp,), (dim,), rank)
             return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
-        axes = self._axes((self.fsdp,), (0,), (rank,))
+        axes = self._axes((self.fsdp,), (0,), rank)
         return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
 
-    def coords(self, mesh_key: str) -> torch.Tensor:
-        """Per fsdp index, its coordinate on the mesh `mesh_key` ("dense" or "experts") as
-        `layout` places it: an (fsdp, axes) int64 tensor."""
-        rank = torch.arange(self.fsdp, dtype=torch.int64)
-        columns = [rank]
+    def coords(self, mesh_key: str, ranks: int) -> torch.Tensor:
+        """Per global rank below `ranks`, its coordinate on the mesh `mesh_key` ("dense" or
+        "experts") as `layout` places it: a (ranks, axes) int64 tensor."""
+        rank = torch.arange(ranks, dtype=torch.int64)
+        index = rank % self.fsdp
+        columns = [index]
         if mesh_key == "experts":
             inner = self.fsdp // self.ep
-            columns = [rank // inner, rank % inner]
+            columns = [index // inner, index % inner]
         if self.replicate > 1:
-            columns.insert(0, torch.zeros_like(rank))
+            columns.insert(0, rank // self.fsdp)
         return torch.stack(columns, dim=1)
 
-    def leaders(self, mesh_key: str) -> range:
-        """The first fsdp index of each exchange group on `mesh_key` (its members are the
-        next `fsdp // groups` indices: owner index o of leader g is fsdp index g + o)."""
+    def leaders(self, mesh_key: str, ranks: int) -> range:
+        """The first global rank of each exchange group on `mesh_key` below `ranks` (its
+        members are the next `fsdp // groups` ranks: owner index o of leader g is rank g + o)."""
         step = self.fsdp // self.ep if mesh_key == "experts" else self.fsdp
-        return range(0, self.fsdp, step)
+        return range(0, ranks, step)
 
     def local_shape(self, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
-        """A dense (AdamW) param's Shard(0) shard at fsdp index `rank`."""
-        start, stop = chunk_range(shape[0], self.fsdp, rank)
+        """A dense (AdamW) param's Shard(0) shard at global rank `rank`."""
+        start, stop = chunk_range(shape[0], self.fsdp, rank % self.fsdp)
         return (stop - start, *shape[1:])
 
 
@@ -177,6 +183,10 @@ class StepSettings:
     ns_schedule: str = "keller_jordan"
     """The Newton-Schulz schedule (a key of `muon.SCHEDULES`): Gram's workspace follows
     its restart segments."""
+    replica_owners: str = "auto"
+    """Muon's `replica_owners` for every Muon group (HSDP: `muon.planning.REPLICA_OWNERS`)."""
+    replica_bytes_per_s: float = DEFAULT_SPREAD_MODEL.replica_bytes_per_s
+    """`SpreadModel.replica_bytes_per_s`: the bandwidth between replicas "auto" assumes."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_bytes <= 0:
@@ -198,6 +208,14 @@ class StepSettings:
         if self.ns_algorithm not in NS_ALGORITHMS:
             raise ValueError(
                 f"ns_algorithm should be one of {NS_ALGORITHMS} but is: {self.ns_algorithm!r}"
+            )
+        if self.replica_owners not in REPLICA_OWNERS:
+            raise ValueError(
+                f"replica_owners should be one of {REPLICA_OWNERS} but is: {self.replica_owners!r}"
+            )
+        if not self.replica_bytes_per_s > 0:
+            raise ValueError(
+                f"replica_bytes_per_s should be > 0 but is: {self.replica_bytes_per_s}"
             )
         if self.ns_schedule not in SCHEDULES:
             raise ValueError(
@@ -296,6 +314,9 @@ def muon_transient(
             peak = _larger(peak, Transient(live * plan.itemsize, 0, momentum_bytes(plan)))
         else:
             peak = _larger(peak, Transient(live * plan.itemsize, plan.ns_numel * plan.itemsize, 0))
+            # then a spread bucket's replica gather, after Newton-Schulz's workspace went
+            gather = (live + plan.gather_buffers_numel) * plan.itemsize
+            peak = _larger(peak, Transient(gather, 0, 0))
     return peak
 
 
@@ -591,10 +612,10 @@ class _Deadline:
             )
 
 
-def _local_sizes(layout: ParamLayout, coords: torch.Tensor) -> torch.Tensor:
-    """`layout.local_shape()` at each of `coords` ((ranks, axes)), as a (ranks, ndim) tensor:
-    `ParamLayout.dim_range`'s torch.chunk arithmetic on all ranks at once."""
-    sizes = []
+def _local_ranges(layout: ParamLayout, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layout.dim_range` of every dim at each of `coords` ((ranks, axes)): (start, stop),
+    each a (ranks, ndim) tensor, by torch.chunk's arithmetic on all ranks at once."""
+    starts, stops = [], []
     for dim in range(layout.ndim):
         start = torch.zeros(len(coords), dtype=torch.int64)
         stop = torch.full_like(start, layout.shape[dim])
@@ -604,8 +625,9 @@ def _local_sizes(layout: ParamLayout, coords: torch.Tensor) -> torch.Tensor:
                 step = (size + chunks - 1) // chunks
                 first = torch.minimum(coords[:, axis] * step, size)
                 start, stop = start + first, start + torch.minimum(first + step, size)
-        sizes.append(stop - start)
-    return torch.stack(sizes, dim=1)
+        starts.append(start)
+        stops.append(stop)
+    return torch.stack(starts, dim=1), torch.stack(stops, dim=1)
 
 
 def screen_ranks(
@@ -615,32 +637,35 @@ def screen_ranks(
     settings: StepSettings,
     deadline: _Deadline | None = None,
 ) -> RankScreen:
-    """`RankScreen` of every fsdp index: shard sizes by arithmetic on all ranks at once, and
-    the owners of each exchange group's matrices from one plan per group (`MeshSpec.leaders`),
-    each owner's own piece (what it does not send) by `held_numel`. Time linear in the ranks
-    plus the matrices, not in their product."""
+    """`RankScreen` of every rank of one replica (of the whole mesh if a bucket spreads its
+    owners over the replicas): shard sizes by arithmetic on all ranks at once, the owners
+    of each exchange group's matrices from one plan per group (`MeshSpec.leaders`), each
+    owner's own piece (what it does not send) by `held_numel`, and a spread bucket's
+    regions (`ExchangePlan.replica_splits`) from each matrix's pieces on all ranks at once.
+    Time linear in the ranks plus the matrices, not in their product."""
     first = plan_of(0)
     buckets, fsdp = first.buckets, mesh.fsdp
+    ranks = mesh.world if any(b.spread for b in buckets) else fsdp
     itemsize = first.itemsize
-    numel: dict[tuple, torch.Tensor] = {}
+    held: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
     local: list[torch.Tensor] = []
     for layout in first.layouts:
         key = (layout.shape, layout.mesh_key, layout.shard_dims)
-        if key not in numel:
-            numel[key] = _local_sizes(layout, mesh.coords(layout.mesh_key))
-        local.append(numel[key])
-    rows = torch.arange(fsdp, dtype=torch.int64)
-    state = sum((sizes.prod(1) for sizes in local), torch.zeros(fsdp, dtype=torch.int64))
+        if key not in held:
+            held[key] = _local_ranges(layout, mesh.coords(layout.mesh_key, ranks))
+        start, stop = held[key]
+        local.append(stop - start)
+    rows = torch.arange(ranks, dtype=torch.int64)
+    state = sum((sizes.prod(1) for sizes in local), torch.zeros(ranks, dtype=torch.int64))
     state = state * MOMENTUM_DTYPE.itemsize
     for _, shape in adamw:  # Shard(0) over the fsdp ranks
-        step = -(-shape[0] // fsdp)
-        held = torch.minimum(rows * step + step, torch.tensor(shape[0])) - torch.minimum(
-            rows * step, torch.tensor(shape[0])
-        )
-        state += 2 * held * math.prod(shape[1:]) * settings.param_dtype.itemsize
+        step, size = -(-shape[0] // fsdp), torch.tensor(shape[0])
+        index = rows % fsdp
+        chunk = torch.minimum(index * step + step, size) - torch.minimum(index * step, size)
+        state += 2 * chunk * math.prod(shape[1:]) * settings.param_dtype.itemsize
 
-    flops = torch.zeros(len(buckets), fsdp, dtype=torch.int64)
-    send, full, own = (torch.zeros_like(flops) for _ in range(3))
+    flops = torch.zeros(len(buckets), ranks, dtype=torch.int64)
+    send, full, own, region, width = (torch.zeros_like(flops) for _ in range(5))
     for bucket in buckets:
         for i in bucket.params:
             layout = first.layouts[i]
@@ -651,20 +676,26 @@ def screen_ranks(
             cols = layout.shape[-1]
             flops[bucket.index] += experts * sum(ns_flops(r, cols) for r in layout.blocks)
             full[bucket.index] += experts * layout.shape[-2] * cols
-    # owned matrices of exchanged buckets, as flat (bucket * fsdp + rank) indices
+    # owned matrices of exchanged buckets, as flat (bucket * ranks + rank) indices
     where: list[int] = []
     owned: list[tuple[int, int, int]] = []
+    # spread buckets: (bucket, leader, group size, param, row0, rows, owner replica) -> count
+    pieces: dict[tuple[int, int, int, int, int, int, int], int] = {}
     for key in sorted({b.mesh_key for b in buckets if b.axis is not None}, key=str):
-        for leader in mesh.leaders(key):
+        for leader in mesh.leaders(key, ranks):
             if deadline is not None:
                 deadline.check(f"screening the exchange group of rank {leader}")
             plan = plan_of(leader)
             for bucket in buckets:
                 if bucket.axis is None or bucket.mesh_key != key:
                     continue
+                if bucket.spread and leader >= fsdp:
+                    continue  # one owner over the replicas: counted from replica 0's group
+                size = plan.layouts[bucket.params[0]].mesh_shape[bucket.axis]
                 for m in plan.matrices[bucket.index]:
                     layout = plan.layouts[m.param]
-                    where.append(bucket.index * fsdp + leader + m.owner)
+                    owner = leader + m.owner + (m.replica or 0) * fsdp
+                    where.append(bucket.index * ranks + owner)
                     owned.append(
                         (
                             ns_flops(m.rows, m.cols),
@@ -672,14 +703,32 @@ def screen_ranks(
                             held_numel(layout, m, layout.peer_coord(bucket.axis, m.owner)),
                         )
                     )
+                    if bucket.spread:
+                        piece = (bucket.index, leader, size, m.param, m.row0, m.rows, m.replica)
+                        pieces[piece] = pieces.get(piece, 0) + 1
     if where:
         index = torch.tensor(where, dtype=torch.int64)
         values = torch.tensor(owned, dtype=torch.int64)
         for target, column in ((flops, 0), (full, 1), (own, 2)):
             target.view(-1).index_add_(0, index, values[:, column])
+    regions = torch.zeros(len(buckets), mesh.replicate, fsdp, dtype=torch.int64)
+    for (b, leader, size, param, row0, count_rows, replica), count in pieces.items():
+        layout = first.layouts[param]
+        start, stop = held[(layout.shape, layout.mesh_key, layout.shard_dims)]
+        members = slice(leader, leader + size)
+        row, col = layout.ndim - 2, layout.ndim - 1
+        rows_held = torch.minimum(stop[members, row], torch.tensor(row0 + count_rows))
+        rows_held = (rows_held - torch.maximum(start[members, row], torch.tensor(row0))).clamp(0)
+        cols_held = stop[members, col] - start[members, col]
+        regions[b, replica, members] += count * rows_held * cols_held
+    if pieces:  # this rank's region is exchanged; the widest is gathered from every replica
+        region = regions.reshape(len(buckets), ranks)
+        width = regions.max(1).values.repeat(1, mesh.replicate)
     exchanged = torch.tensor([b.axis is not None for b in buckets]).unsqueeze(1)
+    spread = torch.tensor([b.spread for b in buckets]).unsqueeze(1)
     recv = torch.where(exchanged, full, 0)
-    wire = torch.where(exchanged, send + recv - 2 * own, 0)
+    sent = torch.where(spread, region + (mesh.replicate - 1) * width, send)
+    wire = torch.where(exchanged, sent + recv - 2 * own, 0)
     return RankScreen(flops, wire * itemsize, (send + recv + full) * itemsize, state)
 
 
@@ -696,6 +745,93 @@ def _representatives(screen: RankScreen) -> tuple[tuple[str, int], ...]:
             RankScreen.most(screen.state_bytes + screen.buffer_bytes.max(0).values),
         ),
     )
+
+
+def _planner(
+    muon: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], int]],
+    mesh: MeshSpec,
+    settings: StepSettings,
+) -> Callable[[int], MuonPlan]:
+    """The `MuonPlan` `Muon` builds at a global rank of `mesh`, built lazily and cached."""
+    itemsize = settings.ns_dtype.itemsize
+    gram = ()
+    if settings.ns_algorithm == "gram":  # as `Muon._muon_plan` keys the groups forcing it
+        schedule = SCHEDULES[settings.ns_schedule]
+        gram = tuple((g, schedule) for g in sorted({g for _, _, _, g in muon}))
+    layout = cache(mesh.layout)
+    built: dict[tuple[int, ...], MuonPlan] = {}
+
+    @cache
+    def plan_of(rank: int) -> MuonPlan:
+        if not 0 <= rank < mesh.world:
+            raise ValueError(f"rank should be in [0, {mesh.world}) but is: {rank}")
+        layouts = [layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
+        # ranks holding as many experts of each exchanged stack share one owner assignment
+        key = tuple(
+            layout.local_shape()[0]
+            for layout in layouts
+            if layout.ndim == 3 and layout.exchange_axis is not None
+        )
+        if key in built:
+            return built[key].seen_from(layouts)
+        plan = built[key] = MuonPlan.build(
+            layouts,
+            settings.bucket_cap_bytes,
+            itemsize,
+            gram_schedules=gram,
+            replica_owners={g: settings.replica_owners for _, _, _, g in muon},
+            spread_model=SpreadModel(replica_bytes_per_s=settings.replica_bytes_per_s),
+        )
+        return plan
+
+    return plan_of
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOwnersFigures:
+    """One way of choosing owners under HSDP (`replica_owners`), over every rank."""
+
+    replica_owners: str
+    spread_buckets: int
+    """Buckets whose owners spread over the replicas."""
+    ns_flops_max: int
+    """Newton-Schulz FLOPs (one iteration, as `RankEstimate.ns_flops`) on the busiest rank."""
+    ns_s_max: float
+    """Its Newton-Schulz seconds per step at `SpreadModel.ns_flops_per_s`, all iterations."""
+    bytes_sent_max: int
+    """Wire bytes per step on the rank that sends the most (replica gather included)."""
+
+
+def compare_replica_owners(
+    shapes: Sequence[ParamShape] | nn.Module,
+    mesh: MeshSpec,
+    settings: StepSettings | None = None,
+    row_blocks: Mapping[str, Sequence[int]] | None = None,
+) -> tuple[ReplicaOwnersFigures, ...]:
+    """Per-rank Newton-Schulz work and bytes with `replica_owners` "spread" and
+    "per_replica", from `screen_ranks` (no rank planned in full). "auto" decides per
+    bucket on the bucket's busiest owner (its latency), so it spreads only buckets whose
+    busiest owner gains: these totals over the step can favour spread more."""
+    settings = settings or StepSettings()
+    module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    muon, adamw = _split(module, row_blocks)
+    steps = SCHEDULES[settings.ns_schedule].steps
+    figures = []
+    for choice in ("spread", "per_replica"):
+        chosen = replace(settings, replica_owners=choice)
+        plan_of = _planner(muon, mesh, chosen)
+        screen = screen_ranks(mesh, plan_of, adamw, chosen)
+        flops = int(screen.flops.max())
+        figures.append(
+            ReplicaOwnersFigures(
+                choice,
+                sum(b.spread for b in plan_of(0).buckets),
+                flops,
+                flops * steps / DEFAULT_SPREAD_MODEL.ns_flops_per_s,
+                int(screen.bytes_sent.sum(0).max()),
+            )
+        )
+    return tuple(figures)
 
 
 def estimate(
@@ -715,32 +851,7 @@ def estimate(
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
     muon, adamw = _split(module, row_blocks)
-    itemsize = settings.ns_dtype.itemsize
-    gram = ()
-    if settings.ns_algorithm == "gram":  # as `Muon._muon_plan` keys the groups forcing it
-        schedule = SCHEDULES[settings.ns_schedule]
-        gram = tuple((g, schedule) for g in sorted({g for _, _, _, g in muon}))
-    layout = cache(mesh.layout)
-    built: dict[tuple[int, ...], MuonPlan] = {}
-
-    @cache
-    def plan_of(rank: int) -> MuonPlan:
-        if not 0 <= rank < mesh.fsdp:
-            raise ValueError(f"rank should be in [0, {mesh.fsdp}) but is: {rank}")
-        layouts = [layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
-        # ranks holding as many experts of each exchanged stack share one owner assignment
-        key = tuple(
-            layout.local_shape()[0]
-            for layout in layouts
-            if layout.ndim == 3 and layout.exchange_axis is not None
-        )
-        if key in built:
-            return built[key].seen_from(layouts)
-        plan = built[key] = MuonPlan.build(
-            layouts, settings.bucket_cap_bytes, itemsize, gram_schedules=gram
-        )
-        return plan
-
+    plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
     picked = _representatives(screen)
     planned = []

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from muon.model_shapes import PRESETS, from_config, from_preset, load_config
+from muon.model_shapes import PRESETS, ParamShape, from_config, from_preset, load_config
 from muon.newton_schulz import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
-from muon.planning import DEFAULT_BUCKET_CAP_BYTES, MuonPlan
+from muon.planning import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_SPREAD_MODEL, REPLICA_OWNERS, MuonPlan
 from muon_offload.estimate import (
     DEFAULT_TIME_LIMIT_S,
     EXPERT_SHARDS,
@@ -43,8 +43,10 @@ from muon_offload.estimate import (
     ModelEstimate,
     RankEstimate,
     RankScreen,
+    ReplicaOwnersFigures,
     StepMemory,
     StepSettings,
+    compare_replica_owners,
     estimate,
 )
 
@@ -147,6 +149,22 @@ def rank_dict(rank: RankEstimate) -> dict[str, Any]:
     }
 
 
+def print_replica_owners(model: ModelEstimate, figures: Sequence[ReplicaOwnersFigures]) -> None:
+    chosen = sum(b.spread for b in model.plan(0).buckets)
+    print(
+        f"HSDP owners (replica_owners={model.settings.replica_owners!r}: {chosen} of "
+        f"{len(model.plan(0).buckets)} buckets spread; 'auto' spreads a bucket when its "
+        f"busiest owner gains more Newton-Schulz time than sharing costs at "
+        f"{model.settings.replica_bytes_per_s / 1e9:g} GB/s between replicas):"
+    )
+    for f in figures:
+        print(
+            f"  {f.replica_owners:<12} busiest rank {f.ns_flops_max / 1e12:8.2f} TFLOP "
+            f"(~{1e3 * f.ns_s_max:7.1f} ms of Newton-Schulz), wire max "
+            f"{_mib(f.bytes_sent_max)} MiB per rank, {f.spread_buckets} buckets spread"
+        )
+
+
 def summary(model: ModelEstimate) -> dict[str, Any]:
     padded = [p for p in model.padded if p is not None]
     return {
@@ -168,6 +186,7 @@ def summary(model: ModelEstimate) -> dict[str, Any]:
         * max((p.buffer_bytes for p in padded), default=0),
         "padding_bytes": sum(p.padding_bytes for p in padded),
         "padding_fraction": model.padding_fraction,
+        "spread_buckets": sum(b.spread for b in model.plan(0).buckets),
     }
 
 
@@ -235,7 +254,8 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
         print()
     picked = "; ".join(f"{why}: rank {rank}" for why, rank in model.picked)
     print(
-        f"ranks planned in full: {picked} (each found over all {mesh.fsdp} ranks from shard "
+        f"ranks planned in full: {picked} (each found over all {model.screen.flops.numel()} "
+        f"ranks from shard "
         f"sizes and owners; top peak: the highest of these)"
     )
     busy = model.busiest
@@ -356,6 +376,14 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument("--sweep-fsdp", help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument("--budget-gib", type=float, help="per-rank budget for the optimizer's peak")
     p.add_argument(
+        "--replica-owners", choices=REPLICA_OWNERS, default="auto",
+        help="HSDP: who orthogonalizes a matrix (Muon's replica_owners); the report shows both",
+    )  # fmt: skip
+    p.add_argument(
+        "--replica-gbs", type=float, default=DEFAULT_SPREAD_MODEL.replica_bytes_per_s / 1e9,
+        help="bandwidth between replicas per rank, GB/s, that replica_owners='auto' assumes",
+    )  # fmt: skip
+    p.add_argument(
         "--time-limit-s", type=float, default=DEFAULT_TIME_LIMIT_S,
         help="refuse a mesh that does not plan within this many seconds",
     )  # fmt: skip
@@ -376,12 +404,18 @@ def settings_from(args: argparse.Namespace) -> StepSettings:
         offload_resident_bytes=int(args.offload_resident_mib * 2**20),
         ns_algorithm=args.ns_algorithm,
         ns_schedule=args.ns_schedule,
+        replica_owners=args.replica_owners,
+        replica_bytes_per_s=args.replica_gbs * 1e9,
     )
+
+
+def model_shapes(args: argparse.Namespace) -> tuple[ParamShape, ...]:
+    return from_preset(args.preset) if args.preset else from_config(load_config(args.config))
 
 
 def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEstimate:
     """The estimate the parsed arguments ask for (at `fsdp` if given)."""
-    shapes = from_preset(args.preset) if args.preset else from_config(load_config(args.config))
+    shapes = model_shapes(args)
     mesh = MeshSpec(args.fsdp if fsdp is None else fsdp, args.replicate, args.ep, args.expert_shard)
     return estimate(shapes, mesh, settings_from(args), time_limit_s=args.time_limit_s)
 
@@ -400,10 +434,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     rows = bucket_rows(model)
+    figures = ()
+    if model.mesh.replicate > 1:
+        figures = compare_replica_owners(model_shapes(args), model.mesh, model.settings)
     if args.json:
-        print(json.dumps({"summary": summary(model), "buckets": rows}, indent=1))
+        out = {"summary": summary(model), "buckets": rows}
+        if figures:
+            out["replica_owners"] = [asdict(f) for f in figures]
+        print(json.dumps(out, indent=1))
     else:
         print_plan(model, rows)
+        if figures:
+            print_replica_owners(model, figures)
     return 0
 
 

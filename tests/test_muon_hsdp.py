@@ -16,8 +16,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from muon import Muon
+from muon.model_shapes import from_config
 from muon.newton_schulz import ns_flops
 from muon.planning import MuonPlan, ParamLayout, SpreadModel
+from muon_offload.estimate import MeshSpec, StepSettings, compare_replica_owners, estimate
 from offload import CPUOffloadOptimizer
 
 STEPS = 3
@@ -134,3 +136,55 @@ def test_auto_spreads_where_the_model_says_it_pays():
     assert not MuonPlan.build(small, replica_owners=auto).buckets[0].spread
     flat = [ParamLayout((24, 4096, 4096), (), (8,), (1,), (0,), "m")]  # no replica axis
     assert not MuonPlan.build(flat, replica_owners=auto).buckets[0].spread
+
+
+# DeepSeek-like tiny MoE: MLA, a dense first layer, routed experts + a shared one.
+TINY_MOE = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "q_lora_rank": 12,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 4,
+    "intermediate_size": 24,
+    "moe_intermediate_size": 6,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "topk_method": "noaux_tc",
+    "vocab_size": 40,
+}
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        MeshSpec(2, replicate=2),
+        MeshSpec(3, replicate=2, expert_shard="rows"),
+        MeshSpec(2, replicate=3),
+        MeshSpec(4, replicate=2, ep=2, expert_shard="rows"),
+    ],
+    ids=str,
+)
+def test_spread_estimate_screens_every_rank_of_the_mesh(mesh):
+    """With spread owners the replicas differ: the screen covers every rank of the mesh and
+    equals each rank's own exchange plans (replica gather included); the busiest rank's
+    FLOPs fall against per-replica owners."""
+    shapes = from_config(TINY_MOE)
+    settings = StepSettings(bucket_cap_bytes=1500, replica_owners="spread")
+    model = estimate(shapes, mesh, settings, ranks=range(mesh.world))
+    assert model.screen.flops.numel() == mesh.world
+    for estimated in model.ranks:
+        for b, load in enumerate(estimated.loads):
+            got = (
+                model.screen.ns_flops[b, estimated.rank],
+                model.screen.bytes_sent[b, estimated.rank],
+                model.screen.buffer_bytes[b, estimated.rank],
+            )
+            assert got == (load.ns_flops, load.bytes_sent, load.buffer_bytes), (estimated.rank, b)
+    spread, per_replica = compare_replica_owners(shapes, mesh, settings)
+    assert spread.spread_buckets > 0 and per_replica.spread_buckets == 0
+    assert spread.ns_flops_max < per_replica.ns_flops_max

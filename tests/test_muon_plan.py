@@ -333,7 +333,9 @@ def _dtensors(module, model, device_meshes, rank):
         setattr(owner, leaf, param)
 
 
-def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> None:
+def _check_world(
+    world: int, transient: bool, ns_algorithm: str = "auto", replica_owners: str = "auto"
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
@@ -350,8 +352,9 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
             offload_chunk_bytes=OFFLOAD_CHUNK,
             offload_slots=2,
             ns_algorithm=ns_algorithm,
+            replica_owners=replica_owners,
         )
-        model = estimate(from_module(module), spec, settings, ranks=range(spec.fsdp))
+        model = estimate(from_module(module), spec, settings, ranks=range(spec.world))
         dense_shape = (spec.fsdp,) if spec.replicate == 1 else (spec.replicate, spec.fsdp)
         inner = (spec.ep, spec.fsdp // spec.ep)
         expert_shape = inner if spec.replicate == 1 else (spec.replicate, *inner)
@@ -367,18 +370,26 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
             max_inflight=2,
             ns_dtype=torch.float32,
             ns_algorithm=ns_algorithm,
+            replica_owners=replica_owners,
         )
         opt.step()
-        estimated = model.rank(rank % spec.fsdp)
-        mine, theirs = model.plan(rank % spec.fsdp), opt._muon_plan()
         where = f"{spec} rank {rank}"
+        estimated = model.rank(rank)
+        mine, theirs = model.plan(rank), opt._muon_plan()
+        spread = [b.index for b in theirs.buckets if b.spread]
+        assert bool(spread) == (replica_owners == "spread" and spec.replicate > 1), where
         fields = [(b.index, b.params, b.axis, b.nbytes) for b in theirs.buckets]
         assert fields == [(b.index, b.params, b.axis, b.nbytes) for b in mine.buckets], where
+        assert [b.spread for b in theirs.buckets] == [b.spread for b in mine.buckets], where
         assert mine.matrices == theirs.matrices, where  # owners included
         for b, bucket in enumerate(theirs.buckets):
             ours = mine.exchange(b, frozenset(bucket.params))  # from a cold cache: recomputed
             real = theirs.exchange(b, frozenset(bucket.params))
-            assert (ours.send_splits, ours.recv_splits) == (real.send_splits, real.recv_splits)
+            assert (ours.send_splits, ours.recv_splits, ours.replica_splits) == (
+                real.send_splits,
+                real.recv_splits,
+                real.replica_splits,
+            )
         for metric in opt.metrics:
             load = estimated.loads[metric.bucket]
             assert (
@@ -401,7 +412,7 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
         units = [tuple(index[id(p)] for p in unit) for unit in subset.units]
         assert units == list(estimated.units), where
         if transient:
-            _check_measured_transient(opt, model, rank % spec.fsdp, len(adamw), where)
+            _check_measured_transient(opt, model, rank, len(adamw), where)
         # The offloaded step's chunks and staging ring are the estimate's.
         wrapper = CPUOffloadOptimizer(opt, chunk_bytes=OFFLOAD_CHUNK, staging_slots=2)
         wrapper.step()
@@ -437,13 +448,21 @@ def _check_measured_transient(opt, model, rank: int, adamw: int, where: str) -> 
     assert expected <= measured <= 1.02 * expected + 256 + late, (where, measured, expected, late)
 
 
-def _worker(rank: int, world: int, transient: bool, ns_algorithm: str = "auto") -> None:
-    _check_world(world, transient, ns_algorithm)
+def _worker(
+    rank: int, world: int, transient: bool, ns_algorithm: str = "auto", replica_owners: str = "auto"
+) -> None:
+    _check_world(world, transient, ns_algorithm, replica_owners)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_optimizer_builds_the_planned_plan(world):
     run_on_ranks(_worker, world, False)
+
+
+def test_optimizer_builds_the_planned_spread_plan():
+    """HSDP 2 x 2 with spread owners: the optimizer's plan, splits (replica regions
+    included) and metrics are the estimate's, on every rank of the mesh."""
+    run_on_ranks(_worker, 4, False, "auto", "spread")
 
 
 @pytest.mark.parametrize("world", [1, 3])
