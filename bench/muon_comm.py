@@ -16,6 +16,9 @@ Two experiments, each on `--world` ranks (gloo on CPU, or NCCL with one GPU per 
   matrices and rows padded to the ranks), out and back per exchanged bucket; its
   memory is the estimate's (buffers of `max_inflight` buckets), not measured.
   `--scale` divides the model's widths (and experts) for CPU runs.
+  Then, estimated only: the same slices under HSDP (`--world` shards x `--replicas`),
+  per-rank Newton-Schulz time and bytes with owners spread over the replicas vs per
+  replica (`muon_offload.estimate.compare_replica_owners`).
 - `--experiment remainder`: R = 1..7 matrices of one shape in one bucket, ours vs
   padded vs all-gather + reduce-scatter (the remainder-strategy comparison).
 
@@ -35,6 +38,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -45,7 +49,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from bench.report import exit_spawned_rank, write_json
 from muon import Muon, muon_param_groups
 from muon.model_shapes import PRESETS, from_config, meta_module
-from muon_offload.estimate import EXPERT_SHARDS, MeshSpec, StepSettings, estimate
+from muon.planning import DEFAULT_SPREAD_MODEL
+from muon_offload.estimate import (
+    EXPERT_SHARDS,
+    MeshSpec,
+    StepSettings,
+    compare_replica_owners,
+    estimate,
+)
 
 ITEMSIZE = 2  # bf16 on the wire
 MIB = 2**20
@@ -182,12 +193,17 @@ def _model_arm(
 def _model_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     device = _device(args, rank)
     spec = MeshSpec(world, ep=args.ep, expert_shard=args.expert_shard)
+    return [_model_arm(name, config, spec, args, rank, device) for name, config in _arms(args)]
+
+
+def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """The model slices the arguments ask for: (name, config)."""
     arms = []
     if args.layers:
         arms.append(("qwen3-8b", _config("qwen3-8b", args.layers, args.scale)))
     if args.moe_layers:
         arms.append(("qwen3-30b-a3b", _config("qwen3-30b-a3b", args.moe_layers, args.scale)))
-    return [_model_arm(name, config, spec, args, rank, device) for name, config in arms]
+    return arms
 
 
 def _print_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -234,7 +250,29 @@ def _print_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[d
         "ours = the Muon buckets' transient (buffers of the buckets in flight + Newton-Schulz), "
         "measured on CUDA only; padded = estimated buffers only."
     )
-    return summary
+    world = len([row for row in rows if row["model"] == rows[0]["model"]])
+    return summary + _print_hsdp(args, world)
+
+
+def _print_hsdp(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
+    """Estimated, not measured: the same slices under HSDP (`world` shards x R replicas),
+    owners spread over the replicas vs per replica (`compare_replica_owners`)."""
+    print(
+        f"\nHSDP, estimated: fsdp {world} x replicate R, per rank on the busiest rank "
+        f"(NS at {DEFAULT_SPREAD_MODEL.ns_flops_per_s / 1e12:g} TFLOP/s)"
+    )
+    print(f"{'model':<14} {'R':>3} {'owners':<12} {'NS ms':>8} {'wire MiB':>10} {'spread':>7}")
+    out = []
+    for name, config in _arms(args):
+        for replicas in (int(r) for r in args.replicas.split(",")):
+            spec = MeshSpec(world, replicas, args.ep, args.expert_shard)
+            for f in compare_replica_owners(from_config(config), spec):
+                print(
+                    f"{name:<14} {replicas:>3} {f.replica_owners:<12} {1e3 * f.ns_s_max:>8.3f} "
+                    f"{f.bytes_sent_max / MIB:>10,.2f} {f.spread_buckets:>7}"
+                )
+                out.append({"model": name, "replicate": replicas, "hsdp_estimate": asdict(f)})
+    return out
 
 
 # -- remainder: R matrices of one shape ---------------------------------------------------------
@@ -413,6 +451,10 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1, help="model: expert-parallel size")
     parser.add_argument("--expert-shard", choices=EXPERT_SHARDS, default="auto")
     parser.add_argument("--max-inflight", type=int, default=2)
+    parser.add_argument(
+        "--replicas", default="2,4,8",
+        help="model: HSDP replica counts of the estimated spread vs per-replica owners",
+    )  # fmt: skip
     parser.add_argument("--rows", type=int, default=256, help="remainder: 8192 / 32")
     parser.add_argument("--cols", type=int, default=192, help="remainder: 6144 / 32")
     parser.add_argument("--out", default="bench/results/muon_comm.json")
