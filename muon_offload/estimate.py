@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from muon.model_shapes import ParamShape, meta_module
-from muon.newton_schulz import SCHEDULES, ns_flops
+from muon.newton_schulz import SCHEDULES, NewtonSchulzSchedule, ns_flops, ns_workspace_numel
 from muon.optimizer import DEFAULT_MAX_INFLIGHT, NS_ALGORITHMS
 from muon.param_groups import muon_param_groups
 from muon.planning import (
@@ -67,6 +67,7 @@ from muon.planning import (
     buffer_timeline,
     chunk_range,
     held_numel,
+    launch_order,
 )
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
@@ -433,13 +434,17 @@ class RankScreen:
     rank it equals the planned ranks' `BucketLoad`s (a test holds every rank to that)."""
 
     ns_flops: torch.Tensor
-    """(buckets, fsdp) int64: Newton-Schulz FLOPs of the matrices each rank owns per bucket."""
+    """(buckets, ranks) int64: Newton-Schulz FLOPs of the matrices each rank owns per bucket
+    (ranks: one replica's, or the whole mesh's when a bucket spreads over the replicas)."""
     bytes_sent: torch.Tensor
-    """(buckets, fsdp) int64: bytes each rank puts on the wire per bucket."""
+    """(buckets, ranks) int64: bytes each rank puts on the wire per bucket."""
     buffer_bytes: torch.Tensor
-    """(buckets, fsdp) int64: send, receive and full buffers per bucket."""
+    """(buckets, ranks) int64: send, receive and full buffers per bucket."""
     state_bytes: torch.Tensor
-    """(fsdp,) int64: optimizer state (Muon momentum, AdamW moments)."""
+    """(ranks,) int64: optimizer state (Muon momentum, AdamW moments)."""
+    muon_transient_bytes: torch.Tensor
+    """(ranks,) int64: the Muon launches' peak over a whole step (`transient_peak_numel`;
+    without the torch path's momentum results): what finds the top-peak candidates."""
 
     @property
     def flops(self) -> torch.Tensor:
@@ -676,11 +681,33 @@ def screen_ranks(
             cols = layout.shape[-1]
             flops[bucket.index] += experts * sum(ns_flops(r, cols) for r in layout.blocks)
             full[bucket.index] += experts * layout.shape[-2] * cols
+    gram = dict(first.gram_schedules)
+    workspace = torch.zeros_like(flops)  # Newton-Schulz's, per bucket and rank
+    for bucket in buckets:
+        if bucket.axis is not None:
+            continue
+        # ranks holding as many of each param's matrices batch alike (plan_exchange's order)
+        counts = torch.stack(
+            [local[i][:, 0] if first.layouts[i].ndim == 3 else torch.ones_like(rows)
+             for i in bucket.params],
+            dim=1,
+        )  # fmt: skip
+        kinds, which = torch.unique(counts, dim=0, return_inverse=True)
+        for k, kind in enumerate(kinds.tolist()):
+            shapes: dict[tuple[int, int, int], int] = {}
+            for i, count in zip(bucket.params, kind, strict=True):
+                layout = first.layouts[i]
+                for block in layout.blocks if count else ():
+                    key = (layout.group, block, layout.shape[-1])
+                    shapes[key] = shapes.get(key, 0) + count
+            workspace[bucket.index, which == k] = _ns_numel(shapes, gram)
     # owned matrices of exchanged buckets, as flat (bucket * ranks + rank) indices
     where: list[int] = []
     owned: list[tuple[int, int, int]] = []
     # spread buckets: (bucket, leader, group size, param, row0, rows, owner replica) -> count
     pieces: dict[tuple[int, int, int, int, int, int, int], int] = {}
+    # (bucket, owner rank) -> its batches' (group, rows, cols) -> matrices, in plan order
+    batched: dict[tuple[int, int], dict[tuple[int, int, int], int]] = {}
     for key in sorted({b.mesh_key for b in buckets if b.axis is not None}, key=str):
         for leader in mesh.leaders(key, ranks):
             if deadline is not None:
@@ -706,6 +733,9 @@ def screen_ranks(
                     if bucket.spread:
                         piece = (bucket.index, leader, size, m.param, m.row0, m.rows, m.replica)
                         pieces[piece] = pieces.get(piece, 0) + 1
+                    batch = batched.setdefault((bucket.index, owner), {})
+                    shape = (layout.group, m.rows, m.cols)
+                    batch[shape] = batch.get(shape, 0) + 1
     if where:
         index = torch.tensor(where, dtype=torch.int64)
         values = torch.tensor(owned, dtype=torch.int64)
@@ -724,25 +754,51 @@ def screen_ranks(
     if pieces:  # this rank's region is exchanged; the widest is gathered from every replica
         region = regions.reshape(len(buckets), ranks)
         width = regions.max(1).values.repeat(1, mesh.replicate)
+    for (b, owner), shapes in batched.items():
+        workspace[b, owner] = _ns_numel(shapes, gram)
     exchanged = torch.tensor([b.axis is not None for b in buckets]).unsqueeze(1)
     spread = torch.tensor([b.spread for b in buckets]).unsqueeze(1)
     recv = torch.where(exchanged, full, 0)
     sent = torch.where(spread, region + (mesh.replicate - 1) * width, send)
     wire = torch.where(exchanged, sent + recv - 2 * own, 0)
-    return RankScreen(flops, wire * itemsize, (send + recv + full) * itemsize, state)
+    buffers = send + recv + full
+    # the step's launches on every rank at once, as `transient_peak_numel` replays one rank's
+    gather = torch.where(width > 0, (mesh.replicate + 1) * width, 0)
+    finish = torch.maximum(workspace, torch.where(spread, gather, 0))
+    live, peak = torch.zeros_like(rows), torch.zeros_like(rows)
+    for start, i in launch_order(buckets, settings.max_inflight):  # reads only `.axis`
+        if start:
+            live = live + buffers[i]
+            peak = torch.maximum(peak, live)
+        else:
+            peak = torch.maximum(peak, live + finish[i])
+            live = live - buffers[i]
+    return RankScreen(flops, wire * itemsize, buffers * itemsize, state, peak * itemsize)
+
+
+def _ns_numel(
+    shapes: Mapping[tuple[int, int, int], int], gram: Mapping[int, NewtonSchulzSchedule]
+) -> int:
+    """`ExchangePlan.ns_numel` of batches {(group, rows, cols): matrices}, in that order."""
+    return ns_workspace_numel(
+        [(count, rows, cols) for (_, rows, cols), count in shapes.items()],
+        gram=[gram.get(group) for group, _, _ in shapes],
+    )
 
 
 def _representatives(screen: RankScreen) -> tuple[tuple[str, int], ...]:
     """The ranks the report shows, found from the screen: the most and fewest Newton-Schulz
-    FLOPs, and as top-peak candidates the most state and the most state plus the largest
-    bucket's buffers (what bounds a step's peak, with and without offload)."""
+    FLOPs, and as top-peak candidates the most state (offload's staging follows it), the
+    largest Muon step transient, and the most of both (the peak without offload, less
+    AdamW's and the torch path's momentum temporaries)."""
     return (
         ("most Newton-Schulz FLOPs", RankScreen.most(screen.flops)),
         ("fewest Newton-Schulz FLOPs", RankScreen.fewest(screen.flops)),
         ("most state", RankScreen.most(screen.state_bytes)),
+        ("largest Muon step transient", RankScreen.most(screen.muon_transient_bytes)),
         (
-            "most state + largest bucket buffers",
-            RankScreen.most(screen.state_bytes + screen.buffer_bytes.max(0).values),
+            "most state + Muon step transient",
+            RankScreen.most(screen.state_bytes + screen.muon_transient_bytes),
         ),
     )
 

@@ -185,6 +185,8 @@ def test_spread_estimate_screens_every_rank_of_the_mesh(mesh):
                 model.screen.buffer_bytes[b, estimated.rank],
             )
             assert got == (load.ns_flops, load.bytes_sent, load.buffer_bytes), (estimated.rank, b)
+        transient = model.muon_step_transient(estimated.rank).total_bytes
+        assert model.screen.muon_transient_bytes[estimated.rank] == transient, estimated.rank
     spread, per_replica = compare_replica_owners(shapes, mesh, settings)
     assert spread.spread_buckets > 0 and per_replica.spread_buckets == 0
     assert spread.ns_flops_max < per_replica.ns_flops_max

@@ -113,6 +113,8 @@ def test_every_rank_is_its_exchange_plans(config, mesh):
                 model.screen.buffer_bytes[b, rank],
             ) == (load.ns_flops, load.bytes_sent, load.buffer_bytes), (rank, b)
         assert model.screen.state_bytes[rank] == estimated.state_bytes, rank
+        transient = model.muon_step_transient(rank).total_bytes
+        assert model.screen.muon_transient_bytes[rank] == transient, rank
         rebuilt = MuonPlan.build(mine.layouts, CAP)
         assert rebuilt.buckets == mine.buckets and rebuilt.matrices == mine.matrices
         for b, load in enumerate(estimated.loads):
