@@ -225,7 +225,9 @@ class Muon(torch.optim.Optimizer):
             orthogonalizes a matrix, also a group key: "spread" one owner over the
             whole mesh, its result gathered across replicas; "per_replica" one per
             replica; "auto" (default) spread where `spread_model` says it pays, per
-            bucket. The results are the same bits either way.
+            bucket. Spread assumes the replicas hold the same gradients (HSDP
+            all-reduces them); then the results are the same bits either way (a
+            matrix's update does not depend on its batch).
         spread_model: the cost model of "auto" (`muon.planning.SpreadModel`: the
             Newton-Schulz FLOP/s and the bandwidth between replicas, settable).
 

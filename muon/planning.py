@@ -17,6 +17,13 @@ whole matrix and sends each rank its piece of the result. A param whose matrix
 dims are not sharded (plain tensors, replicated params, expert stacks sharded
 only on the expert dim) is orthogonalized *locally*, with no communication.
 
+Under HSDP (a mesh axis that replicates the param), a bucket may *spread* its owners
+over replicas x exchange ranks (`MuonPlan.build`'s `replica_owners`): each matrix is
+orthogonalized once, by a rank of one replica. Every rank packs all its pieces, in one
+region per owner replica; its own replica's region makes the round trip over the
+exchange axis, then a gather over the replica axis brings each rank the other
+regions' results (`ExchangePlan.replica_splits`).
+
 Worked example, 2 ranks on one axis, bucket = one (3, 4) matrix sharded Shard(0):
 rank 0 holds rows [0, 2), rank 1 holds row [2, 3); the owner is rank 0. Rank 0
 sends 8 elements to itself and receives 8 + 4 (splits send=[8, 0], recv=[8, 4]);
@@ -55,7 +62,8 @@ class SpreadModel:
     spread, Newton-Schulz over all ranks plus receiving the other replicas' results
     ((R - 1) / R of its share of the bucket) at `replica_bytes_per_s`. Spread also
     moves 1/R of the bytes within a replica; the model leaves that saving out. With
-    the defaults spread pays for matrices of about 1000 rows and more.
+    the defaults spread pays where the busiest owner sheds whole matrices of about 1000
+    rows or more; a bucket with fewer matrices than a replica has ranks gains little.
     """
 
     ns_flops_per_s: float = 400e12
