@@ -163,22 +163,16 @@ class ParamLayout:
         return start, stop
 
     def holders(self, axis: int, dim: int, start: int, stop: int) -> range:
-        """Indices on mesh `axis` (other axes at my coordinate) whose part of tensor dim `dim`
-        may meet [start, stop): those whose chunk on `axis` meets it (a later axis sharding
-        `dim` again only narrows a part). By arithmetic, for `plan_exchange`'s receive side."""
+        """Indices on mesh `axis` whose part of matrix dim `dim` meets [start, stop), by
+        torch.chunk's arithmetic (for `plan_exchange`'s receive side). Only one axis
+        shards a matrix dim, so `axis` cuts the whole dim."""
         if self.shard_dims[axis] != dim:
             return range(self.mesh_shape[axis])
-        low, high = 0, self.shape[dim]
-        for earlier in range(axis):  # the chunk that `axis` cuts, as `dim_range` nests them
-            if self.shard_dims[earlier] == dim:
-                low, high = chunk_range(
-                    high - low, self.mesh_shape[earlier], self.coord[earlier], low
-                )
-        start, stop = max(start, low), min(stop, high)
+        stop = min(stop, self.shape[dim])
         if stop <= start:
             return range(0)
-        step = -(-(high - low) // self.mesh_shape[axis])
-        return range((start - low) // step, -(-(stop - low) // step))
+        step = -(-self.shape[dim] // self.mesh_shape[axis])
+        return range(start // step, -(-stop // step))
 
     def local_shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in (self.dim_range(d) for d in range(self.ndim)))
