@@ -12,6 +12,7 @@ from muon.newton_schulz import (
 )
 from muon.optimizer import BucketMetrics, Muon, MuonStep
 from muon.param_groups import muon_param_groups
+from muon.planning import SpreadModel
 
 __all__ = [
     "DEEPSEEK_V4",
@@ -23,6 +24,7 @@ __all__ = [
     "MuonStep",
     "NewtonSchulzPath",
     "NewtonSchulzSchedule",
+    "SpreadModel",
     "muon_param_groups",
     "ns_path",
     "zeropower",

@@ -779,14 +779,15 @@ def plan_exchange(
     replica_splits: tuple[int, ...] = ()
     if axis is not None:
         # my pieces, in (owner replica, owner, matrix) order: one region per replica
-        by_owner: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(replicas)]
+        by_owner: dict[tuple[int, int], list[int]] = {}
         for i, m in enumerate(matrices):
-            by_owner[m.replica or 0][m.owner].append(i)
+            by_owner.setdefault((m.replica or 0, m.owner), []).append(i)
         regions, sizes, offset = [], [], 0
-        for owners in by_owner:
+        for region in range(replicas):
+            owners = sorted(owner for r, owner in by_owner if r == region)
             pieces, splits = _lay_out(
                 layouts, matrices, world,
-                ((owner, i, first.coord) for owner in range(world) for i in owners[owner]),
+                ((owner, i, first.coord) for owner in owners for i in by_owner[region, owner]),
                 offset,
             )  # fmt: skip
             regions.append(pieces)
@@ -799,7 +800,7 @@ def plan_exchange(
         # pieces of matrices I own, in (sender, matrix) order, asked only of the senders
         # that hold a part of them: linear in what this rank receives, not in the world
         senders = []
-        for i in by_owner[replica][me]:
+        for i in by_owner.get((replica, me), ()):
             m = matrices[i]
             layout = layouts[m.param]
             dim = layout.shard_dims[axis]

@@ -706,30 +706,32 @@ def screen_ranks(
     owned: list[tuple[int, int, int]] = []
     # spread buckets: (bucket, leader, group size, param, row0, rows, owner replica) -> count
     pieces: dict[tuple[int, int, int, int, int, int, int], int] = {}
-    # (bucket, owner rank) -> its batches' (group, rows, cols) -> matrices, in plan order
+    # (bucket, owner rank in replica 0 or of a spread bucket) -> its batches' (group, rows,
+    # cols) -> matrices, in plan order
     batched: dict[tuple[int, int], dict[tuple[int, int, int], int]] = {}
+    copies = mesh.replicate if ranks == mesh.world else 1  # replicas screened
     for key in sorted({b.mesh_key for b in buckets if b.axis is not None}, key=str):
-        for leader in mesh.leaders(key, ranks):
+        # replica 0's groups: per replica, the other replicas' owners are theirs shifted
+        for leader in mesh.leaders(key, fsdp):
             if deadline is not None:
                 deadline.check(f"screening the exchange group of rank {leader}")
             plan = plan_of(leader)
             for bucket in buckets:
                 if bucket.axis is None or bucket.mesh_key != key:
                     continue
-                if bucket.spread and leader >= fsdp:
-                    continue  # one owner over the replicas: counted from replica 0's group
                 size = plan.layouts[bucket.params[0]].mesh_shape[bucket.axis]
+                shifts = [0] if bucket.spread else [r * fsdp for r in range(copies)]
                 for m in plan.matrices[bucket.index]:
                     layout = plan.layouts[m.param]
                     owner = leader + m.owner + (m.replica or 0) * fsdp
-                    where.append(bucket.index * ranks + owner)
-                    owned.append(
-                        (
-                            ns_flops(m.rows, m.cols),
-                            m.rows * m.cols,
-                            held_numel(layout, m, layout.peer_coord(bucket.axis, m.owner)),
-                        )
+                    counts = (
+                        ns_flops(m.rows, m.cols),
+                        m.rows * m.cols,
+                        held_numel(layout, m, layout.peer_coord(bucket.axis, m.owner)),
                     )
+                    for shift in shifts:
+                        where.append(bucket.index * ranks + owner + shift)
+                        owned.append(counts)
                     if bucket.spread:
                         piece = (bucket.index, leader, size, m.param, m.row0, m.rows, m.replica)
                         pieces[piece] = pieces.get(piece, 0) + 1
@@ -747,15 +749,17 @@ def screen_ranks(
         start, stop = held[(layout.shape, layout.mesh_key, layout.shard_dims)]
         members = slice(leader, leader + size)
         row, col = layout.ndim - 2, layout.ndim - 1
-        rows_held = torch.minimum(stop[members, row], torch.tensor(row0 + count_rows))
-        rows_held = (rows_held - torch.maximum(start[members, row], torch.tensor(row0))).clamp(0)
+        rows_held = stop[members, row].clamp(max=row0 + count_rows)
+        rows_held = (rows_held - start[members, row].clamp(min=row0)).clamp(min=0)
         cols_held = stop[members, col] - start[members, col]
         regions[b, replica, members] += count * rows_held * cols_held
     if pieces:  # this rank's region is exchanged; the widest is gathered from every replica
         region = regions.reshape(len(buckets), ranks)
         width = regions.max(1).values.repeat(1, mesh.replicate)
     for (b, owner), shapes in batched.items():
-        workspace[b, owner] = _ns_numel(shapes, gram)
+        numel = _ns_numel(shapes, gram)
+        for shift in [0] if buckets[b].spread else range(0, ranks, fsdp):
+            workspace[b, owner + shift] = numel
     exchanged = torch.tensor([b.axis is not None for b in buckets]).unsqueeze(1)
     spread = torch.tensor([b.spread for b in buckets]).unsqueeze(1)
     recv = torch.where(exchanged, full, 0)
