@@ -19,12 +19,16 @@ Two experiments, each on `--world` ranks (gloo on CPU, or NCCL with one GPU per 
   Then, estimated only: the same slices under HSDP (`--world` shards x `--replicas`),
   per-rank Newton-Schulz time and bytes with owners spread over the replicas vs per
   replica (`muon_offload.estimate.compare_replica_owners`).
+- `--experiment hsdp`: the model slices on a (`--replicate`, world / replicate) mesh,
+  a Muon step with owners spread over the replicas and per replica: step time,
+  Newton-Schulz time and bytes per rank, measured, then the estimate at `--replicas`.
 - `--experiment remainder`: R = 1..7 matrices of one shape in one bucket, ours vs
   padded vs all-gather + reduce-scatter (the remainder-strategy comparison).
 
     torchrun --nproc-per-node 2 -m bench.muon_comm --backend nccl --out bench/results/comm.json
     python -m bench.muon_comm --world 2 --scale 32 --out bench/results/muon_comm_cpu.json
     python -m bench.muon_comm --experiment remainder --world 4 --rows 256 --cols 192
+    torchrun --nproc-per-node 8 -m bench.muon_comm --experiment hsdp --replicate 2 --backend nccl
 
 Without torchrun it spawns its own ranks. Prints a table, writes JSON.
 """
@@ -390,9 +394,79 @@ def _print_remainder(rows: list[dict[str, Any]], args: argparse.Namespace) -> li
 
 # -- launch -------------------------------------------------------------------------------------
 
+# -- hsdp: owners spread over the replicas vs per replica, measured ---------------------------
+
+
+def _hsdp_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The model slices on a (replicate, fsdp) mesh (`--replicate`), a Muon step with each
+    `replica_owners`: time, Newton-Schulz time and bytes on this rank (`collect_timings`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world % args.replicate:
+        raise ValueError(f"--replicate {args.replicate} should divide the world {world}")
+    device = _device(args, rank)
+    spec = MeshSpec(world // args.replicate, args.replicate, args.ep, args.expert_shard)
+    meshes = {"dense": init_device_mesh(device.type, (spec.replicate, spec.fsdp))}
+    meshes["experts"] = (
+        init_device_mesh(device.type, (spec.replicate, spec.ep, spec.fsdp // spec.ep))
+        if spec.ep > 1
+        else meshes["dense"]
+    )
+    rows = []
+    for name, config in _arms(args):
+        for owners in ("spread", "per_replica"):
+            # the same seed on every rank: the replicas of a shard hold the same grads
+            params = _distributed(_muon_params(config), spec, meshes, rank, device, seed=1)
+            opt = Muon(params, lr=0.02, max_inflight=args.max_inflight, replica_owners=owners)
+            opt.step()
+            step_s = _timed(opt.step, device, args.repeats)
+            opt.collect_timings = True
+            opt.step()
+            rows.append(
+                {
+                    "model": name,
+                    "rank": rank,
+                    "replica_owners": owners,
+                    "step_s": step_s,
+                    "ns_s": sum(m.ns_s for m in opt.metrics),
+                    "bytes_sent": sum(m.bytes_sent for m in opt.metrics),
+                }
+            )
+    return rows
+
+
+def _print_hsdp_measured(
+    rows: list[dict[str, Any]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    world = len({row["rank"] for row in rows})
+    print(
+        f"HSDP fsdp {world // args.replicate} x replicate {args.replicate}, measured: "
+        "the slowest rank's step and Newton-Schulz time, the most bytes a rank sent"
+    )
+    print(f"{'model':<14} {'owners':<12} {'step ms':>8} {'NS ms':>8} {'sent MiB':>10}")
+    summary = []
+    for name in dict.fromkeys(row["model"] for row in rows):
+        for owners in ("spread", "per_replica"):
+            mine = [r for r in rows if r["model"] == name and r["replica_owners"] == owners]
+            result = {
+                "model": name,
+                "replica_owners": owners,
+                "step_ms": 1e3 * max(r["step_s"] for r in mine),
+                "ns_ms": 1e3 * max(r["ns_s"] for r in mine),
+                "bytes_sent_max": max(r["bytes_sent"] for r in mine),
+            }
+            print(
+                f"{name:<14} {owners:<12} {result['step_ms']:>8.2f} {result['ns_ms']:>8.2f} "
+                f"{result['bytes_sent_max'] / MIB:>10,.2f}"
+            )
+            summary.append(result)
+    return summary + _print_hsdp(args, world // args.replicate)
+
+
 EXPERIMENTS = {
     "model": (_model_worker, _print_model),
     "remainder": (_remainder_worker, _print_remainder),
+    "hsdp": (_hsdp_worker, _print_hsdp_measured),
 }
 
 
@@ -451,6 +525,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1, help="model: expert-parallel size")
     parser.add_argument("--expert-shard", choices=EXPERT_SHARDS, default="auto")
     parser.add_argument("--max-inflight", type=int, default=2)
+    parser.add_argument("--replicate", type=int, default=2, help="hsdp: replicas of the mesh")
     parser.add_argument(
         "--replicas", default="2,4,8",
         help="model: HSDP replica counts of the estimated spread vs per-replica owners",
