@@ -11,7 +11,8 @@ exactly as `MuonStep` makes them (each exchanged bucket, each param of a local
 bucket, each AdamW param; none sliced: `MuonStep` has no `step_slices`) into the
 chunks `CPUOffloadOptimizer` streams.
 
-Which ranks: every fsdp index of one replica is screened (`screen_ranks`: shard
+Which ranks: every rank of one replica (of the whole mesh when a bucket spreads its
+owners over the HSDP replicas) is screened (`screen_ranks`: shard
 sizes by arithmetic on all ranks at once, owners from one plan per exchange
 group), which finds the busiest and idlest rank and the top-peak candidates
 without planning each rank; only those (`ModelEstimate.picked`) and any asked
@@ -429,8 +430,9 @@ def padded_alternative(plan: MuonPlan, bucket: int) -> PaddedAlternative | None:
 
 @dataclass(frozen=True, slots=True)
 class RankScreen:
-    """Every fsdp index of one replica, counted from shard sizes and the owner assignment
-    without planning an exchange: what picks the ranks `estimate` plans. Per bucket and
+    """Every rank of one replica (of the whole mesh when a bucket spreads its owners over
+    the replicas), counted from shard sizes and the owner assignment without planning an
+    exchange: what picks the ranks `estimate` plans. Per bucket and
     rank it equals the planned ranks' `BucketLoad`s (a test holds every rank to that)."""
 
     ns_flops: torch.Tensor
@@ -448,7 +450,7 @@ class RankScreen:
 
     @property
     def flops(self) -> torch.Tensor:
-        """(fsdp,): Newton-Schulz FLOPs per rank in the step."""
+        """(ranks,): Newton-Schulz FLOPs per rank in the step."""
         return self.ns_flops.sum(0)
 
     @staticmethod
@@ -465,7 +467,8 @@ class RankScreen:
 
 @dataclass(frozen=True, slots=True)
 class ModelEstimate:
-    """One replica: every rank screened (`screen`), a few planned in full (`ranks`)."""
+    """One replica (the whole mesh when a bucket spreads): every rank screened (`screen`),
+    a few planned in full (`ranks`). Ranks are global: replica `rank // fsdp`."""
 
     mesh: MeshSpec
     settings: StepSettings

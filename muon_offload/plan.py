@@ -255,8 +255,7 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
     picked = "; ".join(f"{why}: rank {rank}" for why, rank in model.picked)
     print(
         f"ranks planned in full: {picked} (each found over all {model.screen.flops.numel()} "
-        f"ranks from shard "
-        f"sizes and owners; top peak: the highest of these)"
+        f"ranks from shard sizes and owners; top peak: the highest of these)"
     )
     busy = model.busiest
     print(
