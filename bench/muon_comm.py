@@ -16,12 +16,19 @@ Two experiments, each on `--world` ranks (gloo on CPU, or NCCL with one GPU per 
   matrices and rows padded to the ranks), out and back per exchanged bucket; its
   memory is the estimate's (buffers of `max_inflight` buckets), not measured.
   `--scale` divides the model's widths (and experts) for CPU runs.
+  Then, estimated only: the same slices under HSDP (`--world` shards x `--replicas`),
+  per-rank Newton-Schulz time and bytes with owners spread over the replicas vs per
+  replica (`muon_offload.estimate.compare_replica_owners`).
+- `--experiment hsdp`: the model slices on a (`--replicate`, world / replicate) mesh,
+  a Muon step with owners spread over the replicas and per replica: step time,
+  Newton-Schulz time and bytes per rank, measured, then the estimate at `--replicas`.
 - `--experiment remainder`: R = 1..7 matrices of one shape in one bucket, ours vs
   padded vs all-gather + reduce-scatter (the remainder-strategy comparison).
 
     torchrun --nproc-per-node 2 -m bench.muon_comm --backend nccl --out bench/results/comm.json
     python -m bench.muon_comm --world 2 --scale 32 --out bench/results/muon_comm_cpu.json
     python -m bench.muon_comm --experiment remainder --world 4 --rows 256 --cols 192
+    torchrun --nproc-per-node 8 -m bench.muon_comm --experiment hsdp --replicate 2 --backend nccl
 
 Without torchrun it spawns its own ranks. Prints a table, writes JSON.
 """
@@ -35,6 +42,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -45,7 +53,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from bench.report import exit_spawned_rank, write_json
 from muon import Muon, muon_param_groups
 from muon.model_shapes import PRESETS, from_config, meta_module
-from muon_offload.estimate import EXPERT_SHARDS, MeshSpec, StepSettings, estimate
+from muon.planning import DEFAULT_SPREAD_MODEL
+from muon_offload.estimate import (
+    EXPERT_SHARDS,
+    MeshSpec,
+    StepSettings,
+    compare_replica_owners,
+    estimate,
+)
 
 ITEMSIZE = 2  # bf16 on the wire
 MIB = 2**20
@@ -120,7 +135,7 @@ def _model_arm(
 
     shapes = _muon_params(config)
     settings = StepSettings(max_inflight=args.max_inflight, device=device.type)
-    model = estimate(from_config(config), spec, settings)
+    model = estimate(from_config(config), spec, settings, ranks=[rank])
     inner = spec.fsdp // spec.ep
     meshes = {"dense": init_device_mesh(device.type, (spec.fsdp,))}
     meshes["experts"] = (
@@ -143,7 +158,7 @@ def _model_arm(
     sent = sum(m.bytes_sent for m in opt.metrics)
     received = sum(m.bytes_received for m in opt.metrics)
 
-    est = model.ranks[rank]
+    est = model.rank(rank)
     est_transient = model.muon_step_transient(rank)  # the bench's optimizer has no AdamW
     padded = [p for p in model.padded if p is not None]
     largest = max((p.padded_bytes for p in padded), default=0) // ITEMSIZE
@@ -182,12 +197,17 @@ def _model_arm(
 def _model_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     device = _device(args, rank)
     spec = MeshSpec(world, ep=args.ep, expert_shard=args.expert_shard)
+    return [_model_arm(name, config, spec, args, rank, device) for name, config in _arms(args)]
+
+
+def _arms(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """The model slices the arguments ask for: (name, config)."""
     arms = []
     if args.layers:
         arms.append(("qwen3-8b", _config("qwen3-8b", args.layers, args.scale)))
     if args.moe_layers:
         arms.append(("qwen3-30b-a3b", _config("qwen3-30b-a3b", args.moe_layers, args.scale)))
-    return [_model_arm(name, config, spec, args, rank, device) for name, config in arms]
+    return arms
 
 
 def _print_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -234,7 +254,29 @@ def _print_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[d
         "ours = the Muon buckets' transient (buffers of the buckets in flight + Newton-Schulz), "
         "measured on CUDA only; padded = estimated buffers only."
     )
-    return summary
+    world = len([row for row in rows if row["model"] == rows[0]["model"]])
+    return summary + _print_hsdp(args, world)
+
+
+def _print_hsdp(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
+    """Estimated, not measured: the same slices under HSDP (`world` shards x R replicas),
+    owners spread over the replicas vs per replica (`compare_replica_owners`)."""
+    print(
+        f"\nHSDP, estimated: fsdp {world} x replicate R, per rank on the busiest rank "
+        f"(NS at {DEFAULT_SPREAD_MODEL.ns_flops_per_s / 1e12:g} TFLOP/s)"
+    )
+    print(f"{'model':<14} {'R':>3} {'owners':<12} {'NS ms':>8} {'wire MiB':>10} {'spread':>7}")
+    out = []
+    for name, config in _arms(args):
+        for replicas in (int(r) for r in args.replicas.split(",")):
+            spec = MeshSpec(world, replicas, args.ep, args.expert_shard)
+            for f in compare_replica_owners(from_config(config), spec):
+                print(
+                    f"{name:<14} {replicas:>3} {f.replica_owners:<12} {1e3 * f.ns_s_max:>8.3f} "
+                    f"{f.bytes_sent_max / MIB:>10,.2f} {f.spread_buckets:>7}"
+                )
+                out.append({"model": name, "replicate": replicas, "hsdp_estimate": asdict(f)})
+    return out
 
 
 # -- remainder: R matrices of one shape ---------------------------------------------------------
@@ -352,9 +394,79 @@ def _print_remainder(rows: list[dict[str, Any]], args: argparse.Namespace) -> li
 
 # -- launch -------------------------------------------------------------------------------------
 
+# -- hsdp: owners spread over the replicas vs per replica, measured ---------------------------
+
+
+def _hsdp_worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The model slices on a (replicate, fsdp) mesh (`--replicate`), a Muon step with each
+    `replica_owners`: time, Newton-Schulz time and bytes on this rank (`collect_timings`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world % args.replicate:
+        raise ValueError(f"--replicate {args.replicate} should divide the world {world}")
+    device = _device(args, rank)
+    spec = MeshSpec(world // args.replicate, args.replicate, args.ep, args.expert_shard)
+    meshes = {"dense": init_device_mesh(device.type, (spec.replicate, spec.fsdp))}
+    meshes["experts"] = (
+        init_device_mesh(device.type, (spec.replicate, spec.ep, spec.fsdp // spec.ep))
+        if spec.ep > 1
+        else meshes["dense"]
+    )
+    rows = []
+    for name, config in _arms(args):
+        for owners in ("spread", "per_replica"):
+            # the same seed on every rank: the replicas of a shard hold the same grads
+            params = _distributed(_muon_params(config), spec, meshes, rank, device, seed=1)
+            opt = Muon(params, lr=0.02, max_inflight=args.max_inflight, replica_owners=owners)
+            opt.step()
+            step_s = _timed(opt.step, device, args.repeats)
+            opt.collect_timings = True
+            opt.step()
+            rows.append(
+                {
+                    "model": name,
+                    "rank": rank,
+                    "replica_owners": owners,
+                    "step_s": step_s,
+                    "ns_s": sum(m.ns_s for m in opt.metrics),
+                    "bytes_sent": sum(m.bytes_sent for m in opt.metrics),
+                }
+            )
+    return rows
+
+
+def _print_hsdp_measured(
+    rows: list[dict[str, Any]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    world = len({row["rank"] for row in rows})
+    print(
+        f"HSDP fsdp {world // args.replicate} x replicate {args.replicate}, measured: "
+        "the slowest rank's step and Newton-Schulz time, the most bytes a rank sent"
+    )
+    print(f"{'model':<14} {'owners':<12} {'step ms':>8} {'NS ms':>8} {'sent MiB':>10}")
+    summary = []
+    for name in dict.fromkeys(row["model"] for row in rows):
+        for owners in ("spread", "per_replica"):
+            mine = [r for r in rows if r["model"] == name and r["replica_owners"] == owners]
+            result = {
+                "model": name,
+                "replica_owners": owners,
+                "step_ms": 1e3 * max(r["step_s"] for r in mine),
+                "ns_ms": 1e3 * max(r["ns_s"] for r in mine),
+                "bytes_sent_max": max(r["bytes_sent"] for r in mine),
+            }
+            print(
+                f"{name:<14} {owners:<12} {result['step_ms']:>8.2f} {result['ns_ms']:>8.2f} "
+                f"{result['bytes_sent_max'] / MIB:>10,.2f}"
+            )
+            summary.append(result)
+    return summary + _print_hsdp(args, world // args.replicate)
+
+
 EXPERIMENTS = {
     "model": (_model_worker, _print_model),
     "remainder": (_remainder_worker, _print_remainder),
+    "hsdp": (_hsdp_worker, _print_hsdp_measured),
 }
 
 
@@ -413,6 +525,11 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1, help="model: expert-parallel size")
     parser.add_argument("--expert-shard", choices=EXPERT_SHARDS, default="auto")
     parser.add_argument("--max-inflight", type=int, default=2)
+    parser.add_argument("--replicate", type=int, default=2, help="hsdp: replicas of the mesh")
+    parser.add_argument(
+        "--replicas", default="2,4,8",
+        help="model: HSDP replica counts of the estimated spread vs per-replica owners",
+    )  # fmt: skip
     parser.add_argument("--rows", type=int, default=256, help="remainder: 8192 / 32")
     parser.add_argument("--cols", type=int, default=192, help="remainder: 6144 / 32")
     parser.add_argument("--out", default="bench/results/muon_comm.json")

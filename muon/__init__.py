@@ -10,6 +10,7 @@ from muon.ns_schedules import (
 )
 from muon.optimizer import BucketMetrics, Muon, MuonStep
 from muon.param_groups import muon_param_groups
+from muon.planning import SpreadModel
 
 __all__ = [
     "DEEPSEEK_V4",
@@ -21,6 +22,7 @@ __all__ = [
     "MuonStep",
     "NewtonSchulzPath",
     "NewtonSchulzSchedule",
+    "SpreadModel",
     "muon_param_groups",
     "ns_path",
     "zeropower",

@@ -12,6 +12,10 @@ them when it finishes. One bucket's round trip, for an `ExchangePlan`:
 3. `return_results`: pack the owner's result pieces into `recv` (same layout
    it arrived in) and start the reverse `all_to_all_single` into `send`; each
    rank then finds its result pieces where it packed its inputs (`send_slots`).
+4. A spread bucket (HSDP, `ExchangePlan.replica_splits`): steps 1-3 move only this
+   replica's region of `send` (the matrices this replica owns);
+   `share_across_replicas` then gathers every replica's region over the replica
+   axis into the others, so every region holds its results.
 
 The collectives are asynchronous: on NCCL `Work.wait()` only orders the
 current stream after the collective, so nothing here syncs the host.
@@ -42,6 +46,12 @@ def _slot(buffer: Tensor, piece: Piece) -> Tensor:
     return buffer[piece.offset : piece.offset + piece.numel].view(piece.shape)
 
 
+def _region(plan: ExchangePlan, send: Tensor) -> Tensor:
+    """The part of `send` exchanged over the exchange axis (all of it unless spread)."""
+    start, stop = plan.region
+    return send[start:stop]
+
+
 def send_slots(plan: ExchangePlan, send: Tensor) -> list[tuple[Piece, Tensor]]:
     """This rank's pieces with their views in `send`.
 
@@ -57,7 +67,7 @@ def send_to_owners(
     """Start the exchange of the packed `send` (see `send_slots`) into `recv`."""
     return dist.all_to_all_single(
         recv,
-        send,
+        _region(plan, send),
         output_split_sizes=list(plan.recv_splits),
         input_split_sizes=list(plan.send_splits),
         group=group,
@@ -82,10 +92,29 @@ def return_results(
     for piece in plan.recv_pieces:
         _slot(recv, piece).copy_(_matrix_rect(results[piece.matrix], piece))
     return dist.all_to_all_single(
-        send,
+        _region(plan, send),
         recv,
         output_split_sizes=list(plan.send_splits),
         input_split_sizes=list(plan.recv_splits),
         group=group,
         async_op=True,
     )
+
+
+def share_across_replicas(
+    plan: ExchangePlan, send: Tensor, gathered: Tensor, group: dist.ProcessGroup
+) -> None:
+    """After `return_results` of a spread bucket: every replica's region of `send` into the
+    others', through `gathered` (`ExchangePlan.gather_buffers_numel`: a region-sized input,
+    then one `gather_numel` slot per replica: all-gather takes one size from every rank).
+    Waits for the gather, then copies the other replicas' regions in."""
+    width = plan.gather_numel
+    start, stop = plan.region
+    contribution, slots = gathered[:width], gathered[width:].view(-1, width)
+    contribution[: stop - start].copy_(send[start:stop])
+    dist.all_gather(list(slots.unbind(0)), contribution, group=group, async_op=True).wait()
+    offset = 0
+    for replica, size in enumerate(plan.replica_splits):
+        if replica != plan.replica:
+            send[offset : offset + size].copy_(slots[replica, :size])
+        offset += size

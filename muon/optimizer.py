@@ -62,6 +62,7 @@ from muon.exchange import (
     return_results,
     send_slots,
     send_to_owners,
+    share_across_replicas,
 )
 from muon.newton_schulz import zeropower
 from muon.ns_schedules import (
@@ -82,10 +83,12 @@ from muon.options import (
 )
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,
+    DEFAULT_SPREAD_MODEL,
     ExchangePlan,
     Matrix,
     MuonPlan,
     ParamLayout,
+    SpreadModel,
     launch_order,
 )
 
@@ -232,9 +235,18 @@ class Muon(torch.optim.Optimizer):
             Newton-Schulz of k).
         collect_timings: fill the `*_s` fields of `metrics`. This synchronizes
             the device around each phase, so it costs the overlap; off by default.
+        replica_owners: under HSDP (params replicated over a mesh axis), who
+            orthogonalizes a matrix, also a group key: "spread" one owner over the
+            whole mesh, its result gathered across replicas; "per_replica" one per
+            replica; "auto" (default) spread where `spread_model` says it pays, per
+            bucket. Spread assumes the replicas hold the same gradients (HSDP
+            all-reduces them); then the results are the same bits either way (a
+            matrix's update does not depend on its batch).
+        spread_model: the cost model of "auto" (`muon.planning.SpreadModel`: the
+            Newton-Schulz FLOP/s and the bandwidth between replicas, settable).
 
     `load_state_dict` takes a `torch.optim.Muon` state dict too: group keys it
-    lacks (`algorithm`, `row_blocks`, `ns_algorithm`) get their defaults.
+    lacks (`algorithm`, `row_blocks`, `ns_algorithm`, `replica_owners`) get their defaults.
     Groups are validated again at every step, so a hyperparameter or `algorithm`
     changed by hand or by a load takes effect (or raises) there.
     """
@@ -258,6 +270,8 @@ class Muon(torch.optim.Optimizer):
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         collect_timings: bool = False,
+        replica_owners: str = "auto",
+        spread_model: SpreadModel = DEFAULT_SPREAD_MODEL,
     ) -> None:
         ns_dtype = ns_dtype_from(ns_dtype)
         check_bucket_cap_bytes(bucket_cap_bytes)
@@ -275,12 +289,14 @@ class Muon(torch.optim.Optimizer):
             "ns_algorithm": ns_algorithm,
             "row_blocks": None,
             "algorithm": "muon",
+            "replica_owners": replica_owners,
         }
         _validate_hyperparameters(defaults)
         self.ns_dtype = ns_dtype
         self.bucket_cap_bytes = bucket_cap_bytes
         self.max_inflight = max_inflight
         self.collect_timings = collect_timings
+        self.spread_model = spread_model
         self.metrics: list[BucketMetrics] = []
         self._plan: MuonPlan | None = None
         self._plan_params: tuple[Tensor, ...] = ()
@@ -374,11 +390,18 @@ class Muon(torch.optim.Optimizer):
             for g, group in enumerate(self.param_groups)
             if group["algorithm"] == "muon" and group["ns_algorithm"] == "gram"
         )
+        replica_owners = {
+            g: group["replica_owners"]
+            for g, group in enumerate(self.param_groups)
+            if group["algorithm"] == "muon"
+        }
         key = (
             tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
             self.ns_dtype,
             self.bucket_cap_bytes,
             gram,
+            tuple(replica_owners.items()),
+            self.spread_model,
         )
         if (
             self._plan is None
@@ -388,7 +411,12 @@ class Muon(torch.optim.Optimizer):
             layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
             itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
             self._plan = MuonPlan.build(
-                layouts, self.bucket_cap_bytes, itemsize, gram_schedules=gram
+                layouts,
+                self.bucket_cap_bytes,
+                itemsize,
+                gram_schedules=gram,
+                replica_owners=replica_owners,
+                spread_model=self.spread_model,
             )
             self._plan_params = params
             self._plan_key = key
@@ -400,6 +428,7 @@ def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None
     group.setdefault("algorithm", "muon")
     group.setdefault("row_blocks", None)
     group.setdefault("ns_algorithm", defaults.get("ns_algorithm", "auto"))
+    group.setdefault("replica_owners", defaults.get("replica_owners", "auto"))
     if group["algorithm"] == "adamw":
         group.setdefault("betas", ADAMW_BETAS)
         group.setdefault("eps", ADAMW_EPS)
@@ -407,7 +436,7 @@ def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None
 
 # Hyperparameters every group has, and those only a Muon group reads.
 _COMMON_KEYS = ("lr", "weight_decay", "eps")
-_MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", "ns_algorithm")
+_MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", "ns_algorithm", "replica_owners")
 
 
 def _validate_hyperparameters(values: dict[str, Any]) -> None:
@@ -686,6 +715,9 @@ class MuonStep:
     def _exchange_group(self, plan: ExchangePlan) -> dist.ProcessGroup:
         return self._params[plan.matrices[0].param].device_mesh.get_group(plan.axis)
 
+    def _replica_group(self, plan: ExchangePlan) -> dist.ProcessGroup:
+        return self._params[plan.matrices[0].param].device_mesh.get_group(plan.replica_axis)
+
     def _momentum_buffer(self, param: int) -> Tensor:
         """The local fp32 momentum buffer of `param`, created (zeros) on first use."""
         p = self._params[param]
@@ -705,7 +737,8 @@ class MuonStep:
     def _finish(self, flight: _InFlight) -> None:
         """Assemble, orthogonalize, return the results and apply them; the buffers go."""
         plan = flight.plan
-        clock = _Clock(self._opt.collect_timings, flight.full.device)
+        device = flight.full.device
+        clock = _Clock(self._opt.collect_timings, device)
         if flight.work is not None:
             flight.work.wait()
             assemble(plan, flight.recv, flight.views)
@@ -730,6 +763,10 @@ class MuonStep:
             group = self._exchange_group(plan)
             return_results(plan, results, flight.send, flight.recv, group).wait()
             results.clear()  # the owned results are in `recv` now; this rank's come in `send`
+            if plan.gather_numel:  # a spread bucket: the other replicas' results
+                gathered = _transient(plan.gather_buffers_numel, flight.send.dtype, device)
+                share_across_replicas(plan, flight.send, gathered, self._replica_group(plan))
+                del gathered
         exchange_s = _add(exchange_s, clock.lap())
 
         flight.kernels.apply(self, plan, self._result_targets(plan, flight.send, results))

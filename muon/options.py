@@ -21,6 +21,7 @@ from torch import Tensor
 
 from muon.newton_schulz import ALGORITHMS as NS_ALGORITHMS
 from muon.ns_schedules import SCHEDULES
+from muon.planning import REPLICA_OWNERS
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # dtypes on the wire and in Newton-Schulz, also by name (TOML and the CLI cannot
@@ -138,6 +139,16 @@ def check_collect_timings(value: Any, name: str = "collect_timings") -> None:
         raise TypeError(f"{name} should be True or False but is: {value!r}")
 
 
+def check_replica_owners(value: Any, name: str = "replica_owners") -> None:
+    if value not in REPLICA_OWNERS:
+        raise ValueError(f"{name} should be one of {REPLICA_OWNERS} but is: {value!r}")
+
+
+def check_replica_bytes_per_s(value: Any, name: str = "replica_bytes_per_s") -> None:
+    if not _number(value, name) > 0:
+        raise ValueError(f"{name} should be > 0 but is: {value}")
+
+
 def check_row_blocks(value: Any, rows: int, name: str = "row_blocks") -> None:
     """None, or the row counts (each >= 1) of a fused param's logical matrices, summing
     to its `rows`."""
@@ -165,6 +176,7 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
     "bucket_cap_bytes": check_bucket_cap_bytes,
     "max_inflight": check_max_inflight,
     "collect_timings": check_collect_timings,
+    "replica_owners": check_replica_owners,
 }
 """Checks by `Muon` argument or group key (ns_coefficients and row_blocks are checked
 where a schedule or a param's shape is known)."""

@@ -17,6 +17,13 @@ whole matrix and sends each rank its piece of the result. A param whose matrix
 dims are not sharded (plain tensors, replicated params, expert stacks sharded
 only on the expert dim) is orthogonalized *locally*, with no communication.
 
+Under HSDP (a mesh axis that replicates the param), a bucket may *spread* its owners
+over replicas x exchange ranks (`MuonPlan.build`'s `replica_owners`): each matrix is
+orthogonalized once, by a rank of one replica. Every rank packs all its pieces, in one
+region per owner replica; its own replica's region makes the round trip over the
+exchange axis, then a gather over the replica axis brings each rank the other
+regions' results (`ExchangePlan.replica_splits`).
+
 Worked example, 2 ranks on one axis, bucket = one (3, 4) matrix sharded Shard(0):
 rank 0 holds rows [0, 2), rank 1 holds row [2, 3); the owner is rank 0. Rank 0
 sends 8 elements to itself and receives 8 + 4 (splits send=[8, 0], recv=[8, 4]);
@@ -25,8 +32,10 @@ rank 1 sends [4, 0] and receives [0, 0]: it allocates no full matrix.
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import math
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from muon.newton_schulz import (  # ns_flops and ns_workspace_numel re-exported for the planner
@@ -39,6 +48,46 @@ from muon.newton_schulz import (  # ns_flops and ns_workspace_numel re-exported 
 # group (bf16): small enough to bound the workspace (512 MiB - 1 GiB
 # per rank is the usual budget), large enough to batch many matrices per all-to-all.
 DEFAULT_BUCKET_CAP_BYTES = 512 * 2**20
+# Who orthogonalizes a matrix under HSDP (a group option of `Muon`): "spread" gives each
+# matrix one owner over the whole mesh; "per_replica" one per replica, as plain FSDP
+# over each replica; "auto" spreads a bucket where `SpreadModel` says it pays.
+REPLICA_OWNERS = ("auto", "spread", "per_replica")
+
+
+@dataclass(frozen=True, slots=True)
+class SpreadModel:
+    """The cost model "auto" uses to choose spread owners for a bucket under HSDP.
+
+    Per bucket, on its busiest rank: per replica, Newton-Schulz over the replica's ranks;
+    spread, Newton-Schulz over all ranks plus receiving the other replicas' results
+    ((R - 1) / R of its share of the bucket) at `replica_bytes_per_s`. Spread also
+    moves 1/R of the bytes within a replica; the model leaves that saving out. With
+    the defaults spread pays where the busiest owner sheds whole matrices of about 1000
+    rows or more; a bucket with fewer matrices than a replica has ranks gains little.
+    """
+
+    ns_flops_per_s: float = 400e12
+    """Newton-Schulz throughput per rank: bf16 on an H200 runs 8192x6144 at 589 TFLOP/s
+    and smaller shapes slower (bench/measured/newton_schulz_h200.log)."""
+    replica_bytes_per_s: float = 25e9
+    """Per-rank bandwidth between replicas (one 200 Gb/s inter-node link per GPU);
+    set it to the cluster's."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations per matrix (torch's default schedule); owners are
+    balanced on one iteration's FLOPs."""
+
+    def spread_pays(
+        self, per_replica_flops: int, spread_flops: int, bucket_bytes: int, shards: int,
+        replicas: int,
+    ) -> bool:  # fmt: skip
+        """Whether the busiest rank finishes sooner with spread owners (FLOPs of one
+        iteration, as owners are balanced)."""
+        rate = self.ns_flops_per_s / self.ns_steps
+        across = (replicas - 1) / replicas * bucket_bytes / shards
+        return spread_flops / rate + across / self.replica_bytes_per_s < per_replica_flops / rate
+
+
+DEFAULT_SPREAD_MODEL = SpreadModel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +145,14 @@ class ParamLayout:
                 return axis
         return None
 
+    @property
+    def replica_axis(self) -> int | None:
+        """The first mesh axis of size > 1 that replicates this param (HSDP's), or None."""
+        for axis, dim in enumerate(self.shard_dims):
+            if dim is None and self.mesh_shape[axis] > 1:
+                return axis
+        return None
+
     def dim_range(self, dim: int, coord: tuple[int, ...] | None = None) -> tuple[int, int]:
         """[start, stop) of tensor dim `dim` held at mesh coordinate `coord` (default: mine)."""
         coord = self.coord if coord is None else coord
@@ -104,6 +161,18 @@ class ParamLayout:
             if sharded == dim:  # nested shards chunk the previous chunk, as DTensor does
                 start, stop = chunk_range(stop - start, self.mesh_shape[axis], coord[axis], start)
         return start, stop
+
+    def holders(self, axis: int, dim: int, start: int, stop: int) -> range:
+        """Indices on mesh `axis` whose part of matrix dim `dim` meets [start, stop), by
+        torch.chunk's arithmetic (for `plan_exchange`'s receive side). Only one axis
+        shards a matrix dim, so `axis` cuts the whole dim."""
+        if self.shard_dims[axis] != dim:
+            return range(self.mesh_shape[axis])
+        stop = min(stop, self.shape[dim])
+        if stop <= start:
+            return range(0)
+        step = -(-self.shape[dim] // self.mesh_shape[axis])
+        return range(start // step, -(-stop // step))
 
     def local_shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in (self.dim_range(d) for d in range(self.ndim)))
@@ -139,6 +208,9 @@ class Bucket:
     """Exchange mesh axis; None for a local bucket."""
     nbytes: int
     """Full-matrix bytes on one exchange group (rank-invariant; the byte cap applies to it)."""
+    spread: bool = False
+    """Owners spread over the replicas (`REPLICA_OWNERS`): each matrix is orthogonalized
+    once over the whole mesh and its result shared across the replica axis."""
 
 
 def plan_buckets(
@@ -177,15 +249,17 @@ def assign_owners(
 
     Ties: equal costs keep their input order; equal loads go to the rank with
     the least `prior_load` (work owned in earlier buckets), then the lowest rank.
-    Deterministic, so every rank computes the same owners.
+    Deterministic, so every rank computes the same owners. A heap keyed by
+    (load, prior, rank) pops exactly that rank: O(matrices log world + world).
     """
     prior = list(prior_load) if prior_load is not None else [0] * world
-    load = [0] * world
+    heap = [(0, prior[rank], rank) for rank in range(world)]
+    heapq.heapify(heap)
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], prior[r], r))
+        load, before, rank = heap[0]
         owners[i] = rank
-        load[rank] += costs[i]
+        heapq.heapreplace(heap, (load + costs[i], before, rank))
     return tuple(owners)
 
 
@@ -201,6 +275,9 @@ class Matrix:
     cols: int
     owner: int
     """Owner's index on the exchange axis; this rank's own index for a local bucket."""
+    replica: int | None = None
+    """In a spread bucket, the owner's index on the replica axis; None: every replica
+    orthogonalizes the matrix (its owner on the exchange axis of each replica)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,10 +345,32 @@ class ExchangePlan:
     workspace is Gram Newton-Schulz's. Other groups are modelled on the standard
     algorithm, which bounds "auto"'s Gram too: it takes Gram only where the long side
     is at least twice the short one, where Gram's workspace is no larger."""
+    replica_axis: int | None = None
+    """A spread bucket's replica axis (`Bucket.spread`); None otherwise."""
+    replica: int = 0
+    """This rank's index on `replica_axis`."""
+    replica_splits: tuple[int, ...] = ()
+    """A spread bucket: elements of this rank's pieces of the matrices each replica owns,
+    back to back in the send buffer by replica. This replica's region is exchanged over
+    the exchange axis (`send_splits`); afterwards every region is shared across the
+    replica axis, so each ends holding its pieces of the results."""
 
     @property
     def send_numel(self) -> int:
-        return sum(self.send_splits)
+        """The send buffer: all this rank's pieces (in a spread bucket, every region)."""
+        return sum(self.replica_splits) if self.replica_splits else sum(self.send_splits)
+
+    @property
+    def region(self) -> tuple[int, int]:
+        """[start, stop) of the send buffer exchanged over the exchange axis."""
+        start = sum(self.replica_splits[: self.replica])
+        return start, start + sum(self.send_splits)
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements each replica contributes to the replica-axis gather (the largest region,
+        so that every contribution has one size); 0 if nothing crosses replicas."""
+        return max(self.replica_splits, default=0) if len(self.replica_splits) > 1 else 0
 
     @property
     def recv_numel(self) -> int:
@@ -294,6 +393,8 @@ class ExchangePlan:
         """
         pairs = enumerate(zip(self.send_splits, self.recv_splits, strict=True))
         wire = sum(sent + received for peer, (sent, received) in pairs if peer != self.me)
+        # a spread bucket's gather: this rank's region to each other replica, theirs back
+        wire += (len(self.replica_splits) - 1) * self.gather_numel if self.replica_splits else 0
         return wire * self.itemsize
 
     @property
@@ -310,9 +411,21 @@ class ExchangePlan:
         )
 
     @property
+    def gather_buffers_numel(self) -> int:
+        """The replica gather's input and output (one `gather_numel` per replica)."""
+        return (len(self.replica_splits) + 1) * self.gather_numel if self.gather_numel else 0
+
+    @property
+    def finish_numel(self) -> int:
+        """Peak elements on top of the buffers while the bucket finishes: Newton-Schulz's
+        workspace, then (a spread bucket) the replica gather's buffers."""
+        return max(self.ns_numel, self.gather_buffers_numel)
+
+    @property
     def workspace_bytes(self) -> int:
-        """Peak bytes this bucket needs on this rank: its buffers plus Newton-Schulz's."""
-        return (self.send_numel + self.recv_numel + self.full_numel + self.ns_numel) * self.itemsize
+        """Peak bytes this bucket needs on this rank: its buffers plus `finish_numel`."""
+        buffers = self.send_numel + self.recv_numel + self.full_numel
+        return (buffers + self.finish_numel) * self.itemsize
 
 
 def launch_order(plans: Sequence[ExchangePlan], max_inflight: int) -> Iterator[tuple[bool, int]]:
@@ -344,7 +457,7 @@ def buffer_timeline(
 ) -> Iterator[tuple[bool, ExchangePlan, int]]:
     """The step's buffers over `launch_order`: (start, plan, elements alive) at each
     start (its own send, receive and full buffers just allocated) and each finish
-    (before they go; its `ns_numel` of Newton-Schulz workspace comes on top). The one
+    (before they go; its `finish_numel` comes on top). The one
     replay of the step's memory: `transient_peak_numel` and the planner's estimate
     both read it."""
     live = 0
@@ -364,7 +477,7 @@ def transient_peak_numel(plans: Sequence[ExchangePlan], max_inflight: int) -> in
     for `plans` (`buffer_timeline`)."""
     return max(
         (
-            live + (0 if start else plan.ns_numel)
+            live + (0 if start else plan.finish_numel)
             for start, plan, live in buffer_timeline(plans, max_inflight)
         ),
         default=0,
@@ -415,35 +528,58 @@ class MuonPlan:
         itemsize: int = 2,
         cost_fn: Callable[[int, int], int] = ns_flops,
         gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = (),
+        replica_owners: Mapping[int, str] | None = None,
+        spread_model: SpreadModel = DEFAULT_SPREAD_MODEL,
     ) -> MuonPlan:
         """Plan buckets, then owners bucket by bucket, balancing `cost_fn(rows, cols)`.
 
         Owners are balanced within each bucket (its latency is its busiest
         owner), ties broken by the load owned in earlier buckets of the same
         domain so that remainders rotate over the ranks.
+
+        Under HSDP (a replica axis), `replica_owners` (group -> `REPLICA_OWNERS`, default
+        "per_replica") decides per bucket: "spread" if all its groups say so, per replica
+        if any says "per_replica", else `spread_model` decides. A spread bucket's owners
+        are balanced over replicas x exchange ranks (flat index owner * replicas + replica,
+        so that ties alternate replicas); every rank decides alike from global shapes.
         """
         layouts = tuple(layouts)
-        buckets = plan_buckets(layouts, cap_bytes, itemsize)
-        prior: dict[tuple[Hashable, int | None], list[int]] = {}
+        replica_owners = replica_owners or {}
+        buckets = list(plan_buckets(layouts, cap_bytes, itemsize))
+        prior: dict[tuple[Hashable, int | None, int], list[int]] = {}
         planned = []
-        for bucket in buckets:
+        for index, bucket in enumerate(buckets):
             if bucket.axis is None:  # this rank's own matrices; it is their owner
                 planned.append(tuple(bucket_matrices(layouts, bucket, owner=0)))
                 continue
             matrices = bucket_matrices(layouts, bucket)
-            world = layouts[bucket.params[0]].mesh_shape[bucket.axis]
-            load = prior.setdefault((bucket.mesh_key, bucket.axis), [0] * world)
+            first = layouts[bucket.params[0]]
+            world = first.mesh_shape[bucket.axis]
             costs = [cost_fn(m.rows, m.cols) for m in matrices]
-            owners = assign_owners(costs, world, load)
+            replicas = 1 if first.replica_axis is None else first.mesh_shape[first.replica_axis]
+            choices = {replica_owners.get(layouts[i].group, "per_replica") for i in bucket.params}
+            spread = replicas > 1 and "per_replica" not in choices
+            if spread and choices != {"spread"}:  # "auto": the busiest rank either way
+                spread = spread_model.spread_pays(
+                    _busiest(costs, world), _busiest(costs, world * replicas),
+                    bucket.nbytes, world, replicas,
+                )  # fmt: skip
+            ranks = world * replicas if spread else world
+            load = prior.setdefault((bucket.mesh_key, bucket.axis, ranks), [0] * ranks)
+            owners = assign_owners(costs, ranks, load)
             for owner, cost in zip(owners, costs, strict=True):
                 load[owner] += cost
+            if spread:
+                buckets[index] = dataclasses.replace(bucket, spread=True)
             planned.append(
                 tuple(
-                    Matrix(m.param, m.expert, m.row0, m.rows, m.cols, o)
+                    Matrix(m.param, m.expert, m.row0, m.rows, m.cols, o // replicas, o % replicas)
+                    if spread
+                    else Matrix(m.param, m.expert, m.row0, m.rows, m.cols, o)
                     for m, o in zip(matrices, owners, strict=True)
                 )
             )
-        return cls(layouts, buckets, tuple(planned), itemsize, cap_bytes, gram_schedules)
+        return cls(layouts, tuple(buckets), tuple(planned), itemsize, cap_bytes, gram_schedules)
 
     def seen_from(self, layouts: Sequence[ParamLayout]) -> MuonPlan:
         """This plan on the rank whose layouts (same params, other coordinates) are `layouts`.
@@ -552,6 +688,14 @@ class MuonPlan:
         return tuple(max(column) for column in zip(*sizes, strict=True))
 
 
+def _busiest(costs: Sequence[int], world: int) -> int:
+    """The most work one of `world` owners gets from `assign_owners`."""
+    load = [0] * world
+    for cost, owner in zip(costs, assign_owners(costs, world), strict=True):
+        load[owner] += cost
+    return max(load, default=0)
+
+
 def _piece(
     layout: ParamLayout, matrix: Matrix, coord: tuple[int, ...]
 ) -> tuple[int, int, int, int, int, int] | None:
@@ -566,17 +710,26 @@ def _piece(
     return r0 - matrix.row0, r1 - matrix.row0, held_cols[0], held_cols[1], r0 - held_rows[0], 0
 
 
+def held_numel(layout: ParamLayout, matrix: Matrix, coord: tuple[int, ...]) -> int:
+    """Elements of `matrix` the rank at `coord` holds (its piece in `plan_exchange`)."""
+    geometry = _piece(layout, matrix, coord)
+    if geometry is None:
+        return 0
+    r0, r1, c0, c1, _, _ = geometry
+    return (r1 - r0) * (c1 - c0)
+
+
 def _lay_out(
     layouts: Sequence[ParamLayout],
     matrices: Sequence[Matrix],
     world: int,
     order: Iterable[tuple[int, int, tuple[int, ...]]],
+    offset: int = 0,
 ) -> tuple[tuple[Piece, ...], tuple[int, ...]]:
-    """Pieces packed back to back for (peer, matrix, coord of the holder) in `order`,
-    and the elements each peer's range holds (the all-to-all split sizes)."""
+    """Pieces packed back to back from `offset` for (peer, matrix, coord of the holder) in
+    `order`, and the elements each peer's range holds (the all-to-all split sizes)."""
     pieces: list[Piece] = []
     splits = [0] * world
-    offset = 0
     for peer, i, coord in order:
         m = matrices[i]
         geometry = _piece(layouts[m.param], m, coord)
@@ -607,10 +760,13 @@ def plan_exchange(
     axis = bucket.axis
     world = 1 if axis is None else first.mesh_shape[axis]
     me = 0 if axis is None else first.coord[axis]
+    replica_axis = first.replica_axis if bucket.spread else None
+    replica = 0 if replica_axis is None else first.coord[replica_axis]
+    replicas = 1 if replica_axis is None else first.mesh_shape[replica_axis]
 
     by_key: dict[tuple[int, int, int], list[int]] = {}
     for i, m in enumerate(matrices):
-        if m.owner == me:
+        if m.owner == me and m.replica in (None, replica):
             by_key.setdefault((layouts[m.param].group, m.rows, m.cols), []).append(i)
     batches, slot = [], 0
     for (group, rows, cols), members in by_key.items():
@@ -620,23 +776,40 @@ def plan_exchange(
     send_pieces: tuple[Piece, ...] = ()
     recv_pieces: tuple[Piece, ...] = ()
     send_splits = recv_splits = (0,) * world
+    replica_splits: tuple[int, ...] = ()
     if axis is not None:
-        by_owner: list[list[int]] = [[] for _ in range(world)]
+        # my pieces, in (owner replica, owner, matrix) order: one region per replica
+        by_owner: dict[tuple[int, int], list[int]] = {}
         for i, m in enumerate(matrices):
-            by_owner[m.owner].append(i)
-        # my pieces, in (owner, matrix) order
-        send_pieces, send_splits = _lay_out(
-            layouts, matrices, world,
-            ((owner, i, first.coord) for owner in range(world) for i in by_owner[owner]),
-        )  # fmt: skip
-        # pieces of matrices I own, in (sender, matrix) order
+            by_owner.setdefault((m.replica or 0, m.owner), []).append(i)
+        regions, sizes, offset = [], [], 0
+        for region in range(replicas):
+            owners = sorted(owner for r, owner in by_owner if r == region)
+            pieces, splits = _lay_out(
+                layouts, matrices, world,
+                ((owner, i, first.coord) for owner in owners for i in by_owner[region, owner]),
+                offset,
+            )  # fmt: skip
+            regions.append(pieces)
+            sizes.append(sum(splits))
+            offset += sizes[-1]
+            if len(regions) == replica + 1:
+                send_splits = splits  # my replica's region is exchanged
+        send_pieces = tuple(piece for pieces in regions for piece in pieces)
+        replica_splits = tuple(sizes) if replica_axis is not None else ()
+        # pieces of matrices I own, in (sender, matrix) order, asked only of the senders
+        # that hold a part of them: linear in what this rank receives, not in the world
+        senders = []
+        for i in by_owner.get((replica, me), ()):
+            m = matrices[i]
+            layout = layouts[m.param]
+            dim = layout.shard_dims[axis]
+            extent = (m.row0, m.row0 + m.rows) if dim == layout.ndim - 2 else (0, m.cols)
+            senders += ((sender, i) for sender in layout.holders(axis, dim, *extent))
+        senders.sort()
         recv_pieces, recv_splits = _lay_out(
             layouts, matrices, world,
-            (
-                (sender, i, first.peer_coord(axis, sender))
-                for sender in range(world)
-                for i in by_owner[me]
-            ),
+            ((sender, i, first.peer_coord(axis, sender)) for sender, i in senders),
         )  # fmt: skip
     return ExchangePlan(
         bucket.index,
@@ -651,4 +824,7 @@ def plan_exchange(
         me,
         itemsize,
         gram_schedules,
+        replica_axis,
+        replica,
+        replica_splits,
     )

@@ -11,6 +11,14 @@ exactly as `MuonStep` makes them (each exchanged bucket, each param of a local
 bucket, each AdamW param; none sliced: `MuonStep` has no `step_slices`) into the
 chunks `CPUOffloadOptimizer` streams.
 
+Which ranks: every rank of one replica (of the whole mesh when a bucket spreads its
+owners over the HSDP replicas) is screened (`screen_ranks`: shard
+sizes by arithmetic on all ranks at once, owners from one plan per exchange
+group), which finds the busiest and idlest rank and the top-peak candidates
+without planning each rank; only those (`ModelEstimate.picked`) and any asked
+for are planned in full, so the time grows with the ranks plus the matrices,
+not their product. A mesh not planned within `time_limit_s` is refused.
+
 Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
 - kept between steps: the state (fp32 momentum of the local shards, AdamW's two
   moments); with offload only the GPU-resident state (`gpu_resident_bytes`,
@@ -37,31 +45,38 @@ the chunk order (units sorted by the forward's first use).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache, lru_cache
 
 import torch
 from torch import nn
 
 from muon.model_shapes import ParamShape, meta_module
-from muon.newton_schulz import ns_flops
-from muon.ns_schedules import SCHEDULES
+from muon.newton_schulz import ns_flops, ns_workspace_numel
+from muon.ns_schedules import SCHEDULES, NewtonSchulzSchedule
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
 from muon.options import (
     check_bucket_cap_bytes,
     check_max_inflight,
     check_ns_algorithm,
     check_ns_schedule,
+    check_replica_bytes_per_s,
+    check_replica_owners,
 )
 from muon.param_groups import muon_param_groups
 from muon.planning import (
     DEFAULT_BUCKET_CAP_BYTES,
+    DEFAULT_SPREAD_MODEL,
     ExchangePlan,
     MuonPlan,
     ParamLayout,
+    SpreadModel,
     buffer_timeline,
     chunk_range,
+    held_numel,
+    launch_order,
 )
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
@@ -107,30 +122,51 @@ class MeshSpec:
     def world(self) -> int:
         return self.replicate * self.fsdp
 
-    def _axes(self, sizes: tuple[int, ...], dims: tuple[int | None, ...], coord: tuple[int, ...]):
+    def _axes(self, sizes: tuple[int, ...], dims: tuple[int | None, ...], rank: int):
+        index, inner = rank % self.fsdp, self.fsdp // self.ep
+        coord = (index,) if len(sizes) == 1 else (index // inner, index % inner)
         if self.replicate == 1:
             return sizes, dims, coord
-        return (self.replicate, *sizes), (None, *dims), (0, *coord)
+        return (self.replicate, *sizes), (None, *dims), (rank // self.fsdp, *coord)
 
     def layout(self, shape: tuple[int, ...], row_blocks: Sequence[int], group: int, rank: int):
-        """The `ParamLayout` `Muon` derives for a Muon param at fsdp index `rank`."""
+        """The `ParamLayout` `Muon` derives for a Muon param at global rank `rank` (replica
+        `rank // fsdp`, fsdp index `rank % fsdp`)."""
         if len(shape) == 3:
             rows = self.expert_shard == "rows" or (
                 self.expert_shard == "auto" and shape[0] < self.fsdp
             )
             dim = 1 if rows else 0
             if self.ep > 1:
-                inner = self.fsdp // self.ep
-                axes = self._axes((self.ep, inner), (0, dim), (rank // inner, rank % inner))
+                axes = self._axes((self.ep, self.fsdp // self.ep), (0, dim), rank)
                 return ParamLayout(shape, tuple(row_blocks), *axes, "experts", group)
-            axes = self._axes((self.fsdp,), (dim,), (rank,))
+            axes = self._axes((self.fsdp,), (dim,), rank)
             return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
-        axes = self._axes((self.fsdp,), (0,), (rank,))
+        axes = self._axes((self.fsdp,), (0,), rank)
         return ParamLayout(shape, tuple(row_blocks), *axes, "dense", group)
 
+    def coords(self, mesh_key: str, ranks: int) -> torch.Tensor:
+        """Per global rank below `ranks`, its coordinate on the mesh `mesh_key` ("dense" or
+        "experts") as `layout` places it: a (ranks, axes) int64 tensor."""
+        rank = torch.arange(ranks, dtype=torch.int64)
+        index = rank % self.fsdp
+        columns = [index]
+        if mesh_key == "experts":
+            inner = self.fsdp // self.ep
+            columns = [index // inner, index % inner]
+        if self.replicate > 1:
+            columns.insert(0, rank // self.fsdp)
+        return torch.stack(columns, dim=1)
+
+    def leaders(self, mesh_key: str, ranks: int) -> range:
+        """The first global rank of each exchange group on `mesh_key` below `ranks` (its
+        members are the next `fsdp // groups` ranks: owner index o of leader g is rank g + o)."""
+        step = self.fsdp // self.ep if mesh_key == "experts" else self.fsdp
+        return range(0, ranks, step)
+
     def local_shape(self, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
-        """A dense (AdamW) param's Shard(0) shard at fsdp index `rank`."""
-        start, stop = chunk_range(shape[0], self.fsdp, rank)
+        """A dense (AdamW) param's Shard(0) shard at global rank `rank`."""
+        start, stop = chunk_range(shape[0], self.fsdp, rank % self.fsdp)
         return (stop - start, *shape[1:])
 
 
@@ -158,6 +194,10 @@ class StepSettings:
     ns_schedule: str = "keller_jordan"
     """The Newton-Schulz schedule (a key of `muon.SCHEDULES`): Gram's workspace follows
     its restart segments."""
+    replica_owners: str = "auto"
+    """Muon's `replica_owners` for every Muon group (HSDP: `muon.planning.REPLICA_OWNERS`)."""
+    replica_bytes_per_s: float = DEFAULT_SPREAD_MODEL.replica_bytes_per_s
+    """`SpreadModel.replica_bytes_per_s`: the bandwidth between replicas "auto" assumes."""
 
     def __post_init__(self) -> None:
         # muon.options' and offload.options' checks, under this class's names
@@ -170,6 +210,8 @@ class StepSettings:
         check_bytes(self.offload_resident_bytes, "offload_resident_bytes")
         check_ns_algorithm(self.ns_algorithm)
         check_ns_schedule(self.ns_schedule)
+        check_replica_owners(self.replica_owners)
+        check_replica_bytes_per_s(self.replica_bytes_per_s)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -263,6 +305,9 @@ def muon_transient(
             peak = _larger(peak, Transient(live * plan.itemsize, 0, momentum_bytes(plan)))
         else:
             peak = _larger(peak, Transient(live * plan.itemsize, plan.ns_numel * plan.itemsize, 0))
+            # then a spread bucket's replica gather, after Newton-Schulz's workspace went
+            gather = (live + plan.gather_buffers_numel) * plan.itemsize
+            peak = _larger(peak, Transient(gather, 0, 0))
     return peak
 
 
@@ -373,50 +418,105 @@ def padded_alternative(plan: MuonPlan, bucket: int) -> PaddedAlternative | None:
 
 
 @dataclass(frozen=True, slots=True)
+class RankScreen:
+    """Every rank of one replica (of the whole mesh when a bucket spreads its owners over
+    the replicas), counted from shard sizes and the owner assignment without planning an
+    exchange: what picks the ranks `estimate` plans. Per bucket and
+    rank it equals the planned ranks' `BucketLoad`s (a test holds every rank to that)."""
+
+    ns_flops: torch.Tensor
+    """(buckets, ranks) int64: Newton-Schulz FLOPs of the matrices each rank owns per bucket
+    (ranks: one replica's, or the whole mesh's when a bucket spreads over the replicas)."""
+    bytes_sent: torch.Tensor
+    """(buckets, ranks) int64: bytes each rank puts on the wire per bucket."""
+    buffer_bytes: torch.Tensor
+    """(buckets, ranks) int64: send, receive and full buffers per bucket."""
+    state_bytes: torch.Tensor
+    """(ranks,) int64: optimizer state (Muon momentum, AdamW moments)."""
+    muon_transient_bytes: torch.Tensor
+    """(ranks,) int64: the Muon launches' peak over a whole step (`transient_peak_numel`;
+    without the torch path's momentum results): what finds the top-peak candidates."""
+
+    @property
+    def flops(self) -> torch.Tensor:
+        """(ranks,): Newton-Schulz FLOPs per rank in the step."""
+        return self.ns_flops.sum(0)
+
+    @staticmethod
+    def most(values: torch.Tensor) -> int:
+        """The rank with the largest value (the lowest such rank)."""
+        return int(torch.argmax(values))  # torch returns the first maximal index
+
+    @staticmethod
+    def fewest(values: torch.Tensor) -> int:
+        """The rank with the smallest value (the highest such rank, so that with balanced
+        values it is not `most`'s)."""
+        return len(values) - 1 - int(torch.argmin(values.flip(0)))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelEstimate:
-    """Every rank of one replica (the replicas are identical)."""
+    """One replica (the whole mesh when a bucket spreads): every rank screened (`screen`),
+    a few planned in full (`ranks`). Ranks are global: replica `rank // fsdp`."""
 
     mesh: MeshSpec
     settings: StepSettings
     names: tuple[str, ...]
     """Muon params in the optimizer's order (`MuonPlan` indices)."""
-    plans: tuple[MuonPlan, ...]
-    """Per fsdp index, the `MuonPlan` `Muon` builds on that rank."""
+    screen: RankScreen
     ranks: tuple[RankEstimate, ...]
+    """The planned ranks, in rank order: the `picked` ones and any `estimate` was asked for."""
+    picked: tuple[tuple[str, int], ...]
+    """(why, rank) of each representative rank, found from `screen`."""
     padded: tuple[PaddedAlternative | None, ...]
     """Per bucket; None for a local bucket."""
+    plan_of: Callable[[int], MuonPlan] = field(compare=False, repr=False)
+    """The `MuonPlan` `Muon` builds at an fsdp index (cached)."""
+
+    def plan(self, rank: int) -> MuonPlan:
+        return self.plan_of(rank)
+
+    def rank(self, rank: int) -> RankEstimate:
+        """The planned estimate of fsdp index `rank`."""
+        for planned in self.ranks:
+            if planned.rank == rank:
+                return planned
+        raise ValueError(
+            f"rank {rank} was not planned; pass ranks=[{rank}] to estimate() to plan it"
+        )
 
     def muon_step_transient(self, rank: int) -> Transient:
         """The Muon launches of a whole step on `rank`, without AdamW."""
-        plan = self.plans[rank]
+        plan = self.plan(rank)
         return launches_transient(plan, plan.step_units(0), self.settings)
 
     def exchange(self, rank: int, bucket: int) -> ExchangePlan:
         """The `ExchangePlan` of `rank` for `bucket`, every param active."""
-        plan = self.plans[rank]
+        plan = self.plan(rank)
         return plan.exchange(bucket, frozenset(plan.buckets[bucket].params))
 
     @property
     def busiest(self) -> RankEstimate:
         """The rank with the most Newton-Schulz FLOPs (the lowest such rank)."""
-        return max(self.ranks, key=lambda r: (r.ns_flops, -r.rank))
+        return self.rank(RankScreen.most(self.screen.flops))
 
     @property
     def idlest(self) -> RankEstimate:
         """The rank with the fewest Newton-Schulz FLOPs (the highest such rank, so that with
         balanced FLOPs it is not the busiest)."""
-        return min(self.ranks, key=lambda r: (r.ns_flops, -r.rank))
+        return self.rank(RankScreen.fewest(self.screen.flops))
 
     def largest_peak(self, offload: bool) -> RankEstimate:
-        """The rank whose step peaks highest (the one a memory budget must fit)."""
+        """Of the planned ranks, the one whose step peaks highest (the one a memory budget
+        must fit; `picked` says which ranks were candidates)."""
         return max(self.ranks, key=lambda r: (_memory(r, offload).peak_bytes, -r.rank))
 
     @property
     def imbalance(self) -> float:
-        """Max over mean of the ranks' Newton-Schulz FLOPs (1.0 is perfect)."""
-        flops = [r.ns_flops for r in self.ranks]
-        mean = sum(flops) / len(flops)
-        return max(flops) / mean if mean else 1.0
+        """Max over mean of the ranks' Newton-Schulz FLOPs (1.0 is perfect), over all ranks."""
+        flops = self.screen.flops
+        total = int(flops.sum())
+        return int(flops.max()) * len(flops) / total if total else 1.0
 
     @property
     def padding_fraction(self) -> float:
@@ -486,25 +586,238 @@ def _shards(layout: ParamLayout) -> int:
     return math.prod(n for n, dim in sizes if dim is not None)
 
 
-def estimate(
-    shapes: Sequence[ParamShape] | nn.Module,
+# How long `estimate` may plan before it refuses the mesh (seconds); qwen3-30b-a3b on
+# 8192 ranks plans in a few seconds on a 2-core machine (bench/plan_scale.py).
+DEFAULT_TIME_LIMIT_S = 60.0
+
+
+class PlanTooLarge(ValueError):
+    """The mesh could not be planned within the time limit."""
+
+
+class _Deadline:
+    def __init__(self, mesh: MeshSpec, limit_s: float) -> None:
+        self._mesh, self._limit = mesh, limit_s
+        self._end = time.monotonic() + limit_s
+
+    def check(self, doing: str) -> None:
+        if time.monotonic() > self._end:
+            raise PlanTooLarge(
+                f"planning fsdp {self._mesh.fsdp} x replicate {self._mesh.replicate} did not "
+                f"finish within time_limit_s={self._limit:g} (stopped {doing}); plan a smaller "
+                f"mesh or raise the limit (--time-limit-s)"
+            )
+
+
+def _local_ranges(layout: ParamLayout, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layout.dim_range` of every dim at each of `coords` ((ranks, axes)): (start, stop),
+    each a (ranks, ndim) tensor, by torch.chunk's arithmetic on all ranks at once."""
+    starts, stops = [], []
+    for dim in range(layout.ndim):
+        start = torch.zeros(len(coords), dtype=torch.int64)
+        stop = torch.full_like(start, layout.shape[dim])
+        for axis, sharded in enumerate(layout.shard_dims):
+            if sharded == dim:
+                size, chunks = stop - start, layout.mesh_shape[axis]
+                step = (size + chunks - 1) // chunks
+                first = torch.minimum(coords[:, axis] * step, size)
+                start, stop = start + first, start + torch.minimum(first + step, size)
+        starts.append(start)
+        stops.append(stop)
+    return torch.stack(starts, dim=1), torch.stack(stops, dim=1)
+
+
+def screen_ranks(
     mesh: MeshSpec,
-    settings: StepSettings | None = None,
-    row_blocks: Mapping[str, Sequence[int]] | None = None,
-) -> ModelEstimate:
-    """Estimate a model (shapes or a live module) on `mesh` for every rank of one replica."""
-    settings = settings or StepSettings()
-    module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    muon, adamw = _split(module, row_blocks)
+    plan_of: Callable[[int], MuonPlan],
+    adamw: Sequence[tuple[int, tuple[int, ...]]],
+    settings: StepSettings,
+    deadline: _Deadline | None = None,
+) -> RankScreen:
+    """`RankScreen` of every rank of one replica (of the whole mesh if a bucket spreads its
+    owners over the replicas): shard sizes by arithmetic on all ranks at once, the owners
+    of each exchange group's matrices from one plan per group (`MeshSpec.leaders`), each
+    owner's own piece (what it does not send) by `held_numel`, and a spread bucket's
+    regions (`ExchangePlan.replica_splits`) from each matrix's pieces on all ranks at once.
+    Time linear in the ranks plus the matrices, not in their product."""
+    first = plan_of(0)
+    buckets, fsdp = first.buckets, mesh.fsdp
+    ranks = mesh.world if any(b.spread for b in buckets) else fsdp
+    itemsize = first.itemsize
+    held: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    local: list[torch.Tensor] = []
+    for layout in first.layouts:
+        key = (layout.shape, layout.mesh_key, layout.shard_dims)
+        if key not in held:
+            held[key] = _local_ranges(layout, mesh.coords(layout.mesh_key, ranks))
+        start, stop = held[key]
+        local.append(stop - start)
+    rows = torch.arange(ranks, dtype=torch.int64)
+    state = sum((sizes.prod(1) for sizes in local), torch.zeros(ranks, dtype=torch.int64))
+    state = state * MOMENTUM_DTYPE.itemsize
+    for _, shape in adamw:  # Shard(0) over the fsdp ranks
+        step, size = -(-shape[0] // fsdp), torch.tensor(shape[0])
+        index = rows % fsdp
+        chunk = torch.minimum(index * step + step, size) - torch.minimum(index * step, size)
+        state += 2 * chunk * math.prod(shape[1:]) * settings.param_dtype.itemsize
+
+    flops = torch.zeros(len(buckets), ranks, dtype=torch.int64)
+    send, full, own, region, width = (torch.zeros_like(flops) for _ in range(5))
+    for bucket in buckets:
+        for i in bucket.params:
+            layout = first.layouts[i]
+            if bucket.axis is not None:
+                send[bucket.index] += local[i].prod(1)
+                continue
+            experts = local[i][:, 0] if layout.ndim == 3 else torch.ones_like(rows)
+            cols = layout.shape[-1]
+            flops[bucket.index] += experts * sum(ns_flops(r, cols) for r in layout.blocks)
+            full[bucket.index] += experts * layout.shape[-2] * cols
+    gram = dict(first.gram_schedules)
+    workspace = torch.zeros_like(flops)  # Newton-Schulz's, per bucket and rank
+    for bucket in buckets:
+        if bucket.axis is not None:
+            continue
+        # ranks holding as many of each param's matrices batch alike (plan_exchange's order)
+        counts = torch.stack(
+            [local[i][:, 0] if first.layouts[i].ndim == 3 else torch.ones_like(rows)
+             for i in bucket.params],
+            dim=1,
+        )  # fmt: skip
+        kinds, which = torch.unique(counts, dim=0, return_inverse=True)
+        for k, kind in enumerate(kinds.tolist()):
+            shapes: dict[tuple[int, int, int], int] = {}
+            for i, count in zip(bucket.params, kind, strict=True):
+                layout = first.layouts[i]
+                for block in layout.blocks if count else ():
+                    key = (layout.group, block, layout.shape[-1])
+                    shapes[key] = shapes.get(key, 0) + count
+            workspace[bucket.index, which == k] = _ns_numel(shapes, gram)
+    # owned matrices of exchanged buckets, as flat (bucket * ranks + rank) indices
+    where: list[int] = []
+    owned: list[tuple[int, int, int]] = []
+    # spread buckets: (bucket, leader, group size, param, row0, rows, owner replica) -> count
+    pieces: dict[tuple[int, int, int, int, int, int, int], int] = {}
+    # (bucket, owner rank in replica 0 or of a spread bucket) -> its batches' (group, rows,
+    # cols) -> matrices, in plan order
+    batched: dict[tuple[int, int], dict[tuple[int, int, int], int]] = {}
+    copies = mesh.replicate if ranks == mesh.world else 1  # replicas screened
+    for key in sorted({b.mesh_key for b in buckets if b.axis is not None}, key=str):
+        # replica 0's groups: per replica, the other replicas' owners are theirs shifted
+        for leader in mesh.leaders(key, fsdp):
+            if deadline is not None:
+                deadline.check(f"screening the exchange group of rank {leader}")
+            plan = plan_of(leader)
+            for bucket in buckets:
+                if bucket.axis is None or bucket.mesh_key != key:
+                    continue
+                size = plan.layouts[bucket.params[0]].mesh_shape[bucket.axis]
+                shifts = [0] if bucket.spread else [r * fsdp for r in range(copies)]
+                for m in plan.matrices[bucket.index]:
+                    layout = plan.layouts[m.param]
+                    owner = leader + m.owner + (m.replica or 0) * fsdp
+                    counts = (
+                        ns_flops(m.rows, m.cols),
+                        m.rows * m.cols,
+                        held_numel(layout, m, layout.peer_coord(bucket.axis, m.owner)),
+                    )
+                    for shift in shifts:
+                        where.append(bucket.index * ranks + owner + shift)
+                        owned.append(counts)
+                    if bucket.spread:
+                        piece = (bucket.index, leader, size, m.param, m.row0, m.rows, m.replica)
+                        pieces[piece] = pieces.get(piece, 0) + 1
+                    batch = batched.setdefault((bucket.index, owner), {})
+                    shape = (layout.group, m.rows, m.cols)
+                    batch[shape] = batch.get(shape, 0) + 1
+    if where:
+        index = torch.tensor(where, dtype=torch.int64)
+        values = torch.tensor(owned, dtype=torch.int64)
+        for target, column in ((flops, 0), (full, 1), (own, 2)):
+            target.view(-1).index_add_(0, index, values[:, column])
+    regions = torch.zeros(len(buckets), mesh.replicate, fsdp, dtype=torch.int64)
+    for (b, leader, size, param, row0, count_rows, replica), count in pieces.items():
+        layout = first.layouts[param]
+        start, stop = held[(layout.shape, layout.mesh_key, layout.shard_dims)]
+        members = slice(leader, leader + size)
+        row, col = layout.ndim - 2, layout.ndim - 1
+        rows_held = stop[members, row].clamp(max=row0 + count_rows)
+        rows_held = (rows_held - start[members, row].clamp(min=row0)).clamp(min=0)
+        cols_held = stop[members, col] - start[members, col]
+        regions[b, replica, members] += count * rows_held * cols_held
+    if pieces:  # this rank's region is exchanged; the widest is gathered from every replica
+        region = regions.reshape(len(buckets), ranks)
+        width = regions.max(1).values.repeat(1, mesh.replicate)
+    for (b, owner), shapes in batched.items():
+        numel = _ns_numel(shapes, gram)
+        for shift in [0] if buckets[b].spread else range(0, ranks, fsdp):
+            workspace[b, owner + shift] = numel
+    exchanged = torch.tensor([b.axis is not None for b in buckets]).unsqueeze(1)
+    spread = torch.tensor([b.spread for b in buckets]).unsqueeze(1)
+    recv = torch.where(exchanged, full, 0)
+    sent = torch.where(spread, region + (mesh.replicate - 1) * width, send)
+    wire = torch.where(exchanged, sent + recv - 2 * own, 0)
+    buffers = send + recv + full
+    # the step's launches on every rank at once, as `transient_peak_numel` replays one rank's
+    gather = torch.where(width > 0, (mesh.replicate + 1) * width, 0)
+    finish = torch.maximum(workspace, torch.where(spread, gather, 0))
+    live, peak = torch.zeros_like(rows), torch.zeros_like(rows)
+    for start, i in launch_order(buckets, settings.max_inflight):  # reads only `.axis`
+        if start:
+            live = live + buffers[i]
+            peak = torch.maximum(peak, live)
+        else:
+            peak = torch.maximum(peak, live + finish[i])
+            live = live - buffers[i]
+    return RankScreen(flops, wire * itemsize, buffers * itemsize, state, peak * itemsize)
+
+
+def _ns_numel(
+    shapes: Mapping[tuple[int, int, int], int], gram: Mapping[int, NewtonSchulzSchedule]
+) -> int:
+    """`ExchangePlan.ns_numel` of batches {(group, rows, cols): matrices}, in that order."""
+    return ns_workspace_numel(
+        [(count, rows, cols) for (_, rows, cols), count in shapes.items()],
+        gram=[gram.get(group) for group, _, _ in shapes],
+    )
+
+
+def _representatives(screen: RankScreen) -> tuple[tuple[str, int], ...]:
+    """The ranks the report shows, found from the screen: the most and fewest Newton-Schulz
+    FLOPs, and as top-peak candidates the most state (offload's staging follows it), the
+    largest Muon step transient, and the most of both (the peak without offload, less
+    AdamW's and the torch path's momentum temporaries)."""
+    return (
+        ("most Newton-Schulz FLOPs", RankScreen.most(screen.flops)),
+        ("fewest Newton-Schulz FLOPs", RankScreen.fewest(screen.flops)),
+        ("most state", RankScreen.most(screen.state_bytes)),
+        ("largest Muon step transient", RankScreen.most(screen.muon_transient_bytes)),
+        (
+            "most state + Muon step transient",
+            RankScreen.most(screen.state_bytes + screen.muon_transient_bytes),
+        ),
+    )
+
+
+def _planner(
+    muon: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], int]],
+    mesh: MeshSpec,
+    settings: StepSettings,
+) -> Callable[[int], MuonPlan]:
+    """The `MuonPlan` `Muon` builds at a global rank of `mesh`, built lazily and cached."""
     itemsize = settings.ns_dtype.itemsize
     gram = ()
     if settings.ns_algorithm == "gram":  # as `Muon._muon_plan` keys the groups forcing it
         schedule = SCHEDULES[settings.ns_schedule]
         gram = tuple((g, schedule) for g in sorted({g for _, _, _, g in muon}))
+    layout = cache(mesh.layout)
     built: dict[tuple[int, ...], MuonPlan] = {}
-    plans, ranks = [], []
-    for rank in range(mesh.fsdp):
-        layouts = [mesh.layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
+
+    @cache
+    def plan_of(rank: int) -> MuonPlan:
+        if not 0 <= rank < mesh.world:
+            raise ValueError(f"rank should be in [0, {mesh.world}) but is: {rank}")
+        layouts = [layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
         # ranks holding as many experts of each exchanged stack share one owner assignment
         key = tuple(
             layout.local_shape()[0]
@@ -512,16 +825,95 @@ def estimate(
             if layout.ndim == 3 and layout.exchange_axis is not None
         )
         if key in built:
-            plan = built[key].seen_from(layouts)
-        else:
-            plan = built[key] = MuonPlan.build(
-                layouts, settings.bucket_cap_bytes, itemsize, gram_schedules=gram
+            return built[key].seen_from(layouts)
+        plan = built[key] = MuonPlan.build(
+            layouts,
+            settings.bucket_cap_bytes,
+            itemsize,
+            gram_schedules=gram,
+            replica_owners={g: settings.replica_owners for _, _, _, g in muon},
+            spread_model=SpreadModel(replica_bytes_per_s=settings.replica_bytes_per_s),
+        )
+        return plan
+
+    return plan_of
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOwnersFigures:
+    """One way of choosing owners under HSDP (`replica_owners`), over every rank."""
+
+    replica_owners: str
+    spread_buckets: int
+    """Buckets whose owners spread over the replicas."""
+    ns_flops_max: int
+    """Newton-Schulz FLOPs (one iteration, as `RankEstimate.ns_flops`) on the busiest rank."""
+    ns_s_max: float
+    """Its Newton-Schulz seconds per step at `SpreadModel.ns_flops_per_s`, all iterations."""
+    bytes_sent_max: int
+    """Wire bytes per step on the rank that sends the most (replica gather included)."""
+
+
+def compare_replica_owners(
+    shapes: Sequence[ParamShape] | nn.Module,
+    mesh: MeshSpec,
+    settings: StepSettings | None = None,
+    row_blocks: Mapping[str, Sequence[int]] | None = None,
+) -> tuple[ReplicaOwnersFigures, ...]:
+    """Per-rank Newton-Schulz work and bytes with `replica_owners` "spread" and
+    "per_replica", from `screen_ranks` (no rank planned in full). "auto" decides per
+    bucket on the bucket's busiest owner (its latency), so it spreads only buckets whose
+    busiest owner gains: these totals over the step can favour spread more."""
+    settings = settings or StepSettings()
+    module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    muon, adamw = _split(module, row_blocks)
+    steps = SCHEDULES[settings.ns_schedule].steps
+    figures = []
+    for choice in ("spread", "per_replica"):
+        chosen = replace(settings, replica_owners=choice)
+        plan_of = _planner(muon, mesh, chosen)
+        screen = screen_ranks(mesh, plan_of, adamw, chosen)
+        flops = int(screen.flops.max())
+        figures.append(
+            ReplicaOwnersFigures(
+                choice,
+                sum(b.spread for b in plan_of(0).buckets),
+                flops,
+                flops * steps / DEFAULT_SPREAD_MODEL.ns_flops_per_s,
+                int(screen.bytes_sent.sum(0).max()),
             )
-        plans.append(plan)
-        ranks.append(_rank(plan, layouts, adamw, mesh, settings, rank))
-    padded = tuple(padded_alternative(plans[0], b) for b in range(len(plans[0].buckets)))
+        )
+    return tuple(figures)
+
+
+def estimate(
+    shapes: Sequence[ParamShape] | nn.Module,
+    mesh: MeshSpec,
+    settings: StepSettings | None = None,
+    row_blocks: Mapping[str, Sequence[int]] | None = None,
+    ranks: Iterable[int] = (),
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> ModelEstimate:
+    """Estimate a model (shapes or a live module) on `mesh`: every rank of one replica
+    screened, the representative ranks (`ModelEstimate.picked`) and `ranks` planned in full.
+
+    Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
+    """
+    deadline = _Deadline(mesh, time_limit_s)
+    settings = settings or StepSettings()
+    module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    muon, adamw = _split(module, row_blocks)
+    plan_of = _planner(muon, mesh, settings)
+    screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
+    picked = _representatives(screen)
+    planned = []
+    for rank in sorted({r for _, r in picked} | set(ranks)):
+        deadline.check(f"planning rank {rank}")
+        planned.append(_rank(plan_of(rank), plan_of(rank).layouts, adamw, mesh, settings, rank))
+    first = plan_of(0)
+    padded = tuple(padded_alternative(first, b) for b in range(len(first.buckets)))
     names = tuple(name for name, _, _, _ in muon)
-    return ModelEstimate(mesh, settings, names, tuple(plans), tuple(ranks), padded)
+    return ModelEstimate(mesh, settings, names, screen, tuple(planned), picked, padded, plan_of)
 
 
 # Ranks with the same shard shapes get the same chunks; 64 ranks plan in well under a second.

@@ -13,6 +13,10 @@ the step ("busy", "idle") and the rank whose step peaks highest, each with and
 without offload: what is kept between steps (the state on the GPU; with offload
 none of it unless some is GPU-resident) and what the step adds at its peak (with
 offload the staging ring, allocated for the step only, and the chunks' compute).
+Those ranks are found over every rank without planning each (`RankScreen`); only
+they, and each bucket's busy and idle rank, are planned in full, so a plan for
+thousands of ranks takes seconds. A mesh that does not plan within
+`--time-limit-s` is refused with a message.
 """
 
 from __future__ import annotations
@@ -28,18 +32,23 @@ from typing import Any
 
 import torch
 
-from muon.model_shapes import PRESETS, from_config, from_preset, load_config
+from muon.model_shapes import PRESETS, ParamShape, from_config, from_preset, load_config
 from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
 from muon.options import NS_ALGORITHMS
-from muon.planning import DEFAULT_BUCKET_CAP_BYTES, MuonPlan
+from muon.planning import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_SPREAD_MODEL, REPLICA_OWNERS, MuonPlan
 from muon_offload.estimate import (
+    DEFAULT_TIME_LIMIT_S,
     EXPERT_SHARDS,
+    BucketLoad,
     MeshSpec,
     ModelEstimate,
     RankEstimate,
+    RankScreen,
+    ReplicaOwnersFigures,
     StepMemory,
     StepSettings,
+    compare_replica_owners,
     estimate,
 )
 
@@ -72,15 +81,18 @@ def _shapes(plan: MuonPlan, bucket: int) -> str:
 
 def bucket_rows(model: ModelEstimate) -> list[dict[str, Any]]:
     """Per bucket: what it holds, and the ranks with the most and fewest Newton-Schulz
-    FLOPs in it (`BucketMetrics` names; ties: the lowest rank is busy, the highest idle)."""
+    FLOPs in it (`BucketMetrics` names; ties: the lowest rank is busy, the highest idle),
+    found over every rank by `ModelEstimate.screen` and planned for this table."""
     rows = []
-    for b, bucket in enumerate(model.plans[0].buckets):
-        loads = [rank.loads[b] for rank in model.ranks]
-        busy = max(loads, key=lambda x: (x.ns_flops, -x.rank))
-        idle = min(loads, key=lambda x: (x.ns_flops, -x.rank))
+    screen = model.screen
+    for b, bucket in enumerate(model.plan(0).buckets):
         sides = {}
-        for side, load in (("busy", busy), ("idle", idle)):
-            ex = model.exchange(load.rank, b)
+        for side, rank in (
+            ("busy", RankScreen.most(screen.ns_flops[b])),
+            ("idle", RankScreen.fewest(screen.ns_flops[b])),
+        ):
+            ex = model.exchange(rank, b)
+            load = BucketLoad.of(ex, rank)
             sides[side] = {
                 "rank": load.rank,
                 "matrices": load.matrices,
@@ -95,16 +107,17 @@ def bucket_rows(model: ModelEstimate) -> list[dict[str, Any]]:
                 "recv_splits": list(ex.recv_splits),
             }
         padded = model.padded[b]
+        owners = int((screen.ns_flops[b] > 0).sum())
         rows.append(
             {
                 "bucket": b,
                 "kind": "local" if bucket.axis is None else "exchange",
                 "layers": _layers([model.names[i] for i in bucket.params]),
                 "params": len(bucket.params),
-                "shapes": _shapes(model.plans[busy.rank], b),
+                "shapes": _shapes(model.plan(sides["busy"]["rank"]), b),
                 "nbytes": bucket.nbytes,
-                "owners": None if bucket.axis is None else len({x.rank for x in loads if x.owned}),
-                "bytes_sent_max": max(x.bytes_sent for x in loads),
+                "owners": None if bucket.axis is None else owners,
+                "bytes_sent_max": int(screen.bytes_sent[b].max()),
                 "busy": sides["busy"],
                 "idle": sides["idle"],
                 "padded": None if padded is None else asdict(padded),
@@ -138,6 +151,22 @@ def rank_dict(rank: RankEstimate) -> dict[str, Any]:
     }
 
 
+def print_replica_owners(model: ModelEstimate, figures: Sequence[ReplicaOwnersFigures]) -> None:
+    chosen = sum(b.spread for b in model.plan(0).buckets)
+    print(
+        f"HSDP owners (replica_owners={model.settings.replica_owners!r}: {chosen} of "
+        f"{len(model.plan(0).buckets)} buckets spread; 'auto' spreads a bucket when its "
+        f"busiest owner gains more Newton-Schulz time than sharing costs at "
+        f"{model.settings.replica_bytes_per_s / 1e9:g} GB/s between replicas):"
+    )
+    for f in figures:
+        print(
+            f"  {f.replica_owners:<12} busiest rank {f.ns_flops_max / 1e12:8.2f} TFLOP "
+            f"(~{1e3 * f.ns_s_max:7.1f} ms of Newton-Schulz), wire max "
+            f"{_mib(f.bytes_sent_max)} MiB per rank, {f.spread_buckets} buckets spread"
+        )
+
+
 def summary(model: ModelEstimate) -> dict[str, Any]:
     padded = [p for p in model.padded if p is not None]
     return {
@@ -145,19 +174,21 @@ def summary(model: ModelEstimate) -> dict[str, Any]:
         "settings": model.settings.as_dict(),
         "world": model.mesh.world,
         "muon_params": len(model.names),
-        "buckets": len(model.plans[0].buckets),
+        "buckets": len(model.plan(0).buckets),
+        "picked": [{"why": why, "rank": rank} for why, rank in model.picked],
         "busy": rank_dict(model.busiest),
         "idle": rank_dict(model.idlest),
         "largest_peak": rank_dict(model.largest_peak(offload=False)),
         "largest_peak_offload": rank_dict(model.largest_peak(offload=True)),
         "ranks": [rank_dict(r) for r in model.ranks],
-        "bytes_sent_max": max(r.bytes_sent for r in model.ranks),
+        "bytes_sent_max": int(model.screen.bytes_sent.sum(0).max()),
         "imbalance": model.imbalance,
         "padded_wire_bytes": sum(p.wire_bytes for p in padded),
         "padded_buffer_bytes": model.settings.max_inflight
         * max((p.buffer_bytes for p in padded), default=0),
         "padding_bytes": sum(p.padding_bytes for p in padded),
         "padding_fraction": model.padding_fraction,
+        "spread_buckets": sum(b.spread for b in model.plan(0).buckets),
     }
 
 
@@ -223,6 +254,11 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
             )
             print(f"  {label:<22}{cells}")
         print()
+    picked = "; ".join(f"{why}: rank {rank}" for why, rank in model.picked)
+    print(
+        f"ranks planned in full: {picked} (each found over all {model.screen.flops.numel()} "
+        f"ranks from shard sizes and owners; top peak: the highest of these)"
+    )
     busy = model.busiest
     print(
         f"optimizer state {_gib(busy.state_bytes)} GiB on busy rank {busy.rank} "
@@ -242,7 +278,8 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
 def sweep_rows(
     models: Sequence[ModelEstimate], budget_bytes: int | None, offload: bool
 ) -> list[dict[str, Any]]:
-    """One row per FSDP size; `best` marks the least padding waste (then imbalance, then
+    """One row per FSDP size (peaks over the planned ranks, `ModelEstimate.picked`; state and
+    wire over every rank); `best` marks the least padding waste (then imbalance, then
     memory) among the sizes whose highest step peak fits `budget_bytes`."""
     rows = []
     for model in models:
@@ -252,10 +289,10 @@ def sweep_rows(
                 "fsdp": model.mesh.fsdp,
                 "world": model.mesh.world,
                 "offload": offload,
-                "state_bytes": max(r.state_bytes for r in model.ranks),
+                "state_bytes": int(model.screen.state_bytes.max()),
                 "peak_max": max(peaks),
                 "peak_min": min(peaks),
-                "bytes_sent": max(r.bytes_sent for r in model.ranks),
+                "bytes_sent": int(model.screen.bytes_sent.sum(0).max()),
                 "imbalance": model.imbalance,
                 "padding_fraction": model.padding_fraction,
                 "fits": budget_bytes is None or max(peaks) <= budget_bytes,
@@ -341,6 +378,18 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument(
         "--budget-gib", type=_positive_gib, help="per-rank budget for the optimizer's peak"
     )
+    p.add_argument(
+        "--replica-owners", choices=REPLICA_OWNERS, default="auto",
+        help="HSDP: who orthogonalizes a matrix (Muon's replica_owners); the report shows both",
+    )  # fmt: skip
+    p.add_argument(
+        "--replica-gbs", type=float, default=DEFAULT_SPREAD_MODEL.replica_bytes_per_s / 1e9,
+        help="bandwidth between replicas per rank, GB/s, that replica_owners='auto' assumes",
+    )  # fmt: skip
+    p.add_argument(
+        "--time-limit-s", type=float, default=DEFAULT_TIME_LIMIT_S,
+        help="refuse a mesh that does not plan within this many seconds",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -382,14 +431,20 @@ def settings_from(args: argparse.Namespace) -> StepSettings:
         offload_resident_bytes=int(args.offload_resident_mib * 2**20),
         ns_algorithm=args.ns_algorithm,
         ns_schedule=args.ns_schedule,
+        replica_owners=args.replica_owners,
+        replica_bytes_per_s=args.replica_gbs * 1e9,
     )
+
+
+def model_shapes(args: argparse.Namespace) -> tuple[ParamShape, ...]:
+    return from_preset(args.preset) if args.preset else from_config(load_config(args.config))
 
 
 def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEstimate:
     """The estimate the parsed arguments ask for (at `fsdp` if given)."""
-    shapes = from_preset(args.preset) if args.preset else from_config(load_config(args.config))
+    shapes = model_shapes(args)
     mesh = MeshSpec(args.fsdp if fsdp is None else fsdp, args.replicate, args.ep, args.expert_shard)
-    return estimate(shapes, mesh, settings_from(args))
+    return estimate(shapes, mesh, settings_from(args), time_limit_s=args.time_limit_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -406,10 +461,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     rows = bucket_rows(model)
+    figures = ()
+    if model.mesh.replicate > 1:
+        figures = compare_replica_owners(model_shapes(args), model.mesh, model.settings)
     if args.json:
-        print(json.dumps({"summary": summary(model), "buckets": rows}, indent=1))
+        out = {"summary": summary(model), "buckets": rows}
+        if figures:
+            out["replica_owners"] = [asdict(f) for f in figures]
+        print(json.dumps(out, indent=1))
     else:
         print_plan(model, rows)
+        if figures:
+            print_replica_owners(model, figures)
     return 0
 
 

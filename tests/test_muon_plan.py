@@ -99,10 +99,22 @@ def test_presets_match_published_sizes_and_group_like_the_optimizer():
 @pytest.mark.parametrize("config", [TINY_MOE, TINY_DENSE], ids=["moe", "dense"])
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 def test_every_rank_is_its_exchange_plans(config, mesh):
-    """Per-rank figures are the real ExchangePlans'; seen_from == build."""
+    """Per-rank figures are the real ExchangePlans'; seen_from == build; the screen that
+    picks the planned ranks counts every rank's loads and state as its plan does."""
     settings = StepSettings(bucket_cap_bytes=CAP, max_inflight=2)
-    model = estimate(from_config(config), mesh, settings)
-    for rank, (mine, estimated) in enumerate(zip(model.plans, model.ranks, strict=True)):
+    model = estimate(from_config(config), mesh, settings, ranks=range(mesh.fsdp))
+    assert [r.rank for r in model.ranks] == list(range(mesh.fsdp))
+    for rank, estimated in enumerate(model.ranks):
+        mine = model.plan(rank)
+        for b, load in enumerate(estimated.loads):
+            assert (
+                model.screen.ns_flops[b, rank],
+                model.screen.bytes_sent[b, rank],
+                model.screen.buffer_bytes[b, rank],
+            ) == (load.ns_flops, load.bytes_sent, load.buffer_bytes), (rank, b)
+        assert model.screen.state_bytes[rank] == estimated.state_bytes, rank
+        transient = model.muon_step_transient(rank).total_bytes
+        assert model.screen.muon_transient_bytes[rank] == transient, rank
         rebuilt = MuonPlan.build(mine.layouts, CAP)
         assert rebuilt.buckets == mine.buckets and rebuilt.matrices == mine.matrices
         for b, load in enumerate(estimated.loads):
@@ -136,6 +148,12 @@ def test_every_rank_is_its_exchange_plans(config, mesh):
     flops = [r.ns_flops for r in model.ranks]
     assert model.imbalance == pytest.approx(max(flops) * len(flops) / sum(flops))
     assert model.busiest.ns_flops == max(flops) and model.idlest.ns_flops == min(flops)
+    # planning only the picked ranks reports the same ranks as planning every one
+    picked = estimate(from_config(config), mesh, settings)
+    assert len(picked.ranks) == len({rank for _, rank in picked.picked}) <= 5
+    assert (picked.busiest, picked.idlest) == (model.busiest, model.idlest)
+    for offload in (False, True):
+        assert picked.largest_peak(offload) == model.largest_peak(offload)
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,11 @@ class _Launch:
     recv_numel: int = 0
     full_numel: int = 0
     itemsize: int = 1
+    gather_buffers_numel: int = 0
+
+    @property
+    def finish_numel(self) -> int:
+        return max(self.ns_numel, self.gather_buffers_numel)
 
 
 def test_launch_replay_counts_the_launches_alive():
@@ -171,22 +194,26 @@ def test_launch_replay_counts_the_launches_alive():
     # the local launch's NS tops the first exchange's buffers when it is the largest
     big = [plans[0], _Launch(None, 7, 40)]
     assert muon_transient(big, 2) == Transient(17, 40, 0) and transient_peak_numel(big, 2) == 57
+    # a spread bucket's replica gather comes after its Newton-Schulz, on the buffers alive
+    spread = [_Launch(0, 10, 5, gather_buffers_numel=12)]
+    assert muon_transient(spread, 2) == Transient(22, 0, 0)
+    assert transient_peak_numel(spread, 2) == 22
 
 
 def test_estimate_equals_an_independent_count():
     """A tiny dense model on 2 ranks, one bucket, counted from torch.chunk and the owners."""
     shapes = from_config(TINY_DENSE)
     settings = StepSettings(bucket_cap_bytes=2**30, max_inflight=2)
-    model = estimate(shapes, MeshSpec(2), settings)
+    model = estimate(shapes, MeshSpec(2), settings, ranks=(0, 1))
     module = meta_module(shapes)
     muon, adamw = muon_param_groups(module)
     for rank in (0, 1):
         local = [p.chunk(2)[rank].numel() for p in muon["params"]]
         adamw_local = [p.chunk(2)[rank].numel() for p in adamw["params"]]
-        est = model.ranks[rank]
+        est = model.rank(rank)
         assert est.muon_state_bytes == 4 * sum(local)
         assert est.adamw_state_bytes == 2 * 4 * sum(adamw_local)
-        (matrices,) = model.plans[rank].matrices
+        (matrices,) = model.plan(rank).matrices
         owned = [m for m in matrices if m.owner == rank]
         full = sum(m.rows * m.cols for m in owned)
         # every local element goes out (to itself too); the owner receives whole matrices
@@ -321,9 +348,15 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
-    meshes = [m for m in MESHES if m.world == world]
+    # HSDP meshes twice: owners per replica ("auto" on these tiny matrices) and spread
+    runs = [
+        (spec, owners)
+        for spec in MESHES
+        if spec.world == world
+        for owners in (("auto", "spread") if spec.replicate > 1 else ("auto",))
+    ]
     cache: dict[tuple[int, ...], object] = {}
-    for spec in meshes:
+    for spec, replica_owners in runs:
         module = meta_module(from_config(TINY_MOE)).to_empty(device="cpu")
         # fp32 Newton-Schulz: CPU bf16 matmuls allocate packing buffers of their own
         settings = StepSettings(
@@ -334,8 +367,9 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
             offload_chunk_bytes=OFFLOAD_CHUNK,
             offload_slots=2,
             ns_algorithm=ns_algorithm,
+            replica_owners=replica_owners,
         )
-        model = estimate(from_module(module), spec, settings)
+        model = estimate(from_module(module), spec, settings, ranks=range(spec.world))
         dense_shape = (spec.fsdp,) if spec.replicate == 1 else (spec.replicate, spec.fsdp)
         inner = (spec.ep, spec.fsdp // spec.ep)
         expert_shape = inner if spec.replicate == 1 else (spec.replicate, *inner)
@@ -351,18 +385,26 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
             max_inflight=2,
             ns_dtype=torch.float32,
             ns_algorithm=ns_algorithm,
+            replica_owners=replica_owners,
         )
         opt.step()
-        estimated = model.ranks[rank % spec.fsdp]
-        mine, theirs = model.plans[rank % spec.fsdp], opt._muon_plan()
-        where = f"{spec} rank {rank}"
+        where = f"{spec} {replica_owners} rank {rank}"
+        estimated = model.rank(rank)
+        mine, theirs = model.plan(rank), opt._muon_plan()
+        spread = [b.index for b in theirs.buckets if b.spread]
+        assert bool(spread) == (replica_owners == "spread" and spec.replicate > 1), where
         fields = [(b.index, b.params, b.axis, b.nbytes) for b in theirs.buckets]
         assert fields == [(b.index, b.params, b.axis, b.nbytes) for b in mine.buckets], where
+        assert [b.spread for b in theirs.buckets] == [b.spread for b in mine.buckets], where
         assert mine.matrices == theirs.matrices, where  # owners included
         for b, bucket in enumerate(theirs.buckets):
             ours = mine.exchange(b, frozenset(bucket.params))  # from a cold cache: recomputed
             real = theirs.exchange(b, frozenset(bucket.params))
-            assert (ours.send_splits, ours.recv_splits) == (real.send_splits, real.recv_splits)
+            assert (ours.send_splits, ours.recv_splits, ours.replica_splits) == (
+                real.send_splits,
+                real.recv_splits,
+                real.replica_splits,
+            )
         for metric in opt.metrics:
             load = estimated.loads[metric.bucket]
             assert (
@@ -385,7 +427,7 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
         units = [tuple(index[id(p)] for p in unit) for unit in subset.units]
         assert units == list(estimated.units), where
         if transient:
-            _check_measured_transient(opt, model, rank % spec.fsdp, len(adamw), where)
+            _check_measured_transient(opt, model, rank, len(adamw), where)
         # The offloaded step's chunks and staging ring are the estimate's.
         wrapper = CPUOffloadOptimizer(opt, chunk_bytes=OFFLOAD_CHUNK, staging_slots=2)
         wrapper.step()

@@ -60,9 +60,12 @@ def test_readme_commands_are_what_ci_runs():
     setup, tests = commands[0], commands[1]
     ci = (ROOT / ".ci" / "run").read_text().replace(" -q", "")
     for part in setup.split(" && ")[:-1]:  # the last part runs the demo
-        assert part.replace("python3 -m venv .venv", "python3 -m venv .ci-venv").replace(
-            ". .venv/", ". .ci-venv/"
-        ) in ci, f"README's set-up step {part!r} is not in .ci/run"
+        assert (
+            part.replace("python3 -m venv .venv", "python3 -m venv .ci-venv").replace(
+                ". .venv/", ". .ci-venv/"
+            )
+            in ci
+        ), f"README's set-up step {part!r} is not in .ci/run"
     assert setup.endswith("python -m bench.train")
     assert tests in ci.splitlines(), f"README's test command {tests!r} is not in .ci/run"
 

@@ -1,0 +1,61 @@
+"""Planning at scale: the planner's figures at 64 ranks as before it screened ranks, one
+rank's plan on 8192 ranks in well under a second, and a refusal past the time limit."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.plan_scale import one_rank_plan_seconds
+from muon.model_shapes import from_preset
+from muon_offload.estimate import MeshSpec, PlanTooLarge, estimate
+from muon_offload.plan import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# The planner's --json output before ranks were screened (captured at commit ca39bd9,
+# when it planned every rank), and the arguments that made it.
+AT_64_RANKS = {
+    "plan_qwen3-30b-a3b_ep8_fsdp64": ["--preset", "qwen3-30b-a3b", "--ep", "8", "--fsdp", "64"],
+    "plan_qwen3-8b_fsdp32_replicate2": ["--preset", "qwen3-8b", "--fsdp", "32", "--replicate", "2"],
+    "plan_qwen3-30b-a3b_rows_fsdp64_cpu": [
+        "--preset", "qwen3-30b-a3b", "--fsdp", "64", "--expert-shard", "rows", "--device", "cpu",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(AT_64_RANKS))
+def test_figures_at_64_ranks_are_unchanged(name, capsys):
+    with gzip.open(FIXTURES / f"{name}.json.gz", "rt") as f:
+        before = json.load(f)
+    assert main([*AT_64_RANKS[name], "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert after["buckets"] == before["buckets"]
+    old, new = before["summary"], after["summary"]
+    for key, value in old.items():
+        if key == "settings":  # settings added since are at their defaults
+            assert value.items() <= new[key].items()
+        elif key != "ranks":  # every rank then; the planned ranks now
+            assert new[key] == value, key
+    every = {r["rank"]: r for r in old["ranks"]}
+    assert [r["rank"] for r in new["ranks"]] == sorted({p["rank"] for p in new["picked"]})
+    for rank in new["ranks"]:
+        assert rank == every[rank["rank"]], rank["rank"]
+
+
+def test_one_rank_plan_on_8192_ranks_is_fast():
+    seconds, plan = one_rank_plan_seconds("qwen3-30b-a3b", 8192, 8, 4097)
+    # about 0.2 s on a 2-core machine (bench/plan_scale.py); generous for a loaded CI
+    assert seconds < 5, seconds
+    ex = plan.exchange(0, frozenset(plan.buckets[0].params))
+    assert len(ex.send_splits) == 8192 and ex.owned == 0  # rank 4097 owns no attention matrix
+
+
+def test_a_mesh_past_the_time_limit_is_refused(capsys):
+    shapes = from_preset("qwen3-8b")
+    with pytest.raises(PlanTooLarge, match=r"time_limit_s=0 .*--time-limit-s"):
+        estimate(shapes, MeshSpec(64), time_limit_s=0)
+    assert main(["--preset", "qwen3-8b", "--fsdp", "64", "--time-limit-s", "0"]) == 2
+    assert "did not finish within time_limit_s=0" in capsys.readouterr().err
