@@ -67,8 +67,8 @@ class SpreadModel:
     """
 
     ns_flops_per_s: float = 400e12
-    """Newton-Schulz throughput per rank: bf16 on an H200 runs 8192x6144 at 589 TFLOP/s
-    and smaller shapes slower (bench/measured/newton_schulz_h200.log)."""
+    """Newton-Schulz throughput per rank, FLOP/s: below what `bench/newton_schulz.py`
+    measures for large bf16 shapes, since smaller ones run slower; set it to yours."""
     replica_bytes_per_s: float = 25e9
     """Per-rank bandwidth between replicas (one 200 Gb/s inter-node link per GPU);
     set it to the cluster's."""
