@@ -9,10 +9,11 @@ the trainer's own small device-to-host copy (`.item()`) enqueued while it runs.
   its mapped device address (pinned host memory is device-addressable under unified
   addressing), with a few thread blocks, so the copy engine stays free.
 
-For each: bandwidth alone; the host time of a 4-byte `.item()` on the default stream
-enqueued just after the write-back started (what a trainer's forward waits); and how
-much a concurrent bf16 matmul loop slows down (the SMs the kernel takes). Prints a
-table and writes JSON. Needs CUDA and Triton.
+For each: bandwidth alone, and the host time of a 4-byte `.item()` on the default stream
+enqueued just after the write-back started (what a trainer's forward waits). What the
+kernel costs a concurrent forward is measured end to end by `bench/train_step.py`
+(an A/B in bench/measured: the overlapped forward's layers took longer with it). Prints
+a table and writes JSON. Needs CUDA and Triton.
 """
 
 from __future__ import annotations
@@ -83,27 +84,6 @@ def item_wait_ms(path: str | None, src, dst, stream, blocks: int, repeats: int =
     return 1e3 * statistics.median(times)
 
 
-def matmul_slowdown(path: str, src, dst, stream, blocks: int) -> float:
-    """A bf16 matmul loop's time with the write-back running beside it, over alone."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-
-    def loop() -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            a @ a
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    loop()
-    alone = statistics.median(loop() for _ in range(3))
-    beside = []
-    for _ in range(3):
-        writeback(path, src, dst, stream, blocks)
-        beside.append(loop())
-    return statistics.median(beside) / alone
-
-
 _KERNEL = None
 
 
@@ -133,18 +113,17 @@ def main() -> None:
                 "blocks": blocks,
                 "gib_s": bandwidth(path, src, dst, stream, blocks),
                 "item_ms": item_wait_ms(path, src, dst, stream, blocks),
-                "matmul_slowdown": matmul_slowdown(path, src, dst, stream, blocks),
             }
         )
     device = torch.cuda.get_device_name()
     print(
         f"{device}, torch {torch.__version__}, {args.gib:g} GiB written back, kernel exact: {exact}"
     )
-    print(f"{'path':<12} {'blocks':>6} {'GiB/s':>7} {'.item() ms':>11} {'matmul x':>9}")
+    print(f"{'path':<12} {'blocks':>6} {'GiB/s':>7} {'.item() ms':>11}")
     for r in rows:
         print(
             f"{r['path']:<12} {r.get('blocks', '-'):>6} {r.get('gib_s', 0):>7.1f} "
-            f"{r['item_ms']:>11.2f} {r.get('matmul_slowdown', 1):>9.3f}"
+            f"{r['item_ms']:>11.2f}"
         )
     write_json(
         args.json,
