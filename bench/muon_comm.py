@@ -29,6 +29,7 @@ Two experiments, each on `--world` ranks (gloo on CPU, or NCCL with one GPU per 
     python -m bench.muon_comm --world 2 --scale 32 --out bench/results/muon_comm_cpu.json
     python -m bench.muon_comm --experiment remainder --world 4 --rows 256 --cols 192
     torchrun --nproc-per-node 8 -m bench.muon_comm --experiment hsdp --replicate 2 --backend nccl
+    python -m bench.muon_comm --world 1 --backend nccl --hsdp-fsdp 8  # one GPU: HSDP estimated
 
 Without torchrun it spawns its own ranks. Prints a table, writes JSON.
 """
@@ -259,8 +260,10 @@ def _print_model(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[d
 
 
 def _print_hsdp(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
-    """Estimated, not measured: the same slices under HSDP (`world` shards x R replicas),
-    owners spread over the replicas vs per replica (`compare_replica_owners`)."""
+    """Estimated, not measured: the same slices under HSDP (`--hsdp-fsdp` shards, default
+    `world`, x R replicas), owners spread over the replicas vs per replica
+    (`compare_replica_owners`)."""
+    world = args.hsdp_fsdp or world
     print(
         f"\nHSDP, estimated: fsdp {world} x replicate R, per rank on the busiest rank "
         f"(NS at {DEFAULT_SPREAD_MODEL.ns_flops_per_s / 1e12:g} TFLOP/s)"
@@ -526,6 +529,10 @@ def main() -> None:
     parser.add_argument("--expert-shard", choices=EXPERT_SHARDS, default="auto")
     parser.add_argument("--max-inflight", type=int, default=2)
     parser.add_argument("--replicate", type=int, default=2, help="hsdp: replicas of the mesh")
+    parser.add_argument(
+        "--hsdp-fsdp", type=int,
+        help="model, hsdp: shards of the estimated HSDP mesh (default: the ranks run)",
+    )  # fmt: skip
     parser.add_argument(
         "--replicas", default="2,4,8",
         help="model: HSDP replica counts of the estimated spread vs per-replica owners",

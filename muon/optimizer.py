@@ -757,6 +757,7 @@ class MuonStep:
                 cast=False,  # rounded to ns_dtype by the apply (or the return exchange's copy)
             )
             results.update(zip(batch.matrices, out.unbind(0), strict=True))
+            del out  # `results` alone holds it: clearing it frees the results before a gather
         ns_s = clock.lap()
 
         if flight.work is not None:

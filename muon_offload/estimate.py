@@ -587,7 +587,7 @@ def _shards(layout: ParamLayout) -> int:
 
 
 # How long `estimate` may plan before it refuses the mesh (seconds); qwen3-30b-a3b on
-# 8192 ranks plans in a few seconds on a 2-core machine (bench/plan_scale.py).
+# 8192 ranks plans in about a second on a 2-core machine (bench/measured/plan_scale_cpu.log).
 DEFAULT_TIME_LIMIT_S = 60.0
 
 
