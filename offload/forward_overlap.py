@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -193,9 +195,12 @@ class ForwardOverlap:
         self._watch_inputs = False  # in the first forward after a step
         self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
+        self._param_chunk: dict[Tensor, int] = {}  # the chunk each param's update lands with
+        self._advancing = threading.RLock()
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
+        self._remove_hooks.atexit = False  # at exit a pending step no longer matters
 
     def close(self) -> None:
         """Remove the hooks; the model's forward no longer calls into this object."""
@@ -231,12 +236,13 @@ class ForwardOverlap:
         self._step_bytes = max(param_end.values(), default=0)
         self._chunk_needs = [max((param_end[p] for p in ps), default=0) for ps in chunk_params]
         self._chunk_needs = list(itertools.accumulate(self._chunk_needs, max))
-        self._reads.chunk_of = {id(p): c for p, c in chunk_of.items()}
+        self._param_chunk = {p: c for p, c in chunk_of.items()}
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
     def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
         """Run `pending`'s chunks on the side stream, from where the trainer's stream is
-        now (grads reduced and clipped); the first few are enqueued at once."""
+        now (grads reduced and clipped); the first few are enqueued at once. Until each
+        chunk lands, torch calls on its params or their grads wait for it."""
         streams, side = self._streams, self.side_stream
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
@@ -247,17 +253,22 @@ class ForwardOverlap:
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
         self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
-        self._reads.push()
+        self._reads.push(self)
 
+    @torch.compiler.disable
     def advance(self, last: int) -> None:
         """Enqueue the pending step's chunks up to index `last`.
 
-        Called from forward hooks too, so the trainer's grad mode, inference mode
-        and autocast are switched off: the update must not change with where it runs.
+        Called from forward hooks and from reads inside a forward too, so the trainer's
+        grad mode, inference mode and autocast are switched off, and torch.compile never
+        traces it (a read inside compiled code would compile the update): the update must
+        not change with where it runs. One thread at a time (a checkpointing thread may
+        wait for the step while the trainer's forward advances it).
         """
         if self._pending is None or self._enqueued > last:
             return
         with (
+            self._advancing,
             torch.inference_mode(False),
             torch.no_grad(),
             torch.autocast(self._streams.device.type, enabled=False),
@@ -319,8 +330,10 @@ class ForwardOverlap:
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
     def _before_forward(self) -> None:
-        if self._in_flight and self._hooks_see_forward:
-            self._reads.pop()
+        if not self._in_flight:
+            self._reads.pop()  # still on this thread's stack if another thread finished
+        elif self._hooks_see_forward:
+            self._reads.leave_stack()
 
     def _after_forward(self) -> None:
         if self._in_flight:
@@ -339,26 +352,27 @@ class ForwardOverlap:
 
 class _PendingReads(TorchFunctionMode):
     """While a step is pending (pushed by `start`, popped by `finish`), torch calls on
-    the trainer's thread that are given a param whose chunk has not landed on the
-    trainer's stream wait for that chunk first.
+    the trainer's thread that are given a param, or a param's grad, whose chunk has not
+    landed on the trainer's stream wait for that chunk first.
 
     Every torch call pays the look-up while the mode is on the stack, so it is kept
     short: a dict hit per argument (one level into lists), the rest only on a hit.
-    The mode stack is per thread: a read from another thread is not seen (the module
-    hooks still are). `pop` takes this mode from wherever it is on the stack, since a
-    user's own mode may have been pushed above it since `step()`. Private API
-    (`torch._C`'s torch function stack: `_len_torch_function_stack`,
-    `_get_function_stack_at`, `_pop_torch_function_stack`,
+    It sits at the bottom of the stack, so a user's mode entered before `step()` and
+    left after it still leaves its own context. The mode stack is per thread: `finish`
+    from another thread only switches it off, and the thread that pushed it takes it off
+    at its next push, pop or forward. Private API (`torch._C`'s torch function stack:
+    `_len_torch_function_stack`, `_get_function_stack_at`, `_pop_torch_function_stack`,
     `_push_on_torch_function_stack`; torch 2.11 and 2.13).
     """
 
     def __init__(self, overlap: weakref.ref[ForwardOverlap]) -> None:
         super().__init__()
         self._overlap = overlap
+        self.step_pending = False
         self.active = False  # off while the step itself runs (`suspended`)
-        self.chunk_of: dict[int, int] = {}  # id(param) -> the chunk its update lands with
+        self.chunk_of: dict[int, int] = {}  # id(param or grad) -> the chunk it lands with
         self.landed = -1  # the last chunk the trainer's stream has waited for
-        self._pushed = False
+        self._thread: int | None = None  # the thread whose stack holds this mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -381,26 +395,42 @@ class _PendingReads(TorchFunctionMode):
         finally:
             self.active = active
 
-    def push(self) -> None:
-        self.landed, self.active = -1, True
-        if not self._pushed:
-            torch._C._push_on_torch_function_stack(self)
-            self._pushed = True
+    def push(self, overlap: ForwardOverlap) -> None:
+        """On, for `overlap`'s pending step: at the bottom of this thread's stack."""
+        self._remove()
+        self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
+        self.chunk_of |= {
+            id(p.grad): c for p, c in overlap._param_chunk.items() if p.grad is not None
+        }
+        self.step_pending, self.landed, self.active = True, -1, True
+        modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
+        torch._C._push_on_torch_function_stack(self)
+        for mode in modes:
+            torch._C._push_on_torch_function_stack(mode)
+        self._thread = threading.get_ident()
 
     def pop(self) -> None:
+        """Off, the step landed; taken off the stack where this thread holds it."""
+        self.active, self.step_pending, self.chunk_of = False, False, {}
+        self._remove()
+
+    def leave_stack(self) -> None:
+        """Off the stack while the step is still pending (the hooks see every read)."""
         self.active = False
-        if not self._pushed:
-            return
-        self._pushed = False
-        depth = torch._C._len_torch_function_stack()
-        stack = [torch._C._get_function_stack_at(i) for i in range(depth)]
-        if self not in stack:  # pushed on another thread: left inactive there
-            return
-        above = stack[stack.index(self) + 1 :]
-        for _ in range(len(above) + 1):
-            torch._C._pop_torch_function_stack()
-        for mode in above:
-            torch._C._push_on_torch_function_stack(mode)
+        self._remove()
+
+    def _remove(self) -> None:
+        if self._thread != threading.get_ident():
+            return  # not on this thread's stack, or on another thread's
+        modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
+        for mode in modes:
+            if mode is not self:
+                torch._C._push_on_torch_function_stack(mode)
+        self._thread = None
+
+
+def _depth() -> int:
+    return torch._C._len_torch_function_stack()
 
 
 def _latest_chunk(chunk_of: dict[int, int], values: Iterable[Any]) -> int:
@@ -502,4 +532,12 @@ def _register_hooks(
 def _remove(handles: list[RemovableHandle], reads: _PendingReads) -> None:
     for handle in handles:
         handle.remove()
+    if reads.step_pending:  # the optimizer was dropped (collected) with a step pending
+        warnings.warn(
+            "a CPUOffloadOptimizer with forward overlap was collected with a step pending: "
+            "that step's remaining chunks never ran, so some params and state missed their "
+            "last update. Call wait_for_optimizer_step() or close() before dropping it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     reads.pop()
