@@ -298,3 +298,79 @@ def test_fsdp2_readers_state_dicts_and_state_edits_see_the_update(world):
     from spawn_ranks import run_on_ranks
 
     run_on_ranks(_fsdp_worker, world)
+
+
+def test_a_read_inside_compiled_code_runs_the_update_eagerly_and_bitwise():
+    # the read of head.weight in the compiled root forward ran the chunk inside the
+    # compiled frame (the update compiled too: not bitwise)
+    plain_model, plain, model, overlapped = _pair(FunctionalHead)
+    data = _tokens(4)
+    compiled = torch.compile(model, backend="eager")
+    assert _train(plain_model, plain, data) == _train(compiled, overlapped, data)
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+class _Counting(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_users_mode_around_step_leaves_with_its_context():
+    # TorchFunctionMode.__exit__ pops the top of the stack: it popped the pending-read mode
+    # pushed inside, and the user's own mode stayed on the stack for good
+    plain_model, plain, model, overlapped = _pair(TiedHeadFirst)
+    depths = []
+
+    def step_in_mode(opt):
+        def step():
+            with _Counting():
+                type(opt).step(opt)
+            depths.append(torch._C._len_torch_function_stack())
+
+        return step
+
+    plain.step, overlapped.step = step_in_mode(plain), step_in_mode(overlapped)
+    data = _tokens(3)
+    assert _train(plain_model, plain, data) == _train(model, overlapped, data)
+    assert depths == [0, 0, 0, 1, 1, 1]  # plain: none; overlapped: the pending-read mode
+    assert not isinstance(torch._C._get_function_stack_at(0), _Counting)
+    _assert_same(plain_model, plain, model, overlapped)
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_grads_edited_in_place_after_step_wait_for_the_update():
+    # model.zero_grad(set_to_none=False) zeroed grads the pending chunks had yet to read
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    data = _tokens(4)
+
+    def zero_grads_in_place(m, o):
+        m.zero_grad(set_to_none=False)
+
+    assert _train(plain_model, plain, data, after_step=zero_grads_in_place) == _train(
+        model, overlapped, data, after_step=zero_grads_in_place
+    )
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
+    # a checkpointing thread's state_dict() finished the step; the trainer's stack kept the
+    # mode and gained one more at every step
+    import threading
+
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    depths = []
+
+    def save_in_a_thread(m, o):
+        thread = threading.Thread(target=o.state_dict)
+        thread.start()
+        thread.join()
+        depths.append(torch._C._len_torch_function_stack())
+
+    data = _tokens(4)
+    assert _train(plain_model, plain, data) == _train(
+        model, overlapped, data, after_step=save_in_a_thread
+    )
+    assert max(depths) <= 1
+    model(data[0])
+    assert torch._C._len_torch_function_stack() == 0
+    _assert_same(plain_model, plain, model, overlapped)
