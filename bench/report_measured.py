@@ -152,9 +152,17 @@ def _muon_comm(d: dict[str, Any]) -> Table:
             + [_fmt(r["padded_exchange_ms"], 2)]
             + [_ratio(r["padded_exchange_ms"], r["ours_exchange_ms"])]
             for r in d["results"]
+            if "role" in r
         ]
-        return ["model", "rank", "step ms", "exchange ms", "padded exchange ms",
-                "speed vs padded"], rows  # fmt: skip
+        # HSDP rows (estimated): the busiest rank's Newton-Schulz with owners spread or not
+        rows += [
+            [r["model"], f"busiest, replicate {r['replicate']}, {e['replica_owners']} (estimated)"]
+            + [_fmt(e["ns_s_max"] * 1e3, 2), "", "", f"{e['bytes_sent_max'] / 2**20:.1f} MiB sent"]
+            for r in d["results"]
+            if (e := r.get("hsdp_estimate")) is not None
+        ]
+        return ["model", "rank", "step ms (HSDP rows: NS ms)", "exchange ms",
+                "padded exchange ms", "speed vs padded"], rows  # fmt: skip
     rows = [
         [str(r["R"]), _fmt(r["ours_step_ms"], 2), _fmt(r["padded_a2a_ms"], 2)]
         + [_fmt(r["agrs_ms"], 2)]
