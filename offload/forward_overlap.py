@@ -488,6 +488,38 @@ def _backward_reached_hook(
     return hook
 
 
+class _OverlapHook:
+    """A module hook calling `method` of the overlap while it lives (with the hook's
+    `args` and `kwargs` where `with_inputs`). A copy or a pickle of the model (an EMA
+    copy, `torch.save(model)`) gets an `_InertHook`: the copy's forward must not drive
+    this optimizer's step, and a weak reference does not pickle."""
+
+    def __init__(
+        self, overlap: weakref.ref[ForwardOverlap], method: str, *bound: Any, with_inputs: bool
+    ) -> None:
+        self._overlap, self._method, self._bound = overlap, method, bound
+        self._with_inputs = with_inputs
+
+    # Compiled forwards run the hooks eagerly: traced, the optimizer's step would
+    # become part of the user's graph (and recompile as chunks advance).
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        target = self._overlap()
+        if target is not None:
+            inputs = (args, *rest) if self._with_inputs else ()
+            getattr(target, self._method)(*self._bound, *inputs)
+
+    def __reduce__(self) -> tuple[type[_InertHook], tuple[()]]:
+        return _InertHook, ()
+
+
+class _InertHook:
+    """What a copied or unpickled model holds in place of an `_OverlapHook`."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
 def _register_hooks(
     model: nn.Module,
     owners: list[tuple[nn.Module, list[Tensor]]],
@@ -496,36 +528,18 @@ def _register_hooks(
     """A pre-hook on each owner module (prepended: before FSDP2's unshard), and a
     pre-hook and a forward hook (also called when the forward raises) on the model,
     calling into `overlap` while it lives."""
-
-    # Compiled forwards run the hooks eagerly: traced, the optimizer's step would
-    # become part of the user's graph (and recompile as chunks advance).
-    def pre_hook(index: int) -> Callable[..., None]:
-        @torch.compiler.disable
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            target = overlap()
-            if target is not None:
-                target._before_module(index, args, kwargs)
-
-        return hook
-
-    @torch.compiler.disable
-    def model_pre_hook(module: nn.Module, args: Any) -> None:
-        target = overlap()
-        if target is not None:
-            target._before_forward()
-
-    @torch.compiler.disable
-    def post_hook(module: nn.Module, args: Any, output: Any) -> None:
-        target = overlap()
-        if target is not None:
-            target._after_forward()
-
     handles = [
-        module.register_forward_pre_hook(pre_hook(i), prepend=True, with_kwargs=True)
+        module.register_forward_pre_hook(
+            _OverlapHook(overlap, "_before_module", i, with_inputs=True),
+            prepend=True,
+            with_kwargs=True,
+        )
         for i, (module, _) in enumerate(owners)
     ]
-    handles.append(model.register_forward_pre_hook(model_pre_hook, prepend=True))
-    handles.append(model.register_forward_hook(post_hook, always_call=True))
+    before = _OverlapHook(overlap, "_before_forward", with_inputs=False)
+    after = _OverlapHook(overlap, "_after_forward", with_inputs=False)
+    handles.append(model.register_forward_pre_hook(before, prepend=True))
+    handles.append(model.register_forward_hook(after, always_call=True))
     return handles
 
 

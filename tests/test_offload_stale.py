@@ -368,3 +368,35 @@ def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
     model(data[0])
     assert torch._C._len_torch_function_stack() == 0
     _assert_same(plain_model, plain, model, overlapped)
+
+
+def test_a_copy_or_a_pickle_of_the_model_does_not_drive_the_optimizer(monkeypatch):
+    # torch.save(model) raised "Can't pickle local object" while the optimizer was open,
+    # and an EMA copy's forward called into the training optimizer
+    import io
+
+    from offload.forward_overlap import ForwardOverlap
+
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    data = _tokens(3)
+    calls = []
+    original = ForwardOverlap._before_module
+    monkeypatch.setattr(
+        ForwardOverlap, "_before_module", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+
+    def copy_and_save(m, o):
+        ema = copy.deepcopy(m)
+        calls.clear()
+        ema(data[0])
+        assert not calls  # the copy's hooks are inert
+        buffer = io.BytesIO()
+        torch.save(m, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=False)(data[0])
+        assert not calls
+
+    assert _train(plain_model, plain, data) == _train(
+        model, overlapped, data, after_step=copy_and_save
+    )
+    _assert_same(plain_model, plain, model, overlapped)
