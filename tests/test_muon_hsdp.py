@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from spawn_ranks import run_on_ranks
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from test_muon_distributed import _full, _shard
+from torch.distributed.tensor import Replicate, Shard
 
 from muon import Muon
 from muon.model_shapes import from_config
@@ -33,18 +33,6 @@ SPECS = [
     ((3, 7, 6), (Replicate(), Shard(1)), None),
 ]
 CAP = 300  # bytes: several buckets
-
-
-def _full(shape, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _shard(full: torch.Tensor, mesh, placements) -> DTensor:
-    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
-    local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
-    return DTensor.from_local(
-        local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
-    )
 
 
 def _run(mesh, replica_owners: str | None, offload: bool, device: torch.device) -> list:
