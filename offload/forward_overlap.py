@@ -29,7 +29,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from offload.residency import StepTimer
+from offload.step_runner import StepRunner
 from offload.streams import CopyStreams
+
+STEP_ON_THREAD = None
+"""Whether the pending step's chunks may be enqueued by a thread of their own
+(`StepRunner`, see `ForwardOverlap.start` for when), or only lazily by the forward's hooks:
+None, where copies are asynchronous (an accelerator). On the CPU the lazy order makes a
+missed wait show as a wrong result in every run; tests set it to True there to run the
+thread's path too."""
 
 
 def _is_fsdp(module: nn.Module) -> bool:
@@ -150,11 +158,14 @@ class ForwardOverlap:
     """Runs an offloaded step's chunks as the next forward reaches the modules that read them.
 
     Lifecycle: `start(pending)` takes a step's chunk generator (each `next()`
-    enqueues one chunk on `side_stream`) and enqueues the first few; the model's
-    forward hooks enqueue the rest a few chunks ahead of the forward and make each
-    module (and its FSDP2 all-gather streams) wait for its chunk; when the forward
-    returns, the trainer's stream waits for the last chunk. `finish()` enqueues
-    whatever is left. `close()` removes the hooks.
+    enqueues one chunk on `side_stream`). On an accelerator `runner`, a thread of its
+    own, enqueues them all in order, pacing the copies, and the model's forward hooks
+    only wait: on the host until the chunk a module needs is enqueued, then the
+    trainer's stream (and the module's FSDP2 all-gather streams) on its event. Lazily
+    (`runner` None: the CPU) the hooks enqueue the chunks a few ahead of the forward.
+    When the forward returns, the trainer's stream waits for the last chunk.
+    `finish()` enqueues whatever is left and waits for the step's job to end.
+    `close()` removes the hooks.
 
     The hooks hold this object weakly and it is the optimizer's alone, so a model
     never keeps an optimizer (or its pinned slabs) alive; once collected, its hooks
@@ -179,6 +190,9 @@ class ForwardOverlap:
         self._hooks_see_forward = _check_reads_are_seen(model, self.owners, params)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self.side_stream = streams.new_stream()
+        on_thread = streams.async_copies if STEP_ON_THREAD is None else STEP_ON_THREAD
+        self._runner = StepRunner(streams.device) if on_thread else None
+        self._step_on_thread = False  # the last step's chunks are the runner's
         self.chunk_done: list[torch.Event | None] = []
         self._module_chunk: list[int] = []
         self._module_needs: list[int] = []
@@ -199,7 +213,7 @@ class ForwardOverlap:
         self._advancing = threading.RLock()
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
-        self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
+        self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads, self._runner)
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
 
     def close(self) -> None:
@@ -239,20 +253,38 @@ class ForwardOverlap:
         self._param_chunk = {p: c for p, c in chunk_of.items()}
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
-    def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
+    @property
+    def runner(self) -> StepRunner | None:
+        """The thread enqueueing the last step's chunks (None: the hooks do, lazily)."""
+        return self._runner if self._step_on_thread else None
+
+    def start(
+        self, pending: Iterator[None], grads: Iterable[Tensor], communicates: bool = False
+    ) -> None:
         """Run `pending`'s chunks on the side stream, from where the trainer's stream is
         now (grads reduced and clipped); the first few are enqueued at once. Until each
-        chunk lands, torch calls on its params or their grads wait for it."""
+        chunk lands, torch calls on its params or their grads wait for it. A step that
+        `communicates` (collectives) stays on the trainer's thread: lazily, in the same
+        order on every rank."""
+        # Only where the hooks see every read of the forward (FSDP2 units hold every param):
+        # a read the pending-read mode sees inside a compiled forward is traced, and need not
+        # wait for a chunk the step's thread has not reached (lazily, the hooks had run it).
+        self._step_on_thread = (
+            self._runner is not None and not communicates and self._hooks_see_forward
+        )
         streams, side = self._streams, self.side_stream
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
             for grad in grads:
                 grad.record_stream(side)
-        self._pending = pending
         self._enqueued = 0
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
-        self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
+        if self.runner is not None:
+            self.runner.run_step(pending)
+        else:
+            self._pending = pending
+            self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
         self._reads.push(self)
 
     @torch.compiler.disable
@@ -281,8 +313,15 @@ class ForwardOverlap:
                     self._enqueued += 1
 
     def finish(self) -> None:
-        """Enqueue every pending chunk; the trainer's stream waits for the last update."""
+        """Enqueue every pending chunk, the trainer's stream waits for the last update, and
+        the step's job is over (its write-backs enqueued)."""
         self.advance(len(self.chunk_done))
+        self._land()
+        if self.runner is not None:
+            self.runner.wait_enqueued(len(self.chunk_done) + 1)  # the job's end
+
+    def _land(self) -> None:
+        """The trainer's stream waits for the pending step's last update."""
         if self._in_flight and self.chunk_done:
             self._wait_for_chunk(len(self.chunk_done) - 1, self._step_bytes)
         self._in_flight = False
@@ -294,6 +333,8 @@ class ForwardOverlap:
         streams, done, timer = self._streams, self.chunk_done[chunk], self.timer
         current = streams.current()
         before = timer.mark(current) if timer is not None else None
+        if self.runner is not None:  # its event is recorded once it is enqueued
+            self.runner.wait_enqueued(chunk + 1)
         streams.wait(current, done)
         self._reads.landed = max(self._reads.landed, chunk)
         if timer is not None:
@@ -305,6 +346,8 @@ class ForwardOverlap:
     @property
     def pending_chunks(self) -> int:
         """Chunks of the pending step not enqueued yet (0 when none is pending)."""
+        if self.runner is not None:
+            return len(self.chunk_done) - self.runner.enqueued if self._in_flight else 0
         return 0 if self._pending is None else len(self.chunk_done) - self._enqueued
 
     def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -337,7 +380,9 @@ class ForwardOverlap:
 
     def _after_forward(self) -> None:
         if self._in_flight:
-            self.finish()
+            # Lazily, enqueue the rest; on the step's thread, its write-backs go on paced.
+            self.advance(len(self.chunk_done))
+            self._land()
         if self._watched:
             # Activation checkpointing reruns modules in the backward: watch this forward
             # only (a forward without grads, e.g. an evaluation, leaves the next one to it).
@@ -420,13 +465,39 @@ class _PendingReads(TorchFunctionMode):
         self._remove()
 
     def _remove(self) -> None:
-        if self._thread != threading.get_ident():
-            return  # not on this thread's stack, or on another thread's
-        modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
-        for mode in modes:
-            if mode is not self:
+        """Take this mode, and this thread's orphans, off this thread's stack.
+
+        A finalizer may run on any thread, and inside a mode's own `__torch_function__`
+        (torch takes the mode off the stack while it runs, and puts it back after): a mode
+        not found where it was pushed becomes an orphan, taken off by the next push or pop
+        of any pending-read mode on its thread.
+        """
+        here = threading.get_ident()
+        if self._thread is not None and self._thread != here:
+            with _ORPHANS_LOCK:
+                _ORPHANS.setdefault(self._thread, []).append(self)
+            return
+        with _ORPHANS_LOCK:
+            leaving = [self, *_ORPHANS.pop(here, ())]
+        ids = {id(mode) for mode in leaving}
+        found = set()
+        for mode in [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]:
+            if id(mode) in ids:
+                found.add(id(mode))
+            else:
                 torch._C._push_on_torch_function_stack(mode)
-        self._thread = None
+        late = [m for m in leaving if id(m) not in found and m._thread == here]
+        for mode in leaving:
+            if mode not in late:
+                mode._thread = None
+        if late:
+            with _ORPHANS_LOCK:
+                _ORPHANS.setdefault(here, []).extend(late)
+
+
+_ORPHANS: dict[int, list[_PendingReads]] = {}
+"""Per thread, pending-read modes switched off from another thread and still on its stack."""
+_ORPHANS_LOCK = threading.Lock()
 
 
 def _depth() -> int:
@@ -543,10 +614,14 @@ def _register_hooks(
     return handles
 
 
-def _remove(handles: list[RemovableHandle], reads: _PendingReads) -> None:
+def _remove(
+    handles: list[RemovableHandle], reads: _PendingReads, runner: StepRunner | None
+) -> None:
     for handle in handles:
         handle.remove()
-    if reads.step_pending:  # the optimizer was dropped (collected) with a step pending
+    if runner is not None:  # its jobs hold the optimizer: none is left when it is collected
+        runner.stop()
+    elif reads.step_pending:  # the optimizer was dropped (collected) with a step pending
         warnings.warn(
             "a CPUOffloadOptimizer with forward overlap was collected with a step pending: "
             "that step's remaining chunks never ran, so some params and state missed their "

@@ -8,6 +8,7 @@ read that the overlap does not know of shows up as a difference from the plain r
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -232,8 +233,12 @@ def _assert_same_local(plain_model, plain, model, overlapped):
                 assert torch.equal(value.to_local(), got[index][key].to_local()), (index, key)
 
 
-def _fsdp_worker(rank: int, world: int) -> None:
+def _fsdp_worker(rank: int, world: int, on_thread: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+
+    import offload.forward_overlap
+
+    offload.forward_overlap.STEP_ON_THREAD = on_thread
 
     mesh = init_device_mesh("cpu", (world,))
     data = _rank_tokens(rank, 3)
@@ -287,11 +292,15 @@ def _fsdp_worker(rank: int, world: int) -> None:
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model.body)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_readers_state_dicts_and_state_edits_see_the_update(world):
+@pytest.mark.parametrize(
+    "world, on_thread", [(2, False), (3, False), (2, True)], ids=["2", "3", "2-thread"]
+)
+def test_fsdp2_readers_state_dicts_and_state_edits_see_the_update(world, on_thread):
+    # on_thread: the step's chunks enqueued by a thread of their own, as on a GPU (there
+    # the hooks and reads wait for what the thread has run, not for what they ran)
     from spawn_ranks import run_on_ranks
 
-    run_on_ranks(_fsdp_worker, world)
+    run_on_ranks(_fsdp_worker, world, on_thread)
 
 
 def test_a_read_inside_compiled_code_runs_the_update_eagerly_and_bitwise():
@@ -309,9 +318,17 @@ class _Counting(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _no_mode_left_by_earlier_tests() -> None:
+    # an earlier test's optimizer, in a reference cycle with a step pending, keeps its mode
+    # on this thread's stack until the collector frees it
+    gc.collect()
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_a_users_mode_around_step_leaves_with_its_context():
     # TorchFunctionMode.__exit__ pops the top of the stack: it popped the pending-read mode
     # pushed inside, and the user's own mode stayed on the stack for good
+    _no_mode_left_by_earlier_tests()
     plain_model, plain, model, overlapped = _pair(TiedHeadFirst)
     depths = []
 
@@ -351,6 +368,7 @@ def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
     # mode and gained one more at every step
     import threading
 
+    _no_mode_left_by_earlier_tests()
     plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
     depths = []
 
@@ -400,3 +418,18 @@ def test_a_copy_or_a_pickle_of_the_model_does_not_drive_the_optimizer(monkeypatc
         model, overlapped, data, after_step=copy_and_save
     )
     _assert_same(plain_model, plain, model, overlapped)
+
+
+def test_a_mode_switched_off_inside_its_own_dispatch_leaves_the_stack():
+    # a finalizer (an optimizer collected with a step pending) ran inside the mode's own
+    # __torch_function__, where torch had taken the mode off the stack: it found nothing to
+    # remove, torch put the mode back after, and it stayed on the stack for good
+    _no_mode_left_by_earlier_tests()
+    _, _, model, overlapped = _pair(FunctionalHead)
+    _train(model, overlapped, _tokens(1))  # a step pending: the mode is on
+    overlap = overlapped._overlap
+    overlap._wait_for_read = lambda chunk: overlap._reads.pop()
+    torch.add(model.head.weight, 1)  # dispatched to the mode, which is switched off there
+    assert torch._C._len_torch_function_stack() == 1  # torch put it back
+    overlapped.close()  # the next pop on this thread takes it off
+    assert torch._C._len_torch_function_stack() == 0
