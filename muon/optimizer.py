@@ -601,9 +601,6 @@ class MuonStep:
             for p in g["params"]
         ]
         self._kinds = plan.step_units(len(self._adamw))
-        self.communicates = any(b.axis is not None or b.spread for b in plan.buckets)
-        """Whether stepping exchanges shards (collectives): every rank must step its units
-        in the same order relative to its other collectives, so on the trainer's thread."""
         self.units: list[list[Tensor]] = [self._unit_params(kind) for kind in self._kinds]
         self._stepped: set[int] = set()  # units done this step
         optimizer.metrics = []

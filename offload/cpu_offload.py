@@ -388,7 +388,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.backward_load_bytes = backward_load_bytes
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
-        self._loads_requested = 0  # staged chunks the backward asked to load for the next step
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
         _WRAPPERS[optimizer] = weakref.ref(self)
@@ -690,30 +689,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 after = self._timer.mark(streams.current())
                 self._timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
-        # What the backward asked to load is loaded before the step's thread gets to it.
-        self.chunks_loaded_in_backward, self._loads_requested = self._loads_requested, 0
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
         chunks = self._enqueue_chunks(subset, self._overlap.side_stream, timed)
-        self._overlap.start(
-            self._interruptible(chunks, self._overlap.side_stream),
-            grads,
-            communicates=getattr(subset, "communicates", False),
-        )
+        self._overlap.start(self._interruptible(chunks, self._overlap.side_stream), grads)
         return loss
 
     def _enqueue_chunks(
         self, subset: SubsetStep, compute: torch.Stream | None, timed: bool
     ) -> Iterator[None]:
-        """Enqueue the step chunk by chunk, yielding after each (lazily, or on the step's
-        thread, when overlapped).
-
-        After a chunk's update, its write-back and the load of the chunk `staging_slots - 1`
-        ahead (into the slot written back one chunk earlier) are enqueued piece by piece,
-        alternately: paced (`CopyStreams.copy`), each copy engine stays fed while the other
-        direction's pieces wait for room.
-        """
+        """Enqueue the step chunk by chunk, yielding after each (lazily, when overlapped)."""
         streams = self._streams
-        paced = self._paced
         state = self.optimizer.state
         had_state = {p for p in self._params if state.get(p)}
         ahead = self.staging_slots - 1  # loads in flight ahead of the update (0: load, then step)
@@ -728,25 +713,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         deferred: list[_Chunk] = []
         loaded_ahead, self._loaded_ahead = self._loaded_ahead, {}
         self._loaded_ahead_done = None
+        self.chunks_loaded_in_backward = len(loaded_ahead)
 
-        def load(index: int) -> Iterator[None] | None:
-            """The copies loading staged chunk `index` (None if none are needed)."""
-            if index >= len(staged):
-                return None
-            chunk = staged[index]
-            done = loaded_ahead.get(index)
-            copies = self._load(chunk, had_state, paced) if done is None else None
-            loaded[id(chunk)] = done if done is not None else copies is not None
-            return copies
+        def load(index: int) -> None:
+            if index < len(staged):
+                chunk = staged[index]
+                done = loaded_ahead.get(index)
+                loaded[id(chunk)] = self._load(chunk, had_state) if done is None else done
 
         for index in range(ahead):
-            _interleave(load(index))
+            load(index)
         next_load = ahead
         for c, chunk in enumerate(self._chunks):
             if chunk.slot >= 0:
-                if ahead == 0:
-                    _interleave(load(next_load))
-                    next_load += 1
+                load(next_load)
+                next_load += 1
                 # A loaded slot was freed before its load; an unloaded one (state not
                 # created yet) must still wait for its last write-back before the step
                 # creates state into it.
@@ -765,26 +746,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 streams.record(self._overlap.chunk_done[c], compute)
             if timed:
                 self._timer.chunk_done(compute)
-            for view in chunk.views:
-                if state.get(view.param):
-                    state[view.param][view.key] = view.home.home_state
             if chunk.slot >= 0:
                 streams.record(streams.stepped[chunk.slot], compute)
-                write_back = None
                 if chunk.slot >= self.staging_slots and self._overlap is not None:
                     deferred.append(chunk)
                 else:
-                    write_back = self._write_back(chunk, compute, paced)
-                fill = None
-                if ahead > 0:
-                    fill = load(next_load)
-                    next_load += 1
-                _interleave(write_back, fill)
+                    self._write_back(chunk, compute)
+            for view in chunk.views:
+                if state.get(view.param):
+                    state[view.param][view.key] = view.home.home_state
             yield
         # Done: every update and write-back. The ring goes back to the allocator once
         # the streams that used it are past it.
         for chunk in deferred:
-            _interleave(self._write_back(chunk, compute, paced))
+            self._write_back(chunk, compute)
         streams.wait(streams.d2h, streams.mark(compute))
         self._step_done = streams.mark(streams.d2h)
         if self._ring is not None:
@@ -832,26 +807,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             "one anew"
         )
 
-    def _write_back(
-        self, chunk: _Chunk, compute: torch.Stream | None, paced: bool
-    ) -> Iterator[None]:
-        """The D2H copies of a stepped chunk's state, enqueued one piece per `next()`; an
-        extra slot goes back to the allocator once they are done."""
+    def _write_back(self, chunk: _Chunk, compute: torch.Stream | None) -> None:
+        """Enqueue the D2H copy of a stepped chunk's state; an extra slot goes back to the
+        allocator once it is done."""
         streams = self._streams
-        streams.wait(streams.d2h, streams.stepped[chunk.slot])
-        for home, staging in chunk.copies:
-            streams.copy(home, staging, streams.d2h, paced)
-            yield
-        streams.record(streams.freed[chunk.slot], streams.d2h)
+        with streams.on(streams.d2h):
+            streams.wait(streams.d2h, streams.stepped[chunk.slot])
+            for home, staging in chunk.copies:
+                home.copy_(staging, non_blocking=True)
+            streams.record(streams.freed[chunk.slot], streams.d2h)
         if chunk.slot >= self.staging_slots:  # the backward's: not needed again this step
             self._extra_slots[chunk.slot - self.staging_slots].release(
                 [streams.h2d, streams.d2h, compute]
             )
-
-    @property
-    def _paced(self) -> bool:
-        """Whether the step's copies are paced: on the step's thread, which may wait."""
-        return self._overlap is not None and self._overlap.runner is not None
 
     def _acquire_slots(self) -> None:
         """Allocate the ring and the backward's extra slots (those not held yet)."""
@@ -884,58 +852,37 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         staged = [c for c in self._chunks if c.slot >= 0][: self._backward_loads]
         if not any(p in had_state for c in staged for p in c.touched):
             return
-        loaded = self._loads_requested
+        loaded = len(self._loaded_ahead)
         share = min(len(staged), math.ceil(len(staged) * passed / max(1, watched - 1)))
         if share <= loaded:
             return
-        self._loads_requested = share
         streams = self._streams
-        backward, paced = streams.current(), self._paced
-
-        def load_share() -> None:
-            # Allocated on the backward's stream, after the last step gave the ring back (on
-            # the step's thread, this job comes after that step's): the loads start after
-            # the backward's work enqueued so far.
-            with streams.on(backward):
-                self._acquire_slots()
-            streams.wait(streams.h2d, streams.mark(backward))
+        with torch.no_grad():
+            # Allocated on the backward's stream: the loads start after its work so far.
+            self._acquire_slots()
+            streams.wait(streams.h2d, streams.mark(streams.current()))
             for index in range(loaded, share):
-                copies = self._load(staged[index], had_state, paced)
-                self._loaded_ahead[index] = copies is not None
-                _interleave(copies)
-            self._loaded_ahead_done = streams.mark(streams.h2d)
-
-        runner = self._overlap.runner
-        if runner is None:
-            with torch.no_grad():
-                load_share()
-        else:
-            runner.submit(load_share)
+                self._loaded_ahead[index] = self._load(staged[index], had_state)
+        self._loaded_ahead_done = streams.mark(streams.h2d)
 
     def _drop_loaded_ahead(self) -> None:
         """Forget chunks loaded in the backward (their homes are about to change)."""
-        if self._overlap is not None and self._overlap.runner is not None:
-            self._overlap.runner.drain()
         if self._loaded_ahead_done is not None:
             self._loaded_ahead_done.synchronize()
         self._loaded_ahead, self._loaded_ahead_done = {}, None
-        self._loads_requested = 0
 
-    def _load(self, chunk: _Chunk, had_state: set[Tensor], paced: bool) -> Iterator[None] | None:
-        """The H2D copies of a chunk's state, enqueued one piece per `next()`; None when none
-        of its params has state yet."""
+    def _load(self, chunk: _Chunk, had_state: set[Tensor]) -> bool:
+        """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
         if not any(p in had_state for p in chunk.touched):
-            return None
-        return self._copy_in(chunk, paced)
-
-    def _copy_in(self, chunk: _Chunk, paced: bool) -> Iterator[None]:
+            return False
         streams = self._streams
-        # The slot's previous chunk must be written back before it is overwritten.
-        streams.wait(streams.h2d, streams.freed[chunk.slot])
-        for home, staging in chunk.copies:
-            streams.copy(staging, home, streams.h2d, paced)
-            yield
-        streams.record(streams.loaded[chunk.slot], streams.h2d)
+        with streams.on(streams.h2d):
+            # The slot's previous chunk must be written back before it is overwritten.
+            streams.wait(streams.h2d, streams.freed[chunk.slot])
+            for home, staging in chunk.copies:
+                staging.copy_(home, non_blocking=True)
+            streams.record(streams.loaded[chunk.slot], streams.h2d)
+        return True
 
     def _adopt_new_state(self, chunk: _Chunk, had_state: set[Tensor]) -> None:
         """State the step just created goes into the chunk's staging slot, then home."""
@@ -1274,13 +1221,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
 def _nothing(*args: Any) -> None:
     pass
-
-
-def _interleave(*copies: Iterator[None] | None) -> None:
-    """Run copy generators to the end, one piece of each in turn."""
-    active = [c for c in copies if c is not None]
-    while active:
-        active = [c for c in active if next(c, StopIteration) is not StopIteration]
 
 
 def _user_stacklevel() -> int:

@@ -29,15 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from offload.residency import StepTimer
-from offload.step_runner import StepRunner
 from offload.streams import CopyStreams
-
-STEP_ON_THREAD = None
-"""Whether the pending step's chunks may be enqueued by a thread of their own
-(`StepRunner`, see `ForwardOverlap.start` for when), or only lazily by the forward's hooks:
-None, where copies are asynchronous (an accelerator). On the CPU the lazy order makes a
-missed wait show as a wrong result in every run; tests set it to True there to run the
-thread's path too."""
 
 
 def _is_fsdp(module: nn.Module) -> bool:
@@ -158,14 +150,11 @@ class ForwardOverlap:
     """Runs an offloaded step's chunks as the next forward reaches the modules that read them.
 
     Lifecycle: `start(pending)` takes a step's chunk generator (each `next()`
-    enqueues one chunk on `side_stream`). On an accelerator `runner`, a thread of its
-    own, enqueues them all in order, pacing the copies, and the model's forward hooks
-    only wait: on the host until the chunk a module needs is enqueued, then the
-    trainer's stream (and the module's FSDP2 all-gather streams) on its event. Lazily
-    (`runner` None: the CPU) the hooks enqueue the chunks a few ahead of the forward.
-    When the forward returns, the trainer's stream waits for the last chunk.
-    `finish()` enqueues whatever is left and waits for the step's job to end.
-    `close()` removes the hooks.
+    enqueues one chunk on `side_stream`) and enqueues the first few; the model's
+    forward hooks enqueue the rest a few chunks ahead of the forward and make each
+    module (and its FSDP2 all-gather streams) wait for its chunk; when the forward
+    returns, the trainer's stream waits for the last chunk. `finish()` enqueues
+    whatever is left. `close()` removes the hooks.
 
     The hooks hold this object weakly and it is the optimizer's alone, so a model
     never keeps an optimizer (or its pinned slabs) alive; once collected, its hooks
@@ -190,9 +179,6 @@ class ForwardOverlap:
         self._hooks_see_forward = _check_reads_are_seen(model, self.owners, params)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self.side_stream = streams.new_stream()
-        on_thread = streams.async_copies if STEP_ON_THREAD is None else STEP_ON_THREAD
-        self._runner = StepRunner(streams.device) if on_thread else None
-        self._step_on_thread = False  # the last step's chunks are the runner's
         self.chunk_done: list[torch.Event | None] = []
         self._module_chunk: list[int] = []
         self._module_needs: list[int] = []
@@ -213,7 +199,7 @@ class ForwardOverlap:
         self._advancing = threading.RLock()
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
-        self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads, self._runner)
+        self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
 
     def close(self) -> None:
@@ -253,38 +239,20 @@ class ForwardOverlap:
         self._param_chunk = {p: c for p, c in chunk_of.items()}
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
-    @property
-    def runner(self) -> StepRunner | None:
-        """The thread enqueueing the last step's chunks (None: the hooks do, lazily)."""
-        return self._runner if self._step_on_thread else None
-
-    def start(
-        self, pending: Iterator[None], grads: Iterable[Tensor], communicates: bool = False
-    ) -> None:
+    def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
         """Run `pending`'s chunks on the side stream, from where the trainer's stream is
         now (grads reduced and clipped); the first few are enqueued at once. Until each
-        chunk lands, torch calls on its params or their grads wait for it. A step that
-        `communicates` (collectives) stays on the trainer's thread: lazily, in the same
-        order on every rank."""
-        # Only where the hooks see every read of the forward (FSDP2 units hold every param):
-        # a read the pending-read mode sees inside a compiled forward is traced, and need not
-        # wait for a chunk the step's thread has not reached (lazily, the hooks had run it).
-        self._step_on_thread = (
-            self._runner is not None and not communicates and self._hooks_see_forward
-        )
+        chunk lands, torch calls on its params or their grads wait for it."""
         streams, side = self._streams, self.side_stream
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
             for grad in grads:
                 grad.record_stream(side)
+        self._pending = pending
         self._enqueued = 0
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
-        if self.runner is not None:
-            self.runner.run_step(pending)
-        else:
-            self._pending = pending
-            self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
+        self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
         self._reads.push(self)
 
     @torch.compiler.disable
@@ -313,15 +281,8 @@ class ForwardOverlap:
                     self._enqueued += 1
 
     def finish(self) -> None:
-        """Enqueue every pending chunk, the trainer's stream waits for the last update, and
-        the step's job is over (its write-backs enqueued)."""
+        """Enqueue every pending chunk; the trainer's stream waits for the last update."""
         self.advance(len(self.chunk_done))
-        self._land()
-        if self.runner is not None:
-            self.runner.wait_enqueued(len(self.chunk_done) + 1)  # the job's end
-
-    def _land(self) -> None:
-        """The trainer's stream waits for the pending step's last update."""
         if self._in_flight and self.chunk_done:
             self._wait_for_chunk(len(self.chunk_done) - 1, self._step_bytes)
         self._in_flight = False
@@ -333,8 +294,6 @@ class ForwardOverlap:
         streams, done, timer = self._streams, self.chunk_done[chunk], self.timer
         current = streams.current()
         before = timer.mark(current) if timer is not None else None
-        if self.runner is not None:  # its event is recorded once it is enqueued
-            self.runner.wait_enqueued(chunk + 1)
         streams.wait(current, done)
         self._reads.landed = max(self._reads.landed, chunk)
         if timer is not None:
@@ -346,8 +305,6 @@ class ForwardOverlap:
     @property
     def pending_chunks(self) -> int:
         """Chunks of the pending step not enqueued yet (0 when none is pending)."""
-        if self.runner is not None:
-            return len(self.chunk_done) - self.runner.enqueued if self._in_flight else 0
         return 0 if self._pending is None else len(self.chunk_done) - self._enqueued
 
     def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -380,9 +337,7 @@ class ForwardOverlap:
 
     def _after_forward(self) -> None:
         if self._in_flight:
-            # Lazily, enqueue the rest; on the step's thread, its write-backs go on paced.
-            self.advance(len(self.chunk_done))
-            self._land()
+            self.finish()
         if self._watched:
             # Activation checkpointing reruns modules in the backward: watch this forward
             # only (a forward without grads, e.g. an evaluation, leaves the next one to it).
@@ -496,7 +451,7 @@ class _PendingReads(TorchFunctionMode):
 
 
 _ORPHANS: dict[int, list[_PendingReads]] = {}
-"""Per thread, pending-read modes switched off from another thread and still on its stack."""
+"""Per thread, pending-read modes switched off where they could not be taken off its stack."""
 _ORPHANS_LOCK = threading.Lock()
 
 
@@ -614,14 +569,10 @@ def _register_hooks(
     return handles
 
 
-def _remove(
-    handles: list[RemovableHandle], reads: _PendingReads, runner: StepRunner | None
-) -> None:
+def _remove(handles: list[RemovableHandle], reads: _PendingReads) -> None:
     for handle in handles:
         handle.remove()
-    if runner is not None:  # its jobs hold the optimizer: none is left when it is collected
-        runner.stop()
-    elif reads.step_pending:  # the optimizer was dropped (collected) with a step pending
+    if reads.step_pending:  # the optimizer was dropped (collected) with a step pending
         warnings.warn(
             "a CPUOffloadOptimizer with forward overlap was collected with a step pending: "
             "that step's remaining chunks never ran, so some params and state missed their "

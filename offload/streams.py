@@ -8,18 +8,9 @@ the same chunk logic as a GPU run.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor
-
-PACED_COPIES = 2
-"""Copies a paced stream keeps queued ahead of the copy engine. The engine runs copies
-in the order they were enqueued, whichever stream they came from, so a copy the trainer
-enqueues (FSDP2's in each post-backward, `.item()` reading one back) waits behind what
-is queued: this many pieces (`cpu_offload.COPY_PIECE_BYTES`), not a chunk's or a step's. Two keep
-the engine busy while the step's thread queues the next."""
 
 
 class CopyStreams:
@@ -39,7 +30,6 @@ class CopyStreams:
         self.stepped: list[torch.Event | None] = []
         self.freed: list[torch.Event | None] = []
         self.ensure_slots(slots)
-        self._queued: dict[int, deque[torch.Event]] = {}  # id(stream) -> paced copies
 
     def ensure_slots(self, slots: int) -> None:
         """Events for at least `slots` staging slots (the backward's extra slots add some)."""
@@ -72,19 +62,6 @@ class CopyStreams:
             yield
         finally:
             torch.accelerator.set_stream(previous)
-
-    def copy(self, dst: Tensor, src: Tensor, stream: torch.Stream | None, paced: bool) -> None:
-        """Enqueue `dst.copy_(src)` on `stream`; `paced`, first wait on the host until fewer
-        than `PACED_COPIES` of that stream's paced copies are still queued (only on a
-        thread the trainer does not wait on)."""
-        queued = self._queued.setdefault(id(stream), deque()) if paced else None
-        if queued is not None and self.async_copies:
-            while len(queued) >= PACED_COPIES:
-                queued.popleft().synchronize()
-        with self.on(stream):
-            dst.copy_(src, non_blocking=True)
-        if queued is not None and self.async_copies:
-            queued.append(self.mark(stream))
 
     def record(self, event: torch.Event | None, stream: torch.Stream | None) -> None:
         if self.async_copies:

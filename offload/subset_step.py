@@ -22,11 +22,6 @@ through the GPU in chunks. The contract:
   may create that state; afterwards it never creates state. The wrapper lays out
   a state tensor shaped like the param as the param is laid out (as
   `zeros_like(p, memory_format=torch.preserve_format)` does).
-- Optional, `communicates`: true when `step_params` runs collectives. Such a step
-  is enqueued on the trainer's thread, where every rank orders it the same way among
-  the trainer's own collectives; any other may be enqueued from a thread of its own,
-  so it must not write what the trainer owns (a param's `.grad`, the live
-  `param_groups`).
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
   declares it can update slices of one-param units (`SlicingSubsetStep`), so a
   large param never makes a staging slot larger than a chunk.
@@ -141,25 +136,14 @@ class GroupStep:
         self.units = [[p] for p in self._group_of]
 
     def step_params(self, params: Collection[Tensor]) -> None:
-        # Each param steps as a stand-in (`p.detach()`: its data, a grad of its own, the
-        # same state entries): the step may run on a thread of its own while the trainer
-        # sets the param's grad (`zero_grad`), so it never touches the param's.
-        state = self._optimizer.state
-        stand_ins = []
+        saved_grads = {p: p.grad for p in params}
         try:
             for p in params:
-                grad = self._grad(p)
-                if grad is None:  # the full step skips a param without a grad
-                    continue
-                stand_in = p.detach()
-                stand_in.grad = grad
-                state[stand_in] = state[p]  # what the step creates lands in the param's
-                stand_ins.append((stand_in, self._group_of[p]))
-            if stand_ins:
-                self._step_narrowed(stand_ins)
+                p.grad = self._grad(p)
+            self._step_narrowed([(p, self._group_of[p]) for p in params])
         finally:
-            for stand_in, _ in stand_ins:
-                state.pop(stand_in, None)
+            for p, grad in saved_grads.items():
+                p.grad = grad
         self._release(params)
 
     def _grad(self, param: Tensor) -> Tensor | None:
@@ -179,24 +163,24 @@ class GroupStep:
     def _step_narrowed(
         self, tensors: Sequence[tuple[Tensor, int]], options: Mapping[int, dict] | None = None
     ) -> None:
-        """One `step()` of the optimizer with each group narrowed to its (tensor, group)
-        entries and its hyperparameters as captured.
-
-        It steps a shallow copy of the optimizer (the same state, hooks and defaults) with
-        groups of its own: the live groups are the trainer's, whose LR scheduler may write
-        them while this step runs on the step's thread.
-        """
-        narrowed: list[list[Tensor]] = [[] for _ in self._groups]
+        """One `optimizer.step()` with each group narrowed to its (tensor, group) entries."""
+        groups = self._optimizer.param_groups
+        narrowed: list[list[Tensor]] = [[] for _ in groups]
         for t, index in tensors:
             narrowed[index].append(t)
-        optimizer = self._optimizer
-        narrow = object.__new__(type(optimizer))
-        narrow.__dict__.update(optimizer.__dict__)
-        narrow.param_groups = [
-            {**captured, **(options or {}).get(index, {}), "params": chosen}
-            for index, (captured, chosen) in enumerate(zip(self._groups, narrowed, strict=True))
-        ]
-        narrow.step()
+        saved_groups = [dict(group) for group in groups]
+        try:
+            for index, (group, captured, chosen) in enumerate(
+                zip(groups, self._groups, narrowed, strict=True)
+            ):
+                group.update(captured)
+                group.update((options or {}).get(index, {}))
+                group["params"] = chosen
+            self._optimizer.step()
+        finally:
+            for group, saved in zip(groups, saved_groups, strict=True):
+                group.clear()
+                group.update(saved)
 
 
 class ElementwiseGroupStep(GroupStep):

@@ -233,12 +233,8 @@ def _assert_same_local(plain_model, plain, model, overlapped):
                 assert torch.equal(value.to_local(), got[index][key].to_local()), (index, key)
 
 
-def _fsdp_worker(rank: int, world: int, on_thread: bool) -> None:
+def _fsdp_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-
-    import offload.forward_overlap
-
-    offload.forward_overlap.STEP_ON_THREAD = on_thread
 
     mesh = init_device_mesh("cpu", (world,))
     data = _rank_tokens(rank, 3)
@@ -292,15 +288,11 @@ def _fsdp_worker(rank: int, world: int, on_thread: bool) -> None:
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model.body)
 
 
-@pytest.mark.parametrize(
-    "world, on_thread", [(2, False), (3, False), (2, True)], ids=["2", "3", "2-thread"]
-)
-def test_fsdp2_readers_state_dicts_and_state_edits_see_the_update(world, on_thread):
-    # on_thread: the step's chunks enqueued by a thread of their own, as on a GPU (there
-    # the hooks and reads wait for what the thread has run, not for what they ran)
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_readers_state_dicts_and_state_edits_see_the_update(world):
     from spawn_ranks import run_on_ranks
 
-    run_on_ranks(_fsdp_worker, world, on_thread)
+    run_on_ranks(_fsdp_worker, world)
 
 
 def test_a_read_inside_compiled_code_runs_the_update_eagerly_and_bitwise():
