@@ -1096,7 +1096,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._plan, self._units_key, self._chunks, self._homes = plan, units_key, chunks, homes
         if self._overlap is not None:
             self._overlap.set_chunks(
-                [chunk.touched for chunk in chunks], self._unit_ends(units_key)
+                [chunk.touched for chunk in chunks],
+                self._unit_ends(units_key),
+                [chunk.slot >= 0 for chunk in chunks],
             )
         if ring and not plan.slot_numel:
             self._ring, self._extra_slots = None, []  # everything is resident: no staging

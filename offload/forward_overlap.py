@@ -15,6 +15,7 @@ holding it has stepped:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import threading
@@ -196,6 +197,7 @@ class ForwardOverlap:
         self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
         self._param_chunk: dict[Tensor, int] = {}  # the chunk each param's update lands with
+        self._staged: list[int] = []  # indices of the chunks copied through the ring
         self._advancing = threading.RLock()
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
@@ -217,11 +219,16 @@ class ForwardOverlap:
         return sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
 
     def set_chunks(
-        self, chunk_params: Sequence[Collection[Tensor]], param_end: Mapping[Tensor, int]
+        self,
+        chunk_params: Sequence[Collection[Tensor]],
+        param_end: Mapping[Tensor, int],
+        staged: Sequence[bool],
     ) -> None:
-        """The params each chunk updates, in step order (whole or in slices), and where
-        each param's unit ends in the step (rank-invariant state bytes from the step's
-        start: what a wait for it needs done, as the timer records it)."""
+        """The params each chunk updates, in step order (whole or in slices), where each
+        param's unit ends in the step (rank-invariant state bytes from the step's start:
+        what a wait for it needs done, as the timer records it), and which chunks are
+        staged (copied through the ring; the others are GPU-resident)."""
+        self._staged = [c for c, is_staged in enumerate(staged) if is_staged]
         chunk_of: dict[Tensor, int] = {}
         for c, params in enumerate(chunk_params):
             for p in params:
@@ -252,7 +259,7 @@ class ForwardOverlap:
         self._enqueued = 0
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
-        self.advance(self.CHUNKS_UP_FRONT * self._staging_slots - 1)
+        self.advance(self._through_staged(self.CHUNKS_UP_FRONT * self._staging_slots - 1))
         self._reads.push(self)
 
     @torch.compiler.disable
@@ -302,6 +309,22 @@ class ForwardOverlap:
             for stream in fsdp_all_gather_streams(module):
                 stream.wait_event(done)
 
+    def _through_staged(self, count: int) -> int:
+        """The chunk index up to which the step holds staged chunk number `count` (from 0;
+        the last chunk if there are fewer). Resident chunks copy nothing: what is kept
+        ahead of the forward is counted in staged chunks, whose copies must start early
+        (counted in chunks, a resident prefix of the step left the first staged chunks'
+        loads until the forward was next to them)."""
+        if not self._staged:
+            return len(self.chunk_done) - 1
+        return self._staged[min(count, len(self._staged) - 1)]
+
+    def _ahead_of(self, chunk: int) -> int:
+        """The last chunk to enqueue once the forward needs `chunk`: `staging_slots`
+        staged chunks beyond it."""
+        staged_so_far = bisect.bisect_right(self._staged, chunk)
+        return max(chunk, self._through_staged(staged_so_far + self._staging_slots - 1))
+
     @property
     def pending_chunks(self) -> int:
         """Chunks of the pending step not enqueued yet (0 when none is pending)."""
@@ -321,12 +344,12 @@ class ForwardOverlap:
         chunk = max(self._module_chunk[i] for i in indices)
         if chunk < 0:
             return
-        self.advance(chunk + self._staging_slots)  # keep a few chunks ahead of the forward
+        self.advance(self._ahead_of(chunk))
         self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
 
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`."""
-        self.advance(chunk + self._staging_slots)
+        self.advance(self._ahead_of(chunk))
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
     def _before_forward(self) -> None:
