@@ -396,36 +396,3 @@ def plan_offload(
             )
         )
     return OffloadPlan(tuple(chunks), homes[False], homes[True], slot_numel)
-
-
-def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: int | None) -> int:
-    """How many of the step's first staged chunks the backward loads.
-
-    `staged_bytes` are the staged (not resident) chunks' rank-invariant state bytes in
-    step order. Without a `budget`, one per ring slot; with one, the most leading chunks
-    whose state fits in `budget` bytes, but never fewer than the ring holds (the ring is
-    allocated for the step anyway). The same on every rank.
-    """
-    count = min(ring_slots, len(staged_bytes))
-    if budget is None:
-        return count
-    total = 0
-    for index, size in enumerate(staged_bytes):
-        total += size
-        if total > budget:
-            return max(count, index)
-    return len(staged_bytes)
-
-
-def staging_slot_order(staged: int, ring_slots: int, backward_loads: int) -> list[int]:
-    """Each staged chunk's staging slot, in step order.
-
-    Of the `backward_loads` chunks, all but the last `ring_slots` take one extra slot each
-    (slot `ring_slots + k`: loaded in the backward, given back once written back, and
-    nothing waits for that write-back, so it can wait for the forward); the chunks after
-    them take the ring's slots in turn.
-    """
-    if ring_slots < 1:
-        raise ValueError(f"ring_slots should be >= 1 but is: {ring_slots}")
-    extra = max(0, backward_loads - ring_slots)
-    return [ring_slots + k if k < extra else (k - extra) % ring_slots for k in range(staged)]

@@ -29,15 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from offload.chunk_plan import (
-    OffloadPlan,
-    ParamSpec,
-    StateSpec,
-    backward_load_count,
-    plan_offload,
-    staging_slot_order,
-    unit_sizes,
-)
+from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
 from offload.options import check_offload_options
@@ -50,6 +42,7 @@ from offload.residency import (
     choose_residency,
 )
 from offload.state_estimate import dry_run_state_bytes
+from offload.step_schedule import StepSchedule, backward_load_count, plan_step
 from offload.streams import CopyStreams
 from offload.subset_step import (
     ParamSlice,
@@ -361,7 +354,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._resident_slabs: dict[torch.dtype, Tensor] = {}
         self._ring: _StagingRing | None = None
         self._extra_slots: list[_StagingRing] = []  # the backward's, slots staging_slots + i
-        self._backward_loads = 0  # staged chunks the backward loads (`backward_load_bytes`)
+        self._schedule: StepSchedule | None = None  # how the step runs its chunks
         self._step_done: torch.Event | None = None
         self._steps = 0
         self._timer = StepTimer(self.device) if gpu_resident_bytes == "auto" else None
@@ -377,9 +370,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"overlap_forward needs an optimizer with a subset step; "
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
-            self._overlap = ForwardOverlap(
-                overlap_forward, self._params, self._streams, staging_slots
-            )
+            self._overlap = ForwardOverlap(overlap_forward, self._params, self._streams)
             self._overlap.timer = self._timer
             if load_in_backward:
                 load_ahead = weakref.WeakMethod(self._load_ahead)  # the model must not keep self
@@ -697,73 +688,77 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _enqueue_chunks(
         self, subset: SubsetStep, compute: torch.Stream | None, timed: bool
     ) -> Iterator[None]:
-        """Enqueue the step chunk by chunk, yielding after each (lazily, when overlapped)."""
-        streams = self._streams
+        """Enqueue the step as its schedule says (`step_schedule`), yielding after each
+        chunk's operations (lazily, when overlapped)."""
+        streams, schedule = self._streams, self._schedule
         state = self.optimizer.state
         had_state = {p for p in self._params if state.get(p)}
-        ahead = self.staging_slots - 1  # loads in flight ahead of the update (0: load, then step)
-        staged = [c for c in self._chunks if c.slot >= 0]
-        loaded = {}
-        # With overlap, the extra slots' write-backs go after all the ring's: nothing waits
-        # for them, while the forward waits for ring loads that wait for ring write-backs,
-        # and copies queue in the copy engine in the order they are enqueued (faster in
-        # `bench/train_step.py` than write-backs as the forward passed each module). A
-        # trainer's own copy early in the forward (HF Llama's `.item()`) then finds no
-        # write-back ahead of it either.
-        deferred: list[_Chunk] = []
+        position = {c: k for k, c in enumerate(schedule.staged)}
+        loaded: dict[int, bool] = {}  # chunk -> its state was copied in
         loaded_ahead, self._loaded_ahead = self._loaded_ahead, {}
         self._loaded_ahead_done = None
         self.chunks_loaded_in_backward = len(loaded_ahead)
 
-        def load(index: int) -> None:
-            if index < len(staged):
-                chunk = staged[index]
-                done = loaded_ahead.get(index)
-                loaded[id(chunk)] = self._load(chunk, had_state) if done is None else done
+        def run(op: str, c: int) -> None:
+            chunk = self._chunks[c]
+            if op == "load":
+                done = loaded_ahead.get(position[c])
+                loaded[c] = self._load(chunk, had_state) if done is None else done
+            elif op == "write_back":
+                self._write_back(chunk, compute)
+            else:
+                self._step_chunk(subset, c, compute, loaded.get(c, False), had_state, timed)
 
-        for index in range(ahead):
-            load(index)
-        next_load = ahead
-        for c, chunk in enumerate(self._chunks):
-            if chunk.slot >= 0:
-                load(next_load)
-                next_load += 1
-                # A loaded slot was freed before its load; an unloaded one (state not
-                # created yet) must still wait for its last write-back before the step
-                # creates state into it.
-                ready = streams.loaded if loaded[id(chunk)] else streams.freed
-                streams.wait(compute, ready[chunk.slot])
-            for view in chunk.views:
-                if view.param in had_state:
-                    state[view.param][view.key] = view.staging_state
-            with streams.on(compute):
-                if chunk.slices:
-                    subset.step_slices(chunk.params, chunk.slices)
-                else:
-                    subset.step_params(chunk.params)
-                self._adopt_new_state(chunk, had_state)
-            if self._overlap is not None:
-                streams.record(self._overlap.chunk_done[c], compute)
-            if timed:
-                self._timer.chunk_done(compute)
-            if chunk.slot >= 0:
-                streams.record(streams.stepped[chunk.slot], compute)
-                if chunk.slot >= self.staging_slots and self._overlap is not None:
-                    deferred.append(chunk)
-                else:
-                    self._write_back(chunk, compute)
-            for view in chunk.views:
-                if state.get(view.param):
-                    state[view.param][view.key] = view.home.home_state
+        for op in schedule.prologue:
+            run(*op)
+        for ops in schedule.per_chunk:
+            for op in ops:
+                run(*op)
             yield
+        for op in schedule.epilogue:
+            run(*op)
         # Done: every update and write-back. The ring goes back to the allocator once
         # the streams that used it are past it.
-        for chunk in deferred:
-            self._write_back(chunk, compute)
         streams.wait(streams.d2h, streams.mark(compute))
         self._step_done = streams.mark(streams.d2h)
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
+
+    def _step_chunk(
+        self,
+        subset: SubsetStep,
+        c: int,
+        compute: torch.Stream | None,
+        loaded: bool,
+        had_state: set[Tensor],
+        timed: bool,
+    ) -> None:
+        """Enqueue chunk `c`'s update on `compute`, from its staging slot (or resident home)."""
+        streams, state, chunk = self._streams, self.optimizer.state, self._chunks[c]
+        if chunk.slot >= 0:
+            # A loaded slot was freed before its load; an unloaded one (state not created
+            # yet) must still wait for its last write-back before the step creates state
+            # into it.
+            ready = streams.loaded if loaded else streams.freed
+            streams.wait(compute, ready[chunk.slot])
+        for view in chunk.views:
+            if view.param in had_state:
+                state[view.param][view.key] = view.staging_state
+        with streams.on(compute):
+            if chunk.slices:
+                subset.step_slices(chunk.params, chunk.slices)
+            else:
+                subset.step_params(chunk.params)
+            self._adopt_new_state(chunk, had_state)
+        if self._overlap is not None:
+            streams.record(self._overlap.chunk_done[c], compute)
+        if timed:
+            self._timer.chunk_done(compute)
+        if chunk.slot >= 0:
+            streams.record(streams.stepped[chunk.slot], compute)
+        for view in chunk.views:
+            if state.get(view.param):
+                state[view.param][view.key] = view.home.home_state
 
     def _interruptible(
         self, chunks: Iterator[None], compute: torch.Stream | None = None
@@ -849,7 +844,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             return
         state = self.optimizer.state
         had_state = {p for p in self._params if state.get(p)}
-        staged = [c for c in self._chunks if c.slot >= 0][: self._backward_loads]
+        staged = [c for c in self._chunks if c.slot >= 0][: self._schedule.backward_loads]
         if not any(p in had_state for c in staged for p in c.touched):
             return
         loaded = len(self._loaded_ahead)
@@ -1025,16 +1020,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             loads = backward_load_count(
                 [c.invariant_bytes for c in staged], self.staging_slots, self.backward_load_bytes
             )
-        slots = staging_slot_order(len(staged), self.staging_slots, loads)
-        slot_order = iter(slots)
-        extra = max(0, loads - self.staging_slots)
-        self._streams.ensure_slots(self.staging_slots + extra)
+        schedule = plan_step(
+            [not c.resident for c in plan.chunks],
+            self.staging_slots,
+            loads,
+            overlap=self._overlap is not None,
+        )
+        self._streams.ensure_slots(self.staging_slots + schedule.extra_slots)
         if ring:
             self._ring = _StagingRing(staging_numel, self.device)
             # An extra slot holds one chunk: sized for it, not for the largest.
             self._extra_slots = [
                 _StagingRing(chunk.staging_numel, self.device)
-                for chunk, slot in zip(staged, slots, strict=True)
+                for chunk, slot in zip(plan.chunks, schedule.slots, strict=True)
                 if slot >= self.staging_slots
             ]
             staging_buffers = self._ring.buffers
@@ -1043,7 +1041,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 dtype: torch.empty(n, dtype=dtype, device="meta")
                 for dtype, n in staging_numel.items()
             }
-        self._backward_loads = loads
+        self._schedule = schedule
 
         def slot_buffer(dtype: torch.dtype, slot: int) -> Tensor:
             """A slot's staging memory for `dtype` (a slice of the ring, or an extra slot)."""
@@ -1053,9 +1051,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
         homes: dict[tuple[Tensor, str], _Home] = {}
         chunks = []
-        for layout in plan.chunks:
+        for layout, slot in zip(plan.chunks, schedule.slots, strict=True):
             slabs = self._resident_slabs if layout.resident else self._host_slabs
-            slot = -1 if layout.resident else next(slot_order)
             copies = [
                 piece
                 for dtype, runs in layout.copies.items()
@@ -1096,9 +1093,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._plan, self._units_key, self._chunks, self._homes = plan, units_key, chunks, homes
         if self._overlap is not None:
             self._overlap.set_chunks(
-                [chunk.touched for chunk in chunks],
-                self._unit_ends(units_key),
-                [chunk.slot >= 0 for chunk in chunks],
+                [chunk.touched for chunk in chunks], self._unit_ends(units_key), schedule
             )
         if ring and not plan.slot_numel:
             self._ring, self._extra_slots = None, []  # everything is resident: no staging

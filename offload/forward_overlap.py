@@ -15,7 +15,6 @@ holding it has stepped:
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import itertools
 import threading
@@ -30,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from offload.residency import StepTimer
+from offload.step_schedule import StepSchedule
 from offload.streams import CopyStreams
 
 
@@ -162,17 +162,8 @@ class ForwardOverlap:
     are removed.
     """
 
-    CHUNKS_UP_FRONT = 2  # x staging slots enqueued when an overlapped step() returns
-
-    def __init__(
-        self,
-        model: nn.Module,
-        params: Sequence[Tensor],
-        streams: CopyStreams,
-        staging_slots: int,
-    ) -> None:
+    def __init__(self, model: nn.Module, params: Sequence[Tensor], streams: CopyStreams) -> None:
         self._streams = streams
-        self._staging_slots = staging_slots
         self.owners = param_owners(model)
         # FSDP2 units hold every param: the model's forward reads only all-gathered copies,
         # so the mode has nothing to see there and leaves the stack at its start (nothing
@@ -197,7 +188,8 @@ class ForwardOverlap:
         self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
         self._param_chunk: dict[Tensor, int] = {}  # the chunk each param's update lands with
-        self._staged: list[int] = []  # indices of the chunks copied through the ring
+        self._up_front = -1  # the last chunk enqueued when `start` returns
+        self._ahead_of: Sequence[int] = ()  # per chunk: the last enqueued once it is needed
         self._advancing = threading.RLock()
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
@@ -222,13 +214,13 @@ class ForwardOverlap:
         self,
         chunk_params: Sequence[Collection[Tensor]],
         param_end: Mapping[Tensor, int],
-        staged: Sequence[bool],
+        schedule: StepSchedule,
     ) -> None:
         """The params each chunk updates, in step order (whole or in slices), where each
         param's unit ends in the step (rank-invariant state bytes from the step's start:
-        what a wait for it needs done, as the timer records it), and which chunks are
-        staged (copied through the ring; the others are GPU-resident)."""
-        self._staged = [c for c, is_staged in enumerate(staged) if is_staged]
+        what a wait for it needs done, as the timer records it), and the step's schedule
+        (how far ahead of the forward its chunks are enqueued)."""
+        self._up_front, self._ahead_of = schedule.up_front, schedule.ahead_of
         chunk_of: dict[Tensor, int] = {}
         for c, params in enumerate(chunk_params):
             for p in params:
@@ -259,7 +251,7 @@ class ForwardOverlap:
         self._enqueued = 0
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
-        self.advance(self._through_staged(self.CHUNKS_UP_FRONT * self._staging_slots - 1))
+        self.advance(self._up_front)
         self._reads.push(self)
 
     @torch.compiler.disable
@@ -309,22 +301,6 @@ class ForwardOverlap:
             for stream in fsdp_all_gather_streams(module):
                 stream.wait_event(done)
 
-    def _through_staged(self, count: int) -> int:
-        """The chunk index up to which the step holds staged chunk number `count` (from 0;
-        the last chunk if there are fewer). Resident chunks copy nothing: what is kept
-        ahead of the forward is counted in staged chunks, whose copies must start early
-        (counted in chunks, a resident prefix of the step left the first staged chunks'
-        loads until the forward was next to them)."""
-        if not self._staged:
-            return len(self.chunk_done) - 1
-        return self._staged[min(count, len(self._staged) - 1)]
-
-    def _ahead_of(self, chunk: int) -> int:
-        """The last chunk to enqueue once the forward needs `chunk`: `staging_slots`
-        staged chunks beyond it."""
-        staged_so_far = bisect.bisect_right(self._staged, chunk)
-        return max(chunk, self._through_staged(staged_so_far + self._staging_slots - 1))
-
     @property
     def pending_chunks(self) -> int:
         """Chunks of the pending step not enqueued yet (0 when none is pending)."""
@@ -344,12 +320,12 @@ class ForwardOverlap:
         chunk = max(self._module_chunk[i] for i in indices)
         if chunk < 0:
             return
-        self.advance(self._ahead_of(chunk))
+        self.advance(self._ahead_of[chunk])
         self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
 
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`."""
-        self.advance(self._ahead_of(chunk))
+        self.advance(self._ahead_of[chunk])
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
     def _before_forward(self) -> None:

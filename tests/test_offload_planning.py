@@ -12,13 +12,12 @@ from offload.chunk_plan import (
     Span,
     StateSpec,
     UnitSize,
-    backward_load_count,
     pack_units,
     plan_offload,
-    staging_slot_order,
 )
 from offload.cpu_offload import invariant_numel
 from offload.numa import bound_to_node, numa_nodes, parse_cpulist, pci_numa_node
+from offload.step_schedule import backward_load_count, plan_step, staging_slot_order
 
 
 def spec(numel: int, *dtypes: torch.dtype, splittable: bool = False) -> ParamSpec:
@@ -316,3 +315,60 @@ def test_chunks_fill_up_to_the_largest_staged_unit_that_cannot_be_cut():
     # splittable units are cut to chunk_bytes as before
     sliced = [spec(8192, torch.float32, splittable=True)] + params[1:]
     assert max(c.invariant_bytes for c in plan_offload(units, sliced, 4096).chunks) <= 4096
+
+
+def _issue_order(schedule) -> list[tuple[str, int]]:
+    ops = list(schedule.prologue)
+    for chunk_ops in schedule.per_chunk:
+        ops += chunk_ops
+    return ops + list(schedule.epilogue)
+
+
+def test_plan_step_enqueues_loads_ahead_and_holds_back_the_extra_slots_write_backs():
+    # 1 resident chunk, then 5 staged, a ring of 3, the backward loading 4 (1 extra slot)
+    schedule = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=4, overlap=True)
+    assert schedule.slots == (-1, 3, 0, 1, 2, 0)
+    assert schedule.staged == (1, 2, 3, 4, 5) and schedule.extra_slots == 1
+    assert _issue_order(schedule) == [
+        ("load", 1), ("load", 2),  # ring_slots - 1 loads up front
+        ("step", 0),  # resident: no copies
+        ("load", 3), ("step", 1),  # its write-back (extra slot) is held to the end
+        ("load", 4), ("step", 2), ("write_back", 2),
+        ("load", 5), ("step", 3), ("write_back", 3),
+        ("step", 4), ("write_back", 4),
+        ("step", 5), ("write_back", 5),
+        ("write_back", 1),
+    ]  # fmt: skip
+    # without overlap nothing is held back, and there is no look-ahead
+    plain = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=4, overlap=False)
+    assert plain.per_chunk[1] == (("load", 3), ("step", 1), ("write_back", 1))
+    assert plain.epilogue == () and plain.ahead_of == ()
+    # a ring of one: each chunk loads, then steps
+    single = plan_step([True] * 3, ring_slots=1, backward_loads=0, overlap=False)
+    assert _issue_order(single) == [
+        ("load", 0), ("step", 0), ("write_back", 0),
+        ("load", 1), ("step", 1), ("write_back", 1),
+        ("load", 2), ("step", 2), ("write_back", 2),
+    ]  # fmt: skip
+
+
+def test_plan_step_keeps_staged_chunks_ahead_of_the_forward():
+    # counted in chunks, the 4 resident chunks took up the look-ahead: no staged chunk was
+    # enqueued when step() returned
+    staged = [False] * 4 + [True] * 6
+    schedule = plan_step(staged, ring_slots=2, backward_loads=0, overlap=True)
+    assert schedule.up_front == 7  # UP_FRONT_RINGS x 2 staged chunks: 4..7
+    assert schedule.ahead_of == (5, 5, 5, 5, 6, 7, 8, 9, 9, 9)
+    all_staged = plan_step([True] * 6, ring_slots=2, backward_loads=0, overlap=True)
+    assert all_staged.up_front == 3 and all_staged.ahead_of == (2, 3, 4, 5, 5, 5)
+    resident = plan_step([False] * 3, ring_slots=2, backward_loads=0, overlap=True)
+    assert resident.up_front == 2 and resident.slots == (-1, -1, -1)
+    assert resident.describe() == "3 chunks: 3 resident, 0 staged in a ring of 2 slots"
+
+
+def test_the_step_schedule_example_runs():
+    import doctest
+
+    import offload.step_schedule
+
+    assert doctest.testmod(offload.step_schedule).failed == 0

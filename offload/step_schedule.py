@@ -1,0 +1,174 @@
+"""Pure planning of how an offloaded step runs its chunks, built once with the chunk
+plan and run by `CPUOffloadOptimizer` every step. Nothing here touches a device.
+
+A step runs its chunks in step order (`chunk_plan.OffloadPlan.chunks`). A resident
+chunk only updates. A staged chunk is loaded into a staging slot (host to GPU),
+updated there, and written back (GPU to host); the slot is loaded again once its
+write-back is done. The schedule says:
+
+- which slot each staged chunk takes: the ring's `ring_slots` in turn, except the
+  chunks the backward loads beyond what the ring holds, which take an extra slot each
+  (`staging_slot_order`);
+- in which order the copies and updates are enqueued: the first `ring_slots - 1`
+  loads up front, then per chunk the load `ring_slots - 1` staged chunks ahead, its
+  update, its write-back; with forward overlap the extra slots' write-backs go last
+  (nothing waits for them, while the forward waits for ring loads that wait for ring
+  write-backs, and the copy engine runs copies in the order they were enqueued);
+- with forward overlap, how far ahead of the forward the chunks are enqueued: counted
+  in staged chunks (a resident chunk copies nothing, so counting it would leave the
+  first staged chunks' loads until the forward was next to them).
+
+Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
+
+    >>> s = plan_step([False, False] + [True] * 6, ring_slots=3, backward_loads=4, overlap=True)
+    >>> s.slots
+    (-1, -1, 3, 0, 1, 2, 0, 1)
+    >>> s.describe()
+    '8 chunks: 2 resident, 6 staged in a ring of 3 slots and 1 extra; the backward loads 4'
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+UP_FRONT_RINGS = 2
+"""With forward overlap, staged chunks enqueued when `step()` returns, in rings' worth."""
+
+Op = tuple[Literal["load", "step", "write_back"], int]
+"""One enqueued operation on a chunk (its index in step order)."""
+
+
+def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: int | None) -> int:
+    """How many of the step's first staged chunks the backward loads.
+
+    `staged_bytes` are the staged (not resident) chunks' rank-invariant state bytes in
+    step order. Without a `budget`, one per ring slot; with one, the most leading chunks
+    whose state fits in `budget` bytes, but never fewer than the ring holds (the ring is
+    allocated for the step anyway). The same on every rank.
+    """
+    count = min(ring_slots, len(staged_bytes))
+    if budget is None:
+        return count
+    total = 0
+    for index, size in enumerate(staged_bytes):
+        total += size
+        if total > budget:
+            return max(count, index)
+    return len(staged_bytes)
+
+
+def staging_slot_order(staged: int, ring_slots: int, backward_loads: int) -> list[int]:
+    """Each staged chunk's staging slot, in step order.
+
+    Of the `backward_loads` chunks, all but the last `ring_slots` take one extra slot each
+    (slot `ring_slots + k`: loaded in the backward, given back once written back, and
+    nothing waits for that write-back, so it can wait for the forward); the chunks after
+    them take the ring's slots in turn.
+    """
+    if ring_slots < 1:
+        raise ValueError(f"ring_slots should be >= 1 but is: {ring_slots}")
+    extra = max(0, backward_loads - ring_slots)
+    return [ring_slots + k if k < extra else (k - extra) % ring_slots for k in range(staged)]
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """How one step runs its chunks (see the module's docstring)."""
+
+    slots: tuple[int, ...]
+    """Per chunk in step order: its staging slot (`ring_slots` and up: an extra slot), or -1
+    when resident."""
+    ring_slots: int
+    backward_loads: int
+    """The first staged chunks the backward of the forward after a step loads."""
+    prologue: tuple[Op, ...]
+    """Enqueued before the first chunk: the first loads."""
+    per_chunk: tuple[tuple[Op, ...], ...]
+    """Enqueued when chunk c runs: the load ahead of it, its update, its write-back."""
+    epilogue: tuple[Op, ...]
+    """Enqueued after the last chunk: the write-backs held back (the extra slots')."""
+    up_front: int
+    """With forward overlap: the last chunk enqueued when `step()` returns."""
+    ahead_of: tuple[int, ...]
+    """With forward overlap: per chunk, the last chunk enqueued once the forward needs it."""
+
+    @property
+    def staged(self) -> tuple[int, ...]:
+        return tuple(c for c, slot in enumerate(self.slots) if slot >= 0)
+
+    @property
+    def extra_slots(self) -> int:
+        return sum(slot >= self.ring_slots for slot in self.slots)
+
+    def describe(self) -> str:
+        staged = len(self.staged)
+        text = (
+            f"{len(self.slots)} chunks: {len(self.slots) - staged} resident, {staged} staged "
+            f"in a ring of {self.ring_slots} slots"
+        )
+        if self.extra_slots:
+            text += f" and {self.extra_slots} extra"
+        if self.backward_loads:
+            text += f"; the backward loads {self.backward_loads}"
+        return text
+
+
+def plan_step(
+    staged: Sequence[bool],
+    ring_slots: int,
+    backward_loads: int,
+    overlap: bool,
+) -> StepSchedule:
+    """The schedule of a step whose chunks (step order) are `staged` or resident.
+
+    backward_loads: how many of the first staged chunks the backward loads
+    (`backward_load_count`; 0 without); overlap: the step runs with the next forward (the
+    extra slots' write-backs go last, and the look-ahead is planned).
+    """
+    staged_chunks = [c for c, is_staged in enumerate(staged) if is_staged]
+    order = staging_slot_order(len(staged_chunks), ring_slots, backward_loads)
+    slot_of = dict(zip(staged_chunks, order, strict=True))
+    slots = tuple(slot_of.get(c, -1) for c in range(len(staged)))
+    ahead = ring_slots - 1  # loads in flight ahead of the update (0: load, then update)
+    prologue: tuple[Op, ...] = tuple(("load", c) for c in staged_chunks[:ahead])
+    per_chunk: list[tuple[Op, ...]] = []
+    held: list[Op] = []
+    next_load = ahead
+    for c in range(len(staged)):
+        ops: list[Op] = []
+        if slots[c] >= 0:
+            if next_load < len(staged_chunks):
+                ops.append(("load", staged_chunks[next_load]))
+            next_load += 1
+        ops.append(("step", c))
+        if slots[c] >= 0:
+            write_back: Op = ("write_back", c)
+            if overlap and slots[c] >= ring_slots:
+                held.append(write_back)
+            else:
+                ops.append(write_back)
+        per_chunk.append(tuple(ops))
+
+    def through_staged(count: int) -> int:
+        """The chunk holding staged chunk number `count` (the last chunk if fewer)."""
+        if not staged_chunks:
+            return len(staged) - 1
+        return staged_chunks[min(count, len(staged_chunks) - 1)]
+
+    ahead_of = tuple(
+        max(c, through_staged(bisect.bisect_right(staged_chunks, c) + ring_slots - 1))
+        for c in range(len(staged))
+    )
+    return StepSchedule(
+        slots=slots,
+        ring_slots=ring_slots,
+        backward_loads=backward_loads,
+        prologue=prologue,
+        per_chunk=tuple(per_chunk),
+        epilogue=tuple(held),
+        up_front=through_staged(UP_FRONT_RINGS * ring_slots - 1) if staged else -1,
+        ahead_of=ahead_of if overlap else (),
+    )
