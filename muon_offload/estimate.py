@@ -84,6 +84,7 @@ from muon.planning import (
 from offload.chunk_plan import ParamSpec, StateSpec, plan_offload
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
 from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
+from offload.step_schedule import StepSchedule, plan_step
 
 EXPERT_SHARDS = ("auto", "experts", "rows")
 DEVICES = ("cuda", "cpu")
@@ -361,7 +362,12 @@ class RankEstimate:
     """`MuonStep.units` as indices: Muon params (`MuonPlan` order), then AdamW params."""
     no_offload: StepMemory
     offload: StepMemory
-    offload_chunks: int
+    offload_schedule: StepSchedule
+    """How `CPUOffloadOptimizer` runs the offloaded step's chunks (no backward loads)."""
+
+    @property
+    def offload_chunks(self) -> int:
+        return len(self.offload_schedule.slots)
 
     @property
     def state_bytes(self) -> int:
@@ -997,5 +1003,10 @@ def _rank(
             offload.staging_bytes(settings.offload_slots),
             offload_transient,
         ),
-        offload_chunks=len(offload.chunks),
+        offload_schedule=plan_step(
+            [not chunk.resident for chunk in offload.chunks],
+            settings.offload_slots,
+            backward_loads=0,
+            overlap=True,
+        ),
     )

@@ -146,6 +146,7 @@ def rank_dict(rank: RankEstimate) -> dict[str, Any]:
         "muon_state_bytes": rank.muon_state_bytes,
         "adamw_state_bytes": rank.adamw_state_bytes,
         "offload_chunks": rank.offload_chunks,
+        "offload_schedule": rank.offload_schedule.describe(),
         "no_offload": _memory_dict(rank.no_offload),
         "offload": _memory_dict(rank.offload),
     }
@@ -240,8 +241,8 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
     for offload in (False, True):
         top = model.largest_peak(offload)
         title = (
-            f"with offload ({_mib(settings.offload_chunk_bytes)} MiB chunks, "
-            f"{settings.offload_slots} slots, {top.offload_chunks} chunks)"
+            f"with offload ({_mib(settings.offload_chunk_bytes)} MiB chunks; "
+            f"{top.offload_schedule.describe()})"
             if offload
             else "without offload"
         )

@@ -26,12 +26,17 @@ AT_64_RANKS = {
 }  # fmt: skip
 
 
+def _without(key: str):
+    return lambda obj: {k: v for k, v in obj.items() if k != key}
+
+
 @pytest.mark.parametrize("name", sorted(AT_64_RANKS))
 def test_figures_at_64_ranks_are_unchanged(name, capsys):
     with gzip.open(FIXTURES / f"{name}.json.gz", "rt") as f:
         before = json.load(f)
     assert main([*AT_64_RANKS[name], "--json"]) == 0
-    after = json.loads(capsys.readouterr().out)
+    # "offload_schedule" (each rank's schedule, described) was added since the fixtures
+    after = json.loads(capsys.readouterr().out, object_hook=_without("offload_schedule"))
     assert after["buckets"] == before["buckets"]
     old, new = before["summary"], after["summary"]
     for key, value in old.items():
