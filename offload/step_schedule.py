@@ -14,9 +14,11 @@ write-back is done. The schedule says:
   update, its write-back; with forward overlap the extra slots' write-backs go last
   (nothing waits for them, while the forward waits for ring loads that wait for ring
   write-backs, and the copy engine runs copies in the order they were enqueued);
-- with forward overlap, how far ahead of the forward the chunks are enqueued: counted
-  in staged chunks (a resident chunk copies nothing, so counting it would leave the
-  first staged chunks' loads until the forward was next to them).
+- with forward overlap, how far ahead of the forward the chunks are enqueued:
+  `UP_FRONT_RINGS` rings' worth when `step()` returns, then `ring_slots` beyond the
+  chunk the forward needs (counted in chunks, resident ones too: counted in staged
+  chunks, `step()` would first enqueue every update of a resident prefix on the host,
+  which measured slower with "auto").
 
 Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
 
@@ -29,13 +31,12 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 UP_FRONT_RINGS = 2
-"""With forward overlap, staged chunks enqueued when `step()` returns, in rings' worth."""
+"""With forward overlap, chunks enqueued when `step()` returns, in rings' worth."""
 
 Op = tuple[Literal["load", "step", "write_back"], int]
 """One enqueued operation on a chunk (its index in step order)."""
@@ -152,16 +153,8 @@ def plan_step(
                 ops.append(write_back)
         per_chunk.append(tuple(ops))
 
-    def through_staged(count: int) -> int:
-        """The chunk holding staged chunk number `count` (the last chunk if fewer)."""
-        if not staged_chunks:
-            return len(staged) - 1
-        return staged_chunks[min(count, len(staged_chunks) - 1)]
-
-    ahead_of = tuple(
-        max(c, through_staged(bisect.bisect_right(staged_chunks, c) + ring_slots - 1))
-        for c in range(len(staged))
-    )
+    last = len(staged) - 1
+    ahead_of = tuple(min(c + ring_slots, last) for c in range(len(staged)))
     return StepSchedule(
         slots=slots,
         ring_slots=ring_slots,
@@ -169,6 +162,6 @@ def plan_step(
         prologue=prologue,
         per_chunk=tuple(per_chunk),
         epilogue=tuple(held),
-        up_front=through_staged(UP_FRONT_RINGS * ring_slots - 1) if staged else -1,
+        up_front=min(UP_FRONT_RINGS * ring_slots - 1, last),
         ahead_of=ahead_of if overlap else (),
     )

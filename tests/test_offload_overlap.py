@@ -12,7 +12,6 @@ import torch
 
 from offload import CPUOffloadOptimizer
 from offload.forward_overlap import param_owners
-from offload.step_schedule import UP_FRONT_RINGS
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -526,26 +525,3 @@ def test_an_extra_staging_slot_is_sized_for_its_chunk():
     assert len(sizes) > 1  # chunks of several sizes (the ramp, the layers' shapes)
     for layout, slot in zip(extra, opt._extra_slots, strict=True):
         assert layout.staging_numel == {d: b.numel() for d, b in slot.buffers.items()}
-
-
-def test_resident_chunks_do_not_hold_back_the_first_staged_loads():
-    # the look-ahead was counted in chunks: a resident prefix took it up, no staged chunk was
-    # enqueued when step() returned, and their loads waited until the forward was next to them
-    model = make_model()
-    resident = 40 * 16 * 8 + 2 * (16 * 16 + 16) * 8  # AdamW state: embedding, two layers
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1,
-        staging_slots=1,
-        overlap_forward=model,
-        gpu_resident_bytes=resident,
-    )
-    for tokens in batches(2):
-        opt.zero_grad()
-        model(tokens).square().mean().backward()
-        opt.step()
-    staged = [c for c, chunk in enumerate(opt._chunks) if chunk.slot >= 0]
-    up_front = UP_FRONT_RINGS * opt.staging_slots
-    assert staged[0] >= up_front and len(staged) > up_front  # resident chunks come first
-    assert sum(c < opt._overlap._enqueued for c in staged) == up_front
-    opt.wait_for_optimizer_step()
