@@ -370,6 +370,9 @@ class _PendingReads(TorchFunctionMode):
         self.step_pending = False
         self.active = False  # off while the step itself runs (`suspended`)
         self.chunk_of: dict[int, int] = {}  # id(param or grad) -> the chunk it lands with
+        # id(grad) -> the grad: a grad the trainer dropped is freed once its chunk stepped,
+        # and a new tensor may take its id
+        self._grads: dict[int, weakref.ref[Tensor]] = {}
         self.landed = -1  # the last chunk the trainer's stream has waited for
         self._thread: int | None = None  # the thread whose stack holds this mode
 
@@ -377,9 +380,9 @@ class _PendingReads(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if self.active:
-            chunk = _latest_chunk(self.chunk_of, args)
+            chunk = _latest_chunk(self.chunk_of, self._grads, args)
             if kwargs:
-                chunk = max(chunk, _latest_chunk(self.chunk_of, kwargs.values()))
+                chunk = max(chunk, _latest_chunk(self.chunk_of, self._grads, kwargs.values()))
             if chunk > self.landed and _touches_data(func):
                 overlap = self._overlap()
                 if overlap is not None:
@@ -398,9 +401,9 @@ class _PendingReads(TorchFunctionMode):
         """On, for `overlap`'s pending step: at the bottom of this thread's stack."""
         self._remove()
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
-        self.chunk_of |= {
-            id(p.grad): c for p, c in overlap._param_chunk.items() if p.grad is not None
-        }
+        grads = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
+        self.chunk_of |= {id(g): c for g, c in grads}
+        self._grads = {id(g): weakref.ref(g) for g, _ in grads}
         self.step_pending, self.landed, self.active = True, -1, True
         modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
         torch._C._push_on_torch_function_stack(self)
@@ -410,7 +413,7 @@ class _PendingReads(TorchFunctionMode):
 
     def pop(self) -> None:
         """Off, the step landed; taken off the stack where this thread holds it."""
-        self.active, self.step_pending, self.chunk_of = False, False, {}
+        self.active, self.step_pending, self.chunk_of, self._grads = False, False, {}, {}
         self._remove()
 
     def leave_stack(self) -> None:
@@ -458,20 +461,29 @@ def _depth() -> int:
     return torch._C._len_torch_function_stack()
 
 
-def _latest_chunk(chunk_of: dict[int, int], values: Iterable[Any]) -> int:
-    """The latest chunk among the params in `values` (one level into lists), else -1."""
+def _latest_chunk(
+    chunk_of: dict[int, int], grads: dict[int, weakref.ref[Tensor]], values: Iterable[Any]
+) -> int:
+    """The latest chunk among the params and grads in `values` (one level into lists), else
+    -1. A hit on a grad's id is checked to be that grad (ids of freed grads are reused)."""
     latest = -1
     for value in values:
         if type(value) in (list, tuple):
             for item in value:
                 chunk = chunk_of.get(id(item), -1)
-                if chunk > latest:
+                if chunk > latest and _is_it(grads, item):
                     latest = chunk
         else:
             chunk = chunk_of.get(id(value), -1)
-            if chunk > latest:
+            if chunk > latest and _is_it(grads, value):
                 latest = chunk
     return latest
+
+
+def _is_it(grads: dict[int, weakref.ref[Tensor]], value: Any) -> bool:
+    """`value` is the param or grad its id was recorded for."""
+    grad = grads.get(id(value))
+    return grad is None or grad() is value
 
 
 _METADATA = frozenset(

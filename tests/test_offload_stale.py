@@ -425,3 +425,27 @@ def test_a_mode_switched_off_inside_its_own_dispatch_leaves_the_stack():
     assert torch._C._len_torch_function_stack() == 1  # torch put it back
     overlapped.close()  # the next pop on this thread takes it off
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_tensor_taking_a_freed_grads_id_is_not_waited_for():
+    # the mode knew grads by id: once a stepped chunk let go of a grad the trainer had
+    # dropped, a new tensor could take its id, and a torch call on it waited for the chunk
+    # (seen as an extra wait in test_gpu_resident_bytes_auto_keeps_what_the_stalls_need_bitwise,
+    # now and then). CPython reuses the id when it reuses the memory: here the new tensor is
+    # given the freed grad's entries, as that reuse would.
+    torch.manual_seed(0)
+    model = FunctionalHead()
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1 << 20, overlap_forward=model
+    )
+    _train(model, overlapped, _tokens(2))  # a step pending: its one chunk stepped in step()
+    reads = overlapped._overlap._reads
+    grad_id = id(model.head.weight.grad)
+    model.head.weight.grad = None  # the trainer drops it; nothing else holds it
+    taker = torch.zeros(2)
+    for entries in (reads.chunk_of, getattr(reads, "_grads", {})):
+        if grad_id in entries:
+            entries[id(taker)] = entries.pop(grad_id)
+    torch.add(taker, 1)
+    assert reads.landed == -1  # nothing was waited for
+    overlapped.wait_for_optimizer_step()
