@@ -92,9 +92,11 @@ class StepSchedule:
     epilogue: tuple[Op, ...]
     """Enqueued after the last chunk: the write-backs held back (the extra slots')."""
     up_front: int
-    """With forward overlap: the last chunk enqueued when `step()` returns."""
+    """With forward overlap: the last chunk enqueued when `step()` returns (the number of
+    chunks: all of them and the epilogue, which gives the ring back)."""
     ahead_of: tuple[int, ...]
-    """With forward overlap: per chunk, the last chunk enqueued once the forward needs it."""
+    """With forward overlap: per chunk, the last chunk enqueued once the forward needs it
+    (the number of chunks, as in `up_front`)."""
 
     @property
     def staged(self) -> tuple[int, ...]:
@@ -153,8 +155,10 @@ def plan_step(
                 ops.append(write_back)
         per_chunk.append(tuple(ops))
 
-    last = len(staged) - 1
-    ahead_of = tuple(min(c + ring_slots, last) for c in range(len(staged)))
+    # Past the last chunk is the epilogue: the extra slots' write-backs and the ring given
+    # back while the forward runs, not after it.
+    end = len(staged)
+    ahead_of = tuple(min(c + ring_slots, end) for c in range(len(staged)))
     return StepSchedule(
         slots=slots,
         ring_slots=ring_slots,
@@ -162,6 +166,6 @@ def plan_step(
         prologue=prologue,
         per_chunk=tuple(per_chunk),
         epilogue=tuple(held),
-        up_front=min(UP_FRONT_RINGS * ring_slots - 1, last),
+        up_front=min(UP_FRONT_RINGS * ring_slots - 1, end),
         ahead_of=ahead_of if overlap else (),
     )

@@ -525,3 +525,25 @@ def test_an_extra_staging_slot_is_sized_for_its_chunk():
     assert len(sizes) > 1  # chunks of several sizes (the ramp, the layers' shapes)
     for layout, slot in zip(extra, opt._extra_slots, strict=True):
         assert layout.staging_numel == {d: b.numel() for d, b in slot.buffers.items()}
+
+
+def test_the_step_is_all_enqueued_and_its_slots_given_back_before_the_forwards_last_module():
+    """The forward enqueues the step's chunks `staging_slots` ahead of the one it needs: near
+    the end that is past the last chunk, so the extra slots' write-backs follow and the ring
+    goes back to the allocator there, not once the whole forward has run (its last modules'
+    activations would sit on top of the ring)."""
+    model, opt = _loading_in_the_backward(8 * 512)
+    data = batches(3)
+    run(model, opt, data[:2])
+    assert opt._extra_slots and opt._ring is not None
+    seen = []
+
+    def check(module, args):
+        buffers = [b for s in (opt._ring, *opt._extra_slots) for b in s.buffers.values()]
+        seen.append(all(b.untyped_storage().nbytes() == 0 for b in buffers))
+
+    handle = model[-1].register_forward_pre_hook(check)  # after the overlap's own hook
+    model(data[2])
+    handle.remove()
+    assert seen == [True]
+    opt.wait_for_optimizer_step()

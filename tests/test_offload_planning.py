@@ -355,9 +355,10 @@ def test_plan_step_enqueues_loads_ahead_and_holds_back_the_extra_slots_write_bac
 def test_plan_step_keeps_chunks_ahead_of_the_forward():
     schedule = plan_step([False] * 4 + [True] * 6, ring_slots=2, backward_loads=0, overlap=True)
     assert schedule.up_front == 3  # UP_FRONT_RINGS x 2 chunks
-    assert schedule.ahead_of == (2, 3, 4, 5, 6, 7, 8, 9, 9, 9)
+    # 10: past the last chunk, the epilogue too (the ring given back within the forward)
+    assert schedule.ahead_of == (2, 3, 4, 5, 6, 7, 8, 9, 10, 10)
     resident = plan_step([False] * 3, ring_slots=2, backward_loads=0, overlap=True)
-    assert resident.up_front == 2 and resident.slots == (-1, -1, -1)
+    assert resident.up_front == 3 and resident.slots == (-1, -1, -1)
     assert resident.describe() == "3 chunks: 3 resident, 0 staged in a ring of 2 slots"
 
 
