@@ -432,10 +432,13 @@ class _PendingReads(TorchFunctionMode):
         here = threading.get_ident()
         if self._thread is not None and self._thread != here:
             with _ORPHANS_LOCK:
-                _ORPHANS.setdefault(self._thread, []).append(self)
+                orphans = _ORPHANS.setdefault(self._thread, [])
+                if not any(mode is self for mode in orphans):  # once, however often
+                    orphans.append(self)
             return
         with _ORPHANS_LOCK:
-            leaving = [self, *_ORPHANS.pop(here, ())]
+            orphans = _ORPHANS.pop(here, ())
+        leaving = [self, *(mode for mode in orphans if mode is not self)]
         ids = {id(mode) for mode in leaving}
         found = set()
         for mode in [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]:

@@ -380,6 +380,29 @@ def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
     _assert_same(plain_model, plain, model, overlapped)
 
 
+def test_a_mode_switched_off_by_another_thread_again_and_again_is_one_orphan():
+    # each finish() from another thread (a checkpoint's state reads, a monitor polling)
+    # registered the trainer's mode as an orphan once more: the registry grew until the
+    # trainer's next push or pop
+    import threading
+
+    from offload import forward_overlap
+
+    _no_mode_left_by_earlier_tests()
+    _, _, model, overlapped = _pair(TiedEmbedFirst)
+    _train(model, overlapped, _tokens(1))  # a step pending: the mode is on this thread
+    reads = overlapped._overlap._reads
+    for _ in range(3):
+        thread = threading.Thread(target=overlapped.wait_for_optimizer_step)
+        thread.start()
+        thread.join()
+    orphans = forward_overlap._ORPHANS.get(threading.get_ident(), [])
+    assert [id(mode) for mode in orphans] == [id(reads)]
+    model(_tokens(1)[0])  # the trainer's next forward takes it off
+    assert torch._C._len_torch_function_stack() == 0
+    assert threading.get_ident() not in forward_overlap._ORPHANS
+
+
 def test_a_copy_or_a_pickle_of_the_model_does_not_drive_the_optimizer(monkeypatch):
     # torch.save(model) raised "Can't pickle local object" while the optimizer was open,
     # and an EMA copy's forward called into the training optimizer
