@@ -1003,10 +1003,12 @@ def _rank(
             offload.staging_bytes(settings.offload_slots),
             offload_transient,
         ),
+        # Without backward loads, overlap changes only the look-ahead, which the estimate
+        # does not use: the slots and the order are the wrapper's either way.
         offload_schedule=plan_step(
             [not chunk.resident for chunk in offload.chunks],
             settings.offload_slots,
             backward_loads=0,
-            overlap=True,
+            overlap=False,
         ),
     )

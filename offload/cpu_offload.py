@@ -459,6 +459,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The chunk plan, built on the first step (None before)."""
         return self._plan
 
+    @property
+    def schedule(self) -> StepSchedule | None:
+        """How the step runs the plan's chunks (`offload.step_schedule`), built with it."""
+        return self._schedule
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none and self._overlap is not None:
             self._overlap.finish()  # zeroing in place would race the overlapped step's reads

@@ -432,6 +432,7 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
         wrapper = CPUOffloadOptimizer(opt, chunk_bytes=OFFLOAD_CHUNK, staging_slots=2)
         wrapper.step()
         assert len(wrapper.plan.chunks) == estimated.offload_chunks, where
+        assert wrapper.schedule == estimated.offload_schedule, where
         assert wrapper.plan.staging_bytes(2) == estimated.offload.staging_bytes, where
 
 
