@@ -16,9 +16,10 @@ write-back is done. The schedule says:
   write-backs, and the copy engine runs copies in the order they were enqueued);
 - with forward overlap, how far ahead of the forward the chunks are enqueued:
   `UP_FRONT_RINGS` rings' worth when `step()` returns, then `ring_slots` beyond the
-  chunk the forward needs (counted in chunks, resident ones too: counted in staged
-  chunks, `step()` would first enqueue every update of a resident prefix on the host,
-  which measured slower with "auto").
+  chunk the forward needs, counted in chunks, resident ones too. So with a resident
+  prefix, the staged chunks behind it are enqueued only once the forward nears them;
+  counting staged chunks instead would have `step()` enqueue every resident update on
+  the host first (the chunks run in step order).
 
 Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
 
