@@ -84,7 +84,7 @@ from bench.timing import timed_window
 from bench.train import free_port
 from muon_offload import OptimizerConfig, setup_optimizer
 from offload import CPUOffloadOptimizer
-from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
+from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, MAX_PROBES, PROBE_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +96,7 @@ PLAIN_ARMS = ("none", "offload+overlap", "torchao")
 GiB = 2**30
 UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 RESIDENT_FIELD = "offload_gpu_resident_bytes"
+AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +335,7 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         lr=args.lr,
         offload="optimizer" if arm.mode.startswith("offload") else "none",
         offload_overlap_forward=arm.mode in OVERLAP_ARMS,
-        offload_load_in_backward=arm.mode == "offload+overlap+bwd",
+        offload_load_in_backward=True if arm.mode == "offload+overlap+bwd" else None,
         offload_backward_load_bytes=arm.backward_load,
         **({} if args.chunk_bytes is None else {"offload_chunk_bytes": args.chunk_bytes}),
         **extra,
@@ -376,13 +377,20 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             marks.mark()
         return returned
 
-    # Warmup builds plans, allocates state and host slabs; a slow arm stops early. "auto"
-    # decides after its measured steps: the window starts after that.
-    warmup = args.warmup
+    # "auto" measures and searches over its first steps, run as a trainer runs them (no
+    # host sync between steps); the window starts once it has settled.
+    search_steps, search_s = 0, 0.0
     if arm.resident == "auto":
-        warmup = max(warmup, AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 1)
+        started = time.perf_counter()
+        while optimizer.residency is None and search_steps < AUTO_STEPS_AT_MOST:
+            step()
+            search_steps += 1
+        timed_window(step, 1, device)  # the first step with the settled choice, synced
+        search_steps += 1
+        search_s = time.perf_counter() - started
+    # Warmup builds plans, allocates state and host slabs; a slow arm stops early.
     warm_s: list[float] = []
-    for _ in range(warmup):
+    for _ in range(args.warmup):
         started = time.perf_counter()
         timed_window(step, 1, device)
         warm_s.append(time.perf_counter() - started)
@@ -397,6 +405,8 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     per_step, window_s = timed_window(lambda: returns.append(step()), steps, device)
     getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
     result: dict[str, Any] = {
+        "search_steps": search_steps,
+        "search_ms": 1e3 * search_s,
         "warmup_steps": len(warm_s),
         "timed_steps": steps,
         "step_ms": 1e3 * statistics.median(per_step),
@@ -407,6 +417,13 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
         ),
     }
+    # The first 30 steps' mean, the search and warmup included (what "auto" costs a run).
+    counted = search_steps + len(warm_s)
+    first = [
+        1e3 * search_s + 1e3 * sum(warm_s),
+        *(1e3 * s for s in per_step[: max(0, 30 - counted)]),
+    ]
+    result["first_30_mean_ms"] = sum(first) / min(30, counted + len(per_step))
     if isinstance(optimizer, CPUOffloadOptimizer):
         result["resident_mib"] = optimizer.plan.resident_bytes / 2**20
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
@@ -614,10 +631,19 @@ def print_table(results: list[dict[str, Any]]) -> None:
             c = r["residency"]
             print(
                 f"{'':<{width}} auto: kept {c['resident_units']} units, "
-                f"{c['resident_bytes'] / GiB:.2f} of {c['cap_bytes'] / GiB:.2f} GiB cap "
-                f"({c['state_bytes'] / GiB:.2f} GiB state); stall {c['measured_stall_ms']:.1f} "
-                f"ms a step all offloaded, predicted {c['predicted_stall_ms']:.1f} ms"
+                f"{c['resident_bytes'] / GiB:.2f} GiB resident + "
+                f"{c['backward_load_bytes'] / GiB:.2f} GiB loaded in the backward "
+                f"({c['state_bytes'] / GiB:.2f} GiB state, budget "
+                f"{c['budget_bytes'] / GiB:.2f} GiB); stall {c['measured_stall_ms']:.1f} "
+                f"ms a step all offloaded, predicted {c['predicted_stall_ms']:.1f} ms; "
+                f"{r['search_steps']} steps to settle, {r['search_ms'] / 1e3:.2f} s"
             )
+            for p in c["probes"]:
+                split = p["split"]
+                print(
+                    f"{'':<{width}}   tried {split['resident_bytes'] / GiB:.2f} + "
+                    f"{split['backward_load_bytes'] / GiB:.2f} GiB: {p['iteration_ms']:.1f} ms"
+                )
     for r in results:
         if "step_ms_runs" in r:
             runs = ", ".join(f"{t:.1f}" for t in r["step_ms_runs"])

@@ -89,13 +89,17 @@ class OptimizerConfig:
     offload_gpu_resident_bytes: int | str = 0
     """With offload: state bytes kept on the GPU, or "auto" (CPUOffloadOptimizer's
     `gpu_resident_bytes`)."""
-    offload_load_in_backward: bool = False
+    offload_gpu_budget_bytes: int | None = None
+    """With `offload_gpu_resident_bytes="auto"`: the GPU memory the optimizer may hold
+    for state (default: what the device had free at the measured peak;
+    CPUOffloadOptimizer's `gpu_budget_bytes`)."""
+    offload_load_in_backward: bool | None = None
     """With forward overlap: load the next step's first chunks during the backward
-    (CPUOffloadOptimizer's `load_in_backward`)."""
+    (CPUOffloadOptimizer's `load_in_backward`; default: off, "auto" chooses)."""
     offload_backward_load_bytes: int | None = None
-    """With `offload_load_in_backward`: state bytes the backward loads (default: one
-    ring's worth; more holds extra staging slots from the backward to the next forward;
-    CPUOffloadOptimizer's `backward_load_bytes`)."""
+    """With `offload_load_in_backward` or "auto": state bytes the backward loads
+    (default: one ring's worth, or what "auto" chooses; more holds extra staging slots
+    from the backward to the next forward; CPUOffloadOptimizer's `backward_load_bytes`)."""
     muon_options: dict[str, Any] = field(default_factory=dict)
     """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
 
@@ -114,6 +118,7 @@ class OptimizerConfig:
             chunk_bytes=self.offload_chunk_bytes,
             staging_slots=self.offload_staging_slots,
             gpu_resident_bytes=self.offload_gpu_resident_bytes,
+            gpu_budget_bytes=self.offload_gpu_budget_bytes,
             overlap_forward=self.offload_overlap_forward,
             load_in_backward=self.offload_load_in_backward,
             backward_load_bytes=self.offload_backward_load_bytes,
@@ -131,14 +136,14 @@ class OptimizerConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = _field_default(f)
-            if isinstance(default, bool):
+            if isinstance(default, bool) or f.name == "offload_load_in_backward":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 continue
             if f.name == "muon_options":
                 parse: Callable[[str], Any] = _json_object
             elif f.name == "offload_gpu_resident_bytes":
                 parse = _bytes_or_auto
-            elif default is None:  # offload_backward_load_bytes
+            elif default is None:  # offload_backward_load_bytes, offload_gpu_budget_bytes
                 parse = int
             else:
                 parse = float if isinstance(default, tuple) else type(default)
@@ -315,6 +320,7 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         staging_slots=config.offload_staging_slots,
         overlap_forward=model if config.offload_overlap_forward else None,
         gpu_resident_bytes=config.offload_gpu_resident_bytes,
+        gpu_budget_bytes=config.offload_gpu_budget_bytes,
         load_in_backward=config.offload_load_in_backward,
         backward_load_bytes=config.offload_backward_load_bytes,
     )
@@ -379,5 +385,6 @@ _FLAG_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "offload_staging_slots": offload_checks.check_staging_slots,
     "offload_gpu_resident_bytes": offload_checks.check_gpu_resident_bytes,
     "offload_backward_load_bytes": offload_checks.check_optional_bytes,
+    "offload_gpu_budget_bytes": offload_checks.check_optional_bytes,
     "muon_options": lambda value, name: _check_muon_options(value),
 }

@@ -302,6 +302,7 @@ def plan_offload(
     resident_bytes: int = 0,
     resident_first: bool = False,
     ramp_first: bool = True,
+    host_room_for_all: bool = False,
 ) -> OffloadPlan:
     """Cut `units` (lists of param indices) into chunks and lay out their state.
 
@@ -314,6 +315,11 @@ def plan_offload(
     copies). A unit's state has one home, so residency never cuts a unit. Every other
     chunk's state tensors have homes in the host slabs, laid out in chunk order,
     so loading or writing back a chunk is a few contiguous copies per dtype.
+
+    With `host_room_for_all`, the host slabs keep room for resident state too, and every
+    state tensor's host home is where it is with nothing resident: plans of any
+    `resident_bytes` (and `ramp_first`) share one host layout, so moving between them
+    moves only the resident state (what "auto" does while it searches).
     """
     sizes = unit_sizes(units, params)
     resident = _resident_units([s.bytes for s in sizes], resident_bytes, resident_first)
@@ -336,6 +342,14 @@ def plan_offload(
             start = stop
     homes: dict[bool, dict[torch.dtype, int]] = {False: {}, True: {}}
     home_offset: dict[tuple[int, str], int] = {}
+    if host_room_for_all:  # the host homes in step order, resident or not
+        for unit in units:
+            for i in unit:
+                for spec in params[i].state:
+                    offset = _aligned(homes[False].get(spec.dtype, 0), spec.dtype)
+                    home_offset[i, spec.key] = offset
+                    homes[False][spec.dtype] = offset + spec.numel
+    resident_offset: dict[tuple[int, str], int] = {}
     slot_numel: dict[torch.dtype, int] = {}
     chunks = []
     for spans, in_gpu in packed:
@@ -357,15 +371,16 @@ def plan_offload(
                 whole += [i for i, _ in param_specs]
                 pieces += [(i, s, 0, s.numel, False) for i, p in param_specs for s in p.state]
         numel = homes[in_gpu]
+        offsets = resident_offset if in_gpu else home_offset
         for i, spec, *_ in pieces:
-            if (i, spec.key) not in home_offset:
+            if (i, spec.key) not in offsets:
                 offset = _aligned(numel.get(spec.dtype, 0), spec.dtype)
-                home_offset[i, spec.key] = offset
+                offsets[i, spec.key] = offset
                 numel[spec.dtype] = offset + spec.numel
         views, copies, used = [], {}, {}
         ends_tensor: dict[torch.dtype, bool] = {}  # the dtype's last run ends a state tensor
         for i, spec, start, stop, sliced in pieces:
-            home = home_offset[i, spec.key] + start
+            home = offsets[i, spec.key] + start
             staging = 0
             if not in_gpu and stop > start:
                 runs = copies.setdefault(spec.dtype, [])
@@ -382,7 +397,7 @@ def plan_offload(
                     runs.append(Copy(home, staging, stop - start))
                 used[spec.dtype] = staging + stop - start
                 ends_tensor[spec.dtype] = stop == spec.numel
-            views.append(StateView(i, spec, home_offset[i, spec.key], start, stop, sliced, staging))
+            views.append(StateView(i, spec, offsets[i, spec.key], start, stop, sliced, staging))
         for dtype, n in used.items():
             slot_numel[dtype] = max(slot_numel.get(dtype, 0), n)
         chunks.append(

@@ -29,18 +29,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from offload.auto_residency import AutoResidency, StepShape
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.forward_overlap import ForwardOverlap
-from offload.host_memory import allocate_host_slabs, check_device_memory, check_host_memory
-from offload.options import check_offload_options
-from offload.residency import (
-    AUTO_MEASURED_STEPS,
-    AUTO_WARMUP_STEPS,
-    DEFAULT_RESIDENT_CAP_FRACTION,
-    ResidencyChoice,
-    StepTimer,
-    choose_residency,
+from offload.host_memory import (
+    allocate_host_slabs,
+    check_device_memory,
+    check_host_memory,
+    device_headroom_bytes,
 )
+from offload.options import check_offload_options
+from offload.residency import ResidencyChoice, Split, StepTimer
 from offload.state_estimate import dry_run_state_bytes
 from offload.step_schedule import StepSchedule, backward_load_count, plan_step
 from offload.streams import CopyStreams
@@ -156,6 +155,7 @@ class _Chunk:
     params: list[Tensor]  # updated whole
     slices: list[ParamSlice]  # updated in slices
     slot: int  # staging slot; -1 when resident
+    invariant_bytes: int  # rank-invariant state bytes ("auto" times its loads by them)
     copies: list[tuple[Tensor, Tensor]]  # (home slab range, staging slot range)
     views: list[_View]
 
@@ -244,12 +244,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             on the GPU, never copied: the units the forward needs first with
             `overlap_forward` (overlap cannot hide them), else the last ones
             (nothing overlaps their copies), up to the first unit that does not fit.
-            "auto": measure, over the first steps with everything offloaded, how long
-            the trainer's stream stalls waiting for chunks (`offload.residency`), then
-            keep the fewest leading units that remove the stall the cap can remove, at
-            most `gpu_resident_cap_bytes`; `residency` says what it chose.
-        gpu_resident_cap_bytes: the most "auto" may keep on the GPU (default:
-            half the state).
+            "auto": measure the first steps with everything offloaded (the trainer's
+            stalls for chunks, the backward's length, the load rate, each step), then
+            choose how much state the forward does not load: with `overlap_forward`,
+            the backward loads what its length carries and the leading units of the
+            rest stay resident; then, on a GPU, try larger amounts a few steps each
+            while each makes the step `residency.SEARCH_GAIN` faster, and settle on
+            the least within that of the fastest (`offload.auto_residency`). Without
+            overlap the last units stay resident. `residency` says what it chose, and
+            one log line. It keeps room in the host slabs for the whole state, so
+            re-choosing never allocates pinned memory.
+        gpu_budget_bytes: with "auto", the GPU memory the optimizer may hold for state
+            (resident state, and the staging ring or the backward's loads where those
+            are more); default: what the device had free at the measured steps' peak,
+            less `residency.BUDGET_MARGIN_FRACTION` of its memory.
         load_in_backward: with `overlap_forward`, load the next step's first chunks (as
             many as the ring has slots) in the backward of the first forward after a step,
             spread over the modules it passes from the last module that forward ran on (by
@@ -260,6 +268,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             clipping). Each module's backward should outlast loading its share (about
             `chunk_bytes` per module at the host link's copy rate, with the defaults and a
             16-layer model), or the trainer's own small copies wait behind the loads.
+            Default (None): off, but with "auto" and overlap, "auto" chooses; False:
+            never, True: always (with "auto": at least the ring's chunks).
         backward_load_bytes: with `load_in_backward`, how much state (rank-invariant bytes,
             whole chunks) the backward loads: default, the ring's `staging_slots` chunks.
             More adds one staging slot per further chunk (sized for it), allocated in the
@@ -302,8 +312,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         overlap_forward: nn.Module | None = None,
         gpu_resident_bytes: int | Literal["auto"] = 0,
-        gpu_resident_cap_bytes: int | None = None,
-        load_in_backward: bool = False,
+        gpu_budget_bytes: int | None = None,
+        load_in_backward: bool | None = None,
         backward_load_bytes: int | None = None,
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
@@ -312,7 +322,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             chunk_bytes=chunk_bytes,
             staging_slots=staging_slots,
             gpu_resident_bytes=gpu_resident_bytes,
-            gpu_resident_cap_bytes=gpu_resident_cap_bytes,
+            gpu_budget_bytes=gpu_budget_bytes,
             overlap_forward=overlap_forward is not None,
             load_in_backward=load_in_backward,
             backward_load_bytes=backward_load_bytes,
@@ -329,8 +339,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = chunk_bytes
         self.staging_slots = staging_slots
         self.gpu_resident_bytes: int | Literal["auto"] = gpu_resident_bytes
-        """The resident budget; "auto" until the measured steps are in, then what it chose."""
-        self.gpu_resident_cap_bytes = gpu_resident_cap_bytes
+        """The resident state's bytes; "auto" until it has settled, then what it chose."""
+        self.gpu_budget_bytes = gpu_budget_bytes
+        self._resident_budget = 0 if gpu_resident_bytes == "auto" else gpu_resident_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self._params:
             raise ValueError(
@@ -357,9 +368,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._schedule: StepSchedule | None = None  # how the step runs its chunks
         self._step_done: torch.Event | None = None
         self._steps = 0
-        self._timer = StepTimer(self.device) if gpu_resident_bytes == "auto" else None
+        self._auto: AutoResidency | None = None
+        self._host_room_for_all = gpu_resident_bytes == "auto"
+        if gpu_resident_bytes == "auto":
+            backward = None
+            if overlap_forward is not None and load_in_backward is not False:
+                backward = "auto" if backward_load_bytes is None else backward_load_bytes
+            self._auto = AutoResidency(StepTimer(self.device), gpu_budget_bytes, backward)
         self.residency: ResidencyChoice | None = None
-        """What "auto" chose, once it has (None before, and for a byte budget)."""
+        """What "auto" chose, once it has settled (None before, and for a byte budget)."""
         self._closed = False
         self._interrupted: str | None = None  # why step() is refused after an interrupted step
         self._hooks_for_lr_scheduler()
@@ -371,11 +388,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._params, self._streams)
-            self._overlap.timer = self._timer
-            if load_in_backward:
-                load_ahead = weakref.WeakMethod(self._load_ahead)  # the model must not keep self
-                self._overlap.backward_reached = lambda *at: (load_ahead() or _nothing)(*at)
-        self._load_in_backward = load_in_backward
+            if self._auto is not None:
+                self._overlap.timer = self._auto.timer
+            if load_in_backward or (self._auto is not None and self._auto.backward is not None):
+                reached = weakref.WeakMethod(self._backward_reached)  # the model must not keep self
+                self._overlap.backward_reached = lambda *at: (reached() or _nothing)(*at)
+        self._insist_on_backward_loads = bool(load_in_backward)
+        self._load_in_backward = bool(load_in_backward) and self._auto is None
         self.backward_load_bytes = backward_load_bytes
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
@@ -658,16 +677,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        streams = self._streams
+        auto = self._auto
+        if auto is not None:
+            auto.step_started(streams.current())
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
         self._take_replaced_state()
-        self._resolve_auto_residency()
+        if auto is not None and self._plan is not None:
+            self._run_auto(auto)
         subset = self._subset.begin_subset_step()
         self._ensure_plan(subset, self._subset.state_layout)
-        streams = self._streams
-        timed = self._timer is not None and self._steps >= AUTO_WARMUP_STEPS
+        timed = self._auto is not None and self._auto.measuring
         if timed:
-            self._timer.step_started(streams.current())
+            self._auto.timer.step_started(streams.current())
         self._steps += 1
         if self._ring is not None:
             # Allocated on the trainer's stream: the copy streams start after its work so far.
@@ -677,13 +700,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             streams.wait(streams.d2h, ready)
         if self._overlap is None:
             # The trainer's stream runs the whole step: all of it is exposed.
-            before = self._timer.mark(streams.current()) if timed else None
+            timer = self._auto.timer if timed else None
+            before = timer.mark(streams.current()) if timed else None
             for _ in self._interruptible(self._enqueue_chunks(subset, streams.current(), timed)):
                 pass
             if timed:
                 everything = sum(c.invariant_bytes for c in self._plan.chunks)
-                after = self._timer.mark(streams.current())
-                self._timer.waited(len(self._chunks) - 1, everything, before, after)
+                after = timer.mark(streams.current())
+                timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
         chunks = self._enqueue_chunks(subset, self._overlap.side_stream, timed)
@@ -708,7 +732,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             chunk = self._chunks[c]
             if op == "load":
                 done = loaded_ahead.get(position[c])
-                loaded[c] = self._load(chunk, had_state) if done is None else done
+                loaded[c] = self._load(chunk, had_state, timed) if done is None else done
             elif op == "write_back":
                 self._write_back(chunk, compute)
             else:
@@ -758,7 +782,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             streams.record(self._overlap.chunk_done[c], compute)
         if timed:
-            self._timer.chunk_done(compute)
+            self._auto.timer.chunk_done(compute)
         if chunk.slot >= 0:
             streams.record(streams.stepped[chunk.slot], compute)
         for view in chunk.views:
@@ -827,6 +851,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for slot in self._extra_slots:
             slot.acquire()
 
+    def _backward_reached(self, passed: int, watched: int) -> None:
+        """The backward passed the `passed`-th of `watched` owner modules (see
+        `ForwardOverlap.backward_reached`)."""
+        if self._auto is not None and self._auto.measuring:
+            self._auto.timer.backward_started(self._streams.current())
+        self._load_ahead(passed, watched)
+
     def _load_ahead(self, passed: int, watched: int) -> None:
         """From the backward (`load_in_backward`), as it passes the `passed`-th of the
         `watched` owner modules: load the state of the step's first staged chunks
@@ -838,11 +869,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         post-backward) queue in the copy engine behind ours, and loads enqueued all at once
         stalled the backward for as long as they took (`bench/trace_summary.py` shows it).
 
-        Not before the plan is final ("auto" still measuring) or state exists.
+        Not while "auto" measures (everything offloaded, nothing loaded ahead) or before
+        state exists.
         """
         if (
             self._ring is None
-            or self._timer is not None
+            or not self._load_in_backward
             or self._closed
             or self._overlap.pending_chunks
         ):
@@ -871,7 +903,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._loaded_ahead_done.synchronize()
         self._loaded_ahead, self._loaded_ahead_done = {}, None
 
-    def _load(self, chunk: _Chunk, had_state: set[Tensor]) -> bool:
+    def _load(self, chunk: _Chunk, had_state: set[Tensor], timed: bool = False) -> bool:
         """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
         if not any(p in had_state for p in chunk.touched):
             return False
@@ -879,8 +911,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         with streams.on(streams.h2d):
             # The slot's previous chunk must be written back before it is overwritten.
             streams.wait(streams.h2d, streams.freed[chunk.slot])
+            timer = self._auto.timer if timed else None
+            before = timer.mark(streams.h2d) if timed else None
             for home, staging in chunk.copies:
                 staging.copy_(home, non_blocking=True)
+            if timed:
+                timer.loaded(chunk.invariant_bytes, before, timer.mark(streams.h2d))
             streams.record(streams.loaded[chunk.slot], streams.h2d)
         return True
 
@@ -937,61 +973,113 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._specs = specs
         self._build(self._plan_for(units_key), units_key)
 
-    def _plan_for(self, units_key: tuple[tuple[int, ...], ...]) -> OffloadPlan:
-        budget = 0 if self.gpu_resident_bytes == "auto" else self.gpu_resident_bytes
+    def _plan_for(
+        self, units_key: tuple[tuple[int, ...], ...], split: Split | None = None
+    ) -> OffloadPlan:
+        """The plan of the current budget, or of `split`'s (as `_replan` would run it)."""
+        resident, backward = self._resident_budget, self._load_in_backward
+        if split is not None:
+            resident = split.resident_bytes
+            backward = split.backward_load_bytes > 0 or self._insist_on_backward_loads
         return plan_offload(
             units_key,
             self._specs,
             self.chunk_bytes,
-            resident_bytes=budget,
+            resident_bytes=resident,
             resident_first=self._overlap is not None,
             # The first chunks load in the backward: full ones fill the ring.
-            ramp_first=not self._load_in_backward,
+            ramp_first=not backward,
+            host_room_for_all=self._host_room_for_all,
         )
 
-    def _resolve_auto_residency(self) -> None:
-        """After the measured steps, choose the budget and re-plan (once: the host waits
-        here for the measured steps and the last write-back, as for a checkpoint)."""
-        if self._timer is None or self._steps < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
+    def _held_bytes(self, split: Split) -> int:
+        """GPU bytes for state the plan of `split` holds at most: its resident state, the
+        ring and the backward's extra slots (held together from the backward on)."""
+        plan = self._plan_for(self._units_key, split)
+        staged = [c for c in plan.chunks if not c.resident]
+        extra = 0
+        if self._overlap is not None and (
+            split.backward_load_bytes > 0 or self._insist_on_backward_loads
+        ):
+            loads = backward_load_count(
+                [c.invariant_bytes for c in staged],
+                self.staging_slots,
+                split.backward_load_bytes or None,
+            )
+            extra_chunks = staged[: max(0, loads - self.staging_slots)]
+            extra = sum(
+                n * dtype.itemsize for c in extra_chunks for dtype, n in c.staging_numel.items()
+            )
+        ring = plan.staging_bytes(self.staging_slots) if staged else 0
+        return plan.resident_bytes + ring + extra
+
+    def _run_auto(self, auto: AutoResidency) -> None:
+        """ "auto"'s decision at this step: re-plan with the split it returns (the host
+        waits here for the last step, as for a checkpoint); once it has settled, say
+        what it chose."""
+        plan = self._plan
+        shape = StepShape(
+            tuple(c.invariant_bytes for c in plan.chunks),
+            tuple(u.bytes for u in unit_sizes(self._units_key, self._specs)),
+            self._overlap is not None,
+        )
+        # The ring was held at the measured peak: it is the optimizer's to hold again.
+        ring = plan.staging_bytes(self.staging_slots)
+        split = auto.decide(
+            shape, self._held_bytes, lambda: device_headroom_bytes(self.device) + ring
+        )
+        settled = auto.choice
+        if (
+            split is None
+            and settled is not None
+            and self._load_in_backward
+            != (
+                self._overlap is not None
+                and (settled.backward_load_bytes > 0 or self._insist_on_backward_loads)
+            )
+        ):  # measured without backward loads; the choice keeps nothing more but loads
+            split = Split(settled.resident_bytes, settled.backward_load_bytes)
+        if split is not None:
+            self._replan(split)
+        if settled is None:
             return
-        profiles = self._timer.profiles()
-        self._timer = None
+        self._auto = None
         if self._overlap is not None:
             self._overlap.timer = None
-        sizes = [u.bytes for u in unit_sizes(self._units_key, self._specs)]
-        state_bytes = sum(sizes)
-        cap = self.gpu_resident_cap_bytes
-        if cap is None:
-            cap = int(state_bytes * DEFAULT_RESIDENT_CAP_FRACTION)
-        chunk_bytes = [c.invariant_bytes for c in self._plan.chunks]
-        if self._overlap is None:  # the last units stay resident: the step seen from its end
-            sizes, chunk_bytes = sizes[::-1], chunk_bytes[::-1]
-            profiles = [p.from_the_end() for p in profiles]
-        choice = choose_residency(profiles, chunk_bytes, sizes, cap)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Every rank must cut the same chunks: take the largest choice (each is a
-            # prefix of the same rank-invariant unit sizes, so the largest is one too).
-            agreed = torch.tensor([choice.resident_bytes], dtype=torch.int64, device=self.device)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-            choice = choice.with_budget(int(agreed.item()), profiles, chunk_bytes, sizes)
-        self.residency = choice
+        choice = self.residency = auto.choice
         self.gpu_resident_bytes = choice.resident_bytes
-        if choice.resident_bytes > 0:
-            self.wait_for_optimizer_step()
-            self._build(self._plan_for(self._units_key), self._units_key)
+        probes = "; ".join(
+            f"{p.split.resident_bytes / 2**30:.2f}+{p.split.backward_load_bytes / 2**30:.2f} GiB "
+            f"{p.iteration_ms:.1f} ms"
+            for p in choice.probes
+        )
         logger.info(
-            "gpu_resident_bytes='auto' chose %d bytes (%d units, cap %d of %d): %d bytes of "
+            "gpu_resident_bytes='auto' chose %d bytes (%d units) resident and %d loaded in "
+            "the backward, of %d bytes of state, within a budget of %d bytes: %d bytes of "
             "state on the GPU, %d on the host; the trainer stalled %.1f ms a step for the "
-            "offloaded step, predicted %.1f ms with this choice",
+            "offloaded step, predicted %.1f ms with this choice%s",
             choice.resident_bytes,
             choice.resident_units,
-            cap,
-            state_bytes,
+            choice.backward_load_bytes,
+            choice.state_bytes,
+            choice.budget_bytes,
             self._plan.resident_bytes,
             self._plan.host_bytes,
             choice.measured_stall_ms,
             choice.predicted_stall_ms,
+            f"; steps tried (resident+backward: iteration): {probes}" if probes else "",
         )
+
+    def _replan(self, split: Split) -> None:
+        """Run from this step with `split` kept off the forward's path (host slabs kept)."""
+        self.wait_for_optimizer_step()
+        self._drop_loaded_ahead()
+        self._resident_budget = split.resident_bytes
+        if self._overlap is not None:
+            backward = split.backward_load_bytes
+            self._load_in_backward = backward > 0 or self._insist_on_backward_loads
+            self.backward_load_bytes = backward if backward > 0 else None
+        self._build(self._plan_for(self._units_key, split), self._units_key)
 
     def _build(
         self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...], ring: bool = True
@@ -1013,7 +1101,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"chunk_bytes.",
                 stacklevel=_user_stacklevel(),
             )
-        self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
+        kept = {dtype: slab.numel() for dtype, slab in self._host_slabs.items()}
+        if not (self._host_room_for_all and kept == dict(plan.host_numel)):
+            # (with room for all, every plan has one host layout: the slabs stay)
+            self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
         self._resident_slabs = {
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
@@ -1091,6 +1182,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     [self._params[i] for i in layout.params],
                     [ParamSlice(self._params[s.param], s.start, s.stop) for s in layout.slices],
                     slot,
+                    layout.invariant_bytes,
                     copies,
                     views,
                 )
@@ -1106,7 +1198,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for (param, key), home in homes.items():
             entries = state.get(param)
             if entries and key in entries:
-                home.home.copy_(local_tensor(entries[key]))
+                current = local_tensor(entries[key])
+                if current.data_ptr() != home.home.data_ptr() or current.device != home.home.device:
+                    home.home.copy_(current)
                 entries[key] = home.home_state
         if self._ring is not None:
             for slots in (self._ring, *self._extra_slots):

@@ -47,6 +47,23 @@ def free_device_bytes(device: torch.device) -> int | None:
     return None
 
 
+def device_headroom_bytes(device: torch.device) -> int:
+    """What `device` had free at its peak so far, less `BUDGET_MARGIN_FRACTION` of its
+    memory: a CUDA device's memory less the most torch's allocator has reserved; the
+    host's available memory when the device is the host (0 where unknown)."""
+    from offload.residency import BUDGET_MARGIN_FRACTION
+
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        peak = torch.cuda.max_memory_reserved(device)
+    elif device.type == "cpu":
+        memory = psutil.virtual_memory()
+        total, peak = memory.total, memory.total - memory.available
+    else:
+        return 0
+    return max(0, total - peak - int(BUDGET_MARGIN_FRACTION * total))
+
+
 def check_device_memory(needed_bytes: int, device: torch.device, what: str, fix: str) -> None:
     """Raise before allocating if `device` has less free memory than needed (where known)."""
     free = free_device_bytes(device)

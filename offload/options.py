@@ -53,7 +53,7 @@ def check_offload_options(
     chunk_bytes: Any,
     staging_slots: Any,
     gpu_resident_bytes: Any,
-    gpu_resident_cap_bytes: Any = None,
+    gpu_budget_bytes: Any = None,
     overlap_forward: bool,
     load_in_backward: Any,
     backward_load_bytes: Any,
@@ -65,10 +65,16 @@ def check_offload_options(
     check_chunk_bytes(chunk_bytes, f"{prefix}chunk_bytes")
     check_staging_slots(staging_slots, f"{prefix}staging_slots")
     check_gpu_resident_bytes(gpu_resident_bytes, f"{prefix}gpu_resident_bytes")
-    check_optional_bytes(gpu_resident_cap_bytes, f"{prefix}gpu_resident_cap_bytes")
-    if not isinstance(load_in_backward, bool):
+    check_optional_bytes(gpu_budget_bytes, f"{prefix}gpu_budget_bytes")
+    auto = gpu_resident_bytes == "auto"
+    if gpu_budget_bytes is not None and not auto:
+        raise ValueError(
+            f"{prefix}gpu_budget_bytes bounds what {prefix}gpu_resident_bytes='auto' chooses; "
+            f"set {prefix}gpu_resident_bytes='auto' or leave {prefix}gpu_budget_bytes unset"
+        )
+    if load_in_backward is not None and not isinstance(load_in_backward, bool):
         raise TypeError(
-            f"{prefix}load_in_backward should be True or False but is: {load_in_backward!r}"
+            f"{prefix}load_in_backward should be True, False or None but is: {load_in_backward!r}"
         )
     check_optional_bytes(backward_load_bytes, f"{prefix}backward_load_bytes")
     if load_in_backward and not overlap_forward:
@@ -76,8 +82,11 @@ def check_offload_options(
             f"{prefix}load_in_backward=True needs {overlap_on} (the forward overlap's hooks "
             f"find where the backward is); set both or turn {prefix}load_in_backward off"
         )
-    if backward_load_bytes is not None and not load_in_backward:
+    if backward_load_bytes is not None and not (
+        load_in_backward or (auto and overlap_forward and load_in_backward is None)
+    ):
         raise ValueError(
-            f"{prefix}backward_load_bytes needs {prefix}load_in_backward=True (it is how much "
-            f"the backward loads); turn that on or leave {prefix}backward_load_bytes unset"
+            f"{prefix}backward_load_bytes needs {prefix}load_in_backward=True, or "
+            f"{prefix}gpu_resident_bytes='auto' with {overlap_on} (it is how much the "
+            f"backward loads); turn one on or leave {prefix}backward_load_bytes unset"
         )

@@ -1,5 +1,6 @@
 """`gpu_resident_bytes="auto"`: measure what the offloaded step exposes over the first
-steps, then keep on the GPU the least state that removes what the cap can remove of it.
+steps, then keep on the GPU, or load in the backward, the least state that makes the
+step fast, within a memory budget.
 
 What the step exposes is where the trainer's stream stalls for it. With forward
 overlap that is each forward pre-hook's wait for the chunks its module reads (and
@@ -8,25 +9,44 @@ step. `StepTimer` puts CUDA events around those waits and after each chunk's upd
 on the step's stream, and reads them once, at a step fixed in advance (the same on
 every rank, which then agree on one choice), where the host waits for the last
 measured step anyway to rebuild the slabs. `choose_residency` is pure.
+
+The stall model sees only the device's waits, not a forward the host paces or the
+trainer's own small copies queued behind the step's, so its choice is where a search
+starts (`next_split`): with forward overlap, "auto" then tries larger totals of state
+kept off the forward's path, a few steps each, while each is at least `SEARCH_GAIN`
+faster a step than every one before, and keeps the least total within `SEARCH_GAIN`
+of the fastest (`settled_split`). Of a total, the backward loads what its measured
+length can carry (`split_total`); the rest stays resident.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 AUTO_WARMUP_STEPS = 1  # the first step pins slabs and creates state: not measured
 AUTO_MEASURED_STEPS = 3
-DEFAULT_RESIDENT_CAP_FRACTION = 0.5  # "auto" keeps at most half the state on the GPU
 STALL_TOLERANCE_MS = 1.0
 """"auto" keeps the least state whose predicted stall is within this of the least the
 cap allows: a millisecond a step is not worth more GPU memory."""
+SEARCH_GAIN = 0.02
+"""A larger total is worth trying again only if it made the step this much faster."""
+PROBE_STEPS = 3
+"""Steps each split of the search runs; the first is not timed (its re-plan syncs)."""
+MAX_PROBES = 6
+SEARCH_STEPS = 8
+"""The search grows the total by the state over this many."""
+BACKWARD_LOAD_SHARE = 0.5
+"""Of what the host link carries in the backward's time (from the last module on, at
+the measured load rate), the share "auto" loads there: FSDP2's and the trainer's own
+small copies share the copy engine and must not wait long behind ours."""
+BUDGET_MARGIN_FRACTION = 0.05
+"""Of the device's memory, what the default budget leaves free past the measured peak."""
 
 
 @dataclass(frozen=True)
@@ -70,27 +90,102 @@ class StepProfile:
 class ResidencyChoice:
     """What "auto" chose and why (`CPUOffloadOptimizer.residency`)."""
 
-    resident_bytes: int  # the budget chosen: the state of the first `resident_units` units
+    resident_bytes: int  # the state of the first `resident_units` units, kept on the GPU
     resident_units: int
-    cap_bytes: int
+    cap_bytes: int  # the most state the stall model could choose to keep off the forward
     state_bytes: int
     measured_stall_ms: float  # median over the measured steps, everything offloaded
     predicted_stall_ms: float  # what the model predicts is left with `resident_bytes`
+    backward_load_bytes: int = 0  # state the backward loads (whole chunks, at most this)
+    budget_bytes: int = 0  # GPU memory "auto" could hold: resident state and staging
+    probes: tuple[Probe, ...] = ()  # the search's splits and their steps, in the order tried
 
-    def with_budget(
-        self,
-        resident_bytes: int,
-        profiles: Sequence[StepProfile],
-        chunk_bytes: Sequence[int],
-        unit_bytes: Sequence[int],
-    ) -> ResidencyChoice:
-        """The same measurement with another rank's (larger) choice, a prefix of the same units."""
-        return dataclasses.replace(
-            self,
-            resident_bytes=resident_bytes,
-            resident_units=leading_units(unit_bytes, resident_bytes),
-            predicted_stall_ms=median_predicted_stall_ms(profiles, chunk_bytes, resident_bytes),
-        )
+
+@dataclass(frozen=True)
+class Split:
+    """State the forward does not load: kept on the GPU (whole leading units) or loaded
+    in the backward (whole chunks, at most `backward_load_bytes`)."""
+
+    resident_bytes: int
+    backward_load_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.resident_bytes + self.backward_load_bytes
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A split the search ran, and its step (median iteration; the slowest rank's)."""
+
+    split: Split
+    iteration_ms: float
+
+
+def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Split:
+    """Of the first `total` bytes of the step, the backward loads what it can carry
+    (`backward_cap`); the leading units that fit in the rest stay resident."""
+    backward = min(total, backward_cap)
+    resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= total - backward)
+    return Split(resident, backward)
+
+
+def largest_total(
+    unit_bytes: Sequence[int], backward_cap: int, fits: Callable[[Split], bool]
+) -> int:
+    """The largest prefix sum of `unit_bytes` whose split (`split_total`) `fits`; what a
+    split holds grows with its total, so a bisection finds it."""
+    totals = list(itertools.accumulate(unit_bytes, initial=0))
+    low, high = 0, len(totals) - 1  # totals[low] fits (nothing kept fits: 0)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(split_total(totals[middle], unit_bytes, backward_cap)):
+            low = middle
+        else:
+            high = middle - 1
+    return totals[low]
+
+
+def search_splits(
+    first_total: int, unit_bytes: Sequence[int], backward_cap: int, limit: int
+) -> list[Split]:
+    """The splits the search may try, by growing total: from `first_total` (the stall
+    model's choice, at least one search step) up by a `SEARCH_STEPS`-th of the state,
+    to `limit` (`largest_total`); each total split by `split_total`."""
+    step = max(1, -(-sum(unit_bytes) // SEARCH_STEPS))
+    splits: list[Split] = []
+    total = min(max(first_total, step), limit)
+    while total > 0:
+        split = split_total(total, unit_bytes, backward_cap)
+        if split.total > (splits[-1].total if splits else 0):
+            splits.append(split)
+        if total >= limit:
+            break
+        total = min(total + step, limit)
+    return splits
+
+
+def next_split(probes: Sequence[Probe], splits: Sequence[Split]) -> Split | None:
+    """The split to try next, or None when the search is done.
+
+    probes[0] is the measured steps (nothing kept off the forward); then `splits` in
+    order, as long as the last one tried was `SEARCH_GAIN` faster than all before it.
+    """
+    tried = len(probes) - 1
+    if tried >= min(len(splits), MAX_PROBES):
+        return None
+    if tried > 0:
+        before = min(p.iteration_ms for p in probes[:-1])
+        if not probes[-1].iteration_ms < (1 - SEARCH_GAIN) * before:
+            return None
+    return splits[tried]
+
+
+def settled_split(probes: Sequence[Probe]) -> Split:
+    """The least total whose step was within `SEARCH_GAIN` of the fastest."""
+    fastest = min(p.iteration_ms for p in probes)
+    near = [p for p in probes if p.iteration_ms <= (1 + SEARCH_GAIN) * fastest]
+    return min(near, key=lambda p: p.split.total).split
 
 
 def leading_units(unit_bytes: Sequence[int], budget: int) -> int:
@@ -197,6 +292,56 @@ class StepTimer:
         self._starts: list[torch.Event | None] = []
         self._chunks: list[list[torch.Event | None]] = []
         self._waits: list[list[tuple[int, int, torch.Event | None, torch.Event | None]]] = []
+        self._backwards: list[torch.Event | None] = []  # per measured step, its backward
+        self._loads: list[tuple[int, torch.Event | None, torch.Event | None]] = []
+        self._iterations: list[torch.Event | None] = []  # each step's start, while "auto" runs
+
+    @property
+    def timed(self) -> bool:
+        """Whether the device times events (not the CPU)."""
+        return self._timed
+
+    def iteration_started(self, stream: torch.Stream | None) -> int:
+        """A step starts on the trainer's stream; returns its index among those marked."""
+        self._iterations.append(self.mark(stream))
+        return len(self._iterations) - 1
+
+    def iterations_ms(self, first: int, last: int) -> list[float]:
+        """The iterations between marks `first` and `last` (each step's start to the
+        next's), waiting for the last mark."""
+        marks = self._iterations[first : last + 1]
+        if not self._timed:
+            return [0.0] * (len(marks) - 1)
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
+
+    def backward_started(self, stream: torch.Stream | None) -> None:
+        """The backward of a measured step passed the forward's last module (the first
+        such mark after a step counts)."""
+        if len(self._backwards) < len(self._starts):
+            self._backwards.append(self.mark(stream))
+
+    def loaded(self, nbytes: int, before: torch.Event | None, after: torch.Event | None) -> None:
+        """A chunk of `nbytes` rank-invariant state bytes was copied in between the marks."""
+        self._loads.append((nbytes, before, after))
+
+    def backward_ms(self) -> float:
+        """Median time from a measured backward's mark to the next step's start (0 where
+        not measured)."""
+        spans = [
+            b.elapsed_time(s)
+            for b, s in zip(self._backwards, self._starts[1:] + self._iterations[-1:], strict=False)
+            if self._timed and b is not None and s is not None
+        ]
+        return statistics.median(spans) if spans else 0.0
+
+    def load_bytes_per_ms(self) -> float:
+        """Rank-invariant state bytes the measured loads copied in per ms (0 if none)."""
+        if not self._timed or not self._loads:
+            return 0.0
+        self._loads[-1][2].synchronize()
+        took = sum(before.elapsed_time(after) for _, before, after in self._loads)
+        return sum(n for n, *_ in self._loads) / took if took > 0 else 0.0
 
     def mark(self, stream: torch.Stream | None) -> torch.Event | None:
         if not self._timed:

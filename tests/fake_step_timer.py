@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -33,3 +34,35 @@ class FakeStepTimer(StepTimer):
                 waits[-1] = dataclasses.replace(waits[-1], stall_ms=stalled)
             made_up.append(StepProfile(done, tuple(waits)))
         return made_up
+
+
+class FakeSearchTimer(FakeStepTimer):
+    """A `FakeStepTimer` that also times steps, for "auto"'s search: each iteration takes
+    `iteration_ms()` (asked as the next step starts, so of the split the last step ran),
+    the backward `backward` ms and loads copy `bytes_per_ms`."""
+
+    def __init__(
+        self, iteration_ms: Callable[[], float], backward: float, bytes_per_ms: float
+    ) -> None:
+        super().__init__(stall_first=False)
+        self.iteration_ms, self.backward, self.bytes_per_ms = iteration_ms, backward, bytes_per_ms
+        self.clock = [0.0]
+
+    @property
+    def timed(self) -> bool:
+        return True
+
+    def iteration_started(self, stream: torch.Stream | None) -> int:
+        if len(self.clock) < len(self._iterations) + 1:
+            self.clock.append(self.clock[-1] + self.iteration_ms())
+        return super().iteration_started(stream)
+
+    def iterations_ms(self, first: int, last: int) -> list[float]:
+        times = self.clock[first : last + 1]
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    def backward_ms(self) -> float:
+        return self.backward
+
+    def load_bytes_per_ms(self) -> float:
+        return self.bytes_per_ms

@@ -373,49 +373,58 @@ def test_state_dict_round_trip_with_resident_state():
 
 
 @pytest.mark.parametrize(
-    "case", ["cpu_timer", "overlap_hides_all", "overlap_first_wait", "no_overlap"]
+    "case", ["cpu_timer", "overlap_hides_all", "overlap_first_wait", "no_overlap", "budget"]
 )
 def test_gpu_resident_bytes_auto_keeps_what_the_stalls_need_bitwise(case, caplog):
     steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 2
     plain_model, model = make_model(), make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     train(plain_model, plain, steps=steps)
-    overlap = case != "no_overlap"
+    overlap = case not in ("no_overlap", "budget")
+    sizes = [2 * 4 * p.numel() for p in model.parameters()]  # AdamW: two fp32 moments
+    ring = 4 * 1000  # chunks of 1000 bytes, no unit larger, no padding: 4 slots of 1000
+    # A budget for the ring and half the state (no padding in AdamW's fp32 moments).
+    budget = ring + sum(sizes) // 2 if case == "budget" else None
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         chunk_bytes=1000,
         overlap_forward=model if overlap else None,
         gpu_resident_bytes="auto",
+        gpu_budget_bytes=budget,
     )
     timer = None
     if case != "cpu_timer":
         timer = FakeStepTimer(stall_first=case != "overlap_hides_all")
-        opt._timer = timer
+        opt._auto.timer = timer
         if overlap:
             opt._overlap.timer = timer
     caplog.clear()
     with caplog.at_level("INFO", logger="offload.cpu_offload"):
         train(model, opt, steps=steps)
     opt.wait_for_optimizer_step()
-    sizes = [2 * 4 * p.numel() for p in model.parameters()]  # AdamW: two fp32 moments
     expected = {
         "cpu_timer": 0,  # nothing measured as exposed
         "overlap_hides_all": 0,
         # The forward's first wait is the embedding's (its last slice): keeping the
         # embedding removes it; nothing else stalled.
         "overlap_first_wait": sizes[0],
-        # The whole step is exposed: the most last units within the cap (half the state).
-        "no_overlap": _largest_suffix_within(sizes, sum(sizes) // 2),
+        # The whole step is exposed: all of it stays (the default budget, the host's
+        # headroom, holds it), or the most last units the budget holds beside the ring.
+        "no_overlap": sum(sizes),
+        "budget": _largest_suffix_within(sizes, sum(sizes) // 2),
     }[case]
     assert opt.gpu_resident_bytes == expected
     assert opt.residency is not None and opt.residency.resident_bytes == expected
-    assert opt.residency.cap_bytes == sum(sizes) // 2
+    assert opt.residency.backward_load_bytes == 0 and opt.residency.probes == ()
+    if budget is not None:
+        assert opt.residency.budget_bytes == budget
+        assert opt.plan.resident_bytes + opt.plan.staging_bytes(opt.staging_slots) <= budget
     assert f"gpu_resident_bytes='auto' chose {expected} bytes" in caplog.text
     resident = {p for c in opt._chunks if c.slot < 0 for p in c.touched}
     if case == "overlap_first_wait":
         assert resident == {model[0].weight} and opt.residency.resident_units == 1
         assert opt.residency.measured_stall_ms > 0 and opt.residency.predicted_stall_ms == 0
-    if case == "no_overlap":
+    if case == "budget":
         assert model[4].weight in resident and model[0].weight not in resident
     assert (opt.plan.resident_bytes > 0) == (expected > 0)
     if timer is not None and overlap:
@@ -479,3 +488,74 @@ def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
     assert all(g() is None for p, g in zip(params, grads, strict=True) if p is sliced)
     with pytest.raises(ValueError, match="already stepped"):
         step.step_params([whole])
+
+
+def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
+    """With overlap, "auto" tries larger totals kept off the forward's path (loaded in the
+    backward up to what its measured length carries, the rest resident), a few steps each,
+    and settles on the least within SEARCH_GAIN of the fastest; every re-plan keeps the
+    host slabs and the update exact."""
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import MAX_PROBES, PROBE_STEPS, SEARCH_STEPS
+
+    plain_model, model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+    )
+    state = sum(2 * 4 * p.numel() for p in model.parameters())  # AdamW: two fp32 moments
+
+    def kept() -> int:  # what the last step kept off the forward's path
+        return opt._resident_budget + (opt.backward_load_bytes or 0)
+
+    # Each eighth of the state kept saves 10 ms, down to 60 ms at half of it.
+    timer = FakeSearchTimer(lambda: max(60.0, 100.0 - 80.0 * kept() / state), 10.0, 200.0)
+    opt._auto.timer = opt._overlap.timer = timer
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
+    slabs = []
+    real_build = opt._build
+
+    def build(*args, **kwargs):
+        real_build(*args, **kwargs)
+        slabs.append({d: t.data_ptr() for d, t in opt._host_slabs.items()})
+
+    opt._build = build
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    train(plain_model, plain, steps=steps)
+    with caplog.at_level("INFO", logger="offload.cpu_offload"):
+        train(model, opt, steps=steps)
+    opt.wait_for_optimizer_step()
+    choice = opt.residency
+    assert choice is not None and opt._auto is None
+    probes = choice.probes
+    totals = [p.split.total for p in probes]
+    assert totals[0] == 0 and totals == sorted(set(totals)) and 3 <= len(totals) <= 1 + MAX_PROBES
+    step = -(-state // SEARCH_STEPS)
+    for k, probe in enumerate(probes[1:], 1):
+        # 0.5 * 10 ms * 200 bytes/ms = 1000 bytes at most loaded in the backward
+        assert probe.split.backward_load_bytes == min(1000, probe.split.total)
+        assert probe.split.total - totals[k - 1] <= step + max(
+            2 * 4 * p.numel() for p in model.parameters()
+        )
+        faster = probe.iteration_ms < 0.98 * min(p.iteration_ms for p in probes[:k])
+        assert faster or k == len(probes) - 1  # the search went on only while it gained
+    # the least total within 2% of the fastest (60 ms: from half the state on)
+    fastest = min(p.iteration_ms for p in choice.probes)
+    settled = min(
+        (p for p in choice.probes if p.iteration_ms <= 1.02 * fastest), key=lambda p: p.split.total
+    )
+    assert (choice.resident_bytes, choice.backward_load_bytes) == (
+        settled.split.resident_bytes,
+        settled.split.backward_load_bytes,
+    )
+    assert opt.gpu_resident_bytes == choice.resident_bytes
+    assert opt.plan.resident_bytes > 0 and opt.chunks_loaded_in_backward > 0
+    assert len(slabs) >= 3 and all(s == slabs[0] for s in slabs)  # never re-pinned
+    assert "loaded in the backward" in caplog.text and "steps tried" in caplog.text
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)

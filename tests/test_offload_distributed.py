@@ -196,10 +196,11 @@ def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
         staging_slots=2,
         overlap_forward=model,
         gpu_resident_bytes="auto",
+        gpu_budget_bytes=2500,  # a ring of 1 kB and part of the ~2.5 kB of state
         load_in_backward=True,
     )
     timer = FakeStepTimer(stall_first=True, stall_last=rank == 1)
-    opt._timer = opt._overlap.timer = timer
+    opt._auto.timer = opt._overlap.timer = timer
     steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 3
     _train(plain_model, plain, rank, steps)
     _train(model, opt, rank, steps)
@@ -218,6 +219,9 @@ def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
     (choice0, chunks0), (choice1, chunks1) = gathered
     assert chunks0 == chunks1  # one plan
     assert choice0.resident_bytes == choice1.resident_bytes > 0
+    assert choice0.resident_bytes < choice0.state_bytes
+    held = opt.plan.resident_bytes + opt.plan.staging_bytes(opt.staging_slots)
+    assert held <= 2500
     # the ranks measured different stalls (rank 1's needed more than rank 0's)
     assert choice0.measured_stall_ms < choice1.measured_stall_ms
 

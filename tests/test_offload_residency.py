@@ -9,11 +9,20 @@ import torch
 
 from offload.chunk_plan import ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.residency import (
+    MAX_PROBES,
+    SEARCH_GAIN,
     ChunkWait,
+    Probe,
+    Split,
     StepProfile,
     choose_residency,
+    largest_total,
     leading_units,
+    next_split,
     predicted_stall_ms,
+    search_splits,
+    settled_split,
+    split_total,
 )
 
 # Four chunks of 100 bytes done 10, 20, 30, 40 ms into the step. The forward reaches the
@@ -107,19 +116,15 @@ def test_the_plan_keeps_exactly_the_chosen_leading_units_on_every_rank():
         choices.append(choose_residency([profile], chunk_bytes, sizes, sum(sizes) // 2))
     assert len({c.resident_bytes for c in choices}) == 3  # the ranks disagree
     agreed = max(c.resident_bytes for c in choices)
-    for choice in choices:
-        final = choice.with_budget(agreed, [], chunk_bytes, sizes)
-        kept = plan_offload(
-            units, specs, 600, resident_bytes=final.resident_bytes, resident_first=True
-        )
+    for _ in choices:
+        kept = plan_offload(units, specs, 600, resident_bytes=agreed, resident_first=True)
         touched = {
             flag: {i for c in kept.chunks if c.resident == flag for i in c.params}
             | {s.param for c in kept.chunks if c.resident == flag for s in c.slices}
             for flag in (False, True)
         }
-        assert sorted(touched[True]) == list(range(final.resident_units))
+        assert sorted(touched[True]) == list(range(leading_units(sizes, agreed)))
         assert not touched[True] & touched[False]
-        assert final.resident_units == leading_units(sizes, agreed)
 
 
 class _FakeEvent:
@@ -148,3 +153,97 @@ def test_a_steps_first_wait_counts_from_the_steps_start():
     timer.waited(0, 100, timer.mark(None), timer.mark(None))  # waited 60 -> 65
     (profile,) = timer.profiles()
     assert [w.stall_ms for w in profile.waits] == [pytest.approx(49.01), 5.0]
+
+
+def test_a_total_is_loaded_in_the_backward_as_far_as_it_carries_the_rest_resident():
+    units = [100, 300, 50, 50]
+    assert split_total(0, units, 200) == Split(0, 0)
+    assert split_total(150, units, 200) == Split(0, 150)  # all of it in the backward
+    assert split_total(350, units, 200) == Split(100, 200)  # 150 left: one unit fits
+    assert split_total(420, units, 0) == Split(400, 0)  # nothing in the backward
+    assert split_total(500, units, 100) == Split(400, 100)
+    assert split_total(500, units, 100).total == 500
+
+
+@pytest.mark.parametrize("limit", [0, 99, 100, 399, 400, 450, 10_000])
+def test_the_largest_total_that_fits_is_found_by_bisection(limit):
+    units = [100, 300, 50, 50]
+    asked = []
+
+    def fits(split):
+        asked.append(split)
+        return split.resident_bytes + max(split.backward_load_bytes, 30) <= limit
+
+    linear = max(
+        t
+        for t in (0, 100, 400, 450, 500)
+        if t == 0 or split_total(t, units, 60).resident_bytes + 60 <= limit
+    )
+    assert largest_total(units, 60, fits) == linear
+    assert len(asked) <= 3  # log2 of the 5 prefix sums, rounded up
+
+
+def test_the_search_grows_by_an_eighth_of_the_state_from_the_models_choice_to_the_limit():
+    units = [100] * 16  # 1600 bytes: steps of 200
+    splits = search_splits(0, units, 200, limit=1000)
+    assert [s.total for s in splits] == [200, 400, 600, 800, 1000]
+    assert splits[0] == Split(0, 200) and splits[2] == Split(400, 200)
+    assert [s.total for s in search_splits(0, units, 250, limit=1000)][1] == 350  # rounded
+    assert [s.total for s in search_splits(700, units, 0, limit=1000)] == [700, 900, 1000]
+    assert search_splits(700, units, 0, limit=0) == []
+    # totals that round to the same split are tried once
+    assert [s.total for s in search_splits(0, [800, 800], 0, limit=1600)] == [800, 1600]
+
+
+def _probes(*pairs):
+    return [Probe(Split(0, total), ms) for total, ms in pairs]
+
+
+def test_the_search_goes_on_while_each_total_gains_and_settles_on_the_least_near_the_fastest():
+    splits = [Split(0, t) for t in (100, 200, 300, 400, 500, 600, 700, 800)]
+    assert next_split(_probes((0, 100.0)), splits) == splits[0]
+    gaining = _probes((0, 100.0), (100, 90.0), (200, 80.0))
+    assert next_split(gaining, splits) == splits[2]
+    # 300 gained less than SEARCH_GAIN over the best before it: done
+    flat = _probes((0, 100.0), (100, 90.0), (200, 80.0), (300, 79.0))
+    assert 79.0 > (1 - SEARCH_GAIN) * 80.0
+    assert next_split(flat, splits) is None
+    assert settled_split(flat) == Split(0, 200)  # 80 is within 2% of 79: less memory
+    slower = _probes((0, 100.0), (100, 104.0))  # keeping state off the forward cost time
+    assert next_split(slower, splits) is None and settled_split(slower) == Split(0, 0)
+    every = _probes(
+        (0, 100.0), *((t, 100.0 - t / 10) for t in range(100, 100 * MAX_PROBES + 1, 100))
+    )
+    assert next_split(every, splits) is None  # at most MAX_PROBES tried
+    assert next_split(_probes((0, 100.0), (100, 50.0)), splits[:1]) is None  # none left
+
+
+def test_plans_with_room_for_all_share_one_host_layout_whatever_stays_resident():
+    specs = [
+        ParamSpec(n, (StateSpec("exp_avg", torch.Size([n]), torch.float32),), splittable=True)
+        for n in (64, 200, 130, 96, 300)
+    ]
+    units = [(i,) for i in range(len(specs))]
+    plans = [
+        plan_offload(
+            units,
+            specs,
+            500,
+            resident_bytes=r,
+            resident_first=True,
+            ramp_first=ramp,
+            host_room_for_all=True,
+        )
+        for r in (0, 256, 1300, 10_000)
+        for ramp in (True, False)
+    ]
+    homes = [
+        {(v.param, v.spec.key): v.home_offset for c in p.chunks if not c.resident for v in c.views}
+        for p in plans
+    ]
+    for plan, home in zip(plans, homes, strict=True):
+        assert plan.host_numel == plans[0].host_numel
+        assert all(homes[0][k] == offset for k, offset in home.items())
+    assert plans[-1].resident_bytes > 0 and not homes[-1]  # all resident, host room kept
+    tight = plan_offload(units, specs, 500, resident_bytes=1300, resident_first=True)
+    assert sum(tight.host_numel.values()) < sum(plans[0].host_numel.values())

@@ -34,8 +34,14 @@ def _adamw() -> torch.optim.AdamW:
             ValueError,
             "gpu_resident_bytes should be an int >= 0 or 'auto' but is: 'half'",
         ),
-        ({"gpu_resident_cap_bytes": 0.5}, TypeError, "gpu_resident_cap_bytes should be an int"),
-        ({"load_in_backward": "yes"}, TypeError, "load_in_backward should be True or False"),
+        ({"gpu_budget_bytes": 0.5}, TypeError, "gpu_budget_bytes should be an int"),
+        ({"gpu_budget_bytes": 2**30}, ValueError, "gpu_budget_bytes bounds what"),
+        ({"load_in_backward": "yes"}, TypeError, "load_in_backward should be True, False or None"),
+        (
+            {"backward_load_bytes": 2**30, "load_in_backward": False},
+            ValueError,
+            "backward_load_bytes needs load_in_backward=True, or gpu_resident_bytes='auto'",
+        ),
     ],
 )
 def test_offload_constructor_refuses_wrong_types(kwargs, error, match):

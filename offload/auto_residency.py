@@ -1,0 +1,198 @@
+"""`gpu_resident_bytes="auto"` run step by step: measure, choose, try, settle.
+
+`CPUOffloadOptimizer` calls `AutoResidency.step_started` at the start of every step and,
+once it has a plan, `decide`, until it has settled; a `Split` that returns is the state
+to keep off the forward's path from that step on (the optimizer re-plans). The choices
+are `offload.residency`'s pure functions; this object only counts steps, reads the
+timer and makes the ranks agree (every rank re-plans at the same steps, so each takes
+the same chunks).
+
+Steps: the first `AUTO_WARMUP_STEPS` pin slabs and create state; the next
+`AUTO_MEASURED_STEPS` run everything offloaded and are measured (stalls, the backward's
+length, the load rate, each step). Then the stall model's total, split between the
+backward and residency; with forward overlap on a device that times events, the search
+tries larger totals, `PROBE_STEPS` steps each, and settles (`residency.next_split`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from offload.residency import (
+    AUTO_MEASURED_STEPS,
+    AUTO_WARMUP_STEPS,
+    BACKWARD_LOAD_SHARE,
+    PROBE_STEPS,
+    Probe,
+    ResidencyChoice,
+    Split,
+    StepProfile,
+    StepTimer,
+    choose_residency,
+    largest_total,
+    leading_units,
+    median_predicted_stall_ms,
+    next_split,
+    search_splits,
+    settled_split,
+    split_total,
+)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What "auto" weighs of the measured plan (everything offloaded).
+
+    chunk_bytes, unit_bytes: rank-invariant state bytes per chunk and per unit, in step
+    order (without overlap, "auto" keeps the last units: it weighs them from the end);
+    overlap: the step overlaps the next forward.
+    """
+
+    chunk_bytes: tuple[int, ...]
+    unit_bytes: tuple[int, ...]
+    overlap: bool
+
+
+class AutoResidency:
+    """The state of one optimizer's "auto" until it settles (`choice`).
+
+    budget_bytes: GPU memory for state the choice may hold (this device's bytes, as the
+    caller's `held` counts them); None: the device's headroom at the measured peak.
+    backward: what the backward may load: "auto" (what its measured length carries),
+    a fixed byte count, or None (nothing).
+    """
+
+    def __init__(
+        self, timer: StepTimer, budget_bytes: int | None, backward: str | int | None
+    ) -> None:
+        self.timer = timer
+        self.budget_bytes = budget_bytes
+        self.backward = backward
+        self.choice: ResidencyChoice | None = None
+        self._steps = 0
+        self._probes: list[Probe] = []
+        self._splits: list[Split] = []
+        self._probe_start = 0
+        self._current = Split(0, 0)
+        self._base: ResidencyChoice | None = None
+
+    @property
+    def measuring(self) -> bool:
+        """This step is one of the measured ones (everything offloaded, timed)."""
+        return AUTO_WARMUP_STEPS <= self._steps - 1 < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+
+    def step_started(self, stream: torch.Stream | None) -> None:
+        """A step starts on the trainer's stream (each step's, before its own work)."""
+        self.timer.iteration_started(stream)
+        self._steps += 1
+
+    def decide(
+        self,
+        shape: StepShape,
+        held: Callable[[Split], int],
+        headroom_bytes: Callable[[], int],
+    ) -> Split | None:
+        """At the step just started: the split to run from here, or None (keep the current
+        one). `held(split)`: this device's bytes a split holds for state at most (the
+        caller plans it); `headroom_bytes()`: the default budget, asked at most once."""
+        step = self._steps - 1
+        decide_at = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+        if step < decide_at:
+            return None
+        if step == decide_at:
+            return self._first_choice(step, shape, held, headroom_bytes)
+        if step < self._probe_start + PROBE_STEPS:
+            return None
+        # The probe's first step re-planned (the host synced): its iteration is left out.
+        took = self.timer.iterations_ms(self._probe_start + 1, step)
+        (iteration,), _ = _agree([statistics.median(took)], [])
+        self._probes.append(Probe(self._current, iteration))
+        return self._next(step)
+
+    def _first_choice(
+        self,
+        step: int,
+        shape: StepShape,
+        held: Callable[[Split], int],
+        headroom_bytes: Callable[[], int],
+    ) -> Split | None:
+        profiles = self.timer.profiles()
+        if not shape.overlap:  # the last units stay resident: the step seen from its end
+            profiles = [p.from_the_end() for p in profiles]
+            shape = dataclasses.replace(
+                shape, chunk_bytes=shape.chunk_bytes[::-1], unit_bytes=shape.unit_bytes[::-1]
+            )
+        budget = self.budget_bytes if self.budget_bytes is not None else headroom_bytes()
+        backward = 0
+        if self.backward == "auto":
+            backward = int(
+                BACKWARD_LOAD_SHARE * self.timer.backward_ms() * self.timer.load_bytes_per_ms()
+            )
+        elif isinstance(self.backward, int):
+            backward = self.backward
+        iterations = self.timer.iterations_ms(AUTO_WARMUP_STEPS, step)
+        measured = statistics.median(iterations) if iterations else 0.0
+        # Ranks agree (each holds its own shards): the least budget, backward and largest
+        # total, then the largest model choice within that; the slowest step.
+        _, (budget, backward) = _agree([], [budget, backward])
+        budget, backward = int(budget), int(backward)
+        limit = largest_total(shape.unit_bytes, backward, lambda s: held(s) <= budget)
+        _, (limit,) = _agree([], [limit])
+        model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, int(limit))
+        (total, iteration), _ = _agree([model.resident_bytes, measured], [])
+        total, limit = int(total), int(limit)
+        self._base = model
+        self.budget_bytes = budget
+        first = split_total(total, shape.unit_bytes, backward)
+        if not (shape.overlap and self.timer.timed):
+            # Nothing to search with: the model's choice.
+            return self._settle(first, shape, profiles)
+        self._shape, self._profiles = shape, profiles
+        self._probes = [Probe(Split(0, 0), iteration)]
+        self._splits = search_splits(total, shape.unit_bytes, backward, limit)
+        return self._next(step)
+
+    def _next(self, step: int) -> Split | None:
+        split = next_split(self._probes, self._splits)
+        if split is not None:
+            self._probe_start, self._current = step, split
+            return split
+        return self._settle(settled_split(self._probes), self._shape, self._profiles)
+
+    def _settle(
+        self, split: Split, shape: StepShape, profiles: Sequence[StepProfile]
+    ) -> Split | None:
+        base = self._base
+        self.choice = ResidencyChoice(
+            resident_bytes=split.resident_bytes,
+            resident_units=leading_units(shape.unit_bytes, split.resident_bytes),
+            cap_bytes=base.cap_bytes,
+            state_bytes=base.state_bytes,
+            measured_stall_ms=base.measured_stall_ms,
+            predicted_stall_ms=median_predicted_stall_ms(profiles, shape.chunk_bytes, split.total),
+            backward_load_bytes=split.backward_load_bytes,
+            budget_bytes=self.budget_bytes,
+            probes=tuple(self._probes),
+        )
+        if split == self._current:
+            return None
+        self._current = split
+        return split
+
+
+def _agree(largest: Sequence[float], least: Sequence[float]) -> tuple[list[float], ...]:
+    """Across ranks: the largest of each of `largest`, the least of each of `least` (as
+    given without a process group). One collective, at the same step on every rank."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(largest), list(least)
+    backend = torch.distributed.get_backend()
+    device = "cpu" if backend == "gloo" else torch.accelerator.current_accelerator()
+    values = torch.tensor([*largest, *(-v for v in least)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    out = values.tolist()
+    return out[: len(largest)], [-v for v in out[len(largest) :]]
