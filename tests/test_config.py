@@ -107,11 +107,15 @@ def test_row_blocks_collected_from_modules():
 def test_offload_wraps_and_overlap_registers_hooks():
     model = Net()
     config = OptimizerConfig(
-        offload="optimizer", offload_chunk_bytes=4096, offload_gpu_resident_bytes="auto"
+        offload="optimizer",
+        offload_chunk_bytes=4096,
+        offload_gpu_resident_bytes="auto",
+        offload_gpu_budget_bytes=2**20,
     )
     opt = setup_optimizer(model, config)
     assert isinstance(opt, CPUOffloadOptimizer) and isinstance(opt.optimizer, torch.optim.AdamW)
     assert opt.chunk_bytes == 4096 and opt._overlap is None and opt.gpu_resident_bytes == "auto"
+    assert opt.gpu_budget_bytes == 2**20
     overlapped = setup_optimizer(
         model,
         OptimizerConfig(
@@ -201,3 +205,24 @@ def test_resident_bytes_flag_takes_auto_or_bytes(value, expected):
     OptimizerConfig.add_arguments(parser)
     args = parser.parse_args(["--offload", "optimizer", "--offload-gpu-resident-bytes", value])
     assert OptimizerConfig.from_args(args).offload_gpu_resident_bytes == expected
+
+
+@pytest.mark.parametrize(
+    "flags, budget, loads",
+    [
+        ([], None, None),
+        (["--offload-gpu-budget-bytes", "4096"], 4096, None),
+        (["--no-offload-load-in-backward"], None, False),
+        (["--offload-load-in-backward"], None, True),
+    ],
+)
+def test_auto_budget_and_backward_load_flags(flags, budget, loads):
+    """"auto" chooses backward loads unless the flag says otherwise (the default is None)."""
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    base = ["--offload", "optimizer", "--offload-overlap-forward"]
+    args = parser.parse_args([*base, "--offload-gpu-resident-bytes", "auto", *flags])
+    config = OptimizerConfig.from_args(args)
+    assert (config.offload_gpu_budget_bytes, config.offload_load_in_backward) == (budget, loads)
+    with pytest.raises(ValueError, match="offload_gpu_budget_bytes bounds what"):
+        OptimizerConfig(offload="optimizer", offload_gpu_budget_bytes=4096)
