@@ -328,11 +328,12 @@ class StepTimer:
     def backward_ms(self) -> float:
         """Median time from a measured backward's mark to the next step's start (0 where
         not measured)."""
-        spans = [
-            b.elapsed_time(s)
-            for b, s in zip(self._backwards, self._starts[1:] + self._iterations[-1:], strict=False)
-            if self._timed and b is not None and s is not None
-        ]
+        if not self._timed:
+            return 0.0
+        ends = self._starts[1:] + self._iterations[-1:]
+        for end in ends:
+            end.synchronize()
+        spans = [b.elapsed_time(e) for b, e in zip(self._backwards, ends, strict=False)]
         return statistics.median(spans) if spans else 0.0
 
     def load_bytes_per_ms(self) -> float:

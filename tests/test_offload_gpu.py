@@ -182,7 +182,9 @@ def test_cuda_step_never_syncs_the_host_and_overlap_is_bitwise(mode, resident):
             assert torch.equal(value.cpu(), got[index][key].cpu()), (index, key)
     assert any(c.slices for c in opt.plan.chunks)
     if mode == "overlap+bwd":  # the last step found its first chunks loaded in the backward
-        assert opt.chunks_loaded_in_backward == opt.staging_slots
+        # ("auto" may load more than the ring's)
+        assert opt.chunks_loaded_in_backward >= opt.staging_slots
+        assert resident == "auto" or opt.chunks_loaded_in_backward == opt.staging_slots
     on_gpu = sum(
         t.numel() * t.element_size()
         for entries in opt.state.values()
