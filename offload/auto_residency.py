@@ -11,7 +11,7 @@ Steps: the first `AUTO_WARMUP_STEPS` pin slabs and create state; the next
 `AUTO_MEASURED_STEPS` run everything offloaded and are measured (stalls, the backward's
 length, the load rate, each step). Then the stall model's total, split between the
 backward and residency; with forward overlap on a device that times events, the search
-tries larger totals, `PROBE_STEPS` steps each, and settles (`residency.next_split`).
+tries splits, `PROBE_STEPS` steps each, and settles (`residency.next_split`).
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class AutoResidency:
         (total, iteration), _ = _agree([model.resident_bytes, measured], [])
         total, limit = int(total), int(limit)
         self._base = model
+        self._backward_cap = backward
         self.budget_bytes = budget
         first = split_total(total, shape.unit_bytes, backward)
         if not (shape.overlap and self.timer.timed):
@@ -154,7 +155,7 @@ class AutoResidency:
             return self._settle(first, shape, profiles)
         self._shape, self._profiles = shape, profiles
         self._probes = [Probe(Split(0, 0), iteration)]
-        self._splits = search_splits(total, shape.unit_bytes, backward, limit)
+        self._splits = search_splits(shape.unit_bytes, backward, limit)
         return self._next(step)
 
     def _next(self, step: int) -> Split | None:
@@ -176,6 +177,7 @@ class AutoResidency:
             measured_stall_ms=base.measured_stall_ms,
             predicted_stall_ms=median_predicted_stall_ms(profiles, shape.chunk_bytes, split.total),
             backward_load_bytes=split.backward_load_bytes,
+            backward_cap_bytes=self._backward_cap,
             budget_bytes=self.budget_bytes,
             probes=tuple(self._probes),
         )

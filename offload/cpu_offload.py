@@ -248,9 +248,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             stalls for chunks, the backward's length, the load rate, each step), then
             choose how much state the forward does not load: with `overlap_forward`,
             the backward loads what its length carries and the leading units of the
-            rest stay resident; then, on a GPU, try larger amounts a few steps each
-            while each makes the step `residency.SEARCH_GAIN` faster, and settle on
-            the least within that of the fastest (`offload.auto_residency`). Without
+            rest stay resident; then, on a GPU, run the most the budget allows a few
+            steps, and bisect for the least amount whose step is within
+            `residency.NEAR_FASTEST` of the fastest (`offload.auto_residency`). Without
             overlap the last units stay resident. `residency` says what it chose, and
             one log line. It keeps room in the host slabs for the whole state, so
             re-choosing never allocates pinned memory.

@@ -11,12 +11,13 @@ every rank, which then agree on one choice), where the host waits for the last
 measured step anyway to rebuild the slabs. `choose_residency` is pure.
 
 The stall model sees only the device's waits, not a forward the host paces or the
-trainer's own small copies queued behind the step's, so its choice is where a search
-starts (`next_split`): with forward overlap, "auto" then tries larger totals of state
-kept off the forward's path, a few steps each, while each is at least `SEARCH_GAIN`
-faster a step than every one before, and keeps the least total within `SEARCH_GAIN`
-of the fastest (`settled_split`). Of a total, the backward loads what its measured
-length can carry (`split_total`); the rest stays resident.
+trainer's own small copies queued behind the step's (at batch 4 it chose a third of
+what the step needed), so with forward overlap on a GPU "auto" searches instead
+(`next_split`): it runs the most state the budget keeps off the forward's path for a
+few steps (the fastest step it can get), then bisects for the least total whose step
+is within `NEAR_FASTEST` of the fastest measured (`settled_split`). Of a total, the
+backward loads what its measured length carries (`split_total`); the rest stays
+resident.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ AUTO_MEASURED_STEPS = 3
 STALL_TOLERANCE_MS = 1.0
 """"auto" keeps the least state whose predicted stall is within this of the least the
 cap allows: a millisecond a step is not worth more GPU memory."""
-SEARCH_GAIN = 0.02
-"""A larger total is worth trying again only if it made the step this much faster."""
-PROBE_STEPS = 3
-"""Steps each split of the search runs; the first is not timed (its re-plan syncs)."""
-MAX_PROBES = 6
+NEAR_FASTEST = 0.04
+"""A step this much slower than the fastest measured is as fast: steps of one run vary
+by several percent, and memory is worth more than a step within this."""
+PROBE_STEPS = 4
+"""Steps each split of the search runs: the first is not timed (its re-plan syncs), the
+median of the others counts."""
+MAX_PROBES = 5
 SEARCH_STEPS = 8
-"""The search grows the total by the state over this many."""
+"""The search's totals are the state over this many, and multiples."""
 BACKWARD_LOAD_SHARE = 0.5
 """Of what the host link carries in the backward's time (from the last module on, at
 the measured load rate), the share "auto" loads there: FSDP2's and the trainer's own
@@ -97,6 +100,7 @@ class ResidencyChoice:
     measured_stall_ms: float  # median over the measured steps, everything offloaded
     predicted_stall_ms: float  # what the model predicts is left with `resident_bytes`
     backward_load_bytes: int = 0  # state the backward loads (whole chunks, at most this)
+    backward_cap_bytes: int = 0  # what the backward could load, as measured
     budget_bytes: int = 0  # GPU memory "auto" could hold: resident state and staging
     probes: tuple[Probe, ...] = ()  # the search's splits and their steps, in the order tried
 
@@ -146,45 +150,47 @@ def largest_total(
     return totals[low]
 
 
-def search_splits(
-    first_total: int, unit_bytes: Sequence[int], backward_cap: int, limit: int
-) -> list[Split]:
-    """The splits the search may try, by growing total: from `first_total` (the stall
-    model's choice, at least one search step) up by a `SEARCH_STEPS`-th of the state,
-    to `limit` (`largest_total`); each total split by `split_total`."""
+def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> list[Split]:
+    """The splits the search may try, by growing total: multiples of a `SEARCH_STEPS`-th
+    of the state, and `limit` (`largest_total`); each total split by `split_total`
+    (totals that split alike are one)."""
     step = max(1, -(-sum(unit_bytes) // SEARCH_STEPS))
     splits: list[Split] = []
-    total = min(max(first_total, step), limit)
-    while total > 0:
+    for total in [*range(step, limit, step), limit]:
         split = split_total(total, unit_bytes, backward_cap)
         if split.total > (splits[-1].total if splits else 0):
             splits.append(split)
-        if total >= limit:
-            break
-        total = min(total + step, limit)
     return splits
+
+
+def _near_fastest(probe: Probe, probes: Sequence[Probe]) -> bool:
+    return probe.iteration_ms <= (1 + NEAR_FASTEST) * min(p.iteration_ms for p in probes)
 
 
 def next_split(probes: Sequence[Probe], splits: Sequence[Split]) -> Split | None:
     """The split to try next, or None when the search is done.
 
-    probes[0] is the measured steps (nothing kept off the forward); then `splits` in
-    order, as long as the last one tried was `SEARCH_GAIN` faster than all before it.
+    probes[0] is the measured steps (nothing kept off the forward's path). First the
+    largest split (the fastest step the budget allows), then a bisection between the
+    largest total tried that was not near the fastest and the least that was (a step
+    does not get slower with more kept off the forward's path), `MAX_PROBES` at most.
     """
-    tried = len(probes) - 1
-    if tried >= min(len(splits), MAX_PROBES):
+    if not splits or len(probes) > MAX_PROBES:
         return None
-    if tried > 0:
-        before = min(p.iteration_ms for p in probes[:-1])
-        if not probes[-1].iteration_ms < (1 - SEARCH_GAIN) * before:
-            return None
-    return splits[tried]
+    if len(probes) == 1:
+        return splits[-1]
+    index = {split: i for i, split in enumerate(splits)}
+    tried = [(index.get(p.split, -1), _near_fastest(p, probes)) for p in probes]
+    near = min((i for i, ok in tried if ok), default=len(splits))
+    slow = max((i for i, ok in tried if not ok and i < near), default=-1)
+    if near - slow <= 1:
+        return None
+    return splits[(slow + near) // 2]
 
 
 def settled_split(probes: Sequence[Probe]) -> Split:
-    """The least total whose step was within `SEARCH_GAIN` of the fastest."""
-    fastest = min(p.iteration_ms for p in probes)
-    near = [p for p in probes if p.iteration_ms <= (1 + SEARCH_GAIN) * fastest]
+    """The least total whose step was within `NEAR_FASTEST` of the fastest."""
+    near = [p for p in probes if _near_fastest(p, probes)]
     return min(near, key=lambda p: p.split.total).split
 
 

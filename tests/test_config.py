@@ -217,7 +217,7 @@ def test_resident_bytes_flag_takes_auto_or_bytes(value, expected):
     ],
 )
 def test_auto_budget_and_backward_load_flags(flags, budget, loads):
-    """"auto" chooses backward loads unless the flag says otherwise (the default is None)."""
+    """ "auto" chooses backward loads unless the flag says otherwise (the default is None)."""
     parser = argparse.ArgumentParser()
     OptimizerConfig.add_arguments(parser)
     base = ["--offload", "optimizer", "--offload-overlap-forward"]

@@ -10,7 +10,7 @@ import torch
 from offload.chunk_plan import ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.residency import (
     MAX_PROBES,
-    SEARCH_GAIN,
+    NEAR_FASTEST,
     ChunkWait,
     Probe,
     Split,
@@ -183,39 +183,78 @@ def test_the_largest_total_that_fits_is_found_by_bisection(limit):
     assert len(asked) <= 3  # log2 of the 5 prefix sums, rounded up
 
 
-def test_the_search_grows_by_an_eighth_of_the_state_from_the_models_choice_to_the_limit():
+def test_the_search_tries_eighths_of_the_state_up_to_the_limit():
     units = [100] * 16  # 1600 bytes: steps of 200
-    splits = search_splits(0, units, 200, limit=1000)
+    splits = search_splits(units, 200, limit=1000)
     assert [s.total for s in splits] == [200, 400, 600, 800, 1000]
     assert splits[0] == Split(0, 200) and splits[2] == Split(400, 200)
-    assert [s.total for s in search_splits(0, units, 250, limit=1000)][1] == 350  # rounded
-    assert [s.total for s in search_splits(700, units, 0, limit=1000)] == [700, 900, 1000]
-    assert search_splits(700, units, 0, limit=0) == []
-    # totals that round to the same split are tried once
-    assert [s.total for s in search_splits(0, [800, 800], 0, limit=1600)] == [800, 1600]
+    assert [s.total for s in search_splits(units, 250, limit=1100)] == [
+        200,
+        350,
+        550,
+        750,
+        950,
+        1050,  # the backward's 250, then whole units of 100
+    ]
+    assert search_splits(units, 0, limit=0) == []
+    # totals that split alike are tried once
+    assert [s.total for s in search_splits([800, 800], 0, limit=1600)] == [800, 1600]
 
 
 def _probes(*pairs):
     return [Probe(Split(0, total), ms) for total, ms in pairs]
 
 
-def test_the_search_goes_on_while_each_total_gains_and_settles_on_the_least_near_the_fastest():
-    splits = [Split(0, t) for t in (100, 200, 300, 400, 500, 600, 700, 800)]
-    assert next_split(_probes((0, 100.0)), splits) == splits[0]
-    gaining = _probes((0, 100.0), (100, 90.0), (200, 80.0))
-    assert next_split(gaining, splits) == splits[2]
-    # 300 gained less than SEARCH_GAIN over the best before it: done
-    flat = _probes((0, 100.0), (100, 90.0), (200, 80.0), (300, 79.0))
-    assert 79.0 > (1 - SEARCH_GAIN) * 80.0
-    assert next_split(flat, splits) is None
-    assert settled_split(flat) == Split(0, 200)  # 80 is within 2% of 79: less memory
-    slower = _probes((0, 100.0), (100, 104.0))  # keeping state off the forward cost time
-    assert next_split(slower, splits) is None and settled_split(slower) == Split(0, 0)
-    every = _probes(
-        (0, 100.0), *((t, 100.0 - t / 10) for t in range(100, 100 * MAX_PROBES + 1, 100))
+SPLITS = [Split(0, t) for t in (100, 200, 300, 400, 500, 600, 700, 800)]
+
+
+def _search(step_ms):
+    """Run the search against a step time per total; the probes it made."""
+    probes = _probes((0, step_ms(0)))
+    while (split := next_split(probes, SPLITS)) is not None:
+        probes.append(Probe(split, step_ms(split.total)))
+    return probes
+
+
+def test_the_search_runs_the_most_first_then_bisects_for_the_least_near_the_fastest():
+    # 100 ms with nothing kept, 1 ms less per 10 bytes down to 60 ms at 400
+    probes = _search(lambda total: max(60.0, 100.0 - total / 10))
+    assert [p.split.total for p in probes] == [0, 800, 400, 200, 300]
+    assert len(probes) <= 1 + MAX_PROBES
+    # 62 ms at 380 would be within NEAR_FASTEST of 60: 400 is the least tried near it
+    assert settled_split(probes) == Split(0, 400)
+    assert 1.04 * 60 < max(60.0, 100.0 - 300 / 10)  # 300 was not near
+
+    # keeping state off the forward's path gains nothing: back to nothing kept
+    flat = _search(lambda total: 100.0 + total / 1000)
+    assert [p.split.total for p in flat] == [0, 800]
+    assert settled_split(flat) == Split(0, 0)
+
+    # all of it is needed
+    steep = _search(lambda total: 100.0 - total / 10)
+    assert settled_split(steep) == Split(0, 800) and [p.split.total for p in steep][:3] == [
+        0,
+        800,
+        400,
+    ]
+
+    assert next_split(_probes((0, 100.0)), []) is None  # the budget keeps nothing
+
+
+def test_the_search_stops_after_max_probes_and_settles_on_what_it_measured():
+    many = [Split(0, t) for t in range(10, 330, 10)]  # 32 splits: a bisection needs 6
+    probes = _probes((0, 100.0))
+    while (split := next_split(probes, many)) is not None:
+        probes.append(Probe(split, 100.0 - split.total / 10))
+    assert len(probes) == 1 + MAX_PROBES
+    fastest = min(p.iteration_ms for p in probes)
+    assert (
+        settled_split(probes)
+        == min(
+            (p for p in probes if p.iteration_ms <= (1 + NEAR_FASTEST) * fastest),
+            key=lambda p: p.split.total,
+        ).split
     )
-    assert next_split(every, splits) is None  # at most MAX_PROBES tried
-    assert next_split(_probes((0, 100.0), (100, 50.0)), splits[:1]) is None  # none left
 
 
 def test_plans_with_room_for_all_share_one_host_layout_whatever_stays_resident():
