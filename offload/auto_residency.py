@@ -111,7 +111,7 @@ class AutoResidency:
         # The probe's first step re-planned (the host synced): its iteration is left out.
         took = self.timer.iterations_ms(self._probe_start + 1, step)
         (iteration,), _ = _agree([statistics.median(took)], [])
-        self._probes.append(Probe(self._current, iteration))
+        self._probes.append(Probe(self._current, iteration, tuple(took)))
         return self._next(step)
 
     def _first_choice(

@@ -497,7 +497,7 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     re-plan keeps the host slabs and the update exact."""
     from fake_step_timer import FakeSearchTimer
 
-    from offload.residency import MAX_PROBES, NEAR_FASTEST, PROBE_STEPS
+    from offload.residency import BACKWARD_LOAD_SHARE, MAX_PROBES, NEAR_FASTEST, PROBE_STEPS
 
     plain_model, model = make_model(), make_model()
     opt = CPUOffloadOptimizer(
@@ -536,8 +536,9 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     assert totals[0] == 0 and 3 <= len(totals) <= 1 + MAX_PROBES
     assert totals[1] == max(totals) > state // 2  # the most first: the fastest step
     for probe in probes[1:]:
-        # 0.5 * 10 ms * 200 bytes/ms = 1000 bytes at most loaded in the backward
-        assert probe.split.backward_load_bytes == min(1000, probe.split.total)
+        # the share of 10 ms * 200 bytes/ms at most loaded in the backward
+        cap = int(BACKWARD_LOAD_SHARE * 10.0 * 200.0)
+        assert probe.split.backward_load_bytes == min(cap, probe.split.total)
     fastest = min(p.iteration_ms for p in probes)
     near = [p for p in probes if p.iteration_ms <= (1 + NEAR_FASTEST) * fastest]
     settled = min(near, key=lambda p: p.split.total).split
