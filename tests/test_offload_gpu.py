@@ -198,7 +198,6 @@ def test_cuda_step_never_syncs_the_host_and_overlap_is_bitwise(mode, resident):
         assert isinstance(opt.gpu_resident_bytes, int)
         assert opt.residency.resident_bytes == opt.gpu_resident_bytes
         assert opt.plan.resident_bytes <= opt.residency.budget_bytes
-        assert opt.residency.resident_bytes + opt.residency.backward_load_bytes > 0
         # the copies outlast this tiny forward: the trainer's stream measurably stalled
         assert opt.residency.measured_stall_ms > 0
     for entries in opt.state.values():
