@@ -881,7 +881,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             return
         state = self.optimizer.state
         had_state = {p for p in self._params if state.get(p)}
-        staged = [c for c in self._chunks if c.slot >= 0][: self._schedule.backward_loads]
+        schedule = self._schedule
+        staged = [self._chunks[c] for c in schedule.staged[: schedule.backward_loads]]
         if not any(p in had_state for c in staged for p in c.touched):
             return
         loaded = len(self._loaded_ahead)
