@@ -34,7 +34,6 @@ from offload.residency import (
     StepProfile,
     StepTimer,
     choose_residency,
-    largest_total,
     leading_units,
     median_predicted_stall_ms,
     next_split,
@@ -68,9 +67,14 @@ class AutoResidency:
     """
 
     def __init__(
-        self, timer: StepTimer, budget_bytes: int | None, backward: str | int | None
+        self,
+        timer: StepTimer,
+        budget_bytes: int | None,
+        backward: str | int | None,
+        device: torch.device,
     ) -> None:
         self.timer = timer
+        self.device = device
         self.budget_bytes = budget_bytes
         self.backward = backward
         self.choice: ResidencyChoice | None = None
@@ -80,6 +84,21 @@ class AutoResidency:
         self._probe_start = 0
         self._current = Split(0, 0)
         self._base: ResidencyChoice | None = None
+
+    def _agree(
+        self, largest: Sequence[float], least: Sequence[float]
+    ) -> tuple[list[float], list[float]]:
+        """Across ranks: the largest of each of `largest`, the least of each of `least` (as
+        given without a process group). One collective, at the same step on every rank, on
+        the optimizer's device (NCCL's rank r on its own GPU)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return list(largest), list(least)
+        values = torch.tensor(
+            [*largest, *(-float(v) for v in least)], dtype=torch.float64, device=self.device
+        )
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        out = values.tolist()
+        return out[: len(largest)], [-v for v in out[len(largest) :]]
 
     @property
     def measuring(self) -> bool:
@@ -110,7 +129,7 @@ class AutoResidency:
             return None
         # The probe's first step re-planned (the host synced): its iteration is left out.
         took = self.timer.iterations_ms(self._probe_start + 1, step)
-        (iteration,), _ = _agree([statistics.median(took)], [])
+        (iteration,), _ = self._agree([statistics.median(took)], [])
         self._probes.append(Probe(self._current, iteration, tuple(took)))
         return self._next(step)
 
@@ -137,25 +156,31 @@ class AutoResidency:
             backward = self.backward
         iterations = self.timer.iterations_ms(AUTO_WARMUP_STEPS, step)
         measured = statistics.median(iterations) if iterations else 0.0
-        # Ranks agree (each holds its own shards): the least budget, backward and largest
-        # total, then the largest model choice within that; the slowest step.
-        _, (budget, backward) = _agree([], [budget, backward])
+        # Ranks agree (each holds its own shards): the least budget and backward, the
+        # slowest step; then which splits fit every rank's budget (what a split holds need
+        # not grow with its total: a staged unit sizes the ring), the largest model choice.
+        (iteration,), (budget, backward) = self._agree([measured], [budget, backward])
         budget, backward = int(budget), int(backward)
-        limit = largest_total(shape.unit_bytes, backward, lambda s: held(s) <= budget)
-        _, (limit,) = _agree([], [limit])
-        model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, int(limit))
-        (total, iteration), _ = _agree([model.resident_bytes, measured], [])
-        total, limit = int(total), int(limit)
+        splits = search_splits(shape.unit_bytes, backward, sum(shape.unit_bytes))
+        fits = [held(split) <= budget for split in splits]
+        limit = max((s.total for s, ok in zip(splits, fits, strict=True) if ok), default=0)
+        model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, limit)
+        (total,), fits = self._agree([model.resident_bytes], fits)
+        splits = [split for split, ok in zip(splits, fits, strict=True) if ok]
+        first = split_total(int(total), shape.unit_bytes, backward)
+        _, (first_fits,) = self._agree([], [held(first) <= budget])
+        if not first_fits:
+            smaller = [s for s in splits if s.total <= first.total]
+            first = max(smaller, key=_total, default=Split(0, 0))
         self._base = model
         self._backward_cap = backward
         self.budget_bytes = budget
-        first = split_total(total, shape.unit_bytes, backward)
         if not (shape.overlap and self.timer.timed):
             # Nothing to search with: the model's choice.
             return self._settle(first, shape, profiles)
         self._shape, self._profiles = shape, profiles
         self._probes = [Probe(Split(0, 0), iteration)]
-        self._splits = search_splits(shape.unit_bytes, backward, limit)
+        self._splits = splits
         return self._next(step)
 
     def _next(self, step: int) -> Split | None:
@@ -187,14 +212,5 @@ class AutoResidency:
         return split
 
 
-def _agree(largest: Sequence[float], least: Sequence[float]) -> tuple[list[float], ...]:
-    """Across ranks: the largest of each of `largest`, the least of each of `least` (as
-    given without a process group). One collective, at the same step on every rank."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return list(largest), list(least)
-    backend = torch.distributed.get_backend()
-    device = "cpu" if backend == "gloo" else torch.accelerator.current_accelerator()
-    values = torch.tensor([*largest, *(-v for v in least)], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-    out = values.tolist()
-    return out[: len(largest)], [-v for v in out[len(largest) :]]
+def _total(split: Split) -> int:
+    return split.total

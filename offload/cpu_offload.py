@@ -374,7 +374,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             backward = None
             if overlap_forward is not None and load_in_backward is not False:
                 backward = "auto" if backward_load_bytes is None else backward_load_bytes
-            self._auto = AutoResidency(StepTimer(self.device), gpu_budget_bytes, backward)
+            self._auto = AutoResidency(
+                StepTimer(self.device), gpu_budget_bytes, backward, self.device
+            )
         self.residency: ResidencyChoice | None = None
         """What "auto" chose, once it has settled (None before, and for a byte budget)."""
         self._closed = False

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,26 +138,10 @@ def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Spl
     return Split(resident, backward)
 
 
-def largest_total(
-    unit_bytes: Sequence[int], backward_cap: int, fits: Callable[[Split], bool]
-) -> int:
-    """The largest prefix sum of `unit_bytes` whose split (`split_total`) `fits`; what a
-    split holds grows with its total, so a bisection finds it."""
-    totals = list(itertools.accumulate(unit_bytes, initial=0))
-    low, high = 0, len(totals) - 1  # totals[low] fits (nothing kept fits: 0)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fits(split_total(totals[middle], unit_bytes, backward_cap)):
-            low = middle
-        else:
-            high = middle - 1
-    return totals[low]
-
-
 def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> list[Split]:
     """The splits the search may try, by growing total: multiples of a `SEARCH_STEPS`-th
-    of the state, and `limit` (`largest_total`); each total split by `split_total`
-    (totals that split alike are one)."""
+    of the state, and `limit`; each total split by `split_total` (totals that split
+    alike are one)."""
     step = max(1, -(-sum(unit_bytes) // SEARCH_STEPS))
     splits: list[Split] = []
     for total in [*range(step, limit, step), limit]:
@@ -302,7 +286,7 @@ class StepTimer:
         self._starts: list[torch.Event | None] = []
         self._chunks: list[list[torch.Event | None]] = []
         self._waits: list[list[tuple[int, int, torch.Event | None, torch.Event | None]]] = []
-        self._backwards: list[torch.Event | None] = []  # per measured step, its backward
+        self._backwards: dict[int, torch.Event | None] = {}  # step -> its backward's mark
         self._loads: list[tuple[int, torch.Event | None, torch.Event | None]] = []
         self._iterations: list[torch.Event | None] = []  # each step's start, while "auto" runs
 
@@ -326,25 +310,24 @@ class StepTimer:
         return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
 
     def backward_started(self, stream: torch.Stream | None) -> None:
-        """The backward of a measured step passed the forward's last module (the first
-        such mark after a step counts)."""
-        if len(self._backwards) < len(self._starts):
-            self._backwards.append(self.mark(stream))
+        """The backward after the step last started passed the forward's last module (the
+        first such mark after a step counts)."""
+        self._backwards.setdefault(len(self._iterations) - 1, self.mark(stream))
 
     def loaded(self, nbytes: int, before: torch.Event | None, after: torch.Event | None) -> None:
         """A chunk of `nbytes` rank-invariant state bytes was copied in between the marks."""
         self._loads.append((nbytes, before, after))
 
     def backward_ms(self) -> float:
-        """Median time from a measured backward's mark to the next step's start (0 where
-        not measured)."""
-        if not self._timed:
+        """Median time from a backward's mark to the next step's start (0 where not
+        measured)."""
+        marks = self._iterations
+        ends = {s: marks[s + 1] for s in self._backwards if s + 1 < len(marks)}
+        if not self._timed or not ends:
             return 0.0
-        ends = self._starts[1:] + self._iterations[-1:]
-        for end in ends:
+        for end in ends.values():
             end.synchronize()
-        spans = [b.elapsed_time(e) for b, e in zip(self._backwards, ends, strict=False)]
-        return statistics.median(spans) if spans else 0.0
+        return statistics.median(self._backwards[s].elapsed_time(e) for s, e in ends.items())
 
     def load_bytes_per_ms(self) -> float:
         """Rank-invariant state bytes the measured loads copied in per ms (0 if none)."""

@@ -555,3 +555,53 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
+
+
+def test_auto_never_settles_on_a_split_over_its_budget():
+    """What a split holds need not grow with its total: a smaller one can leave a large
+    unit staged, whose ring slots are larger (here 11136 resident + 300 in the backward
+    holds 14440 bytes, 11432 + 300 holds 14012). Every split "auto" tries and the one it
+    settles on hold at most the budget."""
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import MAX_PROBES, PROBE_STEPS
+
+    budget = 14065
+    plain_model, model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+        gpu_budget_bytes=budget,
+        backward_load_bytes=300,
+    )
+
+    def kept() -> int:
+        return opt._resident_budget + (opt.backward_load_bytes or 0)
+
+    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(
+        lambda: 60.0 if kept() >= 11436 else 100.0, 10.0, 200.0
+    )
+    held = []
+    real_build = opt._build
+
+    def build(*args, **kwargs):
+        real_build(*args, **kwargs)
+        extra = sum(
+            b.numel() * b.element_size() for slot in opt._extra_slots for b in slot.buffers.values()
+        )
+        held.append(opt.plan.resident_bytes + opt.plan.staging_bytes(opt.staging_slots) + extra)
+
+    opt._build = build
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    train(plain_model, plain, steps=steps)
+    train(model, opt, steps=steps)
+    opt.wait_for_optimizer_step()
+    assert opt.residency is not None and len(opt.residency.probes) >= 2
+    assert len(held) >= 3 and max(held) <= budget, held
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)

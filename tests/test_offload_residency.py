@@ -16,7 +16,6 @@ from offload.residency import (
     Split,
     StepProfile,
     choose_residency,
-    largest_total,
     leading_units,
     next_split,
     predicted_stall_ms,
@@ -163,24 +162,6 @@ def test_a_total_is_loaded_in_the_backward_as_far_as_it_carries_the_rest_residen
     assert split_total(420, units, 0) == Split(400, 0)  # nothing in the backward
     assert split_total(500, units, 100) == Split(400, 100)
     assert split_total(500, units, 100).total == 500
-
-
-@pytest.mark.parametrize("limit", [0, 99, 100, 399, 400, 450, 10_000])
-def test_the_largest_total_that_fits_is_found_by_bisection(limit):
-    units = [100, 300, 50, 50]
-    asked = []
-
-    def fits(split):
-        asked.append(split)
-        return split.resident_bytes + max(split.backward_load_bytes, 30) <= limit
-
-    linear = max(
-        t
-        for t in (0, 100, 400, 450, 500)
-        if t == 0 or split_total(t, units, 60).resident_bytes + 60 <= limit
-    )
-    assert largest_total(units, 60, fits) == linear
-    assert len(asked) <= 3  # log2 of the 5 prefix sums, rounded up
 
 
 def test_the_search_tries_eighths_of_the_state_up_to_the_limit():
