@@ -1077,12 +1077,39 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """Run from this step with `split` kept off the forward's path (host slabs kept)."""
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
+        self._give_back_gpu_state()
         self._resident_budget = split.resident_bytes
         if self._overlap is not None:
             backward = split.backward_load_bytes
             self._load_in_backward = backward > 0 or self._insist_on_backward_loads
             self.backward_load_bytes = backward if backward > 0 else None
         self._build(self._plan_for(self._units_key, split), self._units_key)
+
+    def _give_back_gpu_state(self) -> None:
+        """Before a re-plan within one host layout: resident state to its room in the host
+        slabs, and the ring and the backward's slots dropped, so the new plan's GPU memory
+        is not allocated beside the old's (the budget holds one plan, not two)."""
+        state = self.optimizer.state
+        resident = {(v.param, v.key) for c in self._chunks if c.slot < 0 for v in c.views}
+        everything_home = plan_offload(
+            self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True
+        )
+        for layout in everything_home.chunks:
+            for view in layout.views:
+                param, spec = self._params[view.param], view.spec
+                entries = state.get(param)
+                if (param, spec.key) not in resident or not entries or spec.key not in entries:
+                    continue
+                resident.discard((param, spec.key))  # a sliced tensor has a view per chunk
+                slab = self._host_slabs[spec.dtype][view.home_offset :][: spec.numel]
+                host = _carve(slab, spec.shape, param)
+                host.copy_(local_tensor(entries[spec.key]))
+                entries[spec.key] = _as_state(param, host)
+        for slots in (self._ring, *self._extra_slots):
+            if slots is not None:
+                slots.release([])
+        self._chunks, self._homes, self._resident_slabs = [], {}, {}
+        self._ring, self._extra_slots = None, []
 
     def _build(
         self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...], ring: bool = True

@@ -605,3 +605,47 @@ def test_auto_never_settles_on_a_split_over_its_budget():
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
+
+
+def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates():
+    """A re-plan moves resident state to its host room and drops the old resident slabs
+    and ring first: the budget holds one plan, not the old and the new side by side."""
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import MAX_PROBES, PROBE_STEPS
+
+    plain_model, model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+    )
+    state = sum(2 * 4 * p.numel() for p in model.parameters())
+    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(
+        lambda: max(60.0, 100.0 - 80.0 * opt._resident_budget / state), 10.0, 200.0
+    )
+    old: list[weakref.ref] = []
+    alive_at_build = []
+    real_build = opt._build
+
+    def build(*args, **kwargs):
+        gc.collect()
+        alive_at_build.append(sum(ref() is not None for ref in old))
+        real_build(*args, **kwargs)
+        old[:] = [weakref.ref(t) for t in opt._resident_slabs.values()]
+        if opt._ring is not None:
+            old.extend(weakref.ref(b) for b in opt._ring.buffers.values())
+
+    opt._build = build
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    train(plain_model, plain, steps=steps)
+    train(model, opt, steps=steps)
+    opt.wait_for_optimizer_step()
+    assert len(alive_at_build) >= 3 and opt.residency is not None
+    assert alive_at_build[1:] == [0] * (len(alive_at_build) - 1)  # each re-plan's entry
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
