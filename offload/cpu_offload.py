@@ -272,6 +272,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             never, True: always (with "auto": at least the ring's chunks).
         backward_load_bytes: with `load_in_backward`, how much state (rank-invariant bytes,
             whole chunks) the backward loads: default, the ring's `staging_slots` chunks.
+            With "auto" and overlap: the most it may load there (the attribute then
+            holds what it chose).
             More adds one staging slot per further chunk (sized for it), allocated in the
             backward and given back as soon as its chunk is written back (in the next forward): the
             backward's idle copy engine then carries what the forward is too short to
@@ -1059,8 +1061,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         logger.info(
             "gpu_resident_bytes='auto' chose %d bytes (%d units) resident and %d loaded in "
             "the backward, of %d bytes of state, within a budget of %d bytes: %d bytes of "
-            "state on the GPU, %d on the host; the trainer stalled %.1f ms a step for the "
-            "offloaded step, predicted %.1f ms with this choice%s",
+            "state on the GPU (the host slabs keep room for all of it, %d bytes); the "
+            "trainer stalled %.1f ms a step for the offloaded step, predicted %.1f ms with "
+            "this choice%s",
             choice.resident_bytes,
             choice.resident_units,
             choice.backward_load_bytes,

@@ -82,6 +82,11 @@ def check_offload_options(
             f"{prefix}load_in_backward=True needs {overlap_on} (the forward overlap's hooks "
             f"find where the backward is); set both or turn {prefix}load_in_backward off"
         )
+    if backward_load_bytes is not None and load_in_backward is False:
+        raise ValueError(
+            f"{prefix}backward_load_bytes is how much the backward loads, but "
+            f"{prefix}load_in_backward=False forbids loading in the backward; leave one unset"
+        )
     if backward_load_bytes is not None and not (
         load_in_backward or (auto and overlap_forward and load_in_backward is None)
     ):

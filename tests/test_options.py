@@ -38,9 +38,14 @@ def _adamw() -> torch.optim.AdamW:
         ({"gpu_budget_bytes": 2**30}, ValueError, "gpu_budget_bytes bounds what"),
         ({"load_in_backward": "yes"}, TypeError, "load_in_backward should be True, False or None"),
         (
-            {"backward_load_bytes": 2**30, "load_in_backward": False},
+            {"backward_load_bytes": 2**30},
             ValueError,
             "backward_load_bytes needs load_in_backward=True, or gpu_resident_bytes='auto'",
+        ),
+        (
+            {"backward_load_bytes": 2**30, "load_in_backward": False},
+            ValueError,
+            "load_in_backward=False forbids loading in the backward",
         ),
     ],
 )
