@@ -490,14 +490,13 @@ def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
         step.step_params([whole])
 
 
-def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
-    """With overlap, "auto" runs the most state its budget keeps off the forward's path
-    (loaded in the backward up to what its measured length carries, the rest resident),
-    then bisects for the least whose step is near the fastest, a few steps each; every
-    re-plan keeps the host slabs and the update exact."""
+def _search_auto(iteration_ms, on_build, **options) -> CPUOffloadOptimizer:
+    """Train an overlapped "auto" AdamW until it has settled, with made-up step times
+    (`iteration_ms(opt)`: the last step's, from what it kept), calling `on_build(opt,
+    built)` as each (re-)plan starts and ends; bit-equal to plain AdamW. Returns it."""
     from fake_step_timer import FakeSearchTimer
 
-    from offload.residency import BACKWARD_LOAD_SHARE, MAX_PROBES, NEAR_FASTEST, PROBE_STEPS
+    from offload.residency import MAX_PROBES, PROBE_STEPS
 
     plain_model, model = make_model(), make_model()
     opt = CPUOffloadOptimizer(
@@ -506,35 +505,58 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
         staging_slots=2,
         overlap_forward=model,
         gpu_resident_bytes="auto",
+        **options,
     )
-    state = sum(2 * 4 * p.numel() for p in model.parameters())  # AdamW: two fp32 moments
-
-    def kept() -> int:  # what the last step kept off the forward's path
-        return opt._resident_budget + (opt.backward_load_bytes or 0)
-
-    # Each eighth of the state kept saves 10 ms, down to 60 ms at half of it.
-    timer = FakeSearchTimer(lambda: max(60.0, 100.0 - 80.0 * kept() / state), 10.0, 200.0)
-    opt._auto.timer = opt._overlap.timer = timer
-    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
-    slabs = []
+    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(lambda: iteration_ms(opt), 10.0, 200.0)
     real_build = opt._build
 
     def build(*args, **kwargs):
+        on_build(opt, False)
         real_build(*args, **kwargs)
-        slabs.append({d: t.data_ptr() for d, t in opt._host_slabs.items()})
+        on_build(opt, True)
 
     opt._build = build
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     train(plain_model, plain, steps=steps)
-    with caplog.at_level("INFO", logger="offload.cpu_offload"):
-        train(model, opt, steps=steps)
+    train(model, opt, steps=steps)
     opt.wait_for_optimizer_step()
+    assert opt.residency is not None and opt._auto is None
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+    return opt
+
+
+def _kept(opt: CPUOffloadOptimizer) -> int:
+    """What the last step kept off the forward's path."""
+    return opt._resident_budget + (opt.backward_load_bytes or 0)
+
+
+STATE_BYTES = sum(2 * 4 * p.numel() for p in make_model().parameters())  # AdamW: 2 fp32
+
+
+def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
+    """With overlap, "auto" runs the most state its budget keeps off the forward's path
+    (loaded in the backward up to what its measured length carries, the rest resident),
+    then bisects for the least whose step is near the fastest, a few steps each; every
+    re-plan keeps the host slabs and the update exact."""
+    from offload.residency import BACKWARD_LOAD_SHARE, MAX_PROBES, NEAR_FASTEST
+
+    slabs = []
+    with caplog.at_level("INFO", logger="offload.cpu_offload"):
+        opt = _search_auto(
+            # Each eighth of the state kept saves 10 ms, down to 60 ms at half of it.
+            lambda opt: max(60.0, 100.0 - 80.0 * _kept(opt) / STATE_BYTES),
+            lambda opt, built: (
+                built and slabs.append({d: t.data_ptr() for d, t in opt._host_slabs.items()})
+            ),
+        )
     choice = opt.residency
-    assert choice is not None and opt._auto is None
     probes = choice.probes
     totals = [p.split.total for p in probes]
     assert totals[0] == 0 and 3 <= len(totals) <= 1 + MAX_PROBES
-    assert totals[1] == max(totals) > state // 2  # the most first: the fastest step
+    assert totals[1] == max(totals) > STATE_BYTES // 2  # the most first: the fastest step
     for probe in probes[1:]:
         # the share of 10 ms * 200 bytes/ms at most loaded in the backward
         cap = int(BACKWARD_LOAD_SHARE * 10.0 * 200.0)
@@ -552,9 +574,6 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     assert opt.plan.resident_bytes > 0 and opt.chunks_loaded_in_backward > 0
     assert len(slabs) >= 3 and all(s == slabs[0] for s in slabs)  # never re-pinned
     assert "loaded in the backward" in caplog.text and "steps tried" in caplog.text
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-    assert_same_state(plain, opt)
 
 
 def test_auto_never_settles_on_a_split_over_its_budget():
@@ -562,90 +581,42 @@ def test_auto_never_settles_on_a_split_over_its_budget():
     unit staged, whose ring slots are larger (here 11136 resident + 300 in the backward
     holds 14440 bytes, 11432 + 300 holds 14012). Every split "auto" tries and the one it
     settles on hold at most the budget."""
-    from fake_step_timer import FakeSearchTimer
-
-    from offload.residency import MAX_PROBES, PROBE_STEPS
-
     budget = 14065
-    plain_model, model = make_model(), make_model()
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1000,
-        staging_slots=2,
-        overlap_forward=model,
-        gpu_resident_bytes="auto",
-        gpu_budget_bytes=budget,
-        backward_load_bytes=300,
-    )
-
-    def kept() -> int:
-        return opt._resident_budget + (opt.backward_load_bytes or 0)
-
-    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(
-        lambda: 60.0 if kept() >= 11436 else 100.0, 10.0, 200.0
-    )
     held = []
-    real_build = opt._build
 
-    def build(*args, **kwargs):
-        real_build(*args, **kwargs)
+    def record(opt, built):
+        if not built:
+            return
         extra = sum(
             b.numel() * b.element_size() for slot in opt._extra_slots for b in slot.buffers.values()
         )
         held.append(opt.plan.resident_bytes + opt.plan.staging_bytes(opt.staging_slots) + extra)
 
-    opt._build = build
-    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    train(plain_model, plain, steps=steps)
-    train(model, opt, steps=steps)
-    opt.wait_for_optimizer_step()
-    assert opt.residency is not None and len(opt.residency.probes) >= 2
+    opt = _search_auto(
+        lambda opt: 60.0 if _kept(opt) >= 11436 else 100.0,
+        record,
+        gpu_budget_bytes=budget,
+        backward_load_bytes=300,
+    )
+    assert len(opt.residency.probes) >= 2
     assert len(held) >= 3 and max(held) <= budget, held
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-    assert_same_state(plain, opt)
 
 
 def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates():
     """A re-plan moves resident state to its host room and drops the old resident slabs
     and ring first: the budget holds one plan, not the old and the new side by side."""
-    from fake_step_timer import FakeSearchTimer
-
-    from offload.residency import MAX_PROBES, PROBE_STEPS
-
-    plain_model, model = make_model(), make_model()
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1000,
-        staging_slots=2,
-        overlap_forward=model,
-        gpu_resident_bytes="auto",
-    )
-    state = sum(2 * 4 * p.numel() for p in model.parameters())
-    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(
-        lambda: max(60.0, 100.0 - 80.0 * opt._resident_budget / state), 10.0, 200.0
-    )
     old: list[weakref.ref] = []
     alive_at_build = []
-    real_build = opt._build
 
-    def build(*args, **kwargs):
-        gc.collect()
-        alive_at_build.append(sum(ref() is not None for ref in old))
-        real_build(*args, **kwargs)
+    def record(opt, built):
+        if not built:
+            gc.collect()
+            alive_at_build.append(sum(ref() is not None for ref in old))
+            return
         old[:] = [weakref.ref(t) for t in opt._resident_slabs.values()]
         if opt._ring is not None:
             old.extend(weakref.ref(b) for b in opt._ring.buffers.values())
 
-    opt._build = build
-    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    train(plain_model, plain, steps=steps)
-    train(model, opt, steps=steps)
-    opt.wait_for_optimizer_step()
-    assert len(alive_at_build) >= 3 and opt.residency is not None
-    assert alive_at_build[1:] == [0] * (len(alive_at_build) - 1)  # each re-plan's entry
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-    assert_same_state(plain, opt)
+    _search_auto(lambda opt: max(60.0, 100.0 - 80.0 * opt._resident_budget / STATE_BYTES), record)
+    assert len(alive_at_build) >= 3
+    assert alive_at_build[1:] == [0] * (len(alive_at_build) - 1)  # each re-plan's start
