@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -228,3 +230,59 @@ def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
 
 def test_fsdp2_loads_in_the_backward_and_auto_agree_across_ranks_bitwise():
     run_on_ranks(_backward_loads_and_auto_worker, 2)
+
+
+def _auto_search_worker(rank: int, world: int) -> None:
+    # Each rank times its steps, its backward and its loads differently and has its own
+    # budget: they try the same splits at the same steps and settle on one plan.
+    from fake_step_timer import FakeSearchTimer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, MAX_PROBES, PROBE_STEPS
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+        gpu_budget_bytes=[10**6, 4000, 6000][rank],
+    )
+    state = 2 * 4 * sum(p.numel() for p in model.parameters())  # rank-invariant
+
+    def iteration_ms() -> float:
+        kept = opt._resident_budget + (opt.backward_load_bytes or 0)
+        return (1 + rank) * max(50.0, 100.0 - 100.0 * kept / state) + rank
+
+    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(iteration_ms, 5.0 + rank, 100.0)
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
+    _train(plain_model, plain, rank, steps)
+    _train(model, opt, rank, steps)
+    opt.wait_for_optimizer_step()
+    assert opt.residency is not None and len(opt.residency.probes) >= 2
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    mine = (opt.residency, [(c.params, c.slices, c.resident) for c in opt.plan.chunks])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    (choice0, chunks0), *others = gathered
+    for choice, chunks in others:
+        assert chunks == chunks0  # one plan
+        # the same tries, each timed as the slowest rank's (iterations_ms: each rank's own)
+        tries = [(p.split, p.iteration_ms) for p in choice.probes]
+        assert tries == [(p.split, p.iteration_ms) for p in choice0.probes]
+        assert all(
+            p.iteration_ms >= statistics.median(p.iterations_ms)
+            for p in choice.probes
+            if p.iterations_ms
+        )
+        assert choice.budget_bytes == choice0.budget_bytes == 4000  # the least budget
+        assert choice.backward_load_bytes == choice0.backward_load_bytes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_auto_search_agrees_across_ranks_bitwise(world):
+    run_on_ranks(_auto_search_worker, world)
