@@ -651,6 +651,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"{r['arm']} ran {len(r['step_ms_runs'])} times: {runs} ms "
                 f"(spread {100 * r['spread']:.1f}%, ratios use the median)"
             )
+    print("\nthe first 30 steps' mean (auto's search and the warmup included):")
+    for r in results:
+        if "first_30_mean_ms" in r:
+            print(
+                f"{r['arm']:<{width}} {r['first_30_mean_ms']:>8.1f} ms "
+                f"{ratio(r, 'first_30_mean_ms'):>8}"
+            )
     _print_phases(results, width)
     print(
         "\nstep ms: median over the window's steps (events between steps, synced only at the "
