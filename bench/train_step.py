@@ -417,13 +417,10 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
         ),
     }
-    # The first 30 steps' mean, the search and warmup included (what "auto" costs a run).
-    counted = search_steps + len(warm_s)
-    first = [
-        1e3 * search_s + 1e3 * sum(warm_s),
-        *(1e3 * s for s in per_step[: max(0, 30 - counted)]),
-    ]
-    result["first_30_mean_ms"] = sum(first) / min(30, counted + len(per_step))
+    # The first 30 steps' mean, the search and warmup included (what "auto" costs a run);
+    # the search's steps are timed together, so each counts as their mean.
+    first = [*[search_s / max(search_steps, 1)] * search_steps, *warm_s, *per_step][:30]
+    result["first_30_mean_ms"] = 1e3 * sum(first) / len(first)
     if isinstance(optimizer, CPUOffloadOptimizer):
         result["resident_mib"] = optimizer.plan.resident_bytes / 2**20
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward

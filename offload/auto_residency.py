@@ -34,6 +34,7 @@ from offload.residency import (
     StepProfile,
     StepTimer,
     choose_residency,
+    largest_fitting_total,
     leading_units,
     median_predicted_stall_ms,
     next_split,
@@ -157,28 +158,34 @@ class AutoResidency:
         iterations = self.timer.iterations_ms(AUTO_WARMUP_STEPS, step)
         measured = statistics.median(iterations) if iterations else 0.0
         # Ranks agree (each holds its own shards): the least budget and backward, the
-        # slowest step; then which splits fit every rank's budget (what a split holds need
-        # not grow with its total: a staged unit sizes the ring), the largest model choice.
+        # slowest step; the least of their largest totals that fit; then which splits fit
+        # every rank (what a split holds need not grow with its total), the largest model
+        # choice, and whether its split fits everywhere.
         (iteration,), (budget, backward) = self._agree([measured], [budget, backward])
         budget, backward = int(budget), int(backward)
-        splits = search_splits(shape.unit_bytes, backward, sum(shape.unit_bytes))
-        fits = [held(split) <= budget for split in splits]
-        limit = max((s.total for s, ok in zip(splits, fits, strict=True) if ok), default=0)
+
+        def fits(split: Split) -> bool:
+            return held(split) <= budget
+
+        largest = largest_fitting_total(shape.unit_bytes, backward, fits)
+        _, (limit,) = self._agree([], [largest])
+        limit = int(limit)
         model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, limit)
-        (total,), fits = self._agree([model.resident_bytes], fits)
-        splits = [split for split, ok in zip(splits, fits, strict=True) if ok]
+        splits = search_splits(shape.unit_bytes, backward, limit)
+        (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
+        splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
         first = split_total(int(total), shape.unit_bytes, backward)
-        _, (first_fits,) = self._agree([], [held(first) <= budget])
+        _, (first_fits,) = self._agree([], [fits(first)])
         if not first_fits:
             smaller = [s for s in splits if s.total <= first.total]
             first = max(smaller, key=_total, default=Split(0, 0))
         self._base = model
         self._backward_cap = backward
         self.budget_bytes = budget
+        self._shape, self._profiles = shape, profiles
         if not (shape.overlap and self.timer.timed):
             # Nothing to search with: the model's choice.
             return self._settle(first, shape, profiles)
-        self._shape, self._profiles = shape, profiles
         self._probes = [Probe(Split(0, 0), iteration)]
         self._splits = splits
         return self._next(step)
@@ -189,6 +196,12 @@ class AutoResidency:
             self._probe_start, self._current = step, split
             return split
         return self._settle(settled_split(self._probes), self._shape, self._profiles)
+
+    def settle_on(self, split: Split) -> None:
+        """The split returned could not be run (its re-plan failed, e.g. out of memory):
+        settle on `split`, the one that ran before."""
+        self._current = split
+        self._settle(split, self._shape, self._profiles)
 
     def _settle(
         self, split: Split, shape: StepShape, profiles: Sequence[StepProfile]

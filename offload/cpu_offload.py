@@ -962,6 +962,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 return
             self.wait_for_optimizer_step()  # the new homes copy the old ones
             self._drop_loaded_ahead()
+            if self._host_room_for_all:  # one host layout: the old GPU state goes home first
+                self._give_back_gpu_state()
         splits = isinstance(subset, SlicingSubsetStep)
         specs = []
         for p in self._params:
@@ -1045,13 +1047,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ):  # measured without backward loads; the choice keeps nothing more but loads
             split = Split(settled.resident_bytes, settled.backward_load_bytes)
         if split is not None:
-            self._replan(split)
-        if settled is None:
-            return
+            ran = Split(self._resident_budget, self._backward_loads_chosen())
+            try:
+                self._replan(split)
+            except BaseException:
+                auto.settle_on(ran)  # the state is home; the next step plans `ran` again
+                self._say_what_auto_chose(auto.choice)
+                raise
+        if settled is not None:
+            self._say_what_auto_chose(settled)
+
+    def _backward_loads_chosen(self) -> int:
+        return (self.backward_load_bytes or 0) if self._load_in_backward else 0
+
+    def _say_what_auto_chose(self, choice: ResidencyChoice) -> None:
         self._auto = None
         if self._overlap is not None:
             self._overlap.timer = None
-        choice = self.residency = auto.choice
+        self.residency = choice
         self.gpu_resident_bytes = choice.resident_bytes
         probes = "; ".join(
             f"{p.split.resident_bytes / 2**30:.2f}+{p.split.backward_load_bytes / 2**30:.2f} GiB "
@@ -1060,17 +1073,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
         logger.info(
             "gpu_resident_bytes='auto' chose %d bytes (%d units) resident and %d loaded in "
-            "the backward, of %d bytes of state, within a budget of %d bytes: %d bytes of "
-            "state on the GPU (the host slabs keep room for all of it, %d bytes); the "
-            "trainer stalled %.1f ms a step for the offloaded step, predicted %.1f ms with "
-            "this choice%s",
+            "the backward, of %d bytes of state, within a budget of %d bytes of GPU memory "
+            "(the host slabs keep room for all the state); the trainer stalled %.1f ms a "
+            "step for the offloaded step, predicted %.1f ms with this choice%s",
             choice.resident_bytes,
             choice.resident_units,
             choice.backward_load_bytes,
             choice.state_bytes,
             choice.budget_bytes,
-            self._plan.resident_bytes,
-            self._plan.host_bytes,
             choice.measured_stall_ms,
             choice.predicted_stall_ms,
             f"; steps tried (resident+backward: iteration): {probes}" if probes else "",
@@ -1081,12 +1091,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
         self._give_back_gpu_state()
+        ran = (self._resident_budget, self._load_in_backward, self.backward_load_bytes)
         self._resident_budget = split.resident_bytes
         if self._overlap is not None:
             backward = split.backward_load_bytes
             self._load_in_backward = backward > 0 or self._insist_on_backward_loads
             self.backward_load_bytes = backward if backward > 0 else None
-        self._build(self._plan_for(self._units_key, split), self._units_key)
+        try:
+            self._build(self._plan_for(self._units_key, split), self._units_key)
+        except BaseException:
+            # The state is in its host homes: the next step plans what ran before anew.
+            self._resident_budget, self._load_in_backward, self.backward_load_bytes = ran
+            self._plan = None
+            raise
 
     def _give_back_gpu_state(self) -> None:
         """Before a re-plan within one host layout: resident state to its room in the host

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +136,19 @@ def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Spl
     backward = min(total, backward_cap)
     resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= total - backward)
     return Split(resident, backward)
+
+
+def largest_fitting_total(
+    unit_bytes: Sequence[int], backward_cap: int, fits: Callable[[Split], bool]
+) -> int:
+    """The largest total, of whole leading units, whose split (`split_total`) `fits`:
+    scanned down from the whole state, since what a split holds need not grow with its
+    total (a unit left staged sizes the ring)."""
+    for total in sorted(set(itertools.accumulate(unit_bytes, initial=0)), reverse=True):
+        split = split_total(total, unit_bytes, backward_cap)
+        if split.total == 0 or fits(split):
+            return split.total
+    return 0
 
 
 def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> list[Split]:
@@ -312,7 +325,9 @@ class StepTimer:
     def backward_started(self, stream: torch.Stream | None) -> None:
         """The backward after the step last started passed the forward's last module (the
         first such mark after a step counts)."""
-        self._backwards.setdefault(len(self._iterations) - 1, self.mark(stream))
+        step = len(self._iterations) - 1
+        if step not in self._backwards:
+            self._backwards[step] = self.mark(stream)
 
     def loaded(self, nbytes: int, before: torch.Event | None, after: torch.Event | None) -> None:
         """A chunk of `nbytes` rank-invariant state bytes was copied in between the marks."""

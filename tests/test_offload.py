@@ -620,3 +620,92 @@ def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates()
     _search_auto(lambda opt: max(60.0, 100.0 - 80.0 * opt._resident_budget / STATE_BYTES), record)
     assert len(alive_at_build) >= 3
     assert alive_at_build[1:] == [0] * (len(alive_at_build) - 1)  # each re-plan's start
+
+
+def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before():
+    """A re-plan that raises (out of memory allocating the new plan) after the old plan's
+    GPU state went home: the step raises, "auto" settles on what ran before, and the next
+    steps plan that anew from the host homes, bit-equal to AdamW skipping that step."""
+    from fake_step_timer import FakeSearchTimer
+
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+    )
+    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
+    builds = []
+    real_build = opt._build
+
+    def build(*args, **kwargs):
+        builds.append(len(builds))
+        if len(builds) == 2:  # the first re-plan
+            raise torch.OutOfMemoryError("no room for the new plan")
+        real_build(*args, **kwargs)
+
+    opt._build = build
+    fails = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 50, (4, 6), generator=gen) for _ in range(fails + 4)]
+    for m, o in ((plain_model, plain), (model, opt)):
+        for step, tokens in enumerate(batches):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            if step == fails:
+                if o is opt:
+                    with pytest.raises(torch.OutOfMemoryError, match="no room"):
+                        o.step()
+                continue
+            o.step()
+    opt.wait_for_optimizer_step()
+    assert opt.residency is not None and opt._auto is None
+    assert (opt.residency.resident_bytes, opt.residency.backward_load_bytes) == (0, 0)
+    assert opt.plan.resident_bytes == 0 and len(builds) == 3  # planned anew, once
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+
+
+def test_a_sparse_grad_replan_after_auto_gives_back_the_old_gpu_state_first():
+    """The first sparse grad re-plans (its param steps whole from then on): under "auto"
+    the old resident state goes home before the new plan is allocated, as in its own
+    re-plans."""
+    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 3
+
+    def run(wrap: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(20, 8, sparse=True), torch.nn.Linear(8, 16))
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        old, alive_at_build = [], []
+        if wrap:
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=64, gpu_resident_bytes="auto")
+            opt._auto.timer = FakeStepTimer(stall_first=True)  # exposed: all stays
+            real_build = opt._build
+
+            def build(*args, **kwargs):
+                gc.collect()
+                alive_at_build.append(sum(ref() is not None for ref in old))
+                real_build(*args, **kwargs)
+                old[:] = [weakref.ref(t) for t in opt._resident_slabs.values()]
+
+            opt._build = build
+        for step in range(steps):
+            opt.zero_grad()
+            if step < steps - 1:  # the embedding's first grad comes after "auto" settled
+                model[1](torch.ones(2, 8)).square().sum().backward()
+            else:
+                model(torch.tensor([[1, 3, 3], [step, 7, 1]])).square().sum().backward()
+            opt.step()
+        return model, opt, alive_at_build
+
+    (plain_model, plain, _), (model, opt, alive_at_build) = run(False), run(True)
+    assert opt.residency.resident_bytes > 0 and len(alive_at_build) == 3
+    assert alive_at_build[1:] == [0, 0]  # auto's re-plan, then the sparse grad's
+    assert opt.plan.resident_bytes > 0
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(plain.state[a]["sum"], opt.state[b]["sum"])

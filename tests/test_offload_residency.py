@@ -16,6 +16,7 @@ from offload.residency import (
     Split,
     StepProfile,
     choose_residency,
+    largest_fitting_total,
     leading_units,
     next_split,
     predicted_stall_ms,
@@ -266,3 +267,19 @@ def test_plans_with_room_for_all_share_one_host_layout_whatever_stays_resident()
     assert plans[-1].resident_bytes > 0 and not homes[-1]  # all resident, host room kept
     tight = plan_offload(units, specs, 500, resident_bytes=1300, resident_first=True)
     assert sum(tight.host_numel.values()) < sum(plans[0].host_numel.values())
+
+
+def test_the_largest_fitting_total_is_scanned_down_not_bisected():
+    units = [100, 300, 50, 50]
+    asked = []
+
+    def fits(split):  # of 500, 450, 400 and 100 only 100: not what a bisection finds
+        asked.append(split.total)
+        return split.total == 100
+
+    assert largest_fitting_total(units, 0, fits) == 100
+    assert asked == [500, 450, 400, 100]
+    assert largest_fitting_total(units, 0, lambda split: split.total != 500) == 450
+    assert largest_fitting_total(units, 0, lambda split: False) == 0
+    # with the backward's 60: 450 leaves 390 for whole units, 100 of them fit
+    assert largest_fitting_total(units, 60, lambda split: split.total < 450) == 160
