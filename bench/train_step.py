@@ -84,7 +84,7 @@ from bench.timing import timed_window
 from bench.train import free_port
 from muon_offload import OptimizerConfig, setup_optimizer
 from offload import CPUOffloadOptimizer
-from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, MAX_PROBES, PROBE_STEPS
+from offload.residency import AUTO_STEPS_AT_MOST
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,6 @@ PLAIN_ARMS = ("none", "offload+overlap", "torchao")
 GiB = 2**30
 UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 RESIDENT_FIELD = "offload_gpu_resident_bytes"
-AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 1
 
 
 @dataclasses.dataclass(frozen=True)

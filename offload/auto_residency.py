@@ -28,6 +28,7 @@ from offload.residency import (
     AUTO_WARMUP_STEPS,
     BACKWARD_LOAD_SHARE,
     PROBE_STEPS,
+    RECHECK_SLACK,
     Probe,
     ResidencyChoice,
     Split,
@@ -84,6 +85,7 @@ class AutoResidency:
         self._splits: list[Split] = []
         self._probe_start = 0
         self._current = Split(0, 0)
+        self._settled: Split | None = None  # what the search settled on, being checked
         self._base: ResidencyChoice | None = None
 
     def _agree(
@@ -131,6 +133,8 @@ class AutoResidency:
         # The probe's first step re-planned (the host synced): its iteration is left out.
         took = self.timer.iterations_ms(self._probe_start + 1, step)
         (iteration,), _ = self._agree([statistics.median(took)], [])
+        if self._settled is not None:
+            return self._check(Probe(self._current, iteration, tuple(took)))
         self._probes.append(Probe(self._current, iteration, tuple(took)))
         return self._next(step)
 
@@ -185,17 +189,37 @@ class AutoResidency:
         self._shape, self._profiles = shape, profiles
         if not (shape.overlap and self.timer.timed):
             # Nothing to search with: the model's choice.
-            return self._settle(first, shape, profiles)
+            self._settle(first, shape, profiles)
+            return self._run(first)
         self._probes = [Probe(Split(0, 0), iteration)]
         self._splits = splits
         return self._next(step)
 
     def _next(self, step: int) -> Split | None:
         split = next_split(self._probes, self._splits)
-        if split is not None:
-            self._probe_start, self._current = step, split
-            return split
-        return self._settle(settled_split(self._probes), self._shape, self._profiles)
+        if split is None:
+            # Settled: the next PROBE_STEPS steps check what it measured for that split.
+            split = self._settled = settled_split(self._probes)
+        self._probe_start = step
+        return self._run(split)
+
+    def _check(self, after: Probe) -> Split | None:
+        """The settled split's steps against what the search measured for it: slower by
+        more than `RECHECK_SLACK`, the fastest split measured instead (once)."""
+        measured = next(p for p in self._probes if p.split == self._settled)
+        fastest = min(self._probes, key=lambda p: p.iteration_ms)
+        split = self._settled
+        if after.iteration_ms > (1 + RECHECK_SLACK) * measured.iteration_ms:
+            split = fastest.split
+        self._settle(split, self._shape, self._profiles, after)
+        return self._run(split)
+
+    def _run(self, split: Split) -> Split | None:
+        """`split` from this step on: returned if it is not the one running."""
+        if split == self._current:
+            return None
+        self._current = split
+        return split
 
     def settle_on(self, split: Split) -> None:
         """The split returned could not be run (its re-plan failed, e.g. out of memory):
@@ -204,8 +228,13 @@ class AutoResidency:
         self._settle(split, self._shape, self._profiles)
 
     def _settle(
-        self, split: Split, shape: StepShape, profiles: Sequence[StepProfile]
-    ) -> Split | None:
+        self,
+        split: Split,
+        shape: StepShape,
+        profiles: Sequence[StepProfile],
+        checked: Probe | None = None,
+    ) -> None:
+        """What "auto" chose: `choice`, which the optimizer reports once it is set."""
         base = self._base
         self.choice = ResidencyChoice(
             resident_bytes=split.resident_bytes,
@@ -218,11 +247,8 @@ class AutoResidency:
             backward_cap_bytes=self._backward_cap,
             budget_bytes=self.budget_bytes,
             probes=tuple(self._probes),
+            checked=checked,
         )
-        if split == self._current:
-            return None
-        self._current = split
-        return split
 
 
 def _total(split: Split) -> int:

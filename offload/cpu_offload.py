@@ -250,7 +250,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             the backward loads what its length carries and the leading units of the
             rest stay resident; then, on a GPU, run the most the budget allows a few
             steps, and bisect for the least amount whose step is within
-            `residency.NEAR_FASTEST` of the fastest (`offload.auto_residency`). Without
+            `residency.NEAR_FASTEST` of the fastest (`offload.auto_residency`); the
+            steps after it settles are checked, and if they are slower than measured it
+            takes the fastest split measured instead. Without
             overlap the last units stay resident. `residency` says what it chose, and
             one log line. It keeps room in the host slabs for the whole state, so
             re-choosing never allocates pinned memory.

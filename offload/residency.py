@@ -43,6 +43,11 @@ PROBE_STEPS = 6
 """Steps each split of the search runs: the first is not timed (its re-plan syncs), the
 median of the others counts (one step of a run can be 10-15% off the next)."""
 MAX_PROBES = 4
+AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 1) * PROBE_STEPS + 1
+"""Steps until "auto" has settled and checked, at most (it says what it chose then)."""
+RECHECK_SLACK = 0.10
+"""Once settled, the next `PROBE_STEPS` steps are checked against what the search measured
+for the split: this much slower, and "auto" takes the fastest split it measured instead."""
 SEARCH_STEPS = 8
 """The search's totals are the state over this many, and multiples."""
 BACKWARD_LOAD_SHARE = 0.65
@@ -106,6 +111,7 @@ class ResidencyChoice:
     backward_cap_bytes: int = 0  # what the backward could load, as measured
     budget_bytes: int = 0  # GPU memory "auto" could hold: resident state and staging
     probes: tuple[Probe, ...] = ()  # the search's splits and their steps, in the order tried
+    checked: Probe | None = None  # the settled split's steps after the search
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 from fake_step_timer import FakeStepTimer
 
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
-from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
+from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, settled_split
 from offload.subset_step import GroupStep, ParamSlice
 
 OPTIMIZERS = {
@@ -496,7 +496,7 @@ def _search_auto(iteration_ms, on_build, **options) -> CPUOffloadOptimizer:
     built)` as each (re-)plan starts and ends; bit-equal to plain AdamW. Returns it."""
     from fake_step_timer import FakeSearchTimer
 
-    from offload.residency import MAX_PROBES, PROBE_STEPS
+    from offload.residency import AUTO_STEPS_AT_MOST
 
     plain_model, model = make_model(), make_model()
     opt = CPUOffloadOptimizer(
@@ -516,10 +516,9 @@ def _search_auto(iteration_ms, on_build, **options) -> CPUOffloadOptimizer:
         on_build(opt, True)
 
     opt._build = build
-    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    train(plain_model, plain, steps=steps)
-    train(model, opt, steps=steps)
+    train(plain_model, plain, steps=AUTO_STEPS_AT_MOST + 1)
+    train(model, opt, steps=AUTO_STEPS_AT_MOST + 1)
     opt.wait_for_optimizer_step()
     assert opt.residency is not None and opt._auto is None
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
@@ -709,3 +708,32 @@ def test_a_sparse_grad_replan_after_auto_gives_back_the_old_gpu_state_first():
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
         assert torch.equal(plain.state[a]["sum"], opt.state[b]["sum"])
+
+
+@pytest.mark.parametrize("slower_after", [0.0, 20.0])
+def test_auto_checks_the_settled_split_and_takes_the_fastest_when_it_is_slower(slower_after):
+    """Once settled, the next steps are checked against what the search measured for the
+    split: more than RECHECK_SLACK slower (here 20 ms on 60), and "auto" takes the fastest
+    split it measured instead; within it, it stays."""
+
+    def iteration_ms(opt):
+        ms = max(60.0, 100.0 - 80.0 * _kept(opt) / STATE_BYTES)
+        auto = opt._auto
+        if auto is not None and auto._settled is not None and auto._current == auto._settled:
+            ms += slower_after  # the settled split, after the search
+        return ms
+
+    opt = _search_auto(iteration_ms, lambda opt, built: None)
+    choice = opt.residency
+    fastest = min(choice.probes, key=lambda p: p.iteration_ms)
+    settled = settled_split(choice.probes)
+    assert settled != fastest.split  # a smaller split was near the fastest
+    measured = next(p for p in choice.probes if p.split == settled).iteration_ms
+    assert choice.checked is not None and choice.checked.split == settled
+    assert choice.checked.iteration_ms == measured + slower_after
+    expected = settled if not slower_after else fastest.split
+    assert (choice.resident_bytes, choice.backward_load_bytes) == (
+        expected.resident_bytes,
+        expected.backward_load_bytes,
+    )
+    assert _kept(opt) == expected.total

@@ -238,7 +238,7 @@ def _auto_search_worker(rank: int, world: int) -> None:
     from fake_step_timer import FakeSearchTimer
     from torch.distributed.device_mesh import init_device_mesh
 
-    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, MAX_PROBES, PROBE_STEPS
+    from offload.residency import AUTO_STEPS_AT_MOST
 
     mesh = init_device_mesh("cpu", (world,))
     plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
@@ -258,7 +258,7 @@ def _auto_search_worker(rank: int, world: int) -> None:
         return (1 + rank) * max(50.0, 100.0 - 100.0 * kept / state) + rank
 
     opt._auto.timer = opt._overlap.timer = FakeSearchTimer(iteration_ms, 5.0 + rank, 100.0)
-    steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + MAX_PROBES * PROBE_STEPS + 3
+    steps = AUTO_STEPS_AT_MOST + 1
     _train(plain_model, plain, rank, steps)
     _train(model, opt, rank, steps)
     opt.wait_for_optimizer_step()

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from offload import CPUOffloadOptimizer
-from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, MAX_PROBES, PROBE_STEPS
+from offload.residency import (
+    AUTO_MEASURED_STEPS,
+    AUTO_STEPS_AT_MOST,
+    AUTO_WARMUP_STEPS,
+    PROBE_STEPS,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -158,7 +163,7 @@ def test_cuda_step_never_syncs_the_host_and_overlap_is_bitwise(mode, resident):
     )
     gen = torch.Generator(device="cuda").manual_seed(0)
     decides = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
-    steps = decides + MAX_PROBES * PROBE_STEPS + 2 if resident == "auto" else 7
+    steps = AUTO_STEPS_AT_MOST + 1 if resident == "auto" else 7
     inputs = [torch.randn(64, 512, device="cuda", generator=gen) for _ in range(steps)]
     for step, x in enumerate(inputs):
         for m, o in ((plain_model, plain), (model, opt)):
