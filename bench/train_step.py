@@ -634,10 +634,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"ms a step all offloaded, predicted {c['predicted_stall_ms']:.1f} ms; "
                 f"{r['search_steps']} steps to settle, {r['search_ms'] / 1e3:.2f} s"
             )
-            for p in c["probes"]:
+            checked = [{**c["checked"], "checked": True}] if c.get("checked") else []
+            for p in [*c["probes"], *checked]:
                 split = p["split"]
                 print(
-                    f"{'':<{width}}   tried {split['resident_bytes'] / GiB:.2f} + "
+                    f"{'':<{width}}   {'checked' if 'checked' in p else 'tried'} "
+                    f"{split['resident_bytes'] / GiB:.2f} + "
                     f"{split['backward_load_bytes'] / GiB:.2f} GiB: {p['iteration_ms']:.1f} ms"
                 )
     for r in results:
