@@ -198,8 +198,12 @@ class AutoResidency:
     def _next(self, step: int) -> Split | None:
         split = next_split(self._probes, self._splits)
         if split is None:
+            split = settled_split(self._probes)
+            if split == min(self._probes, key=lambda p: p.iteration_ms).split:
+                self._settle(split, self._shape, self._profiles)  # nothing faster to take
+                return self._run(split)
             # Settled: the next PROBE_STEPS steps check what it measured for that split.
-            split = self._settled = settled_split(self._probes)
+            self._settled = split
         self._probe_start = step
         return self._run(split)
 

@@ -1102,9 +1102,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         try:
             self._build(self._plan_for(self._units_key, split), self._units_key)
         except BaseException:
-            # The state is in its host homes: the next step plans what ran before anew.
+            # The state is in its host homes: the next step plans what ran before anew, and
+            # what the failed plan allocated goes now.
             self._resident_budget, self._load_in_backward, self.backward_load_bytes = ran
-            self._plan = None
+            self._plan, self._resident_slabs = None, {}
+            self._ring, self._extra_slots = None, []
             raise
 
     def _give_back_gpu_state(self) -> None:

@@ -144,17 +144,37 @@ def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Spl
     return Split(resident, backward)
 
 
+FINE_TOTALS = 16
+"""`largest_fitting_total` tries at most this many whole-unit totals between two grid totals."""
+
+
 def largest_fitting_total(
     unit_bytes: Sequence[int], backward_cap: int, fits: Callable[[Split], bool]
 ) -> int:
-    """The largest total, of whole leading units, whose split (`split_total`) `fits`:
-    scanned down from the whole state, since what a split holds need not grow with its
-    total (a unit left staged sizes the ring)."""
-    for total in sorted(set(itertools.accumulate(unit_bytes, initial=0)), reverse=True):
+    """The largest total whose split (`split_total`) `fits`, as the search's grid (each
+    `SEARCH_STEPS`-th of the state) finds it scanned down from the whole state, then
+    refined between that grid total and the next with whole-unit totals (at most
+    `FINE_TOTALS`, evenly picked). Scanned, not bisected: what a split holds need not
+    grow with its total (a unit left staged sizes the ring)."""
+    state = sum(unit_bytes)
+    step = max(1, -(-state // SEARCH_STEPS))
+    grid = sorted({*range(step, state, step), state}, reverse=True)
+    found, above = 0, state + 1
+    for total in grid:
         split = split_total(total, unit_bytes, backward_cap)
-        if split.total == 0 or fits(split):
+        if split.total > 0 and fits(split):
+            found = split.total
+            break
+        above = total
+    between = [
+        t for t in itertools.accumulate(unit_bytes) if found < t < above and t <= state
+    ]
+    pick = max(1, -(-len(between) // FINE_TOTALS))
+    for total in sorted(between[::-1][::pick], reverse=True):
+        split = split_total(total, unit_bytes, backward_cap)
+        if split.total > found and fits(split):
             return split.total
-    return 0
+    return found
 
 
 def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> list[Split]:

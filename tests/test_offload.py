@@ -737,3 +737,53 @@ def test_auto_checks_the_settled_split_and_takes_the_fastest_when_it_is_slower(s
         expected.backward_load_bytes,
     )
     assert _kept(opt) == expected.total
+
+
+def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
+    """A re-plan that fails at the backward's extra slot, after the new resident slabs and
+    ring were allocated: those go with the failure, not held beside the next plan."""
+    from fake_step_timer import FakeSearchTimer
+
+    import offload.cpu_offload as cpu_offload
+
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+        backward_load_bytes=3000,
+    )
+    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
+    made, failing = [], [False]
+    ring = cpu_offload._StagingRing
+
+    class FailingSecondRing(ring):
+        def __init__(self, *args, **kwargs):
+            if failing[0] and len(made) == 1:
+                raise torch.OutOfMemoryError("no room for the backward's extra slot")
+            super().__init__(*args, **kwargs)
+            if failing[0]:
+                made.append(self)
+
+    monkeypatch.setattr(cpu_offload, "_StagingRing", FailingSecondRing)
+    fails = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+    gen = torch.Generator().manual_seed(1)
+    for step in range(fails + 2):
+        opt.zero_grad()
+        model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+        if step == fails:
+            failing[0] = True
+            with pytest.raises(torch.OutOfMemoryError):
+                opt.step()
+            failing[0] = False
+            left = [weakref.ref(b) for r in made for b in r.buffers.values()]
+            made.clear()
+            gc.collect()
+            assert left and all(ref() is None for ref in left)
+            assert opt.plan is None and not opt._resident_slabs
+            continue
+        opt.step()
+    opt.wait_for_optimizer_step()
+    assert opt.plan is not None and opt.residency is not None

@@ -9,8 +9,10 @@ import torch
 
 from offload.chunk_plan import ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.residency import (
+    FINE_TOTALS,
     MAX_PROBES,
     NEAR_FASTEST,
+    SEARCH_STEPS,
     ChunkWait,
     Probe,
     Split,
@@ -271,15 +273,32 @@ def test_plans_with_room_for_all_share_one_host_layout_whatever_stays_resident()
 
 def test_the_largest_fitting_total_is_scanned_down_not_bisected():
     units = [100, 300, 50, 50]
-    asked = []
-
-    def fits(split):  # of 500, 450, 400 and 100 only 100: not what a bisection finds
-        asked.append(split.total)
-        return split.total == 100
-
-    assert largest_fitting_total(units, 0, fits) == 100
-    assert asked == [500, 450, 400, 100]
+    # of what a bisection would try only 100 fits: found by scanning down
+    assert largest_fitting_total(units, 0, lambda split: split.total == 100) == 100
     assert largest_fitting_total(units, 0, lambda split: split.total != 500) == 450
     assert largest_fitting_total(units, 0, lambda split: False) == 0
     # with the backward's 60: 450 leaves 390 for whole units, 100 of them fit
     assert largest_fitting_total(units, 60, lambda split: split.total < 450) == 160
+
+
+def test_the_largest_fitting_total_finds_loads_in_the_backward_below_the_first_unit():
+    """A first unit (an embedding) larger than the backward's cap: the budget holds the
+    backward's slots for 300 bytes of its 600, and no resident state."""
+    units = [1000, 100, 100]
+
+    def fits(split):
+        return split.backward_load_bytes <= 300 and split.resident_bytes == 0
+
+    assert largest_fitting_total(units, 600, fits) == 300
+
+
+def test_the_largest_fitting_total_plans_a_bounded_number_of_splits():
+    asked = []
+
+    def fits(split):
+        asked.append(split)
+        return split.total <= 7_777
+
+    units = [10] * 1000  # 10_000 bytes
+    assert largest_fitting_total(units, 0, fits) >= 7_777 - 10 * -(-125 // FINE_TOTALS)
+    assert len(asked) <= SEARCH_STEPS + 1 + FINE_TOTALS
