@@ -166,9 +166,7 @@ def largest_fitting_total(
             found = split.total
             break
         above = total
-    between = [
-        t for t in itertools.accumulate(unit_bytes) if found < t < above and t <= state
-    ]
+    between = [t for t in itertools.accumulate(unit_bytes) if found < t < above and t <= state]
     pick = max(1, -(-len(between) // FINE_TOTALS))
     for total in sorted(between[::-1][::pick], reverse=True):
         split = split_total(total, unit_bytes, backward_cap)

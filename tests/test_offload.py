@@ -490,15 +490,11 @@ def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
         step.step_params([whole])
 
 
-def _search_auto(iteration_ms, on_build, **options) -> CPUOffloadOptimizer:
-    """Train an overlapped "auto" AdamW until it has settled, with made-up step times
-    (`iteration_ms(opt)`: the last step's, from what it kept), calling `on_build(opt,
-    built)` as each (re-)plan starts and ends; bit-equal to plain AdamW. Returns it."""
+def _overlapped_auto(model, iteration_ms, **options) -> CPUOffloadOptimizer:
+    """AdamW on `model` with overlap and "auto", its steps timed `iteration_ms(opt)`, its
+    backward 10 ms, its loads 200 bytes/ms (`FakeSearchTimer`)."""
     from fake_step_timer import FakeSearchTimer
 
-    from offload.residency import AUTO_STEPS_AT_MOST
-
-    plain_model, model = make_model(), make_model()
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         chunk_bytes=1000,
@@ -508,6 +504,17 @@ def _search_auto(iteration_ms, on_build, **options) -> CPUOffloadOptimizer:
         **options,
     )
     opt._auto.timer = opt._overlap.timer = FakeSearchTimer(lambda: iteration_ms(opt), 10.0, 200.0)
+    return opt
+
+
+def _search_auto(iteration_ms, on_build, **options) -> CPUOffloadOptimizer:
+    """Train an overlapped "auto" AdamW until it has settled, with made-up step times
+    (`iteration_ms(opt)`: the last step's, from what it kept), calling `on_build(opt,
+    built)` as each (re-)plan starts and ends; bit-equal to plain AdamW. Returns it."""
+    from offload.residency import AUTO_STEPS_AT_MOST
+
+    plain_model, model = make_model(), make_model()
+    opt = _overlapped_auto(model, iteration_ms, **options)
     real_build = opt._build
 
     def build(*args, **kwargs):
@@ -625,18 +632,9 @@ def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before
     """A re-plan that raises (out of memory allocating the new plan) after the old plan's
     GPU state went home: the step raises, "auto" settles on what ran before, and the next
     steps plan that anew from the host homes, bit-equal to AdamW skipping that step."""
-    from fake_step_timer import FakeSearchTimer
-
     plain_model, model = make_model(), make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1000,
-        staging_slots=2,
-        overlap_forward=model,
-        gpu_resident_bytes="auto",
-    )
-    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
+    opt = _overlapped_auto(model, lambda opt: 100.0)
     builds = []
     real_build = opt._build
 
@@ -742,20 +740,10 @@ def test_auto_checks_the_settled_split_and_takes_the_fastest_when_it_is_slower(s
 def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
     """A re-plan that fails at the backward's extra slot, after the new resident slabs and
     ring were allocated: those go with the failure, not held beside the next plan."""
-    from fake_step_timer import FakeSearchTimer
-
     import offload.cpu_offload as cpu_offload
 
     model = make_model()
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1000,
-        staging_slots=2,
-        overlap_forward=model,
-        gpu_resident_bytes="auto",
-        backward_load_bytes=3000,
-    )
-    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
+    opt = _overlapped_auto(model, lambda opt: 100.0, backward_load_bytes=3000)
     made, failing = [], [False]
     ring = cpu_offload._StagingRing
 
