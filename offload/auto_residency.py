@@ -11,7 +11,8 @@ Steps: the first `AUTO_WARMUP_STEPS` pin slabs and create state; the next
 `AUTO_MEASURED_STEPS` run everything offloaded and are measured (stalls, the backward's
 length, the load rate, each step). Then the stall model's total, split between the
 backward and residency; with forward overlap on a device that times events, the search
-tries splits, `PROBE_STEPS` steps each, and settles (`residency.next_split`).
+tries splits, `PROBE_STEPS` steps each, settles (`residency.next_split`), and checks the
+settled split on the next `PROBE_STEPS` steps (`RECHECK_SLACK`).
 """
 
 from __future__ import annotations
