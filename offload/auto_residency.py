@@ -87,7 +87,11 @@ class AutoResidency:
         self._probe_start = 0
         self._current = Split(0, 0)
         self._settled: Split | None = None  # what the search settled on, being checked
-        self._base: ResidencyChoice | None = None
+        # Set by the first choice:
+        self._base: ResidencyChoice | None = None  # the stall model's
+        self._backward_cap = 0
+        self._shape: StepShape | None = None
+        self._profiles: Sequence[StepProfile] = ()
 
     def _agree(
         self, largest: Sequence[float], least: Sequence[float]

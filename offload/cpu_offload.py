@@ -257,9 +257,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             one log line. It keeps room in the host slabs for the whole state, so
             re-choosing never allocates pinned memory.
         gpu_budget_bytes: with "auto", the GPU memory the optimizer may hold for state
-            (resident state, and the staging ring or the backward's loads where those
-            are more); default: what the device had free at the measured steps' peak,
-            less `residency.BUDGET_MARGIN_FRACTION` of its memory.
+            (resident state, the staging ring and the backward's extra slots); default:
+            what the device had free at the measured steps' peak, less
+            `residency.BUDGET_MARGIN_FRACTION` of its memory.
         load_in_backward: with `overlap_forward`, load the next step's first chunks (as
             many as the ring has slots) in the backward of the first forward after a step,
             spread over the modules it passes from the last module that forward ran on (by
@@ -394,8 +394,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._params, self._streams)
-            if self._auto is not None:
-                self._overlap.timer = self._auto.timer
             if load_in_backward or (self._auto is not None and self._auto.backward is not None):
                 reached = weakref.WeakMethod(self._backward_reached)  # the model must not keep self
                 self._overlap.backward_reached = lambda *at: (reached() or _nothing)(*at)
@@ -697,6 +695,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         timed = self._auto is not None and self._auto.measuring
         if timed:
             self._auto.timer.step_started(streams.current())
+        if self._overlap is not None:  # the next forward's waits: timed in measured steps only
+            self._overlap.timer = self._auto.timer if timed else None
         self._steps += 1
         if self._ring is not None:
             # Allocated on the trainer's stream: the copy streams start after its work so far.
@@ -1064,8 +1064,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _say_what_auto_chose(self, choice: ResidencyChoice) -> None:
         self._auto = None
-        if self._overlap is not None:
-            self._overlap.timer = None
         self.residency = choice
         self.gpu_resident_bytes = choice.resident_bytes
         probes = "; ".join(

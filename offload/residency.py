@@ -11,13 +11,12 @@ every rank, which then agree on one choice), where the host waits for the last
 measured step anyway to rebuild the slabs. `choose_residency` is pure.
 
 The stall model sees only the device's waits, not a forward the host paces or the
-trainer's own small copies queued behind the step's (at batch 4 it chose a third of
-what the step needed), so with forward overlap on a GPU "auto" searches instead
-(`next_split`): it runs the most state the budget keeps off the forward's path for a
-few steps (the fastest step it can get), then bisects for the least total whose step
-is within `NEAR_FASTEST` of the fastest measured (`settled_split`). Of a total, the
-backward loads what its measured length carries (`split_total`); the rest stays
-resident.
+trainer's own small copies queued behind the step's, so with forward overlap on a GPU
+"auto" searches instead (`next_split`): it runs the most state the budget keeps off the
+forward's path for a few steps (the fastest step it can get), then bisects for the
+least total whose step is within `NEAR_FASTEST` of the fastest measured
+(`settled_split`). Of a total, the backward loads what its measured length carries
+(`split_total`); the rest stays resident.
 """
 
 from __future__ import annotations
@@ -36,12 +35,12 @@ STALL_TOLERANCE_MS = 1.0
 """"auto" keeps the least state whose predicted stall is within this of the least the
 cap allows: a millisecond a step is not worth more GPU memory."""
 NEAR_FASTEST = 0.01
-"""A step this much slower than the fastest measured is as fast. Not widened by how much
-steps varied: on a noisy machine that settled on splits slower in the end
-(`bench/measured/train_step_hf_b4_auto_near_h200.json`); the budget bounds memory."""
+"""A step this much slower than the fastest measured is as fast. Fixed, not widened by
+how much steps vary: a wider tolerance trades speed for memory the budget already
+bounds."""
 PROBE_STEPS = 6
 """Steps each split of the search runs: the first is not timed (its re-plan syncs), the
-median of the others counts (one step of a run can be 10-15% off the next)."""
+median of the others counts (steps of one run vary by several percent)."""
 MAX_PROBES = 4
 AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 1) * PROBE_STEPS + 1
 """Steps until "auto" has settled and checked, at most (it says what it chose then)."""
@@ -53,9 +52,7 @@ SEARCH_STEPS = 8
 BACKWARD_LOAD_SHARE = 0.65
 """Of what the host link carries in the backward's time (from the last module on, at
 the measured load rate), the share "auto" loads there: FSDP2's and the trainer's own
-small copies share the copy engine and must not wait long behind ours (the best loads
-set by hand, `bench/measured/train_step_hf_b4_resident_and_bwd_h200.json`, were about
-this share of what "auto" measured the backward could carry)."""
+small copies share the copy engine and must not wait long behind ours."""
 BUDGET_MARGIN_FRACTION = 0.05
 """Of the device's memory, what the default budget leaves free past the measured peak."""
 

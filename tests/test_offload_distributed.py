@@ -182,12 +182,10 @@ def test_fsdp2_modules_sharded_together_wait_for_each_others_chunks():
     run_on_ranks(_shared_unit_worker, 2)
 
 
-def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
-    # Loads in the backward, and "auto" from stalls the ranks measured differently (rank 1
-    # also stalled at the forward's end): one agreed choice, the same chunks everywhere.
+def _sharded_auto(world: int, timer, **options):
+    """A plain AdamW on a deep model sharded over `world` CPU ranks, and an overlapped
+    "auto" one on its twin, timed by `timer(opt)`: (plain model, plain, model, opt)."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
 
     mesh = init_device_mesh("cpu", (world,))
     plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
@@ -198,11 +196,23 @@ def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
         staging_slots=2,
         overlap_forward=model,
         gpu_resident_bytes="auto",
+        **options,
+    )
+    opt._auto.timer = timer(opt)
+    return plain_model, plain, model, opt
+
+
+def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
+    # Loads in the backward, and "auto" from stalls the ranks measured differently (rank 1
+    # also stalled at the forward's end): one agreed choice, the same chunks everywhere.
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
+
+    plain_model, plain, model, opt = _sharded_auto(
+        world,
+        lambda opt: FakeStepTimer(stall_first=True, stall_last=rank == 1),
         gpu_budget_bytes=2500,  # a ring of 1 kB and part of the ~2.5 kB of state
         load_in_backward=True,
     )
-    timer = FakeStepTimer(stall_first=True, stall_last=rank == 1)
-    opt._auto.timer = opt._overlap.timer = timer
     steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 3
     _train(plain_model, plain, rank, steps)
     _train(model, opt, rank, steps)
@@ -236,28 +246,19 @@ def _auto_search_worker(rank: int, world: int) -> None:
     # Each rank times its steps, its backward and its loads differently and has its own
     # budget: they try the same splits at the same steps and settle on one plan.
     from fake_step_timer import FakeSearchTimer
-    from torch.distributed.device_mesh import init_device_mesh
 
     from offload.residency import AUTO_STEPS_AT_MOST
 
-    mesh = init_device_mesh("cpu", (world,))
-    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1,
-        staging_slots=2,
-        overlap_forward=model,
-        gpu_resident_bytes="auto",
-        gpu_budget_bytes=[10**6, 4000, 6000][rank],
-    )
-    state = 2 * 4 * sum(p.numel() for p in model.parameters())  # rank-invariant
-
-    def iteration_ms() -> float:
+    def iteration_ms(opt) -> float:
+        state = 2 * 4 * sum(p.numel() for p in opt._params)  # rank-invariant
         kept = opt._resident_budget + (opt.backward_load_bytes or 0)
         return (1 + rank) * max(50.0, 100.0 - 100.0 * kept / state) + rank
 
-    opt._auto.timer = opt._overlap.timer = FakeSearchTimer(iteration_ms, 5.0 + rank, 100.0)
+    plain_model, plain, model, opt = _sharded_auto(
+        world,
+        lambda opt: FakeSearchTimer(lambda: iteration_ms(opt), 5.0 + rank, 100.0),
+        gpu_budget_bytes=[10**6, 4000, 6000][rank],
+    )
     steps = AUTO_STEPS_AT_MOST + 1
     _train(plain_model, plain, rank, steps)
     _train(model, opt, rank, steps)
