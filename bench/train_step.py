@@ -379,6 +379,7 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     # "auto" measures and searches over its first steps, run as a trainer runs them (no
     # host sync between steps); the window starts once it has settled.
     search_steps, search_s = 0, 0.0
+    retries_before = alloc_retries(device)
     if arm.resident == "auto":
         started = time.perf_counter()
         while optimizer.residency is None and search_steps < AUTO_STEPS_AT_MOST:
@@ -398,6 +399,7 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     steps = max(1, min(args.steps, math.floor(args.arm_budget_s / max(warm_s[-1], 1e-9))))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    retries_window = alloc_retries(device)
     if args.phases:
         marks = PhaseMarks(*decoder_layers_and_head(model), device)
     returns: list[float] = []
@@ -415,6 +417,13 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         "peak_gib": (
             torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
         ),
+        "reserved_gib": (
+            torch.cuda.max_memory_reserved(device) / GiB if device.type == "cuda" else None
+        ),
+        # Allocator retries free the cache and sync: a budget set too close to the device's
+        # memory shows here, before and within the window.
+        "alloc_retries_before_window": retries_window - retries_before,
+        "alloc_retries_in_window": alloc_retries(device) - retries_window,
     }
     # The first 30 steps' mean, the search and warmup included (what "auto" costs a run);
     # the search's steps are timed together, so each counts as their mean.
@@ -437,6 +446,13 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if close is not None:
         close()
     return result
+
+
+def alloc_retries(device: torch.device) -> int:
+    """How often torch's caching allocator has freed its cache to retry an allocation."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def trace_path(json_path: Path, arm: Arm) -> Path:
@@ -632,7 +648,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"({c['state_bytes'] / GiB:.2f} GiB state, budget "
                 f"{c['budget_bytes'] / GiB:.2f} GiB); stall {c['measured_stall_ms']:.1f} "
                 f"ms a step all offloaded, predicted {c['predicted_stall_ms']:.1f} ms; "
-                f"{r['search_steps']} steps to settle, {r['search_ms'] / 1e3:.2f} s"
+                f"{r['search_steps']} steps to settle, {r['search_ms'] / 1e3:.2f} s; "
+                f"allocator retries {r['alloc_retries_before_window']} before the window, "
+                f"{r['alloc_retries_in_window']} in it (reserved {gib(r['reserved_gib'])} GiB)"
             )
             checked = [{**c["checked"], "checked": True}] if c.get("checked") else []
             for p in [*c["probes"], *checked]:
