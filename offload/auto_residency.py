@@ -108,6 +108,16 @@ class AutoResidency:
         out = values.tolist()
         return out[: len(largest)], [-v for v in out[len(largest) :]]
 
+    def failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks where `failed` is true (given on every rank at the same step; [0] or []
+        without a process group). One collective, like `_agree`."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return [0] if failed else []
+        flags = torch.zeros(torch.distributed.get_world_size(), device=self.device)
+        flags[torch.distributed.get_rank()] = float(failed)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
     @property
     def measuring(self) -> bool:
         """This step is one of the measured ones (everything offloaded, timed)."""

@@ -1051,7 +1051,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if split is not None:
             ran = Split(self._resident_budget, self._backward_loads_chosen())
             try:
-                self._replan(split)
+                self._replan(split, auto.failed_ranks)
             except BaseException:
                 auto.settle_on(ran)  # the state is home; the next step plans `ran` again
                 self._say_what_auto_chose(auto.choice)
@@ -1086,8 +1086,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             f"; steps tried (resident+backward: iteration): {probes}" if probes else "",
         )
 
-    def _replan(self, split: Split) -> None:
-        """Run from this step with `split` kept off the forward's path (host slabs kept)."""
+    def _replan(self, split: Split, failed_ranks: Callable[[bool], list[int]]) -> None:
+        """Run from this step with `split` kept off the forward's path (host slabs kept).
+
+        Every rank re-plans at this step, and `failed_ranks(failed here)` says on which it
+        failed: if on any, every rank goes back to what ran before (the state in its host
+        homes, planned anew at the next step) and raises, so no rank steps alone (its peers
+        would wait for it in the next collective, or step params it did not)."""
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
         self._give_back_gpu_state()
@@ -1097,15 +1102,36 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             backward = split.backward_load_bytes
             self._load_in_backward = backward > 0 or self._insist_on_backward_loads
             self.backward_load_bytes = backward if backward > 0 else None
+        error: Exception | None = None
         try:
             self._build(self._plan_for(self._units_key, split), self._units_key)
-        except BaseException:
-            # The state is in its host homes: the next step plans what ran before anew, and
-            # what the failed plan allocated goes now.
-            self._resident_budget, self._load_in_backward, self.backward_load_bytes = ran
-            self._plan, self._resident_slabs = None, {}
-            self._ring, self._extra_slots = None, []
+        except Exception as err:
+            error = err
+        except BaseException:  # an interrupt: no agreeing with peers, which stop too
+            self._forget_plan(ran)
             raise
+        failed = failed_ranks(error is not None)
+        if not failed:
+            return
+        if error is None:
+            self._give_back_gpu_state()
+        self._forget_plan(ran)
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            f"gpu_resident_bytes='auto': re-planning to {split.resident_bytes} bytes resident "
+            f"and {split.backward_load_bytes} loaded in the backward failed on rank(s) "
+            f"{failed}, so no rank ran this step; every rank steps what ran before from the "
+            "next step (see the failing rank's error)"
+        )
+
+    def _forget_plan(self, ran: tuple[int, bool, int | None]) -> None:
+        """After a re-plan that failed (here or on a peer), with the state in its host
+        homes: the options that ran before, planned anew at the next step, and what the
+        failed plan allocated goes now."""
+        self._resident_budget, self._load_in_backward, self.backward_load_bytes = ran
+        self._plan, self._resident_slabs = None, {}
+        self._ring, self._extra_slots = None, []
 
     def _give_back_gpu_state(self) -> None:
         """Before a re-plan within one host layout: resident state to its room in the host

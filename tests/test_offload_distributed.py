@@ -242,6 +242,59 @@ def test_fsdp2_loads_in_the_backward_and_auto_agree_across_ranks_bitwise():
     run_on_ranks(_backward_loads_and_auto_worker, 2)
 
 
+def _failed_replan_worker(rank: int, world: int) -> None:
+    # The last rank runs out of memory in "auto"'s re-plan: every rank raises at that step
+    # and steps what ran before from the next, bit-equal to AdamW skipping that step.
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
+
+    plain_model, plain, model, opt = _sharded_auto(
+        world, lambda opt: FakeStepTimer(stall_first=True), gpu_budget_bytes=2500
+    )
+    builds = []
+    real_build = opt._build
+
+    def build(*args, **kwargs):
+        builds.append(len(builds))
+        if len(builds) == 2 and rank == world - 1:  # the re-plan, on one rank
+            raise torch.OutOfMemoryError("no room for the new plan")
+        real_build(*args, **kwargs)
+
+    opt._build = build
+    fails = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+    for m, o in ((plain_model, plain), (model, opt)):
+        gen = torch.Generator().manual_seed(100 + rank)
+        for step in range(fails + 3):
+            o.zero_grad()
+            m(torch.randn(3, m[0].in_features, generator=gen)).square().mean().backward()
+            if step != fails:
+                o.step()
+            elif o is opt:
+                error = torch.OutOfMemoryError if rank == world - 1 else RuntimeError
+                with pytest.raises(error, match="no room" if rank == world - 1 else "rank"):
+                    o.step()
+    opt.wait_for_optimizer_step()
+    assert (opt.residency.resident_bytes, opt.plan.resident_bytes) == (0, 0)
+    assert len(builds) == 3  # planned anew at the next step, once
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
+    for index, entries in ref.items():
+        for key, value in entries.items():
+            assert (
+                torch.equal(value, got[index][key])
+                if key == "step"
+                else torch.equal(value.to_local(), got[index][key].to_local())
+            ), (index, key)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, [(c.params, c.slices, c.resident) for c in opt.plan.chunks])
+    assert all(chunks == gathered[0] for chunks in gathered)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_auto_replan_failing_on_one_rank_fails_the_step_on_every_rank(world):
+    run_on_ranks(_failed_replan_worker, world)
+
+
 def _auto_search_worker(rank: int, world: int) -> None:
     # Each rank times its steps, its backward and its loads differently and has its own
     # budget: they try the same splits at the same steps and settle on one plan.
