@@ -51,8 +51,10 @@ the host. Peak memory is `max_memory_allocated` over the window. The "none" arms
 (the baselines) run `--baseline-runs` times, spread evenly among the other arms
 (first and last with 2): their row is the median of their runs, and the table
 gives each run and the spread, since the baseline moves between runs as much as
-the arms differ. Prints a table with ratios against the same optimizer's "none"
-arm in this run and writes JSON.
+the arms differ. Each arm's process first records the machine as it finds it
+(`bench.machine`: a fixed Python loop's ms, the host link's copy rates), printed
+beside its step ms: machines, and cores of one machine, differ in both. Prints a table
+with ratios against the same optimizer's "none" arm in this run and writes JSON.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from torch import nn
 
 from bench import hf_llama
 from bench.data import random_tokens
+from bench.machine import describe, probe
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize
 from bench.phases import PHASES, PhaseMarks, decoder_layers_and_head
 from bench.report import write_json
@@ -346,6 +349,7 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     """Build and time one arm in this process (its process group is up)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    machine = probe(device)  # before this process pins or allocates anything
     mesh = init_device_mesh(device.type, (1,))
     model, loss = build_model(arm, args, mesh, device)
     optimizer = build_optimizer(arm, model, args)
@@ -406,6 +410,7 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     per_step, window_s = timed_window(lambda: returns.append(step()), steps, device)
     getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
     result: dict[str, Any] = {
+        "machine": machine,
         "search_steps": search_steps,
         "search_ms": 1e3 * search_s,
         "warmup_steps": len(warm_s),
@@ -722,8 +727,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         started = time.perf_counter()
         r = run_arm(arm, args, device)
         runs.append(r)
-        summary = r["error"] if "error" in r else f"step {r['step_ms']:.1f} ms"
-        print(f"{arm.name}: {summary} ({time.perf_counter() - started:.0f} s)", flush=True)
+        took = f"{time.perf_counter() - started:.0f} s"
+        if "error" in r:
+            print(f"{arm.name}: {r['error']} ({took})", flush=True)
+        else:
+            print(
+                f"{arm.name}: step {r['step_ms']:.1f} ms ({took}); {describe(r['machine'])}",
+                flush=True,
+            )
     results = merge_runs(runs)
     print_table(results)
     out = {

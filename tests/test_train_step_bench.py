@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.train_step import _storage_bytes, device_state_tensors
@@ -44,3 +45,23 @@ def test_baselines_run_first_and_last_and_merge_into_one_row_with_their_spread()
     assert merged[0]["step_ms"] == 190.0 and merged[0]["step_ms_runs"] == [200.0, 180.0]
     assert abs(merged[0]["spread"] - (200 / 180 - 1)) < 1e-12
     assert "spread" not in merged[1]
+
+
+def test_each_arm_records_the_machine_it_ran_on(tmp_path, capsys):
+    """The CPU smoke run: each arm's process measures the host's speed at a fixed loop
+    (no link on the CPU) and the run prints it beside the arm's step."""
+    pytest.importorskip("transformers")
+    import json
+
+    from bench.train_step import main
+
+    out = tmp_path / "smoke.json"
+    main(
+        ["--device", "cpu", "--model", "hf-llama-tiny", "--arms", "adamw/none"]
+        + ["--steps", "2", "--warmup", "1", "--baseline-runs", "1", "--json", str(out)]
+    )
+    (run,) = json.loads(out.read_text())["runs"]
+    machine = run["machine"]
+    assert machine["host_loop_ms"] > 0
+    assert machine["h2d_gb_s"] is None and machine["both_gb_s"] is None
+    assert f"host loop {machine['host_loop_ms']:.2f} ms" in capsys.readouterr().out
