@@ -31,8 +31,8 @@ Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
   chunks inside `step()` (CPUOffloadOptimizer);
 - offload+overlap: the same, the chunks running alongside the next forward;
 - offload+overlap+bwd: and the next step's first chunks loaded during the backward
-  (`offload_load_in_backward`); offload+overlap+bwd=BYTES: that much state loaded in
-  the backward (`offload_backward_load_bytes`, extra staging slots);
+  (`offload_load_in_backward=True`); offload+overlap+bwd=BYTES: that much state loaded
+  in the backward (`offload_load_in_backward=BYTES`, extra staging slots);
 - offload+overlap[+bwd]@BYTES (or @auto): with `offload_gpu_resident_bytes=BYTES`, state
   kept on the GPU; `--resident-sweep` adds one per value (and the none and
   offload+overlap arms the plot compares against) and plots step time and peak
@@ -113,7 +113,7 @@ class Arm:
     resident: int | str | None = None
     """offload_gpu_resident_bytes (bytes or "auto") of a sweep point."""
     backward_load: int | None = None
-    """offload_backward_load_bytes of a +bwd arm."""
+    """offload_load_in_backward's bytes of a +bwd=BYTES arm."""
 
     @property
     def name(self) -> str:
@@ -337,8 +337,9 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         lr=args.lr,
         offload="optimizer" if arm.mode.startswith("offload") else "none",
         offload_overlap_forward=arm.mode in OVERLAP_ARMS,
-        offload_load_in_backward=True if arm.mode == "offload+overlap+bwd" else None,
-        offload_backward_load_bytes=arm.backward_load,
+        offload_load_in_backward=(
+            (arm.backward_load or True) if arm.mode == "offload+overlap+bwd" else None
+        ),
         **({} if args.chunk_bytes is None else {"offload_chunk_bytes": args.chunk_bytes}),
         **extra,
     )

@@ -93,13 +93,11 @@ class OptimizerConfig:
     """With `offload_gpu_resident_bytes="auto"`: the GPU memory the optimizer may hold
     for state (default: what the device had free at the measured peak;
     CPUOffloadOptimizer's `gpu_budget_bytes`)."""
-    offload_load_in_backward: bool | None = None
-    """With forward overlap: load the next step's first chunks during the backward
-    (CPUOffloadOptimizer's `load_in_backward`; default: off, "auto" chooses)."""
-    offload_backward_load_bytes: int | None = None
-    """With `offload_load_in_backward` or "auto": state bytes the backward loads
-    (default: one ring's worth, or what "auto" chooses; more holds extra staging slots
-    from the backward to the next forward; CPUOffloadOptimizer's `backward_load_bytes`)."""
+    offload_load_in_backward: bool | int | None = None
+    """With forward overlap: load the next step's first chunks during the backward: True
+    one ring's worth, or a byte count (more holds extra staging slots from the backward
+    to the next forward; with "auto", the most it may load); default: off, "auto"
+    chooses; False: never (CPUOffloadOptimizer's `load_in_backward`)."""
     muon_options: dict[str, Any] = field(default_factory=dict)
     """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
 
@@ -121,7 +119,6 @@ class OptimizerConfig:
             gpu_budget_bytes=self.offload_gpu_budget_bytes,
             overlap_forward=self.offload_overlap_forward,
             load_in_backward=self.offload_load_in_backward,
-            backward_load_bytes=self.offload_backward_load_bytes,
             prefix="offload_",
         )
         if self.muon_options and self.type != "muon":
@@ -136,14 +133,22 @@ class OptimizerConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = _field_default(f)
-            if isinstance(default, bool) or f.name == "offload_load_in_backward":
+            if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                continue
+            if f.name == "offload_load_in_backward":  # --flag (True), --flag BYTES, --no-flag
+                load = _checked(int, offload_checks.check_load_in_backward, f.name)
+                parser.add_argument(flag, nargs="?", const=True, type=load, metavar="BYTES")
+                parser.add_argument(
+                    "--no-" + flag[2:], dest=f.name, action="store_const", const=False
+                )
+                parser.set_defaults(**{f.name: default})
                 continue
             if f.name == "muon_options":
                 parse: Callable[[str], Any] = _json_object
             elif f.name == "offload_gpu_resident_bytes":
                 parse = _bytes_or_auto
-            elif default is None:  # offload_backward_load_bytes, offload_gpu_budget_bytes
+            elif default is None:  # offload_gpu_budget_bytes
                 parse = int
             else:
                 parse = float if isinstance(default, tuple) else type(default)
@@ -322,7 +327,6 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         gpu_resident_bytes=config.offload_gpu_resident_bytes,
         gpu_budget_bytes=config.offload_gpu_budget_bytes,
         load_in_backward=config.offload_load_in_backward,
-        backward_load_bytes=config.offload_backward_load_bytes,
     )
 
 
@@ -384,7 +388,6 @@ _FLAG_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "offload_chunk_bytes": offload_checks.check_chunk_bytes,
     "offload_staging_slots": offload_checks.check_staging_slots,
     "offload_gpu_resident_bytes": offload_checks.check_gpu_resident_bytes,
-    "offload_backward_load_bytes": offload_checks.check_optional_bytes,
     "offload_gpu_budget_bytes": offload_checks.check_optional_bytes,
     "muon_options": lambda value, name: _check_muon_options(value),
 }

@@ -260,32 +260,29 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             (resident state, the staging ring and the backward's extra slots); default:
             what the device had free at the measured steps' peak, less
             `residency.BUDGET_MARGIN_FRACTION` of its memory.
-        load_in_backward: with `overlap_forward`, load the next step's first chunks (as
-            many as the ring has slots) in the backward of the first forward after a step,
-            spread over the modules it passes from the last module that forward ran on (by
-            then the loss and head's activations, the backward's usual peak, are freed) to
-            the first: the step finds them loaded. The ring is then held from there to the
-            end of the step instead of from `step()` on; nothing else is allocated, and
-            nothing of the update starts before `step()` (grads may still change, e.g.
-            clipping). Each module's backward should outlast loading its share (about
-            `chunk_bytes` per module at the host link's copy rate, with the defaults and a
-            16-layer model), or the trainer's own small copies wait behind the loads.
-            Default (None): off, but with "auto" and overlap, "auto" chooses; False:
-            never, True: always (with "auto": at least the ring's chunks).
-        backward_load_bytes: with `load_in_backward`, how much state (rank-invariant bytes,
-            whole chunks) the backward loads: default, the ring's `staging_slots` chunks.
-            With "auto" and overlap: the most it may load there (the attribute then
-            holds what it chose).
-            More adds one staging slot per further chunk (sized for it), allocated in the
-            backward and given back as soon as its chunk is written back (in the next forward): the
-            backward's idle copy engine then carries what the forward is too short to
-            hide. These slots are GPU memory from the backward to the next forward,
-            after the backward's peak (under gradient accumulation, from the first
-            micro-batch's backward on).
+        load_in_backward: with `overlap_forward`, load the next step's first chunks in
+            the backward of the first forward after a step, spread over the modules it
+            passes from the last module that forward ran on (by then the loss and head's
+            activations, the backward's usual peak, are freed) to the first: the step
+            finds them loaded. Default (None): off, but with "auto" and overlap, "auto"
+            chooses how much; False: never; True: the ring's `staging_slots` chunks (with
+            "auto": at least those); a byte count: that much state (rank-invariant bytes,
+            whole chunks, at least the ring's; with "auto": at most that much). The ring
+            is then held from the backward to the end of the step instead of from
+            `step()` on; more than the ring holds adds one staging slot per further chunk
+            (sized for it), allocated in the backward and given back as soon as its chunk
+            is written back (in the next forward): the backward's idle copy engine then
+            carries what the forward is too short to hide. These slots are GPU memory from
+            the backward to the next forward, after the backward's peak (under gradient
+            accumulation, from the first micro-batch's backward on). Nothing of the update
+            starts before `step()` (grads may still change, e.g. clipping). Each module's
+            backward should outlast loading its share (about `chunk_bytes` per module at
+            the host link's copy rate, with the defaults and a 16-layer model), or the
+            trainer's own small copies wait behind the loads.
 
     GPU memory for state: the resident state, and during a step `staging_slots`
     chunks (the ring is given back to the caching allocator when the step is
-    done) plus the backward's extra slots (`backward_load_bytes`); on the first
+    done) plus the backward's extra slots (`load_in_backward` bytes); on the first
     step, while the optimizer creates its state chunk by chunk, one more chunk.
 
     Host syncs: none inside `step()` (but the first step pins the host slabs and
@@ -317,8 +314,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         overlap_forward: nn.Module | None = None,
         gpu_resident_bytes: int | Literal["auto"] = 0,
         gpu_budget_bytes: int | None = None,
-        load_in_backward: bool | None = None,
-        backward_load_bytes: int | None = None,
+        load_in_backward: bool | int | None = None,
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
@@ -329,7 +325,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             gpu_budget_bytes=gpu_budget_bytes,
             overlap_forward=overlap_forward is not None,
             load_in_backward=load_in_backward,
-            backward_load_bytes=backward_load_bytes,
         )
         holder = _WRAPPERS.get(optimizer)
         if holder is not None and (wrapper := holder()) is not None and not wrapper._closed:
@@ -374,10 +369,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._steps = 0
         self._auto: AutoResidency | None = None
         self._host_room_for_all = gpu_resident_bytes == "auto"
+        # A byte count for the backward's loads, or None (the ring's chunks, or "auto"'s).
+        backward_bytes = None
+        if load_in_backward is not None and not isinstance(load_in_backward, bool):
+            backward_bytes = int(load_in_backward)
         if gpu_resident_bytes == "auto":
             backward = None
             if overlap_forward is not None and load_in_backward is not False:
-                backward = "auto" if backward_load_bytes is None else backward_load_bytes
+                backward = "auto" if backward_bytes is None else backward_bytes
             self._auto = AutoResidency(
                 StepTimer(self.device), gpu_budget_bytes, backward, self.device
             )
@@ -397,9 +396,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if load_in_backward or (self._auto is not None and self._auto.backward is not None):
                 reached = weakref.WeakMethod(self._backward_reached)  # the model must not keep self
                 self._overlap.backward_reached = lambda *at: (reached() or _nothing)(*at)
-        self._insist_on_backward_loads = bool(load_in_backward)
+        self._insist_on_backward_loads = load_in_backward is True
         self._load_in_backward = bool(load_in_backward) and self._auto is None
-        self.backward_load_bytes = backward_load_bytes
+        self.backward_load_bytes = backward_bytes
+        """With loads in the backward: the state bytes it loads (None: the ring's chunks);
+        under "auto", once settled, what it chose."""
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0

@@ -48,6 +48,13 @@ def check_optional_bytes(value: Any, name: str) -> None:
         _count(value, name, 0, "an int or None")
 
 
+def check_load_in_backward(value: Any, name: str = "load_in_backward") -> None:
+    """None (the default), True, False, or a byte count >= 1."""
+    if value is None or isinstance(value, bool):
+        return
+    _count(value, name, 1, "True, False, None or a byte count")
+
+
 def check_offload_options(
     *,
     chunk_bytes: Any,
@@ -56,7 +63,6 @@ def check_offload_options(
     gpu_budget_bytes: Any = None,
     overlap_forward: bool,
     load_in_backward: Any,
-    backward_load_bytes: Any,
     prefix: str = "",
 ) -> None:
     """Every option and how they combine; names are `prefix` + the constructor's
@@ -72,26 +78,10 @@ def check_offload_options(
             f"{prefix}gpu_budget_bytes bounds what {prefix}gpu_resident_bytes='auto' chooses; "
             f"set {prefix}gpu_resident_bytes='auto' or leave {prefix}gpu_budget_bytes unset"
         )
-    if load_in_backward is not None and not isinstance(load_in_backward, bool):
-        raise TypeError(
-            f"{prefix}load_in_backward should be True, False or None but is: {load_in_backward!r}"
-        )
-    check_optional_bytes(backward_load_bytes, f"{prefix}backward_load_bytes")
-    if load_in_backward and not overlap_forward:
+    check_load_in_backward(load_in_backward, f"{prefix}load_in_backward")
+    if load_in_backward not in (None, False) and not overlap_forward:
         raise ValueError(
-            f"{prefix}load_in_backward=True needs {overlap_on} (the forward overlap's hooks "
-            f"find where the backward is); set both or turn {prefix}load_in_backward off"
-        )
-    if backward_load_bytes is not None and load_in_backward is False:
-        raise ValueError(
-            f"{prefix}backward_load_bytes is how much the backward loads, but "
-            f"{prefix}load_in_backward=False forbids loading in the backward; leave one unset"
-        )
-    if backward_load_bytes is not None and not (
-        load_in_backward or (auto and overlap_forward and load_in_backward is None)
-    ):
-        raise ValueError(
-            f"{prefix}backward_load_bytes needs {prefix}load_in_backward=True, or "
-            f"{prefix}gpu_resident_bytes='auto' with {overlap_on} (it is how much the "
-            f"backward loads); turn one on or leave {prefix}backward_load_bytes unset"
+            f"{prefix}load_in_backward={load_in_backward!r} needs {overlap_on} (the forward "
+            f"overlap's hooks find where the backward is); set both or turn "
+            f"{prefix}load_in_backward off"
         )

@@ -41,19 +41,18 @@ class Net(torch.nn.Module):
             "needs offload_overlap_forward=True",
         ),
         (
-            {"offload": "optimizer", "offload_backward_load_bytes": 2**30},
-            "needs offload_load_in_backward=True",
+            {"offload": "optimizer", "offload_load_in_backward": 2**30},
+            "offload_load_in_backward=1073741824 needs offload_overlap_forward=True",
         ),
         (
             {
                 "offload": "optimizer",
                 "offload_overlap_forward": True,
-                "offload_load_in_backward": True,
-                "offload_backward_load_bytes": -1,
+                "offload_load_in_backward": 0,
             },
-            "offload_backward_load_bytes should be >= 0",
+            "offload_load_in_backward should be >= 1",
         ),
-        ({"offload_backward_load_bytes": 1.5}, "should be of type int | None"),
+        ({"offload_load_in_backward": 1.5}, "should be of type bool | int | None"),
         ({"ns_schedule": "newton"}, "ns_schedule should be one of"),
         ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn should be one of"),
         ({"lr": -1.0}, "lr should be >= 0"),
@@ -122,8 +121,7 @@ def test_offload_wraps_and_overlap_registers_hooks():
             type="muon",
             offload="optimizer",
             offload_overlap_forward=True,
-            offload_load_in_backward=True,
-            offload_backward_load_bytes=2**30,
+            offload_load_in_backward=2**30,
         ),
     )
     assert isinstance(overlapped.optimizer, Muon) and overlapped._overlap is not None
@@ -214,6 +212,7 @@ def test_resident_bytes_flag_takes_auto_or_bytes(value, expected):
         (["--offload-gpu-budget-bytes", "4096"], 4096, None),
         (["--no-offload-load-in-backward"], None, False),
         (["--offload-load-in-backward"], None, True),
+        (["--offload-load-in-backward", "4096"], None, 4096),
     ],
 )
 def test_auto_budget_and_backward_load_flags(flags, budget, loads):

@@ -600,7 +600,7 @@ def test_auto_never_settles_on_a_split_over_its_budget():
         lambda opt: 60.0 if _kept(opt) >= 11436 else 100.0,
         record,
         gpu_budget_bytes=budget,
-        backward_load_bytes=300,
+        load_in_backward=300,
     )
     assert len(opt.residency.probes) >= 2
     assert len(held) >= 3 and max(held) <= budget, held
@@ -741,7 +741,7 @@ def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
     import offload.cpu_offload as cpu_offload
 
     model = make_model()
-    opt = _overlapped_auto(model, lambda opt: 100.0, backward_load_bytes=3000)
+    opt = _overlapped_auto(model, lambda opt: 100.0, load_in_backward=3000)
     made, failing = [], [False]
     ring = cpu_offload._StagingRing
 

@@ -344,7 +344,7 @@ def _checkpointed_model() -> torch.nn.Module:
 @pytest.mark.parametrize("case", ["plain", "checkpointed", "accumulated", "reloaded", "evaluated"])
 def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case, budget):
     """The backward after a step's forward loads the next step's first chunks (one per
-    slot, or as many as `backward_load_bytes` holds, in extra slots); the step skips those
+    slot, or as many as `load_in_backward`'s bytes hold, in extra slots); the step skips those
     loads; params and state match the plain optimizer."""
     build = _checkpointed_model if case == "checkpointed" else make_model
     plain_model, model = build(), build()
@@ -355,8 +355,7 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case, bu
         chunk_bytes=2048,
         staging_slots=slots,
         overlap_forward=model,
-        load_in_backward=True,
-        backward_load_bytes=budget,
+        load_in_backward=True if budget is None else budget,
     )
     micro = 2 if case == "accumulated" else 1
     data = batches(5 * micro)
@@ -407,21 +406,6 @@ def test_load_in_backward_needs_forward_overlap():
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), load_in_backward=True)
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"backward_load_bytes": 1 << 20}, ValueError, "needs load_in_backward=True"),
-        ({"load_in_backward": True, "backward_load_bytes": -1}, ValueError, ">= 0"),
-        ({"load_in_backward": True, "backward_load_bytes": True}, TypeError, "an int or None"),
-        ({"load_in_backward": True, "backward_load_bytes": 2.5}, TypeError, "an int or None"),
-    ],
-)
-def test_backward_load_bytes_is_checked(kwargs, error, match):
-    model = make_model()
-    with pytest.raises(error, match=match):
-        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model, **kwargs)
-
-
 def _loading_in_the_backward(budget: int) -> tuple[torch.nn.Module, CPUOffloadOptimizer]:
     """A model and an optimizer loading `budget` bytes in the backward, 2 ring slots."""
     model = make_model()
@@ -430,8 +414,7 @@ def _loading_in_the_backward(budget: int) -> tuple[torch.nn.Module, CPUOffloadOp
         chunk_bytes=512,
         staging_slots=2,
         overlap_forward=model,
-        load_in_backward=True,
-        backward_load_bytes=budget,
+        load_in_backward=budget,
     )
     return model, opt
 

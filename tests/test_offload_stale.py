@@ -173,7 +173,7 @@ def test_in_place_param_edit_while_pending_applies_after_the_update():
 @pytest.mark.parametrize("budget", [None, 2**40], ids=["ring", "all"])
 def test_state_edit_after_backward_loads_is_kept(budget):
     plain_model, plain, model, overlapped = _pair(
-        Outside, load_in_backward=True, backward_load_bytes=budget
+        Outside, load_in_backward=True if budget is None else budget
     )
 
     def reset_moments(m, o):

@@ -36,16 +36,17 @@ def _adamw() -> torch.optim.AdamW:
         ),
         ({"gpu_budget_bytes": 0.5}, TypeError, "gpu_budget_bytes should be an int"),
         ({"gpu_budget_bytes": 2**30}, ValueError, "gpu_budget_bytes bounds what"),
-        ({"load_in_backward": "yes"}, TypeError, "load_in_backward should be True, False or None"),
         (
-            {"backward_load_bytes": 2**30},
-            ValueError,
-            "backward_load_bytes needs load_in_backward=True, or gpu_resident_bytes='auto'",
+            {"load_in_backward": "yes"},
+            TypeError,
+            "load_in_backward should be True, False, None or a byte count",
         ),
+        ({"load_in_backward": 2.5}, TypeError, "True, False, None or a byte count"),
+        ({"load_in_backward": -1}, ValueError, "load_in_backward should be >= 1"),
         (
-            {"backward_load_bytes": 2**30, "load_in_backward": False},
+            {"load_in_backward": 2**30},
             ValueError,
-            "load_in_backward=False forbids loading in the backward",
+            "load_in_backward=1073741824 needs overlap_forward=model",
         ),
     ],
 )
@@ -179,3 +180,15 @@ def test_every_door_refuses_a_value_with_the_same_check():
     assert [m.removeprefix("argument --offload-chunk-bytes: ") for m in chunk] == [
         "chunk_bytes should be >= 1 but is: 0"
     ] + ["offload_chunk_bytes should be >= 1 but is: 0"] * 3
+
+
+@pytest.mark.parametrize("loads, expected", [(True, None), (1, 1), (2**30, 2**30)])
+def test_load_in_backward_takes_true_or_a_byte_count(loads, expected):
+    """One option: True loads the ring's chunks (no byte count), an int that many bytes;
+    a count of 1 is a byte, not True."""
+    model = torch.nn.Linear(4, 4)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), overlap_forward=model, load_in_backward=loads
+    )
+    assert opt.backward_load_bytes == expected and opt._load_in_backward
+    opt.close()
