@@ -3,8 +3,9 @@ piece of Python, and the host link's copy rates.
 
 Fresh machines of one kind differ, and so do the cores of one machine (a fixed Python
 loop took 40% longer unpinned than pinned to one core of an H200 host,
-`bench/measured/host_jitter_h200.log`; that loop differs from this one). A step the host paces moves with the first, a step
-the copies pace with the second, so each arm's process records both beside its times.
+`bench/measured/host_jitter_h200.log`; that loop differs from this one). A step the
+host paces moves with the first, a step the copies pace with the second, so each arm's
+process records both beside its times.
 """
 
 from __future__ import annotations
