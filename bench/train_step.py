@@ -51,7 +51,7 @@ the host. Peak memory is `max_memory_allocated` over the window. The "none" arms
 (the baselines) run `--baseline-runs` times, spread evenly among the other arms
 (first and last with 2): their row is the median of their runs, and the table
 gives each run and the spread, since the baseline moves between runs as much as
-the arms differ. Each arm's process first records the machine as it finds it
+the arms differ; `--rounds N` runs every other arm N times, round-robin, merged alike. Each arm's process first records the machine as it finds it
 (`bench.machine`: a fixed Python loop's ms, the host link's copy rates), printed
 beside its step ms: machines, and cores of one machine, differ in both. Prints a table
 with ratios against the same optimizer's "none" arm in this run and writes JSON.
@@ -216,6 +216,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=2,
         help="runs of each none arm, spread evenly among the other arms (first and last)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each other arm, round-robin (A B A B), merged like the none arm's",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--arm-budget-s",
@@ -253,6 +259,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--batch and --micro-batches should be >= 1")
     if args.baseline_runs < 1:
         raise SystemExit(f"--baseline-runs should be >= 1 but is: {args.baseline_runs}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds should be >= 1 but is: {args.rounds}")
     if args.phases and args.micro_batches != 1:
         raise SystemExit("--phases times one micro-batch a step: drop --micro-batches")
     args.sweep = [parse_bytes(v) for v in args.resident_sweep.split(",") if v.strip()]
@@ -567,14 +575,16 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     return {**base, **result}
 
 
-def run_order(arms: Sequence[Arm], baseline_runs: int) -> list[Arm]:
-    """`arms` with each baseline (a none arm) run `baseline_runs` times: a round of
-    baselines first, then the other arms in `baseline_runs - 1` even slices, each
+def run_order(arms: Sequence[Arm], baseline_runs: int, rounds: int = 1) -> list[Arm]:
+    """`arms` with each baseline (a none arm) run `baseline_runs` times and the other arms
+    `rounds` times, round-robin (a machine that drifts moves every arm alike): a round of
+    baselines first, then the other arms' runs in `baseline_runs - 1` even slices, each
     followed by a round of baselines."""
     baselines = [a for a in arms if a.mode == "none"]
     others = [a for a in arms if a.mode != "none"]
     if not baselines or baseline_runs == 1:
-        return list(arms)
+        return list(arms) + others * (rounds - 1)
+    others *= rounds
     order = list(baselines)
     slices = baseline_runs - 1
     for i in range(slices):
@@ -724,7 +734,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         flush=True,
     )
     runs = []
-    for arm in run_order(arms, args.baseline_runs):
+    for arm in run_order(arms, args.baseline_runs, args.rounds):
         started = time.perf_counter()
         r = run_arm(arm, args, device)
         runs.append(r)
@@ -750,6 +760,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "mixed_precision": "bf16 params, fp32 reduce (plain arms: bf16 autocast)",
         "activation_checkpointing": True,
         "baseline_runs": args.baseline_runs,
+        "rounds": args.rounds,
         "results": results,
         "runs": runs,
     }

@@ -35,6 +35,10 @@ def test_baselines_run_first_and_last_and_merge_into_one_row_with_their_spread()
     assert run_order([none, a, b, c], 2) == [none, a, b, c, none]
     assert run_order([none, a, b, c], 3) == [none, a, none, b, c, none]
     assert run_order([a, b], 2) == [a, b]
+    # --rounds: the other arms round-robin, the baselines spread among all their runs
+    assert run_order([none, a, b], 3, rounds=2) == [none, a, b, none, a, b, none]
+    assert run_order([none, a, b], 2, rounds=3) == [none, a, b, a, b, a, b, none]
+    assert run_order([a, none, b], 1, rounds=2) == [a, none, b, a, b]
     runs = [
         {"arm": "adamw/none", "step_ms": 200.0, "window_ms_per_step": 201.0, "peak_gib": 1.0},
         {"arm": "adamw/offload", "step_ms": 210.0, "window_ms_per_step": 211.0, "peak_gib": 0.5},
