@@ -48,13 +48,14 @@ own peak memory): warmup steps, then a window of `--steps` steps with the device
 synchronized only at its ends; step ms is the median over the window's steps
 (CUDA events recorded between steps), and how long `step()` takes to return on
 the host. Peak memory is `max_memory_allocated` over the window. The "none" arms
-(the baselines) run `--baseline-runs` times, spread evenly among the other arms
-(first and last with 2): their row is the median of their runs, and the table
-gives each run and the spread, since the baseline moves between runs as much as
-the arms differ; `--rounds N` runs every other arm N times, round-robin, merged alike. Each arm's process first records the machine as it finds it
-(`bench.machine`: a fixed Python loop's ms, the host link's copy rates), printed
-beside its step ms: machines, and cores of one machine, differ in both. Prints a table
-with ratios against the same optimizer's "none" arm in this run and writes JSON.
+(the baselines) run `--baseline-runs` times, spread evenly among the other arms (first
+and last with 2): their row is the median of their runs, and the table gives each run
+and the spread, since the baseline moves between runs as much as the arms differ;
+`--rounds N` runs every other arm N times, round-robin, merged alike. Each arm's
+process first records the machine as it finds it (`bench.machine`: a fixed Python
+loop's ms, the host link's copy rates), printed beside its step ms: machines, and
+cores of one machine, differ in both. Prints a table with ratios against the same
+optimizer's "none" arm in this run and writes JSON.
 """
 
 from __future__ import annotations
