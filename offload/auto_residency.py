@@ -213,18 +213,16 @@ class AutoResidency:
     def _next(self, step: int) -> Split | None:
         split = next_split(self._probes, self._splits)
         if split is None:
-            split = settled_split(self._probes)
-            if split == min(self._probes, key=lambda p: p.iteration_ms).split:
-                self._settle(split, self._shape, self._profiles)  # nothing faster to take
-                return self._run(split)
-            # Settled: the next PROBE_STEPS steps check what it measured for that split.
-            self._settled = split
+            # Settled: the next PROBE_STEPS steps check what it measured for that split
+            # (also when it was the fastest: steps of one run vary, and the check says so).
+            split = self._settled = settled_split(self._probes)
         self._probe_start = step
         return self._run(split)
 
     def _check(self, after: Probe) -> Split | None:
         """The settled split's steps against what the search measured for it: slower by
-        more than `RECHECK_SLACK`, the fastest split measured instead (once)."""
+        more than `RECHECK_SLACK`, the fastest split measured instead (once; itself when
+        it was the fastest)."""
         measured = next(p for p in self._probes if p.split == self._settled)
         fastest = min(self._probes, key=lambda p: p.iteration_ms)
         split = self._settled

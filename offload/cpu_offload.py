@@ -1086,6 +1086,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             choice.predicted_stall_ms,
             f"; steps tried (resident+backward: iteration): {probes}" if probes else "",
         )
+        if choice.checked is not None:
+            logger.info(
+                "gpu_resident_bytes='auto': the split its search settled on ran %.1f ms a "
+                "step over the next steps (the search measured %.1f ms)",
+                choice.checked.iteration_ms,
+                next(
+                    (p.iteration_ms for p in choice.probes if p.split == choice.checked.split),
+                    float("nan"),
+                ),
+            )
 
     def _replan(self, split: Split, failed_ranks: Callable[[bool], list[int]]) -> None:
         """Run from this step with `split` kept off the forward's path (host slabs kept).

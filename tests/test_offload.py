@@ -735,6 +735,34 @@ def test_auto_checks_the_settled_split_and_takes_the_fastest_when_it_is_slower(s
     assert _kept(opt) == expected.total
 
 
+@pytest.mark.parametrize("slower_after", [0.0, 30.0])
+def test_auto_checks_the_settled_split_when_it_was_also_the_fastest(slower_after, caplog):
+    """The least split near the fastest may be the fastest itself (here the step gets
+    faster with every byte kept): its next steps are checked and reported too; nothing
+    faster was measured, so it stays."""
+
+    def iteration_ms(opt):
+        ms = 100.0 - 80.0 * _kept(opt) / STATE_BYTES
+        auto = opt._auto
+        if auto is not None and auto._settled is not None and auto._current == auto._settled:
+            ms += slower_after  # the settled split, after the search
+        return ms
+
+    with caplog.at_level("INFO", logger="offload.cpu_offload"):
+        opt = _search_auto(iteration_ms, lambda opt, built: None)
+    choice = opt.residency
+    fastest = min(choice.probes, key=lambda p: p.iteration_ms)
+    assert settled_split(choice.probes) == fastest.split
+    assert choice.checked is not None and choice.checked.split == fastest.split
+    assert choice.checked.iteration_ms == pytest.approx(fastest.iteration_ms + slower_after)
+    assert (choice.resident_bytes, choice.backward_load_bytes) == (
+        fastest.split.resident_bytes,
+        fastest.split.backward_load_bytes,
+    )
+    ran = choice.checked.iteration_ms
+    assert f"settled on ran {ran:.1f} ms a step" in caplog.text
+
+
 def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
     """A re-plan that fails at the backward's extra slot, after the new resident slabs and
     ring were allocated: those go with the failure, not held beside the next plan."""
