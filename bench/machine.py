@@ -1,11 +1,10 @@
 """What the machine under a bench gives at the moment it runs: the host's speed at a fixed
 piece of Python, and the host link's copy rates.
 
-Fresh machines of one kind differ, and so do the cores of one machine (a fixed Python
-loop took 40% longer unpinned than pinned to one core of an H200 host,
-`bench/measured/host_jitter_h200.log`; that loop differs from this one). A step the
-host paces moves with the first, a step the copies pace with the second, so each arm's
-process records both beside its times.
+Fresh machines of one kind differ, and so do the cores of one machine
+(`bench/measured/host_jitter_h200.log`). A step the host paces moves with the first, a
+step the copies pace with the second, so each arm's process records both beside its
+times.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 HOST_LOOP_ADDS = 20_000
-"""Additions in the timed Python loop (0.4 ms on the development machine's host)."""
+"""Additions in the timed Python loop."""
 LINK_PROBE_BYTES = 256 << 20
 """Bytes copied each way to time the host link (a few ms at PCIe 5 rates)."""
 
