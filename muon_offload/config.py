@@ -98,6 +98,11 @@ class OptimizerConfig:
     one ring's worth, or a byte count (more holds extra staging slots from the backward
     to the next forward; with "auto", the most it may load); default: off, "auto"
     chooses; False: never (CPUOffloadOptimizer's `load_in_backward`)."""
+    fused: bool | None = None
+    """type="adamw": torch.optim.AdamW's `fused` kernel, one launch per group where
+    foreach takes a dozen (offloaded, per chunk, and an overlapped step's launches run
+    inside the next forward). Default: fused when every param is on CUDA (torchtitan's
+    default), else torch's choice."""
     muon_options: dict[str, Any] = field(default_factory=dict)
     """Extra `muon.Muon` keyword arguments (bucket_cap_bytes, max_inflight, ns_dtype, ...)."""
 
@@ -121,6 +126,12 @@ class OptimizerConfig:
             load_in_backward=self.offload_load_in_backward,
             prefix="offload_",
         )
+        if self.fused is not None and self.type != "adamw":
+            raise ValueError(
+                f"fused is set but type is {self.type!r}: it picks torch.optim.AdamW's kernel "
+                "(type='adamw'); Muon's own elementwise kernels are chosen by "
+                "MUON_ELEMENTWISE_BACKEND (muon.elementwise)"
+            )
         if self.muon_options and self.type != "muon":
             raise ValueError(f"muon_options is set but type is {self.type!r}; use type='muon'")
         _check_muon_options(self.muon_options)
@@ -133,7 +144,7 @@ class OptimizerConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = _field_default(f)
-            if isinstance(default, bool):
+            if isinstance(default, bool) or f.name == "fused":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 continue
             if f.name == "offload_load_in_backward":  # --flag (True), --flag BYTES, --no-flag
@@ -291,12 +302,16 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
     """Build the optimizer `config` asks for over `model`'s trainable params."""
     if config.type == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
+        fused = config.fused
+        if fused is None and params and all(p.device.type == "cuda" for p in params):
+            fused = True
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             params,
             lr=config.lr,
             betas=config.betas,
             eps=config.eps,
             weight_decay=config.weight_decay,
+            fused=fused,
         )
     else:
         groups = muon_param_groups(

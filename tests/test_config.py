@@ -225,3 +225,34 @@ def test_auto_budget_and_backward_load_flags(flags, budget, loads):
     assert (config.offload_gpu_budget_bytes, config.offload_load_in_backward) == (budget, loads)
     with pytest.raises(ValueError, match="offload_gpu_budget_bytes bounds what"):
         OptimizerConfig(offload="optimizer", offload_gpu_budget_bytes=4096)
+
+
+def _adamw_fused(opt: torch.optim.Optimizer) -> bool | None:
+    inner = opt.optimizer if isinstance(opt, CPUOffloadOptimizer) else opt
+    return inner.defaults["fused"]
+
+
+def test_adamw_fused_is_chosen_by_the_config_and_its_flags():
+    model = Net()
+    assert _adamw_fused(setup_optimizer(model, OptimizerConfig())) is None  # CPU: torch's choice
+    assert _adamw_fused(setup_optimizer(model, OptimizerConfig(fused=True))) is True
+    offloaded = setup_optimizer(model, OptimizerConfig(fused=False, offload="optimizer"))
+    assert _adamw_fused(offloaded) is False
+    with pytest.raises(ValueError, match="fused is set but type is 'muon'"):
+        OptimizerConfig(type="muon", fused=True)
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    assert OptimizerConfig.from_args(parser.parse_args([])).fused is None
+    assert OptimizerConfig.from_args(parser.parse_args(["--fused"])).fused is True
+    assert OptimizerConfig.from_args(parser.parse_args(["--no-fused"])).fused is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adamw_on_cuda_is_fused_by_default():
+    model = Net().cuda()
+    assert _adamw_fused(setup_optimizer(model, OptimizerConfig())) is True
+    offloaded = setup_optimizer(model, OptimizerConfig(offload="optimizer"))
+    assert _adamw_fused(offloaded) is True
+    offloaded.close()
+    assert _adamw_fused(setup_optimizer(model, OptimizerConfig(fused=False))) is False
