@@ -96,8 +96,9 @@ class OptimizerConfig:
     offload_load_in_backward: bool | int | None = None
     """With forward overlap: load the next step's first chunks during the backward: True
     one ring's worth, or a byte count (more holds extra staging slots from the backward
-    to the next forward; with "auto", the most it may load); default: off, "auto"
-    chooses; False: never (CPUOffloadOptimizer's `load_in_backward`)."""
+    to the next forward; with "auto", the most it may load); default: what the next
+    forward first waits for (the root unit's state), or "auto"'s choice; False: never
+    (CPUOffloadOptimizer's `load_in_backward`)."""
     fused: bool | None = None
     """type="adamw": torch.optim.AdamW's `fused` kernel, one launch per group where
     foreach takes a dozen (offloaded, per chunk, and an overlapped step's launches run

@@ -41,7 +41,12 @@ from offload.host_memory import (
 from offload.options import check_offload_options
 from offload.residency import ResidencyChoice, Split, StepTimer
 from offload.state_estimate import dry_run_state_bytes
-from offload.step_schedule import StepSchedule, backward_load_count, plan_step
+from offload.step_schedule import (
+    StepSchedule,
+    backward_load_count,
+    first_wait_load_count,
+    plan_step,
+)
 from offload.streams import CopyStreams
 from offload.subset_step import (
     ParamSlice,
@@ -264,10 +269,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             the backward of the first forward after a step, spread over the modules it
             passes from the last module that forward ran on (by then the loss and head's
             activations, the backward's usual peak, are freed) to the first: the step
-            finds them loaded. Default (None): off, but with "auto" and overlap, "auto"
-            chooses how much; False: never; True: the ring's `staging_slots` chunks (with
-            "auto": at least those); a byte count: that much state (rank-invariant bytes,
-            whole chunks, at least the ring's; with "auto": at most that much). The ring
+            finds them loaded. Default (None): the chunks holding what the forward first
+            waits for (the first module that reads params: under FSDP2 the root's unit, in
+            a transformer wrapped per layer its embedding and head), at least the ring's,
+            so the forward starts without waiting for copies; with "auto", "auto" chooses
+            how much. False: never (the least GPU memory); True: the ring's
+            `staging_slots` chunks (with "auto": at least those); a byte count: that much
+            state (rank-invariant bytes, whole chunks, at least the ring's; with "auto": at
+            most that much). The ring
             is then held from the backward to the end of the step instead of from
             `step()` on; more than the ring holds adds one staging slot per further chunk
             (sized for it), allocated in the backward and given back as soon as its chunk
@@ -393,14 +402,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._params, self._streams)
-            if load_in_backward or (self._auto is not None and self._auto.backward is not None):
-                reached = weakref.WeakMethod(self._backward_reached)  # the model must not keep self
-                self._overlap.backward_reached = lambda *at: (reached() or _nothing)(*at)
         self._insist_on_backward_loads = load_in_backward is True
-        self._load_in_backward = bool(load_in_backward) and self._auto is None
+        # Default with overlap (not "auto"): the backward loads what the forward first waits for.
+        self._load_first_wait = (
+            load_in_backward is None and self._overlap is not None and self._auto is None
+        )
+        self._load_in_backward = (bool(load_in_backward) or self._load_first_wait) and (
+            self._auto is None
+        )
+        if self._overlap is not None and (
+            self._load_in_backward or (self._auto is not None and self._auto.backward is not None)
+        ):
+            reached = weakref.WeakMethod(self._backward_reached)  # the model must not keep self
+            self._overlap.backward_reached = lambda *at: (reached() or _nothing)(*at)
         self.backward_load_bytes = backward_bytes
-        """With loads in the backward: the state bytes it loads (None: the ring's chunks);
-        under "auto", once settled, what it chose."""
+        """With loads in the backward: the state bytes it loads (None: the ring's chunks;
+        by default, once planned, those the forward first waits for); under "auto", once
+        settled, what it chose."""
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0
@@ -1201,7 +1219,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         staging_numel = {dtype: self.staging_slots * n for dtype, n in plan.slot_numel.items()}
         staged = [c for c in plan.chunks if not c.resident]
         loads = 0
-        if ring and self._load_in_backward:
+        if ring and self._load_first_wait:
+            index = {p: i for i, p in enumerate(self._params)}
+            first = [index[p] for p in self._overlap.first_wait(index)]
+            loads = first_wait_load_count(
+                [(*c.params, *(s.param for s in c.slices)) for c in plan.chunks],
+                [not c.resident for c in plan.chunks],
+                first,
+                self.staging_slots,
+            )
+            self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
+        elif ring and self._load_in_backward:
             loads = backward_load_count(
                 [c.invariant_bytes for c in staged], self.staging_slots, self.backward_load_bytes
             )

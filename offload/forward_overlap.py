@@ -203,6 +203,15 @@ class ForwardOverlap:
         self._in_flight = False
         self._watch_inputs, self._watched = False, []
 
+    def first_wait(self, params: Collection[Tensor]) -> list[Tensor]:
+        """Of `params`, those the next forward waits for first: the first owner module's
+        that reads any of them (with the modules FSDP2 all-gathers together with it)."""
+        for waited in _with_shared_all_gathers([m for m, _ in self.owners]):
+            first = [p for p in waited if p in params]
+            if first:
+                return first
+        return []
+
     def forward_order(self, units: Sequence[Sequence[Tensor]]) -> list[Sequence[Tensor]]:
         """Units sorted by the first owner module that reads them (stable: the same on
         every rank)."""

@@ -32,7 +32,7 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +60,26 @@ def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: in
         if total > budget:
             return max(count, index)
     return len(staged_bytes)
+
+
+def first_wait_load_count(
+    chunk_params: Sequence[Collection[int]],
+    staged: Sequence[bool],
+    first_wait: Collection[int],
+    ring_slots: int,
+) -> int:
+    """How many of the step's first staged chunks hold what the next forward waits for
+    first (the params `first_wait`, by index): the leading staged chunks through the last
+    chunk touching any of them, but never fewer than the ring holds.
+
+    Loaded in the backward, they let the forward start at once: without, it waits for
+    their copies before computing anything (the root unit of a transformer wrapped per
+    layer holds the embedding and the head, most of its state). The same on every rank.
+    """
+    wanted = set(first_wait)
+    last = max((c for c, params in enumerate(chunk_params) if wanted & set(params)), default=-1)
+    through = sum(staged[: last + 1])
+    return max(min(ring_slots, sum(staged)), through)
 
 
 def staging_slot_order(staged: int, ring_slots: int, backward_loads: int) -> list[int]:

@@ -400,6 +400,39 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case, bu
             assert torch.equal(value, got[index][key]), (index, key)
 
 
+@pytest.mark.parametrize("load_in_backward", [None, False], ids=["default", "off"])
+def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_backward):
+    """The embedding, read first, spans 3 chunks, more than the ring's 2: by default the
+    backward loads all 3 (in one extra slot), so the next forward starts without waiting
+    for copies; False loads none. Bitwise equal to the plain optimizer either way."""
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=2048,
+        staging_slots=2,
+        overlap_forward=model,
+        load_in_backward=load_in_backward,
+    )
+    run(plain_model, plain, batches(4))
+    run(model, opt, batches(4))
+    embedding = model[0].weight
+    first = [c for c, chunk in enumerate(opt._chunks) if any(p is embedding for p in chunk.touched)]
+    if load_in_backward is None:  # full chunks (the ring's ramp is for loads in the step)
+        assert first == [0, 1, 2] and opt.chunks_loaded_in_backward == 3
+        assert len(opt._extra_slots) == 1
+        assert opt.backward_load_bytes == sum(c.invariant_bytes for c in opt.plan.chunks[:3])
+    else:
+        assert opt.chunks_loaded_in_backward == 0 and not opt._extra_slots
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
+    for index, entries in ref.items():
+        for key, value in entries.items():
+            assert torch.equal(value, got[index][key]), (index, key)
+
+
 def test_load_in_backward_needs_forward_overlap():
     model = make_model()
     with pytest.raises(ValueError, match="load_in_backward=True needs overlap_forward=model"):

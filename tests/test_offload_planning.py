@@ -17,7 +17,12 @@ from offload.chunk_plan import (
 )
 from offload.cpu_offload import invariant_numel
 from offload.numa import bound_to_node, numa_nodes, parse_cpulist, pci_numa_node
-from offload.step_schedule import backward_load_count, plan_step, staging_slot_order
+from offload.step_schedule import (
+    backward_load_count,
+    first_wait_load_count,
+    plan_step,
+    staging_slot_order,
+)
 
 
 def spec(numel: int, *dtypes: torch.dtype, splittable: bool = False) -> ParamSpec:
@@ -289,6 +294,22 @@ def test_the_backward_loads_the_ring_or_the_leading_chunks_that_fit_its_budget()
     assert backward_load_count(sizes, ring_slots=2, budget=380) == 4
     assert backward_load_count(sizes, ring_slots=2, budget=10**9) == 5
     assert backward_load_count(sizes[:1], ring_slots=4, budget=None) == 1
+
+
+def test_the_backward_loads_the_staged_chunks_the_forward_first_waits_for():
+    # Chunks by param index: the root's embedding (0) cut in three, a layer (1, 2), the
+    # head (3) cut in two: the forward's first wait (the root: 0 and 3) ends at chunk 6.
+    chunks = [(0,), (0,), (0,), (1,), (2,), (3,), (3, 4)]
+    staged = [True] * 7
+    assert first_wait_load_count(chunks, staged, [0, 3], ring_slots=2) == 7
+    assert first_wait_load_count(chunks, staged, [0], ring_slots=2) == 3
+    assert first_wait_load_count(chunks, staged, [1], ring_slots=2) == 4
+    # Never fewer than the ring, nor more than are staged; a resident prefix loads nothing.
+    assert first_wait_load_count(chunks, staged, [], ring_slots=2) == 2
+    assert first_wait_load_count(chunks[:1], staged[:1], [0], ring_slots=4) == 1
+    resident_root = [False, False, False, True, True, True, True]
+    assert first_wait_load_count(chunks, resident_root, [0], ring_slots=2) == 2
+    assert first_wait_load_count(chunks, resident_root, [0, 3], ring_slots=2) == 4
 
 
 def test_extra_slots_follow_the_ring_then_the_ring_turns_again():
