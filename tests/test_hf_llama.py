@@ -81,6 +81,22 @@ def train(
     getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
     if getattr(config, "offload_load_in_backward", False):  # the hook found the backward
         assert optimizer.chunks_loaded_in_backward > 0
+    elif config.offload_overlap_forward and config.offload_gpu_resident_bytes != "auto":
+        # By default the backward loaded what the forward first waits for: the root unit's
+        # params (with torchtitan's wrap, norm and head are a unit of their own).
+        own = {"lm_head.weight", "model.norm.weight"} if wrap == "torchtitan" else set()
+        root = [
+            p
+            for name, p in model.named_parameters()
+            if not name.startswith("model.layers.") and name not in own
+        ]
+        chunks = optimizer._chunks
+        last = max(
+            c for c, chunk in enumerate(chunks) if any(p is q for p in root for q in chunk.touched)
+        )
+        staged = [chunk.slot >= 0 for chunk in chunks]
+        expected = max(min(optimizer.staging_slots, sum(staged)), sum(staged[: last + 1]))
+        assert optimizer.chunks_loaded_in_backward == expected
     params = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     getattr(optimizer, "close", lambda: None)()
     return losses, params
