@@ -447,6 +447,8 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if isinstance(optimizer, CPUOffloadOptimizer):
         result["resident_mib"] = optimizer.plan.resident_bytes / 2**20
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
+        # What the step planned (chunks, ring, the backward's loads) beside what it found.
+        result["schedule"] = optimizer.schedule.describe()
         if optimizer.residency is not None:
             result["residency"] = dataclasses.asdict(optimizer.residency)
     if marks is not None:
@@ -656,6 +658,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{gib(r.get('kept_mib')):>9} {gib(r.get('resident_mib')):>9} "
             f"{r.get('chunks_loaded_in_backward', '-'):>4} {r['timed_steps']:>6}"
         )
+        if "schedule" in r:
+            print(f"{'':<{width}} {r['schedule']}")
         if "residency" in r:
             c = r["residency"]
             print(
