@@ -205,10 +205,19 @@ class ForwardOverlap:
 
     def first_wait(self, params: Collection[Tensor]) -> list[Tensor]:
         """Of `params`, those the next forward waits for first: the first owner module's
-        that reads any of them (with the modules FSDP2 all-gathers together with it)."""
-        for waited in _with_shared_all_gathers([m for m, _ in self.owners]):
-            first = [p for p in waited if p in params]
+        that reads any of them, with those of the modules FSDP2 all-gathers with it (one
+        unit, or prefetched from its pre-forward: `_before_module` waits for them too)."""
+        waited = _with_shared_all_gathers([m for m, _ in self.owners])
+        for (module, _), own in zip(self.owners, waited, strict=True):
+            first = [p for p in own if p in params]
             if first:
+                seen = {id(p) for p in first}
+                for other in forward_prefetched(module):
+                    index = self._owner_index.get(other)
+                    for p in waited[index] if index is not None else ():
+                        if p in params and id(p) not in seen:
+                            first.append(p)
+                            seen.add(id(p))
                 return first
         return []
 

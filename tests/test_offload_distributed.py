@@ -158,6 +158,27 @@ def test_fsdp2_forward_prefetch_waits_for_the_prefetched_chunk(ahead):
     run_on_ranks(_prefetch_worker, 2, ahead)
 
 
+def _first_wait_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _shard(_deep_model(0), init_device_mesh("cpu", (world,)))
+    layers = list(model)
+    layers[0].set_modules_to_forward_prefetch([layers[2]])
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
+    )
+    first = opt._overlap.first_wait(set(model.parameters()))
+    expected = [*layers[0].parameters(), *layers[2].parameters()]
+    assert len(first) == len(expected)
+    assert all(a is b for a, b in zip(first, expected, strict=True))
+
+
+def test_what_the_forward_first_waits_for_includes_what_fsdp2_prefetches_there():
+    """The default backward loads cover the first module's unit and the units its
+    pre-forward all-gathers ahead of them."""
+    run_on_ranks(_first_wait_worker, 2)
+
+
 def _shared_unit_worker(rank: int, world: int) -> None:
     # fully_shard([a, b]) makes one unit (torchtitan shards norm + lm_head together):
     # whichever module runs first all-gathers both, so it must wait for both's chunks.
