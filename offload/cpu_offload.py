@@ -276,12 +276,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             how much. False: never (the least GPU memory); True: the ring's
             `staging_slots` chunks (with "auto": at least those); a byte count: that much
             state (rank-invariant bytes, whole chunks, at least the ring's; with "auto": at
-            most that much). The ring
-            is then held from the backward to the end of the step instead of from
-            `step()` on; more than the ring holds adds one staging slot per further chunk
-            (sized for it), allocated in the backward and given back as soon as its chunk
-            is written back (in the next forward): the backward's idle copy engine then
-            carries what the forward is too short to hide. These slots are GPU memory from
+            most that much). The ring is then held from the backward to the end of the
+            step instead of from `step()` on; more than the ring holds adds one staging
+            slot per further chunk (sized for it), allocated in the backward and given
+            back as soon as its chunk is written back (in the next forward): the
+            backward's idle copy engine then carries what the forward is too short to
+            hide. These slots are GPU memory from
             the backward to the next forward, after the backward's peak (under gradient
             accumulation, from the first micro-batch's backward on). Nothing of the update
             starts before `step()` (grads may still change, e.g. clipping). Each module's
@@ -291,7 +291,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     GPU memory for state: the resident state, and during a step `staging_slots`
     chunks (the ring is given back to the caching allocator when the step is
-    done) plus the backward's extra slots (`load_in_backward` bytes); on the first
+    done) plus the backward's extra slots (with overlap, by default the chunks the
+    forward first waits for beyond the ring; `load_in_backward`); on the first
     step, while the optimizer creates its state chunk by chunk, one more chunk.
 
     Host syncs: none inside `step()` (but the first step pins the host slabs and
