@@ -74,7 +74,7 @@ def first_wait_load_count(
 
     Loaded in the backward, they let the forward start at once: without, it waits for
     their copies before computing anything (the root unit of a transformer wrapped per
-    layer holds the embedding and the head, most of its state). The same on every rank.
+    layer holds the embedding and the head). The same on every rank.
     """
     wanted = set(first_wait)
     last = max((c for c, params in enumerate(chunk_params) if wanted & set(params)), default=-1)
