@@ -298,26 +298,34 @@ def _three_linears(seed: int = 0) -> torch.nn.Sequential:
     return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
-def test_a_step_interrupted_mid_chunk_leaves_state_home_and_the_next_step_refuses(overlap):
+@pytest.mark.parametrize(
+    ("overlap", "load_in_backward", "chunk_bytes"),
+    [(False, False, 600), (True, False, 600), (True, None, 300)],
+    ids=["plain", "overlap_forward", "overlap_forward_backward_loads"],
+)
+def test_a_step_interrupted_mid_chunk_leaves_state_home_and_the_next_step_refuses(
+    overlap, load_in_backward, chunk_bytes
+):
     model = _three_linears()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt = CPUOffloadOptimizer(
         inner,
-        chunk_bytes=600,
+        chunk_bytes=chunk_bytes,
         staging_slots=2,
         overlap_forward=model if overlap else None,
-        load_in_backward=False,  # the chunks below, the ring's ramp included
+        load_in_backward=load_in_backward,  # None: the backward loads the first 2 chunks
     )
     model(torch.ones(1, 8)).sum().backward()
     opt.step()
     opt.wait_for_optimizer_step()  # model.state_dict() reads params outside a forward
     checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    assert len(opt._chunks) == 6  # one weight or bias a chunk
+    assert len(opt._chunks) == 6  # one weight or bias a chunk (the ring's ramp included)
     # With overlap, the 5th chunk runs in the next forward: the interrupt comes out of it.
     interrupted_chunk = 5 if overlap else 2
     _interrupt_call(inner, interrupted_chunk)
     model(torch.ones(1, 8)).sum().backward()
+    if load_in_backward is None:
+        assert len(opt._loaded_ahead) == 2
     with pytest.raises(KeyboardInterrupt):
         opt.step()
         model(torch.ones(1, 8))
