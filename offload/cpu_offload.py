@@ -905,15 +905,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             or self._overlap.pending_chunks
         ):
             return
-        state = self.optimizer.state
-        had_state = {p for p in self._params if state.get(p)}
         schedule = self._schedule
         staged = [self._chunks[c] for c in schedule.staged[: schedule.backward_loads]]
-        if not any(p in had_state for c in staged for p in c.touched):
-            return
         loaded = len(self._loaded_ahead)
         share = min(len(staged), math.ceil(len(staged) * passed / max(1, watched - 1)))
         if share <= loaded:
+            return
+        # Only this share's params: called once per module the backward passes, a look-up
+        # of every param here made the backward's host time grow with params x modules.
+        state = self.optimizer.state
+        had_state = {p for c in staged[loaded:share] for p in c.touched if state.get(p)}
+        if not had_state and not self._loaded_ahead:  # no state yet (the first step)
             return
         streams = self._streams
         with torch.no_grad():

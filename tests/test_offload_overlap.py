@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
@@ -431,6 +432,35 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
     for index, entries in ref.items():
         for key, value in entries.items():
             assert torch.equal(value, got[index][key]), (index, key)
+
+
+class _CountedState(collections.defaultdict):
+    """An optimizer's state (a defaultdict of dicts) that counts its `get` calls."""
+
+    gets = 0
+
+    def get(self, *args):
+        type(self).gets += 1
+        return super().get(*args)
+
+
+def test_the_backwards_loads_look_up_state_once_per_param_not_per_module():
+    """`_load_ahead` runs as the backward passes each module: looking up every param's
+    state there made the backward's host time grow with params x modules."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(32)))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=1, staging_slots=2, overlap_forward=model)
+    x = torch.ones(1, 4)
+    model(x).sum().backward()
+    opt.step()
+    inner.state = _CountedState(dict, inner.state)
+    opt.zero_grad()
+    loss = model(x).sum()
+    _CountedState.gets = 0
+    loss.backward()
+    assert len(opt._loaded_ahead) == opt.schedule.backward_loads > 0
+    assert _CountedState.gets <= 2 * len(list(model.parameters()))
 
 
 def test_load_in_backward_needs_forward_overlap():
