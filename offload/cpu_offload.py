@@ -281,10 +281,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             slot per further chunk (sized for it), allocated in the backward and given
             back as soon as its chunk is written back (in the next forward): the
             backward's idle copy engine then carries what the forward is too short to
-            hide. These slots are GPU memory from
-            the backward to the next forward, after the backward's peak (under gradient
-            accumulation, from the first micro-batch's backward on). Nothing of the update
-            starts before `step()` (grads may still change, e.g. clipping). Each module's
+            hide. These slots are GPU memory from the backward to the next forward, after
+            the backward's peak (under gradient accumulation, from the first micro-batch's
+            backward on). Nothing of the update starts before `step()` (grads may still
+            change, e.g. clipping). Each module's
             backward should outlast loading its share (about `chunk_bytes` per module at
             the host link's copy rate, with the defaults and a 16-layer model), or the
             trainer's own small copies wait behind the loads.
@@ -408,8 +408,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._load_first_wait = (
             load_in_backward is None and self._overlap is not None and self._auto is None
         )
-        self._load_in_backward = (bool(load_in_backward) or self._load_first_wait) and (
-            self._auto is None
+        self._load_in_backward = self._load_first_wait or (
+            bool(load_in_backward) and self._auto is None
         )
         if self._overlap is not None and (
             self._load_in_backward or (self._auto is not None and self._auto.backward is not None)

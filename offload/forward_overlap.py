@@ -208,17 +208,10 @@ class ForwardOverlap:
         that reads any of them, with those of the modules FSDP2 all-gathers with it (one
         unit, or prefetched from its pre-forward: `_before_module` waits for them too)."""
         waited = _with_shared_all_gathers([m for m, _ in self.owners])
-        for (module, _), own in zip(self.owners, waited, strict=True):
-            first = [p for p in own if p in params]
-            if first:
-                seen = {id(p) for p in first}
-                for other in forward_prefetched(module):
-                    index = self._owner_index.get(other)
-                    for p in waited[index] if index is not None else ():
-                        if p in params and id(p) not in seen:
-                            first.append(p)
-                            seen.add(id(p))
-                return first
+        for index, own in enumerate(waited):
+            if any(p in params for p in own):
+                first = {id(p): p for i in self._gathered_with(index) for p in waited[i]}
+                return [p for p in first.values() if p in params]
         return []
 
     def forward_order(self, units: Sequence[Sequence[Tensor]]) -> list[Sequence[Tensor]]:
@@ -331,15 +324,19 @@ class ForwardOverlap:
                 self._watched.append(watched)
         if not self._in_flight or not self._module_chunk:
             return
-        module = self.owners[index][0]
-        # FSDP2 all-gathers the modules it prefetches from here before their own hooks run.
-        prefetched = (self._owner_index.get(m) for m in forward_prefetched(module))
-        indices = [index] + [i for i in prefetched if i is not None]
+        indices = self._gathered_with(index)
         chunk = max(self._module_chunk[i] for i in indices)
         if chunk < 0:
             return
         self.advance(self._ahead_of[chunk])
+        module = self.owners[index][0]
         self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
+
+    def _gathered_with(self, index: int) -> list[int]:
+        """Owner `index` and the owners FSDP2 prefetches in its pre-forward (all-gathered
+        before their own hooks run; read at each call, as it may be set after this)."""
+        prefetched = (self._owner_index.get(m) for m in forward_prefetched(self.owners[index][0]))
+        return [index] + [i for i in prefetched if i is not None]
 
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`."""

@@ -45,6 +45,16 @@ def run(model, optimizer, data, after_step=None):
     return losses
 
 
+def assert_params_and_state_equal(plain_model, plain, model, opt) -> None:
+    """Params and optimizer state bitwise equal to the plain optimizer's."""
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
+    for index, entries in ref.items():
+        for key, value in entries.items():
+            assert torch.equal(value, got[index][key]), (index, key)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -393,12 +403,7 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case, bu
     opt.wait_for_optimizer_step()
     # the chunks loaded in the backward are full (no ramp up: nothing waits for their loads)
     assert [c.invariant_bytes for c in opt.plan.chunks[:2]] == [2048, 2048]
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-    ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
-    for index, entries in ref.items():
-        for key, value in entries.items():
-            assert torch.equal(value, got[index][key]), (index, key)
+    assert_params_and_state_equal(plain_model, plain, model, opt)
 
 
 @pytest.mark.parametrize("load_in_backward", [None, False], ids=["default", "off"])
@@ -426,12 +431,7 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
     else:
         assert opt.chunks_loaded_in_backward == 0 and not opt._extra_slots
     opt.wait_for_optimizer_step()
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-    ref, got = plain.state_dict()["state"], opt.state_dict()["state"]
-    for index, entries in ref.items():
-        for key, value in entries.items():
-            assert torch.equal(value, got[index][key]), (index, key)
+    assert_params_and_state_equal(plain_model, plain, model, opt)
 
 
 class _CountedState(collections.defaultdict):
