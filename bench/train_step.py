@@ -679,7 +679,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 print(
                     f"{'':<{width}}   {'checked' if 'checked' in p else 'tried'} "
                     f"{split['resident_bytes'] / GiB:.2f} + "
-                    f"{split['backward_load_bytes'] / GiB:.2f} GiB: {p['iteration_ms']:.1f} ms"
+                    f"{split['backward_load_bytes'] / GiB:.2f} GiB: {p['iteration_ms']:.1f} ms "
+                    f"(median's error {p.get('error_ms', 0.0):.1f})"
                 )
     for r in results:
         if "step_ms_runs" in r:

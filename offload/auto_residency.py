@@ -38,6 +38,7 @@ from offload.residency import (
     choose_residency,
     largest_fitting_total,
     leading_units,
+    median_error_ms,
     median_predicted_stall_ms,
     next_split,
     search_splits,
@@ -146,12 +147,18 @@ class AutoResidency:
         if step < self._probe_start + PROBE_STEPS:
             return None
         # The probe's first step re-planned (the host synced): its iteration is left out.
-        took = self.timer.iterations_ms(self._probe_start + 1, step)
-        (iteration,), _ = self._agree([statistics.median(took)], [])
+        probe = self._probe(self._current, self.timer.iterations_ms(self._probe_start + 1, step))
         if self._settled is not None:
-            return self._check(Probe(self._current, iteration, tuple(took)))
-        self._probes.append(Probe(self._current, iteration, tuple(took)))
+            return self._check(probe)
+        self._probes.append(probe)
         return self._next(step)
+
+    def _probe(self, split: Split, took: Sequence[float]) -> Probe:
+        """`split`'s steps `took`: the slowest rank's median and its error (every rank
+        compares the same numbers, so every rank settles alike)."""
+        median = statistics.median(took) if took else 0.0
+        (iteration, error), _ = self._agree([median, median_error_ms(took)], [])
+        return Probe(split, iteration, tuple(took), error)
 
     def _first_choice(
         self,
@@ -174,13 +181,12 @@ class AutoResidency:
             )
         elif isinstance(self.backward, int):
             backward = self.backward
-        iterations = self.timer.iterations_ms(AUTO_WARMUP_STEPS, step)
-        measured = statistics.median(iterations) if iterations else 0.0
+        measured = self._probe(Split(0, 0), self.timer.iterations_ms(AUTO_WARMUP_STEPS, step))
         # Ranks agree (each holds its own shards): the least budget and backward, the
         # slowest step; the least of their largest totals that fit; then which splits fit
         # every rank (what a split holds need not grow with its total), the largest model
         # choice, and whether its split fits everywhere.
-        (iteration,), (budget, backward) = self._agree([measured], [budget, backward])
+        _, (budget, backward) = self._agree([], [budget, backward])
         budget, backward = int(budget), int(backward)
 
         def fits(split: Split) -> bool:
@@ -206,7 +212,7 @@ class AutoResidency:
             # Nothing to search with: the model's choice.
             self._settle(first, shape, profiles)
             return self._run(first)
-        self._probes = [Probe(Split(0, 0), iteration)]
+        self._probes = [measured]
         self._splits = splits
         return self._next(step)
 

@@ -254,8 +254,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             choose how much state the forward does not load: with `overlap_forward`,
             the backward loads what its length carries and the leading units of the
             rest stay resident; then, on a GPU, run the most the budget allows a few
-            steps, and bisect for the least amount whose step is within
-            `residency.NEAR_FASTEST` of the fastest (`offload.auto_residency`); the
+            steps, and bisect for the least amount whose step is as fast as the
+            fastest, within `residency.NEAR_FASTEST` or the steps' own spread
+            (`residency.NOISE_SIGMAS`; `offload.auto_residency`); the
             steps after it settles are checked, and if they are slower than measured it
             takes the fastest split measured instead. Without
             overlap the last units stay resident. `residency` says what it chose, and
@@ -1090,7 +1091,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.gpu_resident_bytes = choice.resident_bytes
         probes = "; ".join(
             f"{p.split.resident_bytes / 2**30:.2f}+{p.split.backward_load_bytes / 2**30:.2f} GiB "
-            f"{p.iteration_ms:.1f} ms"
+            f"{p.iteration_ms:.1f} ms (+-{p.error_ms:.1f})"
             for p in choice.probes
         )
         logger.info(

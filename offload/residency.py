@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,9 +36,14 @@ STALL_TOLERANCE_MS = 1.0
 """"auto" keeps the least state whose predicted stall is within this of the least the
 cap allows: a millisecond a step is not worth more GPU memory."""
 NEAR_FASTEST = 0.01
-"""A step this much slower than the fastest measured is as fast. Fixed, not widened by
-how much steps vary: a wider tolerance trades speed for memory the budget already
-bounds."""
+"""A step this much slower than the fastest measured is as fast, or more when the steps
+vary more (`NOISE_SIGMAS`)."""
+NOISE_SIGMAS = 2.0
+"""A step slower than the fastest by less than this many standard errors of the two
+medians' difference is as fast: what the search cannot tell apart is not worth GPU
+memory. Steps of one run can vary by several percent, more than the splits differ, and
+a fixed tolerance then lets that noise choose (the winner's next steps come in slower
+than the probe that chose it)."""
 PROBE_STEPS = 6
 """Steps each split of the search runs: the first is not timed (its re-plan syncs), the
 median of the others counts (steps of one run vary by several percent)."""
@@ -126,11 +132,24 @@ class Split:
 
 @dataclass(frozen=True)
 class Probe:
-    """A split the search ran, and its step (median iteration; the slowest rank's)."""
+    """A split the search ran, and its step (median iteration and that median's standard
+    error, `median_error_ms`; the slowest rank's)."""
 
     split: Split
     iteration_ms: float
     iterations_ms: tuple[float, ...] = ()  # each timed step (this rank's)
+    error_ms: float = 0.0
+
+
+def median_error_ms(steps: Sequence[float]) -> float:
+    """The standard error of the median of `steps`, estimated robustly: the spread from
+    the median absolute deviation (x 1.4826, a normal's sigma), times sqrt(pi / 2) over
+    sqrt(n) (a median's standard error in a normal sample). 0 for fewer than 2 steps."""
+    if len(steps) < 2:
+        return 0.0
+    middle = statistics.median(steps)
+    sigma = 1.4826 * statistics.median(abs(t - middle) for t in steps)
+    return sigma * math.sqrt(math.pi / 2 / len(steps))
 
 
 def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Split:
@@ -186,7 +205,13 @@ def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> l
 
 
 def _near_fastest(probe: Probe, probes: Sequence[Probe]) -> bool:
-    return probe.iteration_ms <= (1 + NEAR_FASTEST) * min(p.iteration_ms for p in probes)
+    """`probe`'s step is as fast as the fastest's: within `NEAR_FASTEST`, or within
+    `NOISE_SIGMAS` standard errors of the difference of their medians."""
+    fastest = min(probes, key=lambda p: p.iteration_ms)
+    noise = NOISE_SIGMAS * math.hypot(probe.error_ms, fastest.error_ms)
+    return probe.iteration_ms - fastest.iteration_ms <= max(
+        NEAR_FASTEST * fastest.iteration_ms, noise
+    )
 
 
 def next_split(probes: Sequence[Probe], splits: Sequence[Split]) -> Split | None:

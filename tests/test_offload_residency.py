@@ -20,6 +20,7 @@ from offload.residency import (
     choose_residency,
     largest_fitting_total,
     leading_units,
+    median_error_ms,
     next_split,
     predicted_stall_ms,
     search_splits,
@@ -222,6 +223,30 @@ def test_the_search_runs_the_most_first_then_bisects_for_the_least_near_the_fast
     ]
 
     assert next_split(_probes((0, 100.0)), []) is None  # the budget keeps nothing
+
+
+def test_a_medians_error_is_robust_to_one_slow_step():
+    assert median_error_ms([]) == median_error_ms([100.0]) == 0.0
+    assert median_error_ms([100.0] * 5) == 0.0
+    # deviations from the median 100: 0, 2, 2, 4, 60 -> MAD 2, sigma 2.9652, / sqrt(5)
+    error = median_error_ms([100.0, 98.0, 102.0, 104.0, 160.0])
+    assert error == pytest.approx(1.4826 * 2 * (3.141592653589793 / 2 / 5) ** 0.5)
+
+
+def test_what_the_steps_spread_cannot_tell_apart_settles_on_the_least():
+    """Steps of one run vary by 5-15% on the H200: a split 4% slower than the fastest, with
+    medians that uncertain, is as fast; one slower by more than the noise is not."""
+    noisy = [
+        Probe(Split(0, 0), 250.0, error_ms=6.0),
+        Probe(Split(0, 800), 166.0, error_ms=5.0),
+        Probe(Split(0, 400), 172.7, error_ms=4.0),  # 6.7 ms slower: within 2 x 6.4
+        Probe(Split(0, 200), 194.0, error_ms=4.0),  # 28 ms slower: not
+    ]
+    assert settled_split(noisy) == Split(0, 400)
+    assert next_split(noisy, SPLITS) == Split(0, 300)  # bisects between 200 and 400
+    # the same medians measured without spread: only the fastest is near it
+    exact = [Probe(p.split, p.iteration_ms) for p in noisy]
+    assert settled_split(exact) == Split(0, 800)
 
 
 def test_the_search_stops_after_max_probes_and_settles_on_what_it_measured():
