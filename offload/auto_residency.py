@@ -65,7 +65,9 @@ class AutoResidency:
     """The state of one optimizer's "auto" until it settles (`choice`).
 
     budget_bytes: GPU memory for state the choice may hold (this device's bytes, as the
-    caller's `held` counts them); None: the device's headroom at the measured peak.
+    caller's `held` counts them); None: the device's headroom at the measured peak, but
+    never more than keeping the whole state on the GPU holds (offloading is for holding
+    less than not offloading).
     backward: what the backward may load: "auto" (what its measured length carries),
     a fixed byte count, or None (nothing).
     """
@@ -173,7 +175,9 @@ class AutoResidency:
             shape = dataclasses.replace(
                 shape, chunk_bytes=shape.chunk_bytes[::-1], unit_bytes=shape.unit_bytes[::-1]
             )
-        budget = self.budget_bytes if self.budget_bytes is not None else headroom_bytes()
+        budget = self.budget_bytes
+        if budget is None:
+            budget = min(headroom_bytes(), held(Split(sum(shape.unit_bytes), 0)))
         backward = 0
         if self.backward == "auto":
             backward = int(

@@ -707,6 +707,24 @@ def test_a_sparse_grad_replan_after_auto_gives_back_the_old_gpu_state_first():
         assert torch.equal(plain.state[a]["sum"], opt.state[b]["sum"])
 
 
+def test_auto_by_default_holds_no_more_than_keeping_the_whole_state_would():
+    """Without a budget, "auto" may hold what the device has free, but never more than the
+    whole state kept on the GPU (resident, the ring and the backward's slots counted):
+    here every byte kept is faster, so it tries the most it may."""
+    from offload.residency import Split
+
+    def faster_with_more(opt):
+        return 100.0 - 30.0 * _kept(opt) / STATE_BYTES
+
+    opt = _search_auto(faster_with_more, lambda opt, built: None)
+    choice = opt.residency
+    everything = opt._held_bytes(Split(choice.state_bytes, 0))
+    assert choice.budget_bytes == everything
+    largest = max(choice.probes, key=lambda p: p.split.total).split
+    assert opt._held_bytes(largest) <= everything
+    assert largest.total < choice.state_bytes  # the ring takes a share of the budget
+
+
 def test_auto_keeps_less_when_its_steps_vary_more_than_the_splits_differ():
     """Each probe carries its median's error; splits the noise cannot tell from the fastest
     are as fast, so "auto" settles on less than it does with steady steps."""
