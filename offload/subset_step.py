@@ -191,9 +191,10 @@ class ElementwiseGroupStep(GroupStep):
     is the same as on the param, and a stand-in skips tensor-subclass dispatch: a
     DTensor costs every foreach op a sharding pass on the host, which, once per chunk,
     made the host the bottleneck of an overlapped step (`bench/train_step.py --trace`
-    shows it). The param's scalar state (`step`, ...) is copied from its
-    value at the step's start into each stand-in, so every slice computes with the
-    same counters, and the result (the same from every slice) becomes the param's.
+    shows it). A whole param's stand-in steps the param's own scalar state (`step`,
+    ...) in place, as torch does; a sliced param's is copied from its value at the
+    step's start into each slice's stand-in, so every slice computes with the same
+    counters, and the result (the same from every slice) becomes the param's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -245,9 +246,12 @@ class ElementwiseGroupStep(GroupStep):
         if param not in self._had_state:
             return stand_in, {}
         own = self._optimizer.state[param]
+        entries = {k: local_tensor(v) for k, v in own.items() if _is_offloaded(v)}
+        if piece is None:  # one stand-in: it steps the param's own scalars, as torch does
+            entries.update({k: v for k, v in own.items() if not _is_offloaded(v)})
+            return stand_in, entries
         if param not in self._scalars:
             self._scalars[param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
-        entries = {k: local_tensor(v) for k, v in own.items() if _is_offloaded(v)}
         entries.update({k: _copied(v) for k, v in self._scalars[param].items()})
         return stand_in, entries
 

@@ -838,3 +838,30 @@ def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
         opt.step()
     opt.wait_for_optimizer_step()
     assert opt.plan is not None and opt.residency is not None
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_whole_params_scalar_state_steps_in_place_as_torchs_does(fused):
+    """torch's AdamW increments a param's `step` tensor in place, so a reference to it (a
+    `state_dict()` taken earlier) follows; the offloaded step does the same for a whole
+    param (no copy per param per step: on a GPU each was a device copy), bit-equal."""
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, fused=fused)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused), chunk_bytes=1 << 20
+    )
+    train(plain_model, plain, steps=2, frozen_on_step=None)
+    train(model, opt, steps=2, frozen_on_step=None)
+    first = next(model.parameters())
+    assert not opt.plan.chunks[0].slices  # whole params
+    step_tensor, plain_step = (
+        opt.state[first]["step"],
+        plain.state[next(plain_model.parameters())]["step"],
+    )
+    train(plain_model, plain, steps=1, frozen_on_step=None)
+    train(model, opt, steps=1, frozen_on_step=None)
+    assert plain.state[next(plain_model.parameters())]["step"] is plain_step
+    assert opt.state[first]["step"] is step_tensor and step_tensor.item() == 3
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
