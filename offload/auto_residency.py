@@ -102,7 +102,7 @@ class AutoResidency:
         """Across ranks: the largest of each of `largest`, the least of each of `least` (as
         given without a process group). One collective, at the same step on every rank, on
         the optimizer's device (NCCL's rank r on its own GPU)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not _distributed():
             return list(largest), list(least)
         values = torch.tensor(
             [*largest, *(-float(v) for v in least)], dtype=torch.float64, device=self.device
@@ -114,7 +114,7 @@ class AutoResidency:
     def failed_ranks(self, failed: bool) -> list[int]:
         """The ranks where `failed` is true (given on every rank at the same step; [0] or []
         without a process group). One collective, like `_agree`."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if not _distributed():
             return [0] if failed else []
         flags = torch.zeros(torch.distributed.get_world_size(), device=self.device)
         flags[torch.distributed.get_rank()] = float(failed)
@@ -280,3 +280,8 @@ class AutoResidency:
 
 def _total(split: Split) -> int:
     return split.total
+
+
+def _distributed() -> bool:
+    """A default process group is up: the ranks must agree."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
