@@ -10,6 +10,8 @@
         --arms plain/none,plain/offload+overlap,plain/torchao
     python -m bench.train_step --model hf-llama-0.85b --batch 4 --phases \\
         --arms adamw/none,adamw/offload+overlap     # + device and host ms per phase
+    python -m bench.train_step --model hf-llama-0.85b --batch 4 --host-profile \
+        --arms muon/none,muon/offload+overlap       # + the host's ms a step per function
 
 Smoke mode on the CPU (tiny sizes, seconds, every code path but the CUDA-only ones):
 
@@ -254,6 +256,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="after the window, profile 2 steps per arm (torch.profiler): a gzipped Chrome "
         "trace next to the JSON, one per arm (every stream's kernels and copies)",
     )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help=f"after the window, run {HOST_PROFILE_STEPS} steps per arm under cProfile: the "
+        "project's own functions by host ms a step in the JSON (`host_profile`) and the "
+        "table, the whole profile in a text file next to the JSON",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "train_step.json")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.micro_batches < 1:
@@ -457,6 +466,8 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         marks = None
     if args.trace:
         trace_steps(step, device, trace_path(args.json, arm))
+    if args.host_profile:
+        result["host_profile"] = profile_host(step, device, host_profile_path(args.json, arm))
     if device.type == "cuda":
         result["kept_mib"] = kept_between_steps(model, optimizer, device) / 2**20
     close = getattr(optimizer, "close", None)
@@ -489,6 +500,50 @@ def trace_steps(step: Callable[[], object], device: torch.device, path: Path) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))  # a .gz name is written gzipped
     print(f"trace: {path}", flush=True)
+
+
+HOST_PROFILE_STEPS = 5
+HOST_PROFILE_TOP = 12
+OWN_CODE = tuple(str(ROOT / package) for package in ("offload", "muon", "muon_offload"))
+
+
+def host_profile_path(json_path: Path, arm: Arm) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", arm.name)
+    return json_path.with_name(f"{json_path.stem}.{name}.host.txt")
+
+
+def profile_host(step: Callable[[], object], device: torch.device, path: Path) -> list[dict]:
+    """Run `HOST_PROFILE_STEPS` steps under cProfile (synced at both ends): where the
+    trainer's host spends its time. Writes the whole profile to `path`; returns the
+    project's own functions with the most cumulative host time, per step."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    timed_window(step, HOST_PROFILE_STEPS, device)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    own = []
+    for (filename, line, name), (_, calls, _, cumulative, _) in stats.stats.items():
+        if filename.startswith(OWN_CODE):
+            where = f"{Path(filename).relative_to(ROOT)}:{line} {name}"
+            own.append(
+                {
+                    "function": where,
+                    "calls_per_step": calls / HOST_PROFILE_STEPS,
+                    "ms_per_step": 1e3 * cumulative / HOST_PROFILE_STEPS,
+                }
+            )
+    own.sort(key=lambda f: f["ms_per_step"], reverse=True)
+    text = io.StringIO()
+    for order in ("cumulative", "tottime"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(60)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+    print(f"host profile: {path}", flush=True)
+    return own[:HOST_PROFILE_TOP]
 
 
 def kept_between_steps(model: nn.Module, optimizer: Any, device: torch.device) -> int:
@@ -697,6 +752,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"{ratio(r, 'first_30_mean_ms'):>8}"
             )
     _print_phases(results, width)
+    _print_host_profiles(results)
     print(
         "\nstep ms: median over the window's steps (events between steps, synced only at the "
         "window's ends); window: window / steps; returns: host ms until step() returns; "
@@ -704,6 +760,17 @@ def print_table(results: list[dict[str, Any]]) -> None:
         "allocated after step() + zero_grad beyond params and device state; resident: MiB of "
         "state kept on the GPU; bwd: chunks the last step found loaded in the backward"
     )
+
+
+def _print_host_profiles(results: list[dict[str, Any]]) -> None:
+    """With --host-profile: each arm's own functions with the most host ms a step (its
+    first run's; cProfile's overhead included)."""
+    for r in results:
+        if r.get("host_profile"):
+            print(f"\nhost ms a step under cProfile, {r['arm']}:")
+            for f in r["host_profile"]:
+                ms, calls = f["ms_per_step"], f["calls_per_step"]
+                print(f"  {ms:8.1f} ms {calls:7.1f} calls  {f['function']}")
 
 
 def _print_phases(results: list[dict[str, Any]], width: int) -> None:

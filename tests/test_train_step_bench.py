@@ -69,3 +69,28 @@ def test_each_arm_records_the_machine_it_ran_on(tmp_path, capsys):
     assert machine["host_loop_ms"] > 0
     assert machine["h2d_gb_s"] is None and machine["both_gb_s"] is None
     assert f"host loop {machine['host_loop_ms']:.2f} ms" in capsys.readouterr().out
+
+
+def test_the_host_profile_names_the_offloaded_steps_own_functions(tmp_path, capsys):
+    """--host-profile: per arm, the project's functions by host ms a step in the JSON, and
+    the whole cProfile text next to it."""
+    pytest.importorskip("transformers")
+    import json
+
+    from bench.train_step import HOST_PROFILE_TOP, main
+
+    out = tmp_path / "host.json"
+    main(
+        ["--device", "cpu", "--model", "hf-llama-tiny", "--arms", "adamw/offload+overlap"]
+        + ["--steps", "1", "--warmup", "1", "--baseline-runs", "1", "--host-profile"]
+        + ["--json", str(out)]
+    )
+    runs = json.loads(out.read_text())["runs"]
+    (run,) = [r for r in runs if r["arm"] == "adamw/offload+overlap"]
+    functions = {f["function"].split(" ")[-1]: f for f in run["host_profile"]}
+    assert "step" in functions and functions["step"]["calls_per_step"] == 1
+    assert functions["step"]["function"].startswith("offload/cpu_offload.py:")
+    assert all(f["ms_per_step"] > 0 for f in run["host_profile"])
+    assert (tmp_path / "host.adamw-offload-overlap.host.txt").read_text().count("function calls")
+    assert "host ms a step under cProfile, adamw/offload+overlap" in capsys.readouterr().out
+    assert len(run["host_profile"]) <= HOST_PROFILE_TOP
