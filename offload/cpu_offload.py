@@ -330,6 +330,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
+        if overlap_forward is not None and not isinstance(overlap_forward, nn.Module):
+            raise TypeError(
+                "overlap_forward should be the model whose forward reads these params (the "
+                "root module you fully_shard, or the plain module) or None, but is: "
+                f"{overlap_forward!r} ({type(overlap_forward).__name__})"
+            )
         check_offload_options(
             chunk_bytes=chunk_bytes,
             staging_slots=staging_slots,

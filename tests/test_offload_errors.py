@@ -117,3 +117,11 @@ def test_a_staging_ring_larger_than_free_gpu_memory_fails_at_construction():
     model = torch.nn.Linear(1024, 1024, device="cuda")  # AdamW: 8 MiB of state for the weight
     with pytest.raises(torch.OutOfMemoryError, match=r"needs \d+ bytes .* on cuda:0, but only"):
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), staging_slots=10**6)
+
+
+@pytest.mark.parametrize("value", [True, "model"])
+def test_overlap_forward_that_is_not_a_module_is_refused_naming_what_it_takes(value):
+    """`offload_overlap_forward=True` is the config's flag; the constructor takes the model."""
+    model = _linear()
+    with pytest.raises(TypeError, match=r"overlap_forward should be the model .* but is: "):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=value)
