@@ -471,7 +471,11 @@ def _validate_group(group: dict[str, Any]) -> None:
     row_blocks = group["row_blocks"]
     for p in group["params"]:
         if p.ndim not in (2, 3):
-            raise ValueError(f"Muon supports 2-D and 3-D params but got shape: {tuple(p.shape)}")
+            raise ValueError(
+                f"Muon supports 2-D and 3-D params but got shape: {tuple(p.shape)}; put it in "
+                "an algorithm='adamw' group, as muon_param_groups(model) does for biases, "
+                "norms, embeddings and the output head"
+            )
         if p.is_complex():
             raise ValueError(
                 f"Muon does not support complex params but got {p.dtype} of shape "
