@@ -411,15 +411,9 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
     """The embedding, read first, spans 3 chunks, more than the ring's 2: by default the
     backward loads all 3 (in one extra slot), so the next forward starts without waiting
     for copies; False loads none. Bitwise equal to the plain optimizer either way."""
-    plain_model, model = make_model(), make_model()
+    plain_model = make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=2048,
-        staging_slots=2,
-        overlap_forward=model,
-        load_in_backward=load_in_backward,
-    )
+    model, opt = _loading_in_the_backward(load_in_backward, chunk_bytes=2048)
     run(plain_model, plain, batches(4))
     run(model, opt, batches(4))
     embedding = model[0].weight
@@ -469,12 +463,14 @@ def test_load_in_backward_needs_forward_overlap():
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), load_in_backward=True)
 
 
-def _loading_in_the_backward(budget: int) -> tuple[torch.nn.Module, CPUOffloadOptimizer]:
-    """A model and an optimizer loading `budget` bytes in the backward, 2 ring slots."""
+def _loading_in_the_backward(
+    budget: int | bool | None, chunk_bytes: int = 512
+) -> tuple[torch.nn.Module, CPUOffloadOptimizer]:
+    """A model and an overlapped AdamW with `load_in_backward=budget`, 2 ring slots."""
     model = make_model()
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=512,
+        chunk_bytes=chunk_bytes,
         staging_slots=2,
         overlap_forward=model,
         load_in_backward=budget,
