@@ -744,8 +744,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
+        state = self.optimizer.state
+        # what the step updates in place besides the offloaded state (`step` counters)
+        scalars = {
+            p: [
+                v
+                for k, v in state[p].items()
+                if isinstance(v, Tensor) and (p, k) not in self._homes
+            ]
+            for p in self._params
+            if state.get(p)
+        }
         chunks = self._enqueue_chunks(subset, self._overlap.side_stream, timed)
-        self._overlap.start(self._interruptible(chunks, self._overlap.side_stream), grads)
+        self._overlap.start(self._interruptible(chunks, self._overlap.side_stream), grads, scalars)
         return loss
 
     def _enqueue_chunks(

@@ -249,10 +249,16 @@ class ForwardOverlap:
         self._param_chunk = {p: c for p, c in chunk_of.items()}
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
-    def start(self, pending: Iterator[None], grads: Iterable[Tensor]) -> None:
+    def start(
+        self,
+        pending: Iterator[None],
+        grads: Iterable[Tensor],
+        state_scalars: Mapping[Tensor, Sequence[Tensor]],
+    ) -> None:
         """Run `pending`'s chunks on the side stream, from where the trainer's stream is
         now (grads reduced and clipped); the first few are enqueued at once. Until each
-        chunk lands, torch calls on its params or their grads wait for it."""
+        chunk lands, torch calls on its params, their grads or their state tensors that the
+        step updates in place (`state_scalars`: per param, `step` and the like) wait for it."""
         streams, side = self._streams, self.side_stream
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
@@ -263,7 +269,7 @@ class ForwardOverlap:
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
         self.advance(self._up_front)
-        self._reads.push(self)
+        self._reads.push(self, state_scalars)
 
     @torch.compiler.disable
     def advance(self, last: int) -> None:
@@ -366,8 +372,9 @@ class ForwardOverlap:
 
 class _PendingReads(TorchFunctionMode):
     """While a step is pending (pushed by `start`, popped by `finish`), torch calls on
-    the trainer's thread that are given a param, or a param's grad, whose chunk has not
-    landed on the trainer's stream wait for that chunk first.
+    the trainer's thread that are given a param, a param's grad or a state tensor the step
+    updates in place (a held `step` counter), whose chunk has not landed on the trainer's
+    stream wait for that chunk first.
 
     Every torch call pays the look-up while the mode is on the stack, so it is kept
     short: a dict hit per argument (one level into lists), the rest only on a hit.
@@ -385,9 +392,9 @@ class _PendingReads(TorchFunctionMode):
         self.step_pending = False
         self.active = False  # off while the step itself runs (`suspended`)
         self.chunk_of: dict[int, int] = {}  # id(param or grad) -> the chunk it lands with
-        # id(grad) -> the grad: a grad the trainer dropped is freed once its chunk stepped,
+        # id -> the grad or state tensor: one the trainer or the optimizer dropped is freed,
         # and a new tensor may take its id
-        self._grads: dict[int, weakref.ref[Tensor]] = {}
+        self._held: dict[int, weakref.ref[Tensor]] = {}
         self.landed = -1  # the last chunk the trainer's stream has waited for
         self._thread: int | None = None  # the thread whose stack holds this mode
 
@@ -395,9 +402,9 @@ class _PendingReads(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if self.active:
-            chunk = _latest_chunk(self.chunk_of, self._grads, args)
+            chunk = _latest_chunk(self.chunk_of, self._held, args)
             if kwargs:
-                chunk = max(chunk, _latest_chunk(self.chunk_of, self._grads, kwargs.values()))
+                chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, kwargs.values()))
             if chunk > self.landed and _touches_data(func):
                 overlap = self._overlap()
                 if overlap is not None:
@@ -412,13 +419,16 @@ class _PendingReads(TorchFunctionMode):
         finally:
             self.active = active
 
-    def push(self, overlap: ForwardOverlap) -> None:
+    def push(
+        self, overlap: ForwardOverlap, state_scalars: Mapping[Tensor, Sequence[Tensor]]
+    ) -> None:
         """On, for `overlap`'s pending step: at the bottom of this thread's stack."""
         self._remove()
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
-        grads = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
-        self.chunk_of |= {id(g): c for g, c in grads}
-        self._grads = {id(g): weakref.ref(g) for g, _ in grads}
+        held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
+        held += [(t, c) for p, c in overlap._param_chunk.items() for t in state_scalars.get(p, ())]
+        self.chunk_of |= {id(t): c for t, c in held}
+        self._held = {id(t): weakref.ref(t) for t, _ in held}
         self.step_pending, self.landed, self.active = True, -1, True
         modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
         torch._C._push_on_torch_function_stack(self)
@@ -428,7 +438,7 @@ class _PendingReads(TorchFunctionMode):
 
     def pop(self) -> None:
         """Off, the step landed; taken off the stack where this thread holds it."""
-        self.active, self.step_pending, self.chunk_of, self._grads = False, False, {}, {}
+        self.active, self.step_pending, self.chunk_of, self._held = False, False, {}, {}
         self._remove()
 
     def leave_stack(self) -> None:
@@ -480,28 +490,29 @@ def _depth() -> int:
 
 
 def _latest_chunk(
-    chunk_of: dict[int, int], grads: dict[int, weakref.ref[Tensor]], values: Iterable[Any]
+    chunk_of: dict[int, int], held: dict[int, weakref.ref[Tensor]], values: Iterable[Any]
 ) -> int:
-    """The latest chunk among the params and grads in `values` (one level into lists), else
-    -1. A hit on a grad's id is checked to be that grad (ids of freed grads are reused)."""
+    """The latest chunk among the params, grads and state tensors in `values` (one level
+    into lists), else -1. A hit on a grad's or state tensor's id is checked to be that
+    tensor (ids of freed tensors are reused)."""
     latest = -1
     for value in values:
         if type(value) in (list, tuple):
             for item in value:
                 chunk = chunk_of.get(id(item), -1)
-                if chunk > latest and _is_it(grads, item):
+                if chunk > latest and _is_it(held, item):
                     latest = chunk
         else:
             chunk = chunk_of.get(id(value), -1)
-            if chunk > latest and _is_it(grads, value):
+            if chunk > latest and _is_it(held, value):
                 latest = chunk
     return latest
 
 
-def _is_it(grads: dict[int, weakref.ref[Tensor]], value: Any) -> bool:
-    """`value` is the param or grad its id was recorded for."""
-    grad = grads.get(id(value))
-    return grad is None or grad() is value
+def _is_it(held: dict[int, weakref.ref[Tensor]], value: Any) -> bool:
+    """`value` is the param, grad or state tensor its id was recorded for."""
+    recorded = held.get(id(value))
+    return recorded is None or recorded() is value
 
 
 _METADATA = frozenset(

@@ -194,14 +194,16 @@ class ElementwiseGroupStep(GroupStep):
     shows it). A whole param's stand-in steps the param's own scalar state (`step`,
     ...) in place, as torch does; a sliced param's is copied from its value at the
     step's start into each slice's stand-in, so every slice computes with the same
-    counters, and the result (the same from every slice) becomes the param's.
+    counters, and the result (the same from every slice) is copied into the param's
+    own scalar tensors, in place as torch steps them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         state = optimizer.state
         self._had_state = {p for p in self._group_of if state.get(p)}
-        self._scalars: dict[Tensor, dict[str, Any]] = {}
+        self._scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': at the step's start
+        self._own_scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': their own
         self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
         self._flat_grads: dict[Tensor, Tensor] = {}  # of sliced params still to step
 
@@ -227,6 +229,12 @@ class ElementwiseGroupStep(GroupStep):
         finally:
             for p, stand_in in stand_ins:
                 state[p].update(state.pop(stand_in, {}))
+        # A caller holding a sliced param's `state[param]["step"]` reads the result in it.
+        for param in {s.param: None for s in slices}:
+            for key, own in self._own_scalars.get(param, {}).items():
+                if isinstance(own, Tensor) and state[param][key] is not own:
+                    own.copy_(state[param][key])
+                    state[param][key] = own
         self._release(params)
         for param in self._finished(slices):
             self._flat_grads.pop(param, None)
@@ -250,8 +258,9 @@ class ElementwiseGroupStep(GroupStep):
         if piece is None:  # one stand-in: it steps the param's own scalars, as torch does
             entries.update({k: v for k, v in own.items() if not _is_offloaded(v)})
             return stand_in, entries
-        if param not in self._scalars:
-            self._scalars[param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
+        if param not in self._scalars:  # its scalars at the step's start, for every slice
+            self._own_scalars[param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
+            self._scalars[param] = {k: _copied(v) for k, v in self._own_scalars[param].items()}
         entries.update({k: _copied(v) for k, v in self._scalars[param].items()})
         return stand_in, entries
 

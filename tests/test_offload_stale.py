@@ -466,9 +466,36 @@ def test_a_tensor_taking_a_freed_grads_id_is_not_waited_for():
     grad_id = id(model.head.weight.grad)
     model.head.weight.grad = None  # the trainer drops it; nothing else holds it
     taker = torch.zeros(2)
-    for entries in (reads.chunk_of, getattr(reads, "_grads", {})):
+    for entries in (reads.chunk_of, reads._held):
         if grad_id in entries:
             entries[id(taker)] = entries.pop(grad_id)
     torch.add(taker, 1)
     assert reads.landed == -1  # nothing was waited for
     overlapped.wait_for_optimizer_step()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2048], ids=["sliced", "whole"])
+def test_a_held_step_counter_reads_each_update(chunk_bytes):
+    # A logger holding opt.state[p]["step"] from the first step on: torch steps that tensor
+    # in place, so it reads 1, 2, 3; it read a count behind (whole params: the chunk had
+    # not landed) or stuck at 1 (sliced params: each step put a new tensor in the state).
+    torch.manual_seed(0)
+    model = TiedEmbedFirst()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=chunk_bytes,
+        staging_slots=1,
+        overlap_forward=model,
+    )
+    held: list[torch.Tensor] = []
+    seen = []
+
+    def read_held(m, o):
+        if not held:
+            held.extend(o.state[p]["step"] for p in m.parameters())
+        seen.append([t.item() for t in held])
+
+    _train(model, opt, _tokens(3), after_step=read_held)
+    assert len(opt._chunks) > 2  # the step is cut, and its later chunks run lazily
+    assert seen == [[float(k)] * len(held) for k in (1, 2, 3)]
+    opt.close()
