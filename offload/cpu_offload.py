@@ -755,8 +755,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for p in self._params
             if state.get(p)
         }
-        chunks = self._enqueue_chunks(subset, self._overlap.side_stream, timed)
-        self._overlap.start(self._interruptible(chunks, self._overlap.side_stream), grads, scalars)
+        # The pending chunks hold this optimizer weakly: its overlap holds them, and a
+        # cycle through them would keep a dropped optimizer (its pending-read mode on the
+        # trainer's stack, its pinned slabs) alive until the cycle collector ran.
+        this = weakref.proxy(self)
+        side = self._overlap.side_stream
+        chunks = CPUOffloadOptimizer._enqueue_chunks(this, subset, side, timed)
+        self._overlap.start(CPUOffloadOptimizer._interruptible(this, chunks, side), grads, scalars)
         return loss
 
     def _enqueue_chunks(
