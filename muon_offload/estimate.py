@@ -24,18 +24,19 @@ Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
   moments); with offload only the GPU-resident state (`gpu_resident_bytes`,
   default none): the rest lives on the host, and the staging ring is allocated
   for the step and given back after it;
-- step transient: with offload the ring (`staging_slots` x the largest slot),
-  and on top of it the compute's peak over the chunks. The compute, following
-  `launch_order`: each launch's send, receive and full buffers of exactly its
-  `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`) from its start to its
-  finish (a local launch holds only `full` and finishes as it starts), its
-  `ns_numel` on top while it finishes (`transient_peak_numel`: the standard
-  iteration's workspace, which bounds what "auto" takes on any device; Gram's with
-  `StepSettings.ns_algorithm="gram"`, as the optimizer's plan counts it for groups that
-  force it), and on the torch momentum path (CPU) its fp32
-  momentum-step results while it packs. After the
-  launches, torch's AdamW on CUDA (foreach) copies `sqrt(exp_avg_sq)` of every
-  param of the call; on CPU (single tensor) one param at a time.
+- step transient: with offload the ring (`staging_slots` x the largest slot) and, with
+  `offload_backward_load_bytes`, an extra slot per chunk the backward loads beyond the
+  ring (held from the backward on), and on top of them the compute's peak over the
+  chunks. The compute, following `launch_order`: each launch's send, receive and full
+  buffers of exactly its `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`) from
+  its start to its finish (a local launch holds only `full` and finishes as it
+  starts), its `ns_numel` on top while it finishes (`transient_peak_numel`: the
+  standard iteration's workspace, which bounds what "auto" takes on any device; Gram's
+  with `StepSettings.ns_algorithm="gram"`, as the optimizer's plan counts it for
+  groups that force it), and on the torch momentum path (CPU) its fp32 momentum-step
+  results while it packs. After the launches, torch's AdamW on CUDA (foreach) copies
+  `sqrt(exp_avg_sq)` of every param of the call; on CPU (single tensor) one param at a
+  time.
 The step's peak is kept + the step transient. Not modelled: the caching
 allocator's rounding and fragmentation, the first step's creation of state
 (with offload, one more chunk then), cuBLAS workspaces, and with `overlap_forward`
@@ -84,7 +85,7 @@ from muon.planning import (
 from offload.chunk_plan import ParamSpec, StateSpec, plan_offload
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
 from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
-from offload.step_schedule import StepSchedule, plan_step
+from offload.step_schedule import StepSchedule, backward_load_count, plan_step
 
 EXPERT_SHARDS = ("auto", "experts", "rows")
 DEVICES = ("cuda", "cpu")
@@ -189,6 +190,12 @@ class StepSettings:
     offload_slots: int = DEFAULT_STAGING_SLOTS
     offload_resident_bytes: int = 0
     """`CPUOffloadOptimizer`'s `gpu_resident_bytes` (an int: "auto" decides at run time)."""
+    offload_backward_load_bytes: int = 0
+    """`CPUOffloadOptimizer`'s `load_in_backward` as a byte count (it implies
+    `overlap_forward`): the state the backward loads, whole chunks and at least the ring's,
+    in an extra slot per chunk beyond the ring. 0: no loads in the backward. The chunk
+    order is the units' here, not the forward's first use, so which chunks those are is
+    approximate."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""
@@ -209,6 +216,7 @@ class StepSettings:
         check_chunk_bytes(self.offload_chunk_bytes, "offload_chunk_bytes")
         check_staging_slots(self.offload_slots, "offload_slots")
         check_bytes(self.offload_resident_bytes, "offload_resident_bytes")
+        check_bytes(self.offload_backward_load_bytes, "offload_backward_load_bytes")
         check_ns_algorithm(self.ns_algorithm)
         check_ns_schedule(self.ns_schedule)
         check_replica_owners(self.replica_owners)
@@ -331,7 +339,8 @@ class StepMemory:
     """State on the GPU between steps: all of it without offload; with offload the
     GPU-resident state only."""
     staging_bytes: int
-    """Offload's staging ring, allocated for the step only (0 without offload)."""
+    """Offload's staging ring and the backward's extra slots, allocated for the step only
+    (with backward loads, from the backward on; 0 without offload)."""
     transient: Transient
     """The compute's peak (over the chunks with offload), on top of the ring."""
 
@@ -363,7 +372,7 @@ class RankEstimate:
     no_offload: StepMemory
     offload: StepMemory
     offload_schedule: StepSchedule
-    """How `CPUOffloadOptimizer` runs the offloaded step's chunks (no backward loads)."""
+    """How `CPUOffloadOptimizer` runs the offloaded step's chunks."""
 
     @property
     def offload_chunks(self) -> int:
@@ -983,9 +992,26 @@ def _rank(
                 groups.setdefault(adamw[k][0], []).append(adamw_local[k] * moment)
         return _larger(muon, adamw_transient(groups, settings.device))
 
+    backward = settings.offload_backward_load_bytes > 0  # with overlap, as the wrapper plans
     offload = _plan_offload(
-        units, tuple(specs), settings.offload_chunk_bytes, settings.offload_resident_bytes
+        units,
+        tuple(specs),
+        settings.offload_chunk_bytes,
+        settings.offload_resident_bytes,
+        resident_first=backward,
+        ramp_first=not backward,
     )
+    staged = [not chunk.resident for chunk in offload.chunks]
+    backward_loads = 0
+    if backward:
+        backward_loads = backward_load_count(
+            [c.invariant_bytes for c in offload.chunks if not c.resident],
+            settings.offload_slots,
+            settings.offload_backward_load_bytes,
+        )
+    # Without backward loads, overlap changes only the look-ahead, which the estimate does
+    # not use: the slots and the order are the wrapper's either way.
+    schedule = plan_step(staged, settings.offload_slots, backward_loads, overlap=backward)
     unit_of = {param: u for u, unit in enumerate(units) for param in unit}
     offload_transient = Transient()
     for chunk in offload.chunks:
@@ -1000,15 +1026,8 @@ def _rank(
         no_offload=StepMemory(muon_state + adamw_state, 0, step_transient(range(len(units)))),
         offload=StepMemory(
             offload.resident_bytes,
-            offload.staging_bytes(settings.offload_slots),
+            offload.held_bytes(schedule.slots, settings.offload_slots) - offload.resident_bytes,
             offload_transient,
         ),
-        # Without backward loads, overlap changes only the look-ahead, which the estimate
-        # does not use: the slots and the order are the wrapper's either way.
-        offload_schedule=plan_step(
-            [not chunk.resident for chunk in offload.chunks],
-            settings.offload_slots,
-            backward_loads=0,
-            overlap=False,
-        ),
+        offload_schedule=schedule,
     )

@@ -195,7 +195,7 @@ def summary(model: ModelEstimate) -> dict[str, Any]:
 
 MEMORY_LINES = (
     ("kept between steps", lambda m: m.kept_bytes),
-    ("  staging ring", lambda m: m.staging_bytes),
+    ("  staging (ring, backward slots)", lambda m: m.staging_bytes),
     ("  exchange buffers", lambda m: m.transient.buffer_bytes),
     ("  Newton-Schulz", lambda m: m.transient.ns_bytes),
     ("  momentum / AdamW", lambda m: m.transient.other_bytes),
@@ -375,6 +375,11 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "--offload-resident-mib", type=float, default=0.0,
         help="CPUOffloadOptimizer's gpu_resident_bytes: state kept on the GPU",
     )  # fmt: skip
+    p.add_argument(
+        "--offload-backward-load-mib", type=float, default=0.0,
+        help="CPUOffloadOptimizer's load_in_backward as bytes (with overlap_forward): state "
+        "loaded in the backward, an extra staging slot per chunk beyond the ring",
+    )  # fmt: skip
     p.add_argument("--sweep-fsdp", type=_sizes, help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument(
         "--budget-gib", type=_positive_gib, help="per-rank budget for the optimizer's peak"
@@ -430,6 +435,7 @@ def settings_from(args: argparse.Namespace) -> StepSettings:
         offload_chunk_bytes=int(args.offload_chunk_mib * 2**20),
         offload_slots=args.offload_slots,
         offload_resident_bytes=int(args.offload_resident_mib * 2**20),
+        offload_backward_load_bytes=int(args.offload_backward_load_mib * 2**20),
         ns_algorithm=args.ns_algorithm,
         ns_schedule=args.ns_schedule,
         replica_owners=args.replica_owners,

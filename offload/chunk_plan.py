@@ -157,6 +157,20 @@ class OffloadPlan:
     def staging_bytes(self, slots: int) -> int:
         return slots * sum(n * dtype.itemsize for dtype, n in self.slot_numel.items())
 
+    def held_bytes(self, slots: Sequence[int], ring_slots: int) -> int:
+        """GPU bytes for state a step of this plan holds at most, given each chunk's staging
+        slot (`step_schedule.StepSchedule.slots`): the resident state, the ring (when any
+        chunk is staged) and an extra slot, sized for its chunk, per chunk with a slot
+        beyond the ring (the backward's, held with the ring from the backward on)."""
+        ring = self.staging_bytes(ring_slots) if any(slot >= 0 for slot in slots) else 0
+        extra = sum(
+            n * dtype.itemsize
+            for chunk, slot in zip(self.chunks, slots, strict=True)
+            if slot >= ring_slots
+            for dtype, n in chunk.staging_numel.items()
+        )
+        return self.resident_bytes + ring + extra
+
 
 def _greedy(
     units: Sequence[UnitSize], cap: Callable[[int], int], reverse: bool

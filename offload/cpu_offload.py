@@ -1051,22 +1051,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """GPU bytes for state the plan of `split` holds at most: its resident state, the
         ring and the backward's extra slots (held together from the backward on)."""
         plan = self._plan_for(self._units_key, split)
-        staged = [c for c in plan.chunks if not c.resident]
-        extra = 0
+        staged = [not c.resident for c in plan.chunks]
+        loads = 0
         if self._overlap is not None and (
             split.backward_load_bytes > 0 or self._insist_on_backward_loads
         ):
             loads = backward_load_count(
-                [c.invariant_bytes for c in staged],
+                [c.invariant_bytes for c in plan.chunks if not c.resident],
                 self.staging_slots,
                 split.backward_load_bytes or None,
             )
-            extra_chunks = staged[: max(0, loads - self.staging_slots)]
-            extra = sum(
-                n * dtype.itemsize for c in extra_chunks for dtype, n in c.staging_numel.items()
-            )
-        ring = plan.staging_bytes(self.staging_slots) if staged else 0
-        return plan.resident_bytes + ring + extra
+        schedule = plan_step(staged, self.staging_slots, loads, overlap=self._overlap is not None)
+        return plan.held_bytes(schedule.slots, self.staging_slots)
 
     def _run_auto(self, auto: AutoResidency) -> None:
         """ "auto"'s decision at this step: re-plan with the split it returns (the host

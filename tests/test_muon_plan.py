@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -516,3 +516,28 @@ def test_estimated_memory_within_10_percent_on_gpu(tmp_path, ns_backend):
             assert row["measured"] < 2**20, row
         else:
             assert 0.9 <= row["ratio"] <= 1.1, row
+
+
+def test_backward_loads_add_an_extra_slot_per_chunk_beyond_the_ring():
+    """`offload_backward_load_bytes` (load_in_backward bytes): the step holds the ring and
+    a slot per chunk the backward loads beyond it, sized for its chunk, as the wrapper's
+    plan holds them (`OffloadPlan.held_bytes`, also what "auto" budgets with)."""
+    shapes = from_config(TINY_DENSE)
+    settings = StepSettings(bucket_cap_bytes=CAP, offload_chunk_bytes=OFFLOAD_CHUNK)
+    (none,) = estimate(shapes, MeshSpec(1), settings).ranks
+    # a budget within the ring's chunks loads just those: no extra slot
+    (within,) = estimate(
+        shapes, MeshSpec(1), replace(settings, offload_backward_load_bytes=1)
+    ).ranks
+    loaded = replace(settings, offload_backward_load_bytes=2**40)  # every chunk
+    (everything,) = estimate(shapes, MeshSpec(1), loaded).ranks
+    schedule, slots = everything.offload_schedule, settings.offload_slots
+    chunks = len(schedule.slots)
+    assert none.offload_schedule.backward_loads == 0
+    assert within.offload_schedule.backward_loads == slots
+    assert within.offload_schedule.extra_slots == 0
+    assert schedule.backward_loads == chunks > slots and schedule.extra_slots == chunks - slots
+    # the same chunks (not ramped up: the backward's fill the ring), plus the extra slots,
+    # each at most a ring slot
+    ring = within.offload.staging_bytes
+    assert ring < everything.offload.staging_bytes <= ring + schedule.extra_slots * ring // slots
