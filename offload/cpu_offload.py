@@ -44,6 +44,7 @@ from offload.state_estimate import dry_run_state_bytes
 from offload.step_schedule import (
     StepSchedule,
     backward_load_count,
+    backward_load_share,
     first_wait_load_count,
     plan_step,
 )
@@ -932,7 +933,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         schedule = self._schedule
         staged = [self._chunks[c] for c in schedule.staged[: schedule.backward_loads]]
         loaded = len(self._loaded_ahead)
-        share = min(len(staged), math.ceil(len(staged) * passed / max(1, watched - 1)))
+        share = backward_load_share(len(staged), passed, watched)
         if share <= loaded:
             return
         # Only this share's params: called once per module the backward passes, a look-up

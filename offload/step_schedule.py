@@ -32,6 +32,7 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -60,6 +61,14 @@ def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: in
         if total > budget:
             return max(count, index)
     return len(staged_bytes)
+
+
+def backward_load_share(loads: int, passed: int, watched: int) -> int:
+    """How many of the backward's `loads` chunks are enqueued once it has passed `passed`
+    of the `watched` owner modules (last first): spread evenly over the modules before
+    the last, so each share starts only when the backward gets there (loads enqueued all
+    at once queue the trainer's own small copies behind them)."""
+    return min(loads, math.ceil(loads * passed / max(1, watched - 1)))
 
 
 def first_wait_load_count(

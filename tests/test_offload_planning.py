@@ -389,3 +389,14 @@ def test_the_step_schedule_example_runs():
     import offload.step_schedule
 
     assert doctest.testmod(offload.step_schedule).failed == 0
+
+
+def test_the_backward_spreads_its_loads_over_the_modules_before_the_last():
+    from offload.step_schedule import backward_load_share
+
+    # 6 chunks over 4 modules: shares after the 1st, 2nd and 3rd module, none left for
+    # the last (the embedding, the backward's end)
+    assert [backward_load_share(6, passed, 4) for passed in range(5)] == [0, 2, 4, 6, 6]
+    assert [backward_load_share(2, passed, 5) for passed in range(5)] == [0, 1, 1, 2, 2]
+    assert backward_load_share(3, 1, 1) == 3  # one module: all at once
+    assert backward_load_share(0, 3, 4) == 0
