@@ -391,7 +391,7 @@ class _PendingReads(TorchFunctionMode):
         self._overlap = overlap
         self.step_pending = False
         self.active = False  # off while the step itself runs (`suspended`)
-        self.chunk_of: dict[int, int] = {}  # id(param or grad) -> the chunk it lands with
+        self.chunk_of: dict[int, int] = {}  # id(param, grad, state tensor) -> its chunk
         # id -> the grad or state tensor: one the trainer or the optimizer dropped is freed,
         # and a new tensor may take its id
         self._held: dict[int, weakref.ref[Tensor]] = {}
