@@ -10,7 +10,7 @@
         --arms plain/none,plain/offload+overlap,plain/torchao
     python -m bench.train_step --model hf-llama-0.85b --batch 4 --phases \\
         --arms adamw/none,adamw/offload+overlap     # + device and host ms per phase
-    python -m bench.train_step --model hf-llama-0.85b --batch 4 --host-profile \
+    python -m bench.train_step --model hf-llama-0.85b --batch 4 --host-profile \\
         --arms muon/none,muon/offload+overlap       # + the host's ms a step per function
 
 Smoke mode on the CPU (tiny sizes, seconds, every code path but the CUDA-only ones):
