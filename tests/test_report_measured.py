@@ -59,3 +59,14 @@ def test_newest_run_gets_the_table_and_ratios_stay_in_their_run():
 def test_a_result_of_no_known_bench_names_the_file():
     with pytest.raises(ValueError, match="mystery_h200.json.*BENCHES"):
         report_measured.bench_of(Path("mystery_h200.json"))
+
+
+def test_an_unlanded_experiment_is_listed_not_tabled_even_when_newest():
+    landed = _train_step("train_step_landed.json", 1, {"adamw/none": 100.0, "adamw/offload": 120.0})
+    trial = _train_step("train_step_trial.json", 2, {"adamw/none": 100.0, "adamw/offload": 300.0})
+    trial.data["run"] = {"experiment": "branch exp/x, X=1"}
+    text = render([landed, trial])
+    assert "| adamw/offload | 120.0 | 1.200x |" in text
+    assert "300.0" not in text
+    listed = "Experiments, not landed (no table): `train_step_trial.json` (branch exp/x, X=1)."
+    assert listed in text
