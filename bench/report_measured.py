@@ -325,9 +325,7 @@ def render(results: list[Result]) -> str:
         for (prefix, config), members in groups.items():
             if prefix != bench.prefix:
                 continue
-            experiments = sorted(
-                (r for r in members if _experiment(r)), key=lambda r: r.path.name
-            )
+            experiments = sorted((r for r in members if _experiment(r)), key=lambda r: r.path.name)
             members = [r for r in members if not _experiment(r)]
             newest = max((r.date for r in members), default=None)
             title = f"`{bench.command}`" + (f": {config}" if config else "")
