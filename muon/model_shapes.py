@@ -213,6 +213,18 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     return tuple(shapes)
 
 
+def per_layer_modules(shapes: Sequence[ParamShape]) -> tuple[str, ...]:
+    """The modules `fully_shard` wraps per layer: the root ("") and each layer, a module
+    named by a number (`model.layers.3`) inside no numbered module (not its experts)."""
+    layers: dict[str, None] = {"": None}
+    for spec in shapes:
+        parts = spec.name.split(".")[:-1]
+        numbered = next((k for k, part in enumerate(parts) if part.isdigit()), None)
+        if numbered is not None:
+            layers[".".join(parts[: numbered + 1])] = None
+    return tuple(layers)
+
+
 def meta_module(shapes: Sequence[ParamShape]) -> nn.Module:
     """An `nn.Module` on the meta device whose `named_parameters()` are exactly `shapes`."""
     root = nn.Module()

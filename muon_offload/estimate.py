@@ -40,14 +40,15 @@ Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
 The step's peak is kept + the step transient. Not modelled: the caching
 allocator's rounding and fragmentation, the first step's creation of state
 (with offload, one more chunk then), cuBLAS workspaces, and with `overlap_forward`
-the chunk order (units sorted by the forward's first use).
+but no backward loads the chunk order (units sorted by the forward's first use; with
+backward loads it is modelled, from `estimate`'s `fsdp_modules`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 
@@ -82,8 +83,9 @@ from muon.planning import (
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
 # (one source of truth); this module joins muon and offload, so it lives in muon_offload.
-from offload.chunk_plan import ParamSpec, StateSpec, plan_offload
+from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
+from offload.forward_overlap import in_forward_order, is_fsdp_module, param_owners
 from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
 from offload.step_schedule import StepSchedule, backward_load_count, plan_step
 
@@ -193,9 +195,8 @@ class StepSettings:
     offload_backward_load_bytes: int = 0
     """`CPUOffloadOptimizer`'s `load_in_backward` as a byte count (it implies
     `overlap_forward`): the state the backward loads, whole chunks and at least the ring's,
-    in an extra slot per chunk beyond the ring. 0: no loads in the backward. The chunk
-    order is the units' here, not the forward's first use, so which chunks those are is
-    approximate."""
+    in an extra slot per chunk beyond the ring. 0: no loads in the backward. The chunks
+    then follow the forward's first use of their units (`estimate`'s `fsdp_modules`)."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""
@@ -371,6 +372,8 @@ class RankEstimate:
     """`MuonStep.units` as indices: Muon params (`MuonPlan` order), then AdamW params."""
     no_offload: StepMemory
     offload: StepMemory
+    offload_plan: OffloadPlan
+    """The chunks `CPUOffloadOptimizer` builds (`plan`): param indices as `units`'."""
     offload_schedule: StepSchedule
     """How `CPUOffloadOptimizer` runs the offloaded step's chunks."""
 
@@ -908,9 +911,15 @@ def estimate(
     row_blocks: Mapping[str, Sequence[int]] | None = None,
     ranks: Iterable[int] = (),
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    fsdp_modules: Collection[str] = (),
 ) -> ModelEstimate:
     """Estimate a model (shapes or a live module) on `mesh`: every rank of one replica
     screened, the representative ranks (`ModelEstimate.picked`) and `ranks` planned in full.
+
+    `fsdp_modules`: the names of the modules the run gives `fully_shard` ("" the root;
+    a live module's own FSDP2 modules count too). With backward loads (which imply
+    `overlap_forward`) the offloaded step's chunks follow the forward's first use of
+    each unit, as `CPUOffloadOptimizer` orders them, and that depends on the wrap.
 
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
@@ -922,13 +931,42 @@ def estimate(
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
     picked = _representatives(screen)
     planned = []
+    order = _forward_order(module, row_blocks, fsdp_modules)
     for rank in sorted({r for _, r in picked} | set(ranks)):
         deadline.check(f"planning rank {rank}")
-        planned.append(_rank(plan_of(rank), plan_of(rank).layouts, adamw, mesh, settings, rank))
+        plan = plan_of(rank)
+        planned.append(_rank(plan, plan.layouts, adamw, mesh, settings, rank, order))
     first = plan_of(0)
     padded = tuple(padded_alternative(first, b) for b in range(len(first.buckets)))
     names = tuple(name for name, _, _, _ in muon)
     return ModelEstimate(mesh, settings, names, screen, tuple(planned), picked, padded, plan_of)
+
+
+Units = tuple[tuple[int, ...], ...]
+
+
+def _forward_order(
+    module: nn.Module, row_blocks: Mapping[str, Sequence[int]] | None, fsdp_modules: Collection[str]
+) -> Callable[[Units], Units]:
+    """Units (param indices, as `RankEstimate.units`) in the order an overlapped
+    `CPUOffloadOptimizer` plans them (`in_forward_order` over `param_owners`), with the
+    modules named in `fsdp_modules` as FSDP2 units."""
+    groups = muon_param_groups(module, row_blocks=row_blocks)
+    muon = [p for g in groups if g.get("algorithm") != "adamw" for p in g["params"]]
+    params = muon + [p for g in groups if g.get("algorithm") == "adamw" for p in g["params"]]
+    named = {m: name for name, m in module.named_modules()}
+    unknown = set(fsdp_modules) - set(named.values())
+    if unknown:
+        raise ValueError(f"fsdp_modules names modules the model does not have: {sorted(unknown)}")
+    wrapped = set(fsdp_modules)
+    owners = param_owners(module, lambda m: named[m] in wrapped or is_fsdp_module(m))
+
+    def order(units: Units) -> Units:
+        as_params = [[params[i] for i in unit] for unit in units]
+        ranked = {id(unit): k for k, unit in enumerate(as_params)}
+        return tuple(units[ranked[id(unit)]] for unit in in_forward_order(as_params, owners))
+
+    return order
 
 
 # Ranks with the same shard shapes get the same chunks; 64 ranks plan in well under a second.
@@ -942,6 +980,7 @@ def _rank(
     mesh: MeshSpec,
     settings: StepSettings,
     rank: int,
+    forward_order: Callable[[Units], Units] = lambda units: units,
 ) -> RankEstimate:
     local_shapes = [layout.local_shape() for layout in layouts]
     local = [math.prod(shape) for shape in local_shapes]
@@ -994,7 +1033,7 @@ def _rank(
 
     backward = settings.offload_backward_load_bytes > 0  # with overlap, as the wrapper plans
     offload = _plan_offload(
-        units,
+        forward_order(units) if backward else units,
         tuple(specs),
         settings.offload_chunk_bytes,
         settings.offload_resident_bytes,
@@ -1029,5 +1068,6 @@ def _rank(
             offload.held_bytes(schedule.slots, settings.offload_slots) - offload.resident_bytes,
             offload_transient,
         ),
+        offload_plan=offload,
         offload_schedule=schedule,
     )

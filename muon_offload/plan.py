@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from muon.model_shapes import PRESETS, ParamShape, from_config, from_preset, load_config
+from muon.model_shapes import (
+    PRESETS,
+    ParamShape,
+    from_config,
+    from_preset,
+    load_config,
+    per_layer_modules,
+)
 from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
 from muon.options import NS_ALGORITHMS
@@ -53,6 +60,7 @@ from muon_offload.estimate import (
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WRAPS = ("per-layer", "root")
 LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -380,6 +388,11 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         help="CPUOffloadOptimizer's load_in_backward as bytes (with overlap_forward): state "
         "loaded in the backward, an extra staging slot per chunk beyond the ring",
     )  # fmt: skip
+    p.add_argument(
+        "--wrap", choices=WRAPS, default="per-layer",
+        help="the modules the run gives fully_shard: each layer and the root, or the root "
+        "only; with --offload-backward-load-mib the chunks follow the forward's first use",
+    )  # fmt: skip
     p.add_argument("--sweep-fsdp", type=_sizes, help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument(
         "--budget-gib", type=_positive_gib, help="per-rank budget for the optimizer's peak"
@@ -451,7 +464,10 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
     """The estimate the parsed arguments ask for (at `fsdp` if given)."""
     shapes = model_shapes(args)
     mesh = MeshSpec(args.fsdp if fsdp is None else fsdp, args.replicate, args.ep, args.expert_shard)
-    return estimate(shapes, mesh, settings_from(args), time_limit_s=args.time_limit_s)
+    wrapped = per_layer_modules(shapes) if args.wrap == "per-layer" else ("",)
+    return estimate(
+        shapes, mesh, settings_from(args), time_limit_s=args.time_limit_s, fsdp_modules=wrapped
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,22 +33,25 @@ from offload.step_schedule import StepSchedule
 from offload.streams import CopyStreams
 
 
-def _is_fsdp(module: nn.Module) -> bool:
+def is_fsdp_module(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
 
 
-def param_owners(model: nn.Module) -> list[tuple[nn.Module, list[Tensor]]]:
+def param_owners(
+    model: nn.Module, is_unit: Callable[[nn.Module], bool] = is_fsdp_module
+) -> list[tuple[nn.Module, list[Tensor]]]:
     """(module, params it reads first), in module registration order (~ forward order).
 
     Under FSDP2 a `fully_shard`-ed module all-gathers its whole subtree's params
     minus nested FSDP2 modules' at once, so it owns all of them; without FSDP2
     each module owns its direct params (its forward waits for its whole subtree's,
-    see `waited_params`).
+    see `waited_params`). `is_unit` says which modules are FSDP2's (the planner names
+    them on a meta-device model).
     """
     owner: dict[Tensor, nn.Module] = {}
-    fsdp_modules = [m for m in model.modules() if _is_fsdp(m)]
+    fsdp_modules = [m for m in model.modules() if is_unit(m)]
     if fsdp_modules:
         for module in fsdp_modules:  # pre-order: a nested module overrides its parent
             for p in module.parameters():
@@ -64,6 +67,16 @@ def param_owners(model: nn.Module) -> list[tuple[nn.Module, list[Tensor]]]:
     return sorted(owned.items(), key=lambda item: order[item[0]])
 
 
+def in_forward_order(
+    units: Sequence[Sequence[Tensor]], owners: Sequence[tuple[nn.Module, Sequence[Tensor]]]
+) -> list[Sequence[Tensor]]:
+    """`units` sorted by the first of `owners` (`param_owners`) that reads them, stable (the
+    same on every rank): the order an overlapped step's chunks are planned in."""
+    first_use = {p: i for i, (_, params) in enumerate(owners) for p in params}
+    last = len(owners)
+    return sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
+
+
 def waited_params(module: nn.Module) -> list[Tensor]:
     """Params whose update `module`'s forward must wait for.
 
@@ -71,7 +84,7 @@ def waited_params(module: nn.Module) -> list[Tensor]:
     children's params without running their forward (`nn.MultiheadAttention`
     calls `F.linear` on `out_proj.weight`), so it waits for its whole subtree.
     """
-    if _is_fsdp(module):
+    if is_fsdp_module(module):
         return [p for m, ps in param_owners(module) if m is module for p in ps]
     return list(module.parameters())
 
@@ -87,7 +100,7 @@ def _with_shared_all_gathers(modules: Sequence[nn.Module]) -> list[list[Tensor]]
     waited = [waited_params(m) for m in modules]
     together: dict[int, list[int]] = {}
     for i, module in enumerate(modules):
-        if _is_fsdp(module):
+        if is_fsdp_module(module):
             together.setdefault(id(module._get_fsdp_state()), []).append(i)
     for members in together.values():
         union = [p for i in members for p in waited[i]]
@@ -104,7 +117,7 @@ def fsdp_all_gather_streams(module: nn.Module) -> list[torch.Stream]:
     all-gather: they must wait for the chunk themselves. Private API
     (`_get_fsdp_state()._comm_ctx`), absent before FSDP2's lazy init and on CPU.
     """
-    if not _is_fsdp(module):
+    if not is_fsdp_module(module):
         return []
     context = getattr(module._get_fsdp_state(), "_comm_ctx", None)
     names = ("all_gather_copy_in_stream", "all_gather_stream")
@@ -117,7 +130,7 @@ def forward_prefetched(module: nn.Module) -> list[nn.Module]:
     Set by `set_modules_to_forward_prefetch`, possibly after the optimizer is built,
     so it is read at each forward. Private API (`_states_to_forward_prefetch`).
     """
-    if not _is_fsdp(module):
+    if not is_fsdp_module(module):
         return []
     states = getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", ())
     return [m for state in states for m in getattr(state, "_modules", ())]
@@ -135,7 +148,7 @@ def _check_reads_are_seen(
     only the all-gathered copies, after the hooks waited. Other params are seen wherever
     they are read, by the mode.
     """
-    owned = {p for module, ps in owners if _is_fsdp(module) for p in ps}
+    owned = {p for module, ps in owners if is_fsdp_module(module) for p in ps}
     for index, param in enumerate(params):
         if hasattr(param, "placements") and param not in owned:
             raise ValueError(
@@ -215,11 +228,8 @@ class ForwardOverlap:
         return []
 
     def forward_order(self, units: Sequence[Sequence[Tensor]]) -> list[Sequence[Tensor]]:
-        """Units sorted by the first owner module that reads them (stable: the same on
-        every rank)."""
-        first_use = {p: i for i, (_, params) in enumerate(self.owners) for p in params}
-        last = len(self.owners)
-        return sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
+        """Units sorted by the first owner module that reads them (`in_forward_order`)."""
+        return in_forward_order(units, self.owners)
 
     def set_chunks(
         self,

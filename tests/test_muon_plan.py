@@ -15,7 +15,13 @@ import torch.distributed as dist
 from spawn_ranks import run_on_ranks
 
 from muon import BucketMetrics, Muon, muon_param_groups
-from muon.model_shapes import from_config, from_module, from_preset, meta_module
+from muon.model_shapes import (
+    from_config,
+    from_module,
+    from_preset,
+    meta_module,
+    per_layer_modules,
+)
 from muon.planning import MuonPlan, ParamLayout, transient_peak_numel
 from muon_offload.estimate import (
     MeshSpec,
@@ -541,3 +547,72 @@ def test_backward_loads_add_an_extra_slot_per_chunk_beyond_the_ring():
     # each at most a ring slot
     ring = within.offload.staging_bytes
     assert ring < everything.offload.staging_bytes <= ring + schedule.extra_slots * ring // slots
+
+
+BACKWARD_LOADS = 10 * OFFLOAD_CHUNK  # bytes: the backward loads several chunks
+
+
+def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
+    """The estimate's chunks and schedule with backward loads (so `overlap_forward`) are
+    those `CPUOffloadOptimizer` builds over the model on this rank."""
+    shapes = from_module(model)
+    settings = StepSettings(
+        bucket_cap_bytes=CAP,
+        device="cpu",
+        offload_chunk_bytes=OFFLOAD_CHUNK,
+        offload_slots=2,
+        offload_backward_load_bytes=BACKWARD_LOADS,
+    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    estimated = estimate(
+        shapes, MeshSpec(world), settings, ranks=[rank], fsdp_modules=fsdp_modules
+    ).rank(rank)
+    opt = CPUOffloadOptimizer(
+        Muon(muon_param_groups(model), lr=0.02, bucket_cap_bytes=CAP),
+        chunk_bytes=OFFLOAD_CHUNK,
+        staging_slots=2,
+        overlap_forward=model,
+        load_in_backward=BACKWARD_LOADS,
+    )
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.wait_for_optimizer_step()
+    planned = [(c.params, c.resident) for c in estimated.offload_plan.chunks]
+    assert [(c.params, c.resident) for c in opt.plan.chunks] == planned
+    assert opt.schedule == estimated.offload_schedule
+    opt.close()
+
+
+def test_overlapped_chunks_of_a_plain_module_are_the_estimates():
+    pytest.importorskip("transformers")
+    from bench import hf_llama
+
+    _overlapped_plan(hf_llama.build_hf_llama("hf-llama-tiny", torch.device("cpu")), 1, ())
+
+
+def _fsdp_overlapped_plan(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench import hf_llama
+
+    model = hf_llama.build_hf_llama("hf-llama-tiny", torch.device("cpu"))
+    layers = tuple(f"model.layers.{i}" for i in range(len(model.model.layers)))
+    mesh = init_device_mesh("cpu", (world,))
+    hf_llama.shard_hf_llama(model, mesh, mixed_precision=False, activation_checkpointing=False)
+    _overlapped_plan(model, world, ("", *layers))
+
+
+def test_overlapped_chunks_of_an_fsdp2_model_wrapped_per_layer_are_the_estimates():
+    pytest.importorskip("transformers")
+    run_on_ranks(_fsdp_overlapped_plan, 2)
+
+
+def test_per_layer_modules_are_the_root_and_each_layer_not_its_experts():
+    shapes = from_config(TINY_MOE)  # its layers hold numbered experts
+    assert per_layer_modules(shapes) == ("", "model.layers.0", "model.layers.1", "model.layers.2")
+
+
+def test_fsdp_modules_the_model_does_not_have_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"\['model.layer.0'\]"):
+        estimate(from_config(TINY_DENSE), MeshSpec(1), fsdp_modules=("", "model.layer.0"))
