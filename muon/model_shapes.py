@@ -213,16 +213,31 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     return tuple(shapes)
 
 
-def per_layer_modules(shapes: Sequence[ParamShape]) -> tuple[str, ...]:
-    """The modules `fully_shard` wraps per layer: the root ("") and each layer, a module
+FSDP_WRAPS = ("per-layer", "torchtitan", "root")
+"""How a run applies `fully_shard` (`fsdp_modules`): each layer and the root; torchtitan's,
+which also makes the modules after the last layer (final norm, head) one unit; the root."""
+
+
+def fsdp_modules(shapes: Sequence[ParamShape], wrap: str) -> tuple[str, ...]:
+    """The modules `wrap` gives `fully_shard`, by name ("" the root). A layer is a module
     named by a number (`model.layers.3`) inside no numbered module (not its experts)."""
-    layers: dict[str, None] = {"": None}
+    if wrap not in FSDP_WRAPS:
+        raise ValueError(f"wrap should be one of {list(FSDP_WRAPS)} but is: {wrap!r}")
+    modules: dict[str, None] = {"": None}
+    if wrap == "root":
+        return tuple(modules)
+    tail: dict[str, None] = {}  # modules of the params after the last layer's
     for spec in shapes:
         parts = spec.name.split(".")[:-1]
         numbered = next((k for k, part in enumerate(parts) if part.isdigit()), None)
-        if numbered is not None:
-            layers[".".join(parts[: numbered + 1])] = None
-    return tuple(layers)
+        if numbered is None:
+            tail[".".join(parts)] = None
+        else:
+            modules[".".join(parts[: numbered + 1])] = None
+            tail.clear()
+    if wrap == "torchtitan":
+        modules.update(tail)
+    return tuple(modules)
 
 
 def meta_module(shapes: Sequence[ParamShape]) -> nn.Module:

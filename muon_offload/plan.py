@@ -33,12 +33,13 @@ from typing import Any
 import torch
 
 from muon.model_shapes import (
+    FSDP_WRAPS,
     PRESETS,
     ParamShape,
     from_config,
     from_preset,
+    fsdp_modules,
     load_config,
-    per_layer_modules,
 )
 from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
@@ -60,7 +61,6 @@ from muon_offload.estimate import (
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-WRAPS = ("per-layer", "root")
 LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -389,9 +389,10 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "loaded in the backward, an extra staging slot per chunk beyond the ring",
     )  # fmt: skip
     p.add_argument(
-        "--wrap", choices=WRAPS, default="per-layer",
-        help="the modules the run gives fully_shard: each layer and the root, or the root "
-        "only; with --offload-backward-load-mib the chunks follow the forward's first use",
+        "--wrap", choices=FSDP_WRAPS, default="per-layer",
+        help="the modules the run gives fully_shard (each layer and the root; torchtitan's, "
+        "the final norm and head a unit too; the root only): with "
+        "--offload-backward-load-mib the chunks follow the forward's first use",
     )  # fmt: skip
     p.add_argument("--sweep-fsdp", type=_sizes, help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument(
@@ -464,7 +465,7 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
     """The estimate the parsed arguments ask for (at `fsdp` if given)."""
     shapes = model_shapes(args)
     mesh = MeshSpec(args.fsdp if fsdp is None else fsdp, args.replicate, args.ep, args.expert_shard)
-    wrapped = per_layer_modules(shapes) if args.wrap == "per-layer" else ("",)
+    wrapped = fsdp_modules(shapes, args.wrap)
     return estimate(
         shapes, mesh, settings_from(args), time_limit_s=args.time_limit_s, fsdp_modules=wrapped
     )

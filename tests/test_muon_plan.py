@@ -19,8 +19,8 @@ from muon.model_shapes import (
     from_config,
     from_module,
     from_preset,
+    fsdp_modules,
     meta_module,
-    per_layer_modules,
 )
 from muon.planning import MuonPlan, ParamLayout, transient_peak_numel
 from muon_offload.estimate import (
@@ -591,26 +591,33 @@ def test_overlapped_chunks_of_a_plain_module_are_the_estimates():
     _overlapped_plan(hf_llama.build_hf_llama("hf-llama-tiny", torch.device("cpu")), 1, ())
 
 
-def _fsdp_overlapped_plan(rank: int, world: int) -> None:
+def _fsdp_overlapped_plan(rank: int, world: int, wrap: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from bench import hf_llama
 
     model = hf_llama.build_hf_llama("hf-llama-tiny", torch.device("cpu"))
-    layers = tuple(f"model.layers.{i}" for i in range(len(model.model.layers)))
     mesh = init_device_mesh("cpu", (world,))
-    hf_llama.shard_hf_llama(model, mesh, mixed_precision=False, activation_checkpointing=False)
-    _overlapped_plan(model, world, ("", *layers))
+    hf_llama.shard_hf_llama(
+        model, mesh, wrap=wrap, mixed_precision=False, activation_checkpointing=False
+    )
+    _overlapped_plan(model, world, fsdp_modules(from_module(model), wrap))
 
 
-def test_overlapped_chunks_of_an_fsdp2_model_wrapped_per_layer_are_the_estimates():
+@pytest.mark.parametrize("wrap", ["per-layer", "torchtitan"])
+def test_overlapped_chunks_of_an_fsdp2_model_are_the_estimates(wrap):
     pytest.importorskip("transformers")
-    run_on_ranks(_fsdp_overlapped_plan, 2)
+    run_on_ranks(_fsdp_overlapped_plan, 2, wrap)
 
 
-def test_per_layer_modules_are_the_root_and_each_layer_not_its_experts():
-    shapes = from_config(TINY_MOE)  # its layers hold numbered experts
-    assert per_layer_modules(shapes) == ("", "model.layers.0", "model.layers.1", "model.layers.2")
+def test_fsdp_modules_of_each_wrap():
+    shapes = from_config(TINY_MOE)  # its layers hold numbered experts; an untied head
+    layers = ("model.layers.0", "model.layers.1", "model.layers.2")
+    assert fsdp_modules(shapes, "per-layer") == ("", *layers)
+    assert fsdp_modules(shapes, "torchtitan") == ("", *layers, "model.norm", "lm_head")
+    assert fsdp_modules(shapes, "root") == ("",)
+    with pytest.raises(ValueError, match="wrap should be one of"):
+        fsdp_modules(shapes, "per-block")
 
 
 def test_fsdp_modules_the_model_does_not_have_are_refused_by_name():
