@@ -39,9 +39,9 @@ Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
   time.
 The step's peak is kept + the step transient. Not modelled: the caching
 allocator's rounding and fragmentation, the first step's creation of state
-(with offload, one more chunk then), cuBLAS workspaces, and with `overlap_forward`
-but no backward loads the chunk order (units sorted by the forward's first use; with
-backward loads it is modelled, from `estimate`'s `fsdp_modules`).
+(with offload, one more chunk then), and cuBLAS workspaces. With `overlap_forward`
+(`StepSettings.offload_overlap_forward`) the chunks follow the forward's first use of
+their units, which `estimate`'s `fsdp_modules` (the run's wrap) decides.
 """
 
 from __future__ import annotations
@@ -192,11 +192,15 @@ class StepSettings:
     offload_slots: int = DEFAULT_STAGING_SLOTS
     offload_resident_bytes: int = 0
     """`CPUOffloadOptimizer`'s `gpu_resident_bytes` (an int: "auto" decides at run time)."""
+    offload_overlap_forward: bool = False
+    """`CPUOffloadOptimizer` given `overlap_forward`: the chunks follow the forward's first
+    use of their units (`estimate`'s `fsdp_modules`), and the resident state is the units
+    the forward needs first."""
     offload_backward_load_bytes: int = 0
     """`CPUOffloadOptimizer`'s `load_in_backward` as a byte count (it implies
-    `overlap_forward`): the state the backward loads, whole chunks and at least the ring's,
-    in an extra slot per chunk beyond the ring. 0: no loads in the backward. The chunks
-    then follow the forward's first use of their units (`estimate`'s `fsdp_modules`)."""
+    `offload_overlap_forward`): the state the backward loads, whole chunks and at least
+    the ring's, in an extra slot per chunk beyond the ring. 0: no loads in the backward
+    (`load_in_backward=False`)."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""
@@ -917,9 +921,9 @@ def estimate(
     screened, the representative ranks (`ModelEstimate.picked`) and `ranks` planned in full.
 
     `fsdp_modules`: the names of the modules the run gives `fully_shard` ("" the root;
-    a live module's own FSDP2 modules count too). With backward loads (which imply
-    `overlap_forward`) the offloaded step's chunks follow the forward's first use of
-    each unit, as `CPUOffloadOptimizer` orders them, and that depends on the wrap.
+    a live module's own FSDP2 modules count too). With forward overlap the offloaded
+    step's chunks follow the forward's first use of each unit, as `CPUOffloadOptimizer`
+    orders them, and that depends on the wrap.
 
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
@@ -1031,13 +1035,14 @@ def _rank(
                 groups.setdefault(adamw[k][0], []).append(adamw_local[k] * moment)
         return _larger(muon, adamw_transient(groups, settings.device))
 
-    backward = settings.offload_backward_load_bytes > 0  # with overlap, as the wrapper plans
+    backward = settings.offload_backward_load_bytes > 0
+    overlap = settings.offload_overlap_forward or backward
     offload = _plan_offload(
-        forward_order(units) if backward else units,
+        forward_order(units) if overlap else units,
         tuple(specs),
         settings.offload_chunk_bytes,
         settings.offload_resident_bytes,
-        resident_first=backward,
+        resident_first=overlap,
         ramp_first=not backward,
     )
     staged = [not chunk.resident for chunk in offload.chunks]
@@ -1048,9 +1053,7 @@ def _rank(
             settings.offload_slots,
             settings.offload_backward_load_bytes,
         )
-    # Without backward loads, overlap changes only the look-ahead, which the estimate does
-    # not use: the slots and the order are the wrapper's either way.
-    schedule = plan_step(staged, settings.offload_slots, backward_loads, overlap=backward)
+    schedule = plan_step(staged, settings.offload_slots, backward_loads, overlap=overlap)
     unit_of = {param: u for u, unit in enumerate(units) for param in unit}
     offload_transient = Transient()
     for chunk in offload.chunks:

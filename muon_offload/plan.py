@@ -384,6 +384,11 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         help="CPUOffloadOptimizer's gpu_resident_bytes: state kept on the GPU",
     )  # fmt: skip
     p.add_argument(
+        "--offload-overlap-forward", action="store_true",
+        help="CPUOffloadOptimizer's overlap_forward: chunks in the forward's order of first "
+        "use (see --wrap), resident state the units the forward needs first",
+    )  # fmt: skip
+    p.add_argument(
         "--offload-backward-load-mib", type=float, default=0.0,
         help="CPUOffloadOptimizer's load_in_backward as bytes (with overlap_forward): state "
         "loaded in the backward, an extra staging slot per chunk beyond the ring",
@@ -391,8 +396,8 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument(
         "--wrap", choices=FSDP_WRAPS, default="per-layer",
         help="the modules the run gives fully_shard (each layer and the root; torchtitan's, "
-        "the final norm and head a unit too; the root only): with "
-        "--offload-backward-load-mib the chunks follow the forward's first use",
+        "the final norm and head a unit too; the root only): with forward overlap the "
+        "chunks follow the forward's first use",
     )  # fmt: skip
     p.add_argument("--sweep-fsdp", type=_sizes, help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument(
@@ -449,6 +454,7 @@ def settings_from(args: argparse.Namespace) -> StepSettings:
         offload_chunk_bytes=int(args.offload_chunk_mib * 2**20),
         offload_slots=args.offload_slots,
         offload_resident_bytes=int(args.offload_resident_mib * 2**20),
+        offload_overlap_forward=args.offload_overlap_forward,
         offload_backward_load_bytes=int(args.offload_backward_load_mib * 2**20),
         ns_algorithm=args.ns_algorithm,
         ns_schedule=args.ns_schedule,

@@ -550,38 +550,46 @@ def test_backward_loads_add_an_extra_slot_per_chunk_beyond_the_ring():
 
 
 BACKWARD_LOADS = 10 * OFFLOAD_CHUNK  # bytes: the backward loads several chunks
+# (load_in_backward, gpu_resident_bytes) of the overlapped wrapper the estimate must match
+OVERLAPPED = ((BACKWARD_LOADS, 0), (False, 3 * OFFLOAD_CHUNK))
 
 
 def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
-    """The estimate's chunks and schedule with backward loads (so `overlap_forward`) are
-    those `CPUOffloadOptimizer` builds over the model on this rank."""
+    """The estimate's chunks and schedule with forward overlap (backward loads, or
+    resident state) are those `CPUOffloadOptimizer` builds over the model on this rank."""
     shapes = from_module(model)
-    settings = StepSettings(
-        bucket_cap_bytes=CAP,
-        device="cpu",
-        offload_chunk_bytes=OFFLOAD_CHUNK,
-        offload_slots=2,
-        offload_backward_load_bytes=BACKWARD_LOADS,
-    )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    estimated = estimate(
-        shapes, MeshSpec(world), settings, ranks=[rank], fsdp_modules=fsdp_modules
-    ).rank(rank)
-    opt = CPUOffloadOptimizer(
-        Muon(muon_param_groups(model), lr=0.02, bucket_cap_bytes=CAP),
-        chunk_bytes=OFFLOAD_CHUNK,
-        staging_slots=2,
-        overlap_forward=model,
-        load_in_backward=BACKWARD_LOADS,
-    )
-    ids = torch.randint(0, model.config.vocab_size, (2, 8))
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.wait_for_optimizer_step()
-    planned = [(c.params, c.resident) for c in estimated.offload_plan.chunks]
-    assert [(c.params, c.resident) for c in opt.plan.chunks] == planned
-    assert opt.schedule == estimated.offload_schedule
-    opt.close()
+    for load_in_backward, resident in OVERLAPPED:
+        settings = StepSettings(
+            bucket_cap_bytes=CAP,
+            device="cpu",
+            offload_chunk_bytes=OFFLOAD_CHUNK,
+            offload_slots=2,
+            offload_resident_bytes=resident,
+            offload_overlap_forward=True,
+            offload_backward_load_bytes=int(load_in_backward),
+        )
+        estimated = estimate(
+            shapes, MeshSpec(world), settings, ranks=[rank], fsdp_modules=fsdp_modules
+        ).rank(rank)
+        opt = CPUOffloadOptimizer(
+            Muon(muon_param_groups(model), lr=0.02, bucket_cap_bytes=CAP),
+            chunk_bytes=OFFLOAD_CHUNK,
+            staging_slots=2,
+            overlap_forward=model,
+            gpu_resident_bytes=resident,
+            load_in_backward=load_in_backward,
+        )
+        ids = torch.randint(0, model.config.vocab_size, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.wait_for_optimizer_step()
+        planned = [(c.params, c.resident) for c in estimated.offload_plan.chunks]
+        where = (load_in_backward, resident)
+        assert [(c.params, c.resident) for c in opt.plan.chunks] == planned, where
+        assert opt.schedule == estimated.offload_schedule, where
+        opt.close()
+        model.zero_grad()
 
 
 def test_overlapped_chunks_of_a_plain_module_are_the_estimates():
