@@ -85,9 +85,19 @@ from muon.planning import (
 # (one source of truth); this module joins muon and offload, so it lives in muon_offload.
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
-from offload.forward_overlap import in_forward_order, is_fsdp_module, param_owners
+from offload.forward_overlap import (
+    in_forward_order,
+    is_fsdp_module,
+    param_owners,
+    waited_params,
+)
 from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
-from offload.step_schedule import StepSchedule, backward_load_count, plan_step
+from offload.step_schedule import (
+    StepSchedule,
+    backward_load_count,
+    first_wait_load_count,
+    plan_step,
+)
 
 EXPERT_SHARDS = ("auto", "experts", "rows")
 DEVICES = ("cuda", "cpu")
@@ -196,11 +206,12 @@ class StepSettings:
     """`CPUOffloadOptimizer` given `overlap_forward`: the chunks follow the forward's first
     use of their units (`estimate`'s `fsdp_modules`), and the resident state is the units
     the forward needs first."""
-    offload_backward_load_bytes: int = 0
+    offload_backward_load_bytes: int | None = 0
     """`CPUOffloadOptimizer`'s `load_in_backward` as a byte count (it implies
     `offload_overlap_forward`): the state the backward loads, whole chunks and at least
     the ring's, in an extra slot per chunk beyond the ring. 0: no loads in the backward
-    (`load_in_backward=False`)."""
+    (`load_in_backward=False`). None (the wrapper's default), with overlap: the chunks
+    holding what the forward waits for first, at least the ring's."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""
@@ -221,7 +232,8 @@ class StepSettings:
         check_chunk_bytes(self.offload_chunk_bytes, "offload_chunk_bytes")
         check_staging_slots(self.offload_slots, "offload_slots")
         check_bytes(self.offload_resident_bytes, "offload_resident_bytes")
-        check_bytes(self.offload_backward_load_bytes, "offload_backward_load_bytes")
+        if self.offload_backward_load_bytes is not None:
+            check_bytes(self.offload_backward_load_bytes, "offload_backward_load_bytes")
         check_ns_algorithm(self.ns_algorithm)
         check_ns_schedule(self.ns_schedule)
         check_replica_owners(self.replica_owners)
@@ -935,11 +947,11 @@ def estimate(
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
     picked = _representatives(screen)
     planned = []
-    order = _forward_order(module, row_blocks, fsdp_modules)
+    forward_use = _forward_use(module, row_blocks, fsdp_modules)
     for rank in sorted({r for _, r in picked} | set(ranks)):
         deadline.check(f"planning rank {rank}")
         plan = plan_of(rank)
-        planned.append(_rank(plan, plan.layouts, adamw, mesh, settings, rank, order))
+        planned.append(_rank(plan, plan.layouts, adamw, mesh, settings, rank, forward_use))
     first = plan_of(0)
     padded = tuple(padded_alternative(first, b) for b in range(len(first.buckets)))
     names = tuple(name for name, _, _, _ in muon)
@@ -949,12 +961,22 @@ def estimate(
 Units = tuple[tuple[int, ...], ...]
 
 
-def _forward_order(
+@dataclass(frozen=True)
+class _ForwardUse:
+    """What an overlapped `CPUOffloadOptimizer` plans from the model's modules."""
+
+    order: Callable[[Units], Units]
+    """Units (param indices, as `RankEstimate.units`) in the forward's order of first use
+    (`in_forward_order` over `param_owners`)."""
+    first_wait: tuple[int, ...]
+    """The params the forward waits for first (`ForwardOverlap.first_wait`, without
+    prefetches set by hand)."""
+
+
+def _forward_use(
     module: nn.Module, row_blocks: Mapping[str, Sequence[int]] | None, fsdp_modules: Collection[str]
-) -> Callable[[Units], Units]:
-    """Units (param indices, as `RankEstimate.units`) in the order an overlapped
-    `CPUOffloadOptimizer` plans them (`in_forward_order` over `param_owners`), with the
-    modules named in `fsdp_modules` as FSDP2 units."""
+) -> _ForwardUse:
+    """`_ForwardUse` of `module` with the modules named in `fsdp_modules` as FSDP2 units."""
     groups = muon_param_groups(module, row_blocks=row_blocks)
     muon = [p for g in groups if g.get("algorithm") != "adamw" for p in g["params"]]
     params = muon + [p for g in groups if g.get("algorithm") == "adamw" for p in g["params"]]
@@ -963,14 +985,23 @@ def _forward_order(
     if unknown:
         raise ValueError(f"fsdp_modules names modules the model does not have: {sorted(unknown)}")
     wrapped = set(fsdp_modules)
-    owners = param_owners(module, lambda m: named[m] in wrapped or is_fsdp_module(m))
+
+    def is_unit(m: nn.Module) -> bool:
+        return named[m] in wrapped or is_fsdp_module(m)
+
+    owners = param_owners(module, is_unit)
 
     def order(units: Units) -> Units:
         as_params = [[params[i] for i in unit] for unit in units]
         ranked = {id(unit): k for k, unit in enumerate(as_params)}
         return tuple(units[ranked[id(unit)]] for unit in in_forward_order(as_params, owners))
 
-    return order
+    index = {p: i for i, p in enumerate(params)}
+    for owner, _ in owners:
+        first = tuple(index[p] for p in waited_params(owner, is_unit) if p in index)
+        if first:
+            return _ForwardUse(order, first)
+    return _ForwardUse(order, ())
 
 
 # Ranks with the same shard shapes get the same chunks; 64 ranks plan in well under a second.
@@ -984,7 +1015,7 @@ def _rank(
     mesh: MeshSpec,
     settings: StepSettings,
     rank: int,
-    forward_order: Callable[[Units], Units] = lambda units: units,
+    forward_use: _ForwardUse,
 ) -> RankEstimate:
     local_shapes = [layout.local_shape() for layout in layouts]
     local = [math.prod(shape) for shape in local_shapes]
@@ -1035,10 +1066,14 @@ def _rank(
                 groups.setdefault(adamw[k][0], []).append(adamw_local[k] * moment)
         return _larger(muon, adamw_transient(groups, settings.device))
 
-    backward = settings.offload_backward_load_bytes > 0
-    overlap = settings.offload_overlap_forward or backward
+    # As the wrapper plans: overlap orders the chunks and keeps the first units resident;
+    # loads in the backward fill the ring with whole chunks.
+    load_bytes = settings.offload_backward_load_bytes
+    overlap = settings.offload_overlap_forward or bool(load_bytes)
+    first_wait = overlap and load_bytes is None
+    backward = first_wait or bool(load_bytes)
     offload = _plan_offload(
-        forward_order(units) if overlap else units,
+        forward_use.order(units) if overlap else units,
         tuple(specs),
         settings.offload_chunk_bytes,
         settings.offload_resident_bytes,
@@ -1047,11 +1082,18 @@ def _rank(
     )
     staged = [not chunk.resident for chunk in offload.chunks]
     backward_loads = 0
-    if backward:
+    if first_wait:
+        backward_loads = first_wait_load_count(
+            [chunk.params for chunk in offload.chunks],  # Muon's step does not slice
+            staged,
+            forward_use.first_wait,
+            settings.offload_slots,
+        )
+    elif backward:
         backward_loads = backward_load_count(
             [c.invariant_bytes for c in offload.chunks if not c.resident],
             settings.offload_slots,
-            settings.offload_backward_load_bytes,
+            load_bytes,
         )
     schedule = plan_step(staged, settings.offload_slots, backward_loads, overlap=overlap)
     unit_of = {param: u for u, unit in enumerate(units) for param in unit}

@@ -389,9 +389,10 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "use (see --wrap), resident state the units the forward needs first",
     )  # fmt: skip
     p.add_argument(
-        "--offload-backward-load-mib", type=float, default=0.0,
-        help="CPUOffloadOptimizer's load_in_backward as bytes (with overlap_forward): state "
-        "loaded in the backward, an extra staging slot per chunk beyond the ring",
+        "--offload-backward-load-mib", type=float, default=None,
+        help="CPUOffloadOptimizer's load_in_backward as bytes (implies overlap_forward): state "
+        "loaded in the backward, an extra staging slot per chunk beyond the ring; 0: none; "
+        "default: the wrapper's (with overlap, the chunks the forward waits for first)",
     )  # fmt: skip
     p.add_argument(
         "--wrap", choices=FSDP_WRAPS, default="per-layer",
@@ -455,7 +456,9 @@ def settings_from(args: argparse.Namespace) -> StepSettings:
         offload_slots=args.offload_slots,
         offload_resident_bytes=int(args.offload_resident_mib * 2**20),
         offload_overlap_forward=args.offload_overlap_forward,
-        offload_backward_load_bytes=int(args.offload_backward_load_mib * 2**20),
+        offload_backward_load_bytes=None
+        if args.offload_backward_load_mib is None
+        else int(args.offload_backward_load_mib * 2**20),
         ns_algorithm=args.ns_algorithm,
         ns_schedule=args.ns_schedule,
         replica_owners=args.replica_owners,

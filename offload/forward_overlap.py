@@ -77,15 +77,18 @@ def in_forward_order(
     return sorted(units, key=lambda unit: min(first_use.get(p, last) for p in unit))
 
 
-def waited_params(module: nn.Module) -> list[Tensor]:
+def waited_params(
+    module: nn.Module, is_unit: Callable[[nn.Module], bool] = is_fsdp_module
+) -> list[Tensor]:
     """Params whose update `module`'s forward must wait for.
 
     An FSDP2 module reads only what it all-gathers. A plain module may read its
     children's params without running their forward (`nn.MultiheadAttention`
     calls `F.linear` on `out_proj.weight`), so it waits for its whole subtree.
+    `is_unit` as in `param_owners`.
     """
-    if is_fsdp_module(module):
-        return [p for m, ps in param_owners(module) if m is module for p in ps]
+    if is_unit(module):
+        return [p for m, ps in param_owners(module, is_unit) if m is module for p in ps]
     return list(module.parameters())
 
 

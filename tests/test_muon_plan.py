@@ -551,7 +551,7 @@ def test_backward_loads_add_an_extra_slot_per_chunk_beyond_the_ring():
 
 BACKWARD_LOADS = 10 * OFFLOAD_CHUNK  # bytes: the backward loads several chunks
 # (load_in_backward, gpu_resident_bytes) of the overlapped wrapper the estimate must match
-OVERLAPPED = ((BACKWARD_LOADS, 0), (False, 3 * OFFLOAD_CHUNK))
+OVERLAPPED = ((BACKWARD_LOADS, 0), (False, 3 * OFFLOAD_CHUNK), (None, 0), (None, OFFLOAD_CHUNK))
 
 
 def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
@@ -567,7 +567,7 @@ def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
             offload_slots=2,
             offload_resident_bytes=resident,
             offload_overlap_forward=True,
-            offload_backward_load_bytes=int(load_in_backward),
+            offload_backward_load_bytes=None if load_in_backward is None else int(load_in_backward),
         )
         estimated = estimate(
             shapes, MeshSpec(world), settings, ranks=[rank], fsdp_modules=fsdp_modules
