@@ -11,6 +11,8 @@ holding it has stepped:
   any torch call given a param whose chunk has not landed wait for it first: a tied
   weight read by the module the hooks did not expect, a functional read of another
   module's weight, `model.state_dict()` / `load_state_dict()`, an in-place edit.
+  Inside an FSDP2 forward it is on only in each plan's first overlapped forward, which
+  teaches the hooks the reads they do not see (see `ForwardOverlap.__init__`).
 """
 
 from __future__ import annotations
@@ -181,10 +183,18 @@ class ForwardOverlap:
     def __init__(self, model: nn.Module, params: Sequence[Tensor], streams: CopyStreams) -> None:
         self._streams = streams
         self.owners = param_owners(model)
-        # FSDP2 units hold every param: the model's forward reads only all-gathered copies,
-        # so the mode has nothing to see there and leaves the stack at its start (nothing
-        # for torch.compile to trace; the forward's end finishes the step).
+        # FSDP2 units hold every param: a unit's forward reads only all-gathered copies,
+        # so the mode leaves the stack at the forward's start (nothing for torch.compile
+        # to trace; the forward's end finishes the step), but in the first overlapped
+        # forward of each plan: there it finds reads outside a unit's forward (a term
+        # over another unit's sharded params, a state counter), and each makes the owner
+        # whose hook ran last wait for the chunk it read from then on (-1: before any
+        # owner's, the forward's start).
         self._hooks_see_forward = _check_reads_are_seen(model, self.owners, params)
+        self._trace_reads = False
+        self._tracing = False
+        self._reading_owner = -1  # in a traced forward, the owner whose pre-hook ran last
+        self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
@@ -260,6 +270,7 @@ class ForwardOverlap:
         self._chunk_needs = [max((param_end[p] for p in ps), default=0) for ps in chunk_params]
         self._chunk_needs = list(itertools.accumulate(self._chunk_needs, max))
         self._param_chunk = {p: c for p, c in chunk_of.items()}
+        self._trace_reads, self._start_chunk = self._hooks_see_forward, -1
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
     def start(
@@ -337,6 +348,7 @@ class ForwardOverlap:
         return 0 if self._pending is None else len(self.chunk_done) - self._enqueued
 
     def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._reading_owner = index
         if self._watch_inputs:
             watched = _first_grad_tensor((*args, *kwargs.values()))
             if watched is not None:
@@ -359,16 +371,33 @@ class ForwardOverlap:
 
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`."""
+        if self._tracing:  # the hooks wait for it from the next forward on
+            owner = self._reading_owner
+            if owner < 0:
+                self._start_chunk = max(self._start_chunk, chunk)
+            elif chunk > self._module_chunk[owner]:
+                self._module_chunk[owner] = chunk
+                self._module_needs[owner] = max(
+                    self._module_needs[owner], self._chunk_needs[chunk]
+                )
         self.advance(self._ahead_of[chunk])
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
     def _before_forward(self) -> None:
+        self._reading_owner = -1
         if not self._in_flight:
             self._reads.pop()  # still on this thread's stack if another thread finished
-        elif self._hooks_see_forward:
-            self._reads.leave_stack()
+            return
+        if self._start_chunk >= 0:
+            self.advance(self._ahead_of[self._start_chunk])
+            self._wait_for_chunk(self._start_chunk, self._chunk_needs[self._start_chunk])
+        if self._hooks_see_forward:
+            self._tracing, self._trace_reads = self._trace_reads, False
+            if not self._tracing:
+                self._reads.leave_stack()
 
     def _after_forward(self) -> None:
+        self._tracing = False
         if self._in_flight:
             self.finish()
         if self._watched:
