@@ -377,9 +377,7 @@ class ForwardOverlap:
                 self._start_chunk = max(self._start_chunk, chunk)
             elif chunk > self._module_chunk[owner]:
                 self._module_chunk[owner] = chunk
-                self._module_needs[owner] = max(
-                    self._module_needs[owner], self._chunk_needs[chunk]
-                )
+                self._module_needs[owner] = max(self._module_needs[owner], self._chunk_needs[chunk])
         self.advance(self._ahead_of[chunk])
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
