@@ -240,11 +240,10 @@ class StepSettings:
         check_replica_bytes_per_s(self.replica_bytes_per_s)
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            name: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-            for name in self.__slots__
-            if (value := getattr(self, name)) is not None
-        }
+        def plain(value: object) -> object:
+            return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+        return {name: plain(getattr(self, name)) for name in self.__slots__}
 
 
 @dataclass(frozen=True, slots=True)
