@@ -505,6 +505,8 @@ class ModelEstimate:
     """Per bucket; None for a local bucket."""
     plan_of: Callable[[int], MuonPlan] = field(compare=False, repr=False)
     """The `MuonPlan` `Muon` builds at an fsdp index (cached)."""
+    param_names: tuple[str, ...] = ()
+    """Every param the optimizer steps, by the index `RankEstimate.units` uses."""
 
     def plan(self, rank: int) -> MuonPlan:
         return self.plan_of(rank)
@@ -954,7 +956,17 @@ def estimate(
     first = plan_of(0)
     padded = tuple(padded_alternative(first, b) for b in range(len(first.buckets)))
     names = tuple(name for name, _, _, _ in muon)
-    return ModelEstimate(mesh, settings, names, screen, tuple(planned), picked, padded, plan_of)
+    return ModelEstimate(
+        mesh,
+        settings,
+        names,
+        screen,
+        tuple(planned),
+        picked,
+        padded,
+        plan_of,
+        forward_use.param_names,
+    )
 
 
 Units = tuple[tuple[int, ...], ...]
@@ -970,6 +982,8 @@ class _ForwardUse:
     first_wait: tuple[int, ...]
     """The params the forward waits for first (`ForwardOverlap.first_wait`, without
     prefetches set by hand)."""
+    param_names: tuple[str, ...]
+    """By index."""
 
 
 def _forward_use(
@@ -995,12 +1009,14 @@ def _forward_use(
         ranked = {id(unit): k for k, unit in enumerate(as_params)}
         return tuple(units[ranked[id(unit)]] for unit in in_forward_order(as_params, owners))
 
+    name_of = {p: name for name, p in module.named_parameters()}
+    names = tuple(name_of[p] for p in params)
     index = {p: i for i, p in enumerate(params)}
     for owner, _ in owners:
         first = tuple(index[p] for p in waited_params(owner, is_unit) if p in index)
         if first:
-            return _ForwardUse(order, first)
-    return _ForwardUse(order, ())
+            return _ForwardUse(order, first, names)
+    return _ForwardUse(order, (), names)
 
 
 # Ranks with the same shard shapes get the same chunks; 64 ranks plan in well under a second.

@@ -160,6 +160,46 @@ def rank_dict(rank: RankEstimate) -> dict[str, Any]:
     }
 
 
+def chunk_rows(model: ModelEstimate) -> list[dict[str, Any]]:
+    """The offloaded step's chunks on the rank whose step peaks highest with offload, in
+    step order: where each lives (GPU-resident, a ring slot or an extra slot), whether the
+    backward loads it, its rank-invariant state bytes and its params."""
+    rank = model.largest_peak(offload=True)
+    schedule, staged = rank.offload_schedule, rank.offload_schedule.staged
+    loaded = set(staged[: schedule.backward_loads])
+    rows = []
+    for c, (chunk, slot) in enumerate(zip(rank.offload_plan.chunks, schedule.slots, strict=True)):
+        where = "resident" if slot < 0 else "ring" if slot < schedule.ring_slots else "extra"
+        rows.append(
+            {
+                "rank": rank.rank,
+                "chunk": c,
+                "where": where,
+                "slot": slot,
+                "backward": c in loaded,
+                "invariant_bytes": chunk.invariant_bytes,
+                "params": [model.param_names[i] for i in chunk.params],
+            }
+        )
+    return rows
+
+
+def print_chunks(rows: Sequence[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print(f"offloaded chunks of rank {rows[0]['rank']}, in step order (MiB: rank-invariant state)")
+    print(f"{'chunk':>5} {'where':<9} {'bwd':<4} {'MiB':>8}  params")
+    for row in rows:
+        where = row["where"] + ("" if row["slot"] < 0 else f" {row['slot']}")
+        names = row["params"]
+        shown = ", ".join(names[:2]) + (f" (+{len(names) - 2})" if len(names) > 2 else "")
+        print(
+            f"{row['chunk']:>5} {where:<9} {'yes' if row['backward'] else '':<4} "
+            f"{_mib(row['invariant_bytes']):>8}  {shown}"
+        )
+    print()
+
+
 def print_replica_owners(model: ModelEstimate, figures: Sequence[ReplicaOwnersFigures]) -> None:
     chosen = sum(b.spread for b in model.plan(0).buckets)
     print(
@@ -416,6 +456,11 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "--time-limit-s", type=float, default=DEFAULT_TIME_LIMIT_S,
         help="refuse a mesh that does not plan within this many seconds",
     )  # fmt: skip
+    p.add_argument(
+        "--chunks", action="store_true",
+        help="with --offload: list the offloaded step's chunks (where each lives, whether the "
+        "backward loads it, its params) on the rank whose step peaks highest",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -497,13 +542,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures = ()
     if model.mesh.replicate > 1:
         figures = compare_replica_owners(model_shapes(args), model.mesh, model.settings)
+    chunks = chunk_rows(model) if args.chunks else []
     if args.json:
         out = {"summary": summary(model), "buckets": rows}
         if figures:
             out["replica_owners"] = [asdict(f) for f in figures]
+        if args.chunks:
+            out["offload_chunks"] = chunks
         print(json.dumps(out, indent=1))
     else:
         print_plan(model, rows)
+        print_chunks(chunks)
         if figures:
             print_replica_owners(model, figures)
     return 0

@@ -308,6 +308,38 @@ def test_cli_json_sweep_config(tmp_path, capsys):
     assert main(["--preset", "qwen3-8b", "--fsdp", "6", "--ep", "4"]) == 2
 
 
+def test_cli_lists_the_offloaded_chunks_the_estimate_plans(tmp_path, capsys):
+    """`--chunks`: the chunks of the rank whose offloaded step peaks highest, in step order
+    (checked against the wrapper in the `overlapped` tests), each param once, the first
+    `backward_loads` staged chunks loaded in the backward."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_DENSE))
+    flags = ["--config", str(config), "--fsdp", "2", "--offload", "--offload-overlap-forward"]
+    chunk = 2048  # bytes, a whole number of MiB / 2**9: exact through the flag
+    flags += ["--offload-chunk-mib", str(chunk / 2**20), "--offload-slots", "2"]
+    assert main([*flags, "--chunks", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["offload_chunks"]
+    shapes = from_config(TINY_DENSE)
+    settings = StepSettings(
+        offload_chunk_bytes=chunk,
+        offload_slots=2,
+        offload_overlap_forward=True,
+        offload_backward_load_bytes=None,  # the wrapper's default, as the CLI's
+    )
+    model = estimate(shapes, MeshSpec(2), settings, fsdp_modules=fsdp_modules(shapes, "per-layer"))
+    top = model.largest_peak(offload=True)
+    chunks, schedule = top.offload_plan.chunks, top.offload_schedule
+    assert {r["rank"] for r in rows} == {top.rank} and len(rows) == len(chunks) > 2
+    assert [r["params"] for r in rows] == [[model.param_names[i] for i in c.params] for c in chunks]
+    names = [name for r in rows for name in r["params"]]
+    assert sorted(names) == sorted(model.param_names)  # each param once
+    assert "model.embed_tokens.weight" in rows[0]["params"]  # the root unit: read first
+    assert sum(r["backward"] for r in rows) == schedule.backward_loads >= 2  # the default's
+    assert [r["where"] for r in rows] == ["ring"] * len(rows)
+    assert main([*flags, "--chunks"]) == 0
+    assert "offloaded chunks of rank" in capsys.readouterr().out
+
+
 # -- the optimizer builds the same plan (gloo, world sizes 1..4) -----------------------------------
 
 
