@@ -272,6 +272,12 @@ def _fsdp_worker(rank: int, world: int) -> None:
     _train(model, overlapped, data, after_step=lambda m, o: depths.append(-1))
     assert depths == [0, -1, 1, -1, 0, -1]
 
+    # compiled: Dynamo meets the mode in the traced forward only, and the result is exact
+    plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert _train(plain_model, plain, data) == _train(compiled, overlapped, data)
+    _assert_same_local(plain_model, plain, model, overlapped)
+
     # model.state_dict() and load_state_dict() while a step is pending
     plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
     good = {k: v.detach().clone() for k, v in plain_model.state_dict().items()}
