@@ -215,11 +215,21 @@ def _fsdp(model: nn.Module, mesh) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _fsdp_pair(make_model, mesh, **options):
+def _fsdp_children(model: nn.Module, mesh) -> nn.Module:
+    """Every child with params its own FSDP2 unit, none at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in (model.embed, *model.body, model.head):
+        if any(True for _ in module.parameters()):
+            fully_shard(module, mesh=mesh)
+    return model
+
+
+def _fsdp_pair(make_model, mesh, shard=_fsdp, **options):
     torch.manual_seed(0)
     model = make_model()
-    plain_model = _fsdp(copy.deepcopy(model), mesh)
-    model = _fsdp(model, mesh)
+    plain_model = shard(copy.deepcopy(model), mesh)
+    model = shard(model, mesh)
     plain = CPUOffloadOptimizer(torch.optim.AdamW(plain_model.parameters(), lr=1e-2), chunk_bytes=1)
     overlapped = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -260,6 +270,12 @@ def _fsdp_worker(rank: int, world: int) -> None:
         pair = _fsdp_pair(make_model, mesh)
         assert _train(*pair[:2], data) == _train(*pair[2:], data), make_model.__name__
         _assert_same_local(*pair)
+
+    # with no unit at the root, the root's read comes before any owner's hook: the
+    # forward's start waits for it
+    pair = _fsdp_pair(BodyNormInRoot, mesh, shard=_fsdp_children)
+    assert _train(*pair[:2], data) == _train(*pair[2:], data)
+    _assert_same_local(*pair)
 
     # FSDP2 units hold every param: the forward reads only all-gathered copies, and the
     # pending-read mode is off the stack inside it (nothing for torch.compile to trace)
