@@ -165,8 +165,8 @@ def chunk_rows(model: ModelEstimate) -> list[dict[str, Any]]:
     step order: where each lives (GPU-resident, a ring slot or an extra slot), whether the
     backward loads it, its rank-invariant state bytes and its params."""
     rank = model.largest_peak(offload=True)
-    schedule, staged = rank.offload_schedule, rank.offload_schedule.staged
-    loaded = set(staged[: schedule.backward_loads])
+    schedule = rank.offload_schedule
+    loaded = set(schedule.loaded_in_backward)
     rows = []
     for c, (chunk, slot) in enumerate(zip(rank.offload_plan.chunks, schedule.slots, strict=True)):
         where = "resident" if slot < 0 else "ring" if slot < schedule.ring_slots else "extra"

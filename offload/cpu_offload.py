@@ -931,7 +931,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ):
             return
         schedule = self._schedule
-        staged = [self._chunks[c] for c in schedule.staged[: schedule.backward_loads]]
+        staged = [self._chunks[c] for c in schedule.loaded_in_backward]
         loaded = len(self._loaded_ahead)
         share = backward_load_share(len(staged), passed, watched)
         if share <= loaded:

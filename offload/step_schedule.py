@@ -133,6 +133,11 @@ class StepSchedule:
         return tuple(c for c, slot in enumerate(self.slots) if slot >= 0)
 
     @property
+    def loaded_in_backward(self) -> tuple[int, ...]:
+        """The chunks the backward loads: the first `backward_loads` staged ones."""
+        return self.staged[: self.backward_loads]
+
+    @property
     def extra_slots(self) -> int:
         return sum(slot >= self.ring_slots for slot in self.slots)
 
