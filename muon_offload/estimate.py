@@ -94,8 +94,7 @@ from offload.forward_overlap import (
 from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
 from offload.step_schedule import (
     StepSchedule,
-    backward_load_count,
-    first_wait_load_count,
+    chosen_backward_loads,
     plan_step,
 )
 
@@ -1097,18 +1096,14 @@ def _rank(
     )
     staged = [not chunk.resident for chunk in offload.chunks]
     backward_loads = 0
-    if first_wait:
-        backward_loads = first_wait_load_count(
+    if backward:
+        backward_loads = chosen_backward_loads(
             [chunk.params for chunk in offload.chunks],  # Muon's step does not slice
+            [chunk.invariant_bytes for chunk in offload.chunks],
             staged,
-            forward_use.first_wait,
             settings.offload_slots,
-        )
-    elif backward:
-        backward_loads = backward_load_count(
-            [c.invariant_bytes for c in offload.chunks if not c.resident],
-            settings.offload_slots,
-            load_bytes,
+            first_wait=forward_use.first_wait if first_wait else None,
+            budget=load_bytes,
         )
     schedule = plan_step(staged, settings.offload_slots, backward_loads, overlap=overlap)
     unit_of = {param: u for u, unit in enumerate(units) for param in unit}

@@ -43,9 +43,8 @@ from offload.residency import ResidencyChoice, Split, StepTimer
 from offload.state_estimate import dry_run_state_bytes
 from offload.step_schedule import (
     StepSchedule,
-    backward_load_count,
     backward_load_share,
-    first_wait_load_count,
+    chosen_backward_loads,
     plan_step,
 )
 from offload.streams import CopyStreams
@@ -1057,10 +1056,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None and (
             split.backward_load_bytes > 0 or self._insist_on_backward_loads
         ):
-            loads = backward_load_count(
-                [c.invariant_bytes for c in plan.chunks if not c.resident],
+            loads = chosen_backward_loads(
+                [(*c.params, *(s.param for s in c.slices)) for c in plan.chunks],
+                [c.invariant_bytes for c in plan.chunks],
+                staged,
                 self.staging_slots,
-                split.backward_load_bytes or None,
+                first_wait=None,  # "auto" chooses bytes
+                budget=split.backward_load_bytes or None,
             )
         schedule = plan_step(staged, self.staging_slots, loads, overlap=self._overlap is not None)
         return plan.held_bytes(schedule.slots, self.staging_slots)
@@ -1243,20 +1245,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         staging_numel = {dtype: self.staging_slots * n for dtype, n in plan.slot_numel.items()}
         staged = [c for c in plan.chunks if not c.resident]
         loads = 0
-        if ring and self._load_first_wait:
-            index = {p: i for i, p in enumerate(self._params)}
-            first = [index[p] for p in self._overlap.first_wait(index)]
-            loads = first_wait_load_count(
+        if ring and self._load_in_backward:
+            first = None
+            if self._load_first_wait:
+                index = {p: i for i, p in enumerate(self._params)}
+                first = [index[p] for p in self._overlap.first_wait(index)]
+            loads = chosen_backward_loads(
                 [(*c.params, *(s.param for s in c.slices)) for c in plan.chunks],
+                [c.invariant_bytes for c in plan.chunks],
                 [not c.resident for c in plan.chunks],
-                first,
                 self.staging_slots,
+                first_wait=first,
+                budget=self.backward_load_bytes,
             )
-            self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
-        elif ring and self._load_in_backward:
-            loads = backward_load_count(
-                [c.invariant_bytes for c in staged], self.staging_slots, self.backward_load_bytes
-            )
+            if self._load_first_wait:
+                self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
         schedule = plan_step(
             [not c.resident for c in plan.chunks],
             self.staging_slots,

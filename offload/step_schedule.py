@@ -91,6 +91,28 @@ def first_wait_load_count(
     return max(min(ring_slots, sum(staged)), through)
 
 
+def chosen_backward_loads(
+    chunk_params: Sequence[Collection[int]],
+    chunk_bytes: Sequence[int],
+    staged: Sequence[bool],
+    ring_slots: int,
+    *,
+    first_wait: Collection[int] | None,
+    budget: int | None,
+) -> int:
+    """How many of the step's first staged chunks a backward that loads chunks loads, by
+    the rule its options pick: with `first_wait` (forward overlap's default: the params,
+    by index, the next forward waits for first) the chunks holding them
+    (`first_wait_load_count`), else `budget` bytes of them (None: the ring's;
+    `backward_load_count`). Per chunk in step order: `chunk_params` (by index, slices'
+    params too), `chunk_bytes` (rank-invariant), `staged` (not resident). The wrapper
+    and the planner both ask here, so what one runs the other prints."""
+    if first_wait is not None:
+        return first_wait_load_count(chunk_params, staged, first_wait, ring_slots)
+    sizes = [size for size, is_staged in zip(chunk_bytes, staged, strict=True) if is_staged]
+    return backward_load_count(sizes, ring_slots, budget)
+
+
 def staging_slot_order(staged: int, ring_slots: int, backward_loads: int) -> list[int]:
     """Each staged chunk's staging slot, in step order.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from offload.cpu_offload import invariant_numel
 from offload.numa import bound_to_node, numa_nodes, parse_cpulist, pci_numa_node
 from offload.step_schedule import (
     backward_load_count,
+    chosen_backward_loads,
     first_wait_load_count,
     plan_step,
     staging_slot_order,
@@ -310,6 +313,19 @@ def test_the_backward_loads_the_staged_chunks_the_forward_first_waits_for():
     resident_root = [False, False, False, True, True, True, True]
     assert first_wait_load_count(chunks, resident_root, [0], ring_slots=2) == 2
     assert first_wait_load_count(chunks, resident_root, [0, 3], ring_slots=2) == 4
+
+
+def test_the_backward_load_rule_is_the_first_wait_with_it_else_the_budget():
+    # A resident chunk, then four staged: its bytes count for neither rule.
+    chunks = [(0,), (1,), (2,), (3,), (4,)]
+    sizes = [500, 100, 100, 80, 100]
+    staged = [False, True, True, True, True]
+    pick = functools.partial(chosen_backward_loads, chunks, sizes, staged, 2)
+    assert pick(first_wait=[3], budget=10**9) == 3  # the budget does not apply
+    assert pick(first_wait=[], budget=None) == 2  # the ring's
+    assert pick(first_wait=None, budget=None) == 2
+    assert pick(first_wait=None, budget=280) == 3
+    assert pick(first_wait=None, budget=10**9) == 4
 
 
 def test_extra_slots_follow_the_ring_then_the_ring_turns_again():
