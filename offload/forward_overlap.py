@@ -211,7 +211,7 @@ class ForwardOverlap:
         that forward ran on an input needing grad (once the grad of that input is computed),
         with (how many of them the backward has passed, how many there are)."""
         self._watch_inputs = False  # in the first forward after a step
-        self._watched: list[Tensor] = []  # owner modules' inputs, in forward order
+        self._watch = _Watch()  # that forward's hooks on its owner modules' inputs
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
         self._param_chunk: dict[Tensor, int] = {}  # the chunk each param's update lands with
         self._up_front = -1  # the last chunk enqueued when `start` returns
@@ -227,7 +227,7 @@ class ForwardOverlap:
         self._remove_hooks()
         self._pending = None
         self._in_flight = False
-        self._watch_inputs, self._watched = False, []
+        self._watch_inputs, self._watch = False, _Watch()
 
     def first_wait(self, params: Collection[Tensor]) -> list[Tensor]:
         """Of `params`, those the next forward waits for first: the first owner module's
@@ -352,7 +352,12 @@ class ForwardOverlap:
         if self._watch_inputs:
             watched = _first_grad_tensor((*args, *kwargs.values()))
             if watched is not None:
-                self._watched.append(watched)
+                # Hooked now, not held: inside a checkpointed block the input is freed as
+                # the forward goes on (holding every owner's input to the forward's end
+                # kept a plain Llama's checkpointed activations alive).
+                watch = self._watch
+                watched.register_hook(_backward_reached_hook(weakref.ref(self), watch))
+                watch.hooked += 1
         if not self._in_flight or not self._module_chunk:
             return
         indices = self._gathered_with(index)
@@ -398,16 +403,12 @@ class ForwardOverlap:
         self._tracing = False
         if self._in_flight:
             self.finish()
-        if self._watched:
+        if self._watch.hooked:
             # Activation checkpointing reruns modules in the backward: watch this forward
             # only (a forward without grads, e.g. an evaluation, leaves the next one to it).
             self._watch_inputs = False
-            watched, self._watched = self._watched, []
-            for index, tensor in enumerate(watched):  # the backward passes them last first
-                passed = len(watched) - index
-                tensor.register_hook(
-                    _backward_reached_hook(weakref.ref(self), passed, len(watched))
-                )
+            self._watch.complete = True
+            self._watch = _Watch()
 
 
 class _PendingReads(TorchFunctionMode):
@@ -583,13 +584,24 @@ def _first_grad_tensor(values: Iterable[Any]) -> Tensor | None:
     return None
 
 
+class _Watch:
+    """One forward's hooks on its owner modules' inputs: how many, and whether that
+    forward ran to its end (a hook of one that raised midway reports nothing)."""
+
+    def __init__(self) -> None:
+        self.hooked = 0
+        self.complete = False
+
+
 def _backward_reached_hook(
-    overlap: weakref.ref[ForwardOverlap], passed: int, watched: int
+    overlap: weakref.ref[ForwardOverlap], watch: _Watch
 ) -> Callable[[Tensor], None]:
+    index = watch.hooked  # in forward order: the backward passes them last first
+
     def hook(grad: Tensor) -> None:
         target = overlap()
-        if target is not None and target.backward_reached is not None:
-            target.backward_reached(passed, watched)
+        if watch.complete and target is not None and target.backward_reached is not None:
+            target.backward_reached(watch.hooked - index, watch.hooked)
 
     return hook
 

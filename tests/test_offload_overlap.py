@@ -431,6 +431,40 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
     assert_params_and_state_equal(plain_model, plain, model, opt)
 
 
+def test_the_backwards_watch_keeps_no_activation_a_checkpointed_forward_frees():
+    """The backward's loads are paced by hooks on owner modules' inputs: inside a
+    checkpointed block those inputs are freed as the forward goes on, and the overlap
+    must not hold them until its end (on the H200 a plain Llama's overlapped forward
+    then held every checkpointed layer's activations: 4.9 GiB more at batch 4)."""
+    torch.manual_seed(0)
+    blocks = [
+        _Checkpointed(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        for _ in range(3)
+    ]
+    model = torch.nn.Sequential(torch.nn.Embedding(40, 16), *blocks, torch.nn.Linear(16, 5))
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=2048, overlap_forward=model
+    )
+    inner_inputs: list[weakref.ref] = []  # each block's second Linear's input: not saved
+    alive_at_the_head: list[int] = []
+    for block in blocks:
+        block.inner[2].register_forward_pre_hook(
+            lambda _, args: inner_inputs.append(weakref.ref(args[0]))
+        )
+    model[-1].register_forward_pre_hook(
+        lambda *_: alive_at_the_head.append(sum(r() is not None for r in inner_inputs))
+    )
+    data = batches(3)
+    run(model, opt, data[:2])  # the forward after a step watches its owners' inputs
+    assert opt.chunks_loaded_in_backward > 0
+    inner_inputs.clear()
+    alive_at_the_head.clear()
+    model(data[2]).square().mean().backward()
+    assert len(inner_inputs) == 6  # the forward's 3, and the backward's reruns
+    assert alive_at_the_head == [0]
+    assert opt.chunks_loaded_in_backward > 0  # and the watch still paced the loads
+
+
 class _CountedState(collections.defaultdict):
     """An optimizer's state (a defaultdict of dicts) that counts its `get` calls."""
 
