@@ -43,7 +43,8 @@ Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
   step on the host);
 - plain/none, plain/offload+overlap, plain/torchao: the model as a plain module
   (no FSDP), bf16 autocast, fused AdamW: on the GPU, in our CPUOffloadOptimizer,
-  or in torchao's `CPUOffloadOptimizer` (when torchao is importable).
+  or in torchao's `CPUOffloadOptimizer` (when torchao is importable);
+  plain/offload+overlap+bwd=BYTES: ours with that much state loaded in the backward.
 
 Each arm runs in its own process (a fresh model, optimizer and allocator, and its
 own peak memory): warmup steps, then a window of `--steps` steps with the device
@@ -98,7 +99,7 @@ MODELS = ("tiny", "llama-0.85b", *hf_llama.PRESETS)
 OPTIMIZERS = ("adamw", "muon")
 ARMS = ("none", "offload", "offload+overlap", "offload+overlap+bwd", "fsdp_cpu_offload")
 OVERLAP_ARMS = ("offload+overlap", "offload+overlap+bwd")  # may keep resident state (@BYTES)
-PLAIN_ARMS = ("none", "offload+overlap", "torchao")
+PLAIN_ARMS = ("none", "offload+overlap", "offload+overlap+bwd", "torchao")
 GiB = 2**30
 UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 RESIDENT_FIELD = "offload_gpu_resident_bytes"
@@ -120,9 +121,9 @@ class Arm:
 
     @property
     def name(self) -> str:
-        if self.plain:
-            return f"plain/{self.mode}"
         loads = "" if self.backward_load is None else f"={bytes_text(self.backward_load)}"
+        if self.plain:
+            return f"plain/{self.mode}{loads}"
         suffix = "" if self.resident is None else f"@{bytes_text(self.resident)}"
         return f"{self.optimizer}/{self.mode}{loads}{suffix}"
 
@@ -157,9 +158,16 @@ def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) 
             continue
         prefix, _, arm = item.rpartition("/")
         if prefix == "plain":
-            if arm not in PLAIN_ARMS:
-                raise SystemExit(f"unknown arm {item!r}: plain/ARM with ARM in {PLAIN_ARMS}")
-            chosen.append(Arm("adamw", arm, plain=True))
+            mode, _, loads = arm.partition("=")
+            if mode not in PLAIN_ARMS or (mode == "offload+overlap+bwd") != bool(loads):
+                raise SystemExit(
+                    f"unknown arm {item!r}: plain/ARM with ARM in {PLAIN_ARMS}, "
+                    "offload+overlap+bwd=BYTES"
+                )
+            backward_load = parse_bytes(loads) if loads else None
+            if backward_load == "auto":
+                raise SystemExit(f"arm {item!r}: backward load bytes are a number, not auto")
+            chosen.append(Arm("adamw", mode, plain=True, backward_load=backward_load))
             continue
         mode, _, resident = arm.partition("@")
         mode, _, loads = mode.partition("=")
@@ -348,6 +356,8 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         if arm.mode == "none":
             return adamw
         chunking = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
+        if arm.backward_load is not None:
+            chunking["load_in_backward"] = arm.backward_load
         return CPUOffloadOptimizer(adamw, overlap_forward=model, **chunking)
     extra = {} if arm.resident is None else {RESIDENT_FIELD: arm.resident}
     config = OptimizerConfig(

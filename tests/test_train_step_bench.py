@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.train_step import _storage_bytes, device_state_tensors
+from bench.train_step import _storage_bytes, device_state_tensors, selected_arms
 
 
 class _NoStateOptimizer:
@@ -94,3 +94,15 @@ def test_the_host_profile_names_the_offloaded_steps_own_functions(tmp_path, caps
     assert (tmp_path / "host.adamw-offload-overlap.host.txt").read_text().count("function calls")
     assert "host ms a step under cProfile, adamw/offload+overlap" in capsys.readouterr().out
     assert len(run["host_profile"]) <= HOST_PROFILE_TOP
+
+
+def test_a_plain_arm_can_load_state_in_the_backward_and_names_its_bytes():
+    arms = selected_arms("plain/offload+overlap,plain/offload+overlap+bwd=2GiB", [], "")
+    assert [(a.mode, a.backward_load) for a in arms] == [
+        ("offload+overlap", None),
+        ("offload+overlap+bwd", 2 * 2**30),
+    ]
+    assert [a.name for a in arms] == ["plain/offload+overlap", "plain/offload+overlap+bwd=2GiB"]
+    for bad in ("plain/offload+overlap+bwd", "plain/offload+overlap=2GiB", "plain/offload"):
+        with pytest.raises(SystemExit, match="unknown arm"):
+            selected_arms(bad, [], "")
