@@ -22,7 +22,7 @@ import math
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -786,8 +786,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             elif op == "write_back":
                 self._write_back(chunk, compute)
             else:
-                self._step_chunk(subset, c, compute, loaded.get(c, False), had_state, timed)
+                self._step_chunks(subset, [c], compute, loaded, had_state, timed)
 
+        # The chunks ready at the start (resident, or loaded in the backward; loaded here
+        # if it did not, e.g. on the first step) update first, a few calls for all of them.
+        for c in schedule.ready:
+            if self._chunks[c].slot >= 0:
+                run("load", c)
+        for cs in self._update_groups(schedule.ready, had_state):
+            self._step_chunks(subset, cs, compute, loaded, had_state, timed)
         for op in schedule.prologue:
             run(*op)
         for ops in schedule.per_chunk:
@@ -803,41 +810,68 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._ring is not None:
             self._ring.release([streams.h2d, streams.d2h, compute])
 
-    def _step_chunk(
+    def _update_groups(self, cs: Sequence[int], had_state: set[Tensor]) -> list[list[int]]:
+        """Chunks `cs` (in order) cut into runs that can update in one call: a param's
+        state is staged one chunk at a time (its entry points at that chunk's slice), so a
+        run holds each param once; and while the step creates state, one chunk a run (a
+        sliced param's slices each create their own, adopted after their call)."""
+        groups: list[list[int]] = []
+        seen: set[Tensor] = set()
+        for c in cs:
+            touched = self._chunks[c].touched
+            creates = not all(p in had_state for p in touched)
+            if not groups or creates or any(p in seen for p in touched):
+                groups.append([])
+                seen = set()
+            groups[-1].append(c)
+            seen.update(touched)
+            if creates:
+                seen = set(self._params)  # nothing joins a run that creates state
+        return groups
+
+    def _step_chunks(
         self,
         subset: SubsetStep,
-        c: int,
+        cs: Sequence[int],
         compute: torch.Stream | None,
-        loaded: bool,
+        loaded: Mapping[int, bool],
         had_state: set[Tensor],
         timed: bool,
     ) -> None:
-        """Enqueue chunk `c`'s update on `compute`, from its staging slot (or resident home)."""
-        streams, state, chunk = self._streams, self.optimizer.state, self._chunks[c]
-        if chunk.slot >= 0:
-            # A loaded slot was freed before its load; an unloaded one (state not created
-            # yet) must still wait for its last write-back before the step creates state
-            # into it.
-            ready = streams.loaded if loaded else streams.freed
-            streams.wait(compute, ready[chunk.slot])
-        for view in chunk.views:
-            if view.param in had_state:
-                state[view.param][view.key] = view.staging_state
+        """Enqueue chunks `cs`'s update on `compute`, as one update (their params and
+        slices in one call: elementwise, so the same bits as one call each), from their
+        staging slots (or resident homes)."""
+        streams, state = self._streams, self.optimizer.state
+        chunks = [self._chunks[c] for c in cs]
+        for chunk, c in zip(chunks, cs, strict=True):
+            if chunk.slot >= 0:
+                # A loaded slot was freed before its load; an unloaded one (state not
+                # created yet) must still wait for its last write-back before the step
+                # creates state into it.
+                ready = streams.loaded if loaded.get(c, False) else streams.freed
+                streams.wait(compute, ready[chunk.slot])
+            for view in chunk.views:
+                if view.param in had_state:
+                    state[view.param][view.key] = view.staging_state
+        params = [p for chunk in chunks for p in chunk.params]
+        slices = [s for chunk in chunks for s in chunk.slices]
         with streams.on(compute):
-            if chunk.slices:
-                subset.step_slices(chunk.params, chunk.slices)
+            if slices:
+                subset.step_slices(params, slices)
             else:
-                subset.step_params(chunk.params)
-            self._adopt_new_state(chunk, had_state)
-        if self._overlap is not None:
-            streams.record(self._overlap.chunk_done[c], compute)
-        if timed:
-            self._auto.timer.chunk_done(compute)
-        if chunk.slot >= 0:
-            streams.record(streams.stepped[chunk.slot], compute)
-        for view in chunk.views:
-            if state.get(view.param):
-                state[view.param][view.key] = view.home.home_state
+                subset.step_params(params)
+            for chunk in chunks:
+                self._adopt_new_state(chunk, had_state)
+        for chunk, c in zip(chunks, cs, strict=True):
+            if self._overlap is not None:
+                streams.record(self._overlap.chunk_done[c], compute)
+            if timed:
+                self._auto.timer.chunk_done(compute)
+            if chunk.slot >= 0:
+                streams.record(streams.stepped[chunk.slot], compute)
+            for view in chunk.views:
+                if state.get(view.param):
+                    state[view.param][view.key] = view.home.home_state
 
     def _interruptible(
         self, chunks: Iterator[None], compute: torch.Stream | None = None

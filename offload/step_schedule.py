@@ -9,6 +9,9 @@ write-back is done. The schedule says:
 - which slot each staged chunk takes: the ring's `ring_slots` in turn, except the
   chunks the backward loads beyond what the ring holds, which take an extra slot each
   (`staging_slot_order`);
+- which leading chunks are ready when the step starts (resident, or loaded in the
+  backward): their updates are enqueued first, as one update (`ready`), so the host
+  pays one call's overhead for them instead of one per chunk;
 - in which order the copies and updates are enqueued: the first `ring_slots - 1`
   loads up front, then per chunk the load `ring_slots - 1` staged chunks ahead, its
   update, its write-back; with forward overlap the extra slots' write-backs go last
@@ -16,22 +19,27 @@ write-back is done. The schedule says:
   write-backs, and the copy engine runs copies in the order they were enqueued);
 - with forward overlap, how far ahead of the forward the chunks are enqueued:
   `UP_FRONT_RINGS` rings' worth when `step()` returns, then `ring_slots` beyond the
-  chunk the forward needs, counted in chunks, resident ones too. So with a resident
-  prefix, the staged chunks behind it are enqueued only once the forward nears them;
-  counting staged chunks instead would have `step()` enqueue every resident update on
-  the host first (the chunks run in step order).
+  chunk the forward needs, counted in chunks, ready ones too (what is left of theirs
+  is copies).
 
 Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
 
     >>> s = plan_step([False, False] + [True] * 6, ring_slots=3, backward_loads=4, overlap=True)
     >>> s.slots
     (-1, -1, 3, 0, 1, 2, 0, 1)
+    >>> s.ready
+    (0, 1, 2, 3, 4, 5)
+    >>> s.per_chunk[4]  # chunk 4's ops: the load 2 staged chunks ahead, its write-back
+    (('load', 6), ('write_back', 4))
+    >>> s.per_chunk[6]
+    (('step', 6), ('write_back', 6))
     >>> s.describe()
     '8 chunks: 2 resident, 6 staged in a ring of 3 slots and 1 extra; the backward loads 4'
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -137,6 +145,10 @@ class StepSchedule:
     ring_slots: int
     backward_loads: int
     """The first staged chunks the backward of the forward after a step loads."""
+    ready: tuple[int, ...]
+    """The leading chunks whose state is on the GPU when the step starts: the resident
+    ones and those the backward loads (the executor loads any the backward did not, e.g.
+    on the first step). Updated first, together; no op below loads or updates them."""
     prologue: tuple[Op, ...]
     """Enqueued before the first chunk: the first loads."""
     per_chunk: tuple[tuple[Op, ...], ...]
@@ -192,18 +204,21 @@ def plan_step(
     order = staging_slot_order(len(staged_chunks), ring_slots, backward_loads)
     slot_of = dict(zip(staged_chunks, order, strict=True))
     slots = tuple(slot_of.get(c, -1) for c in range(len(staged)))
+    on_gpu = set(staged_chunks[:backward_loads]) | {c for c, s in enumerate(staged) if not s}
+    ready = tuple(itertools.takewhile(on_gpu.__contains__, range(len(staged))))
     ahead = ring_slots - 1  # loads in flight ahead of the update (0: load, then update)
-    prologue: tuple[Op, ...] = tuple(("load", c) for c in staged_chunks[:ahead])
+    prologue: tuple[Op, ...] = tuple(("load", c) for c in staged_chunks[:ahead] if c not in ready)
     per_chunk: list[tuple[Op, ...]] = []
     held: list[Op] = []
     next_load = ahead
     for c in range(len(staged)):
         ops: list[Op] = []
         if slots[c] >= 0:
-            if next_load < len(staged_chunks):
+            if next_load < len(staged_chunks) and staged_chunks[next_load] not in ready:
                 ops.append(("load", staged_chunks[next_load]))
             next_load += 1
-        ops.append(("step", c))
+        if c not in ready:
+            ops.append(("step", c))
         if slots[c] >= 0:
             write_back: Op = ("write_back", c)
             if overlap and slots[c] >= ring_slots:
@@ -220,6 +235,7 @@ def plan_step(
         slots=slots,
         ring_slots=ring_slots,
         backward_loads=backward_loads,
+        ready=ready,
         prologue=prologue,
         per_chunk=tuple(per_chunk),
         epilogue=tuple(held),

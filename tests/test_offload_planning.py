@@ -355,7 +355,8 @@ def test_chunks_fill_up_to_the_largest_staged_unit_that_cannot_be_cut():
 
 
 def _issue_order(schedule) -> list[tuple[str, int]]:
-    ops = list(schedule.prologue)
+    ops = [("step", c) for c in schedule.ready]  # as one update, first
+    ops += schedule.prologue
     for chunk_ops in schedule.per_chunk:
         ops += chunk_ops
     return ops + list(schedule.epilogue)
@@ -366,19 +367,32 @@ def test_plan_step_enqueues_loads_ahead_and_holds_back_the_extra_slots_write_bac
     schedule = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=4, overlap=True)
     assert schedule.slots == (-1, 3, 0, 1, 2, 0)
     assert schedule.staged == (1, 2, 3, 4, 5) and schedule.extra_slots == 1
+    # the resident chunk and the backward's 4 are ready: they update first, together
+    assert schedule.ready == (0, 1, 2, 3, 4)
     assert _issue_order(schedule) == [
-        ("load", 1), ("load", 2),  # ring_slots - 1 loads up front
-        ("step", 0),  # resident: no copies
-        ("load", 3), ("step", 1),  # its write-back (extra slot) is held to the end
+        ("step", 0), ("step", 1), ("step", 2), ("step", 3), ("step", 4),
+        # 1's write-back (extra slot) is held to the end
+        ("write_back", 2),
+        ("load", 5), ("write_back", 3),  # ring_slots - 1 staged chunks ahead
+        ("write_back", 4),
+        ("step", 5), ("write_back", 5),
+        ("write_back", 1),
+    ]  # fmt: skip
+    # without the backward's loads: the loads ring_slots - 1 staged chunks ahead
+    loading = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=0, overlap=True)
+    assert loading.ready == (0,)
+    assert _issue_order(loading) == [
+        ("step", 0),
+        ("load", 1), ("load", 2),
+        ("load", 3), ("step", 1), ("write_back", 1),
         ("load", 4), ("step", 2), ("write_back", 2),
         ("load", 5), ("step", 3), ("write_back", 3),
         ("step", 4), ("write_back", 4),
         ("step", 5), ("write_back", 5),
-        ("write_back", 1),
     ]  # fmt: skip
     # without overlap nothing is held back, and there is no look-ahead
     plain = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=4, overlap=False)
-    assert plain.per_chunk[1] == (("load", 3), ("step", 1), ("write_back", 1))
+    assert plain.per_chunk[5] == (("step", 5), ("write_back", 5))
     assert plain.epilogue == () and plain.ahead_of == ()
     # a ring of one: each chunk loads, then steps
     single = plan_step([True] * 3, ring_slots=1, backward_loads=0, overlap=False)
