@@ -577,9 +577,11 @@ def _touches_data(func: Callable[..., Any]) -> bool:
 
 
 def _first_grad_tensor(values: Iterable[Any]) -> Tensor | None:
-    """The first tensor in `values` that the backward computes a grad for, else None."""
+    """The first tensor in `values` that the backward computes a grad for, else None; not a
+    leaf (a param passed as an input): a hook on a leaf outlives the backward, and one a
+    step would pile up on it."""
     for value in values:
-        if isinstance(value, Tensor) and value.requires_grad:
+        if isinstance(value, Tensor) and value.requires_grad and value.grad_fn is not None:
             return value
     return None
 

@@ -465,6 +465,33 @@ def test_the_backwards_watch_keeps_no_activation_a_checkpointed_forward_frees():
     assert opt.chunks_loaded_in_backward > 0  # and the watch still paced the loads
 
 
+def test_the_backwards_watch_hooks_no_param_passed_as_an_input():
+    """A param given to an owner module as its input (not read as its own weight) is a
+    leaf: a hook on it stays after the backward, and the watch would add one a step."""
+
+    class TableThroughLinear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(10, 4))
+            self.linear, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.head(self.linear(self.table))[ids]
+
+    torch.manual_seed(0)
+    model = TableThroughLinear()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), chunk_bytes=64, overlap_forward=model
+    )
+    ids = torch.tensor([1, 4, 7])
+    for _ in range(4):
+        model(ids).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert not model.table._backward_hooks
+    assert opt.chunks_loaded_in_backward > 0  # the head's input still paces the loads
+
+
 class _CountedState(collections.defaultdict):
     """An optimizer's state (a defaultdict of dicts) that counts its `get` calls."""
 
