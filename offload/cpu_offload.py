@@ -909,7 +909,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._interrupted = (
             f"the last step() was interrupted by {type(error).__name__} after {stepped} of "
             f"{len(self._chunks)} chunks had stepped: their params and state are updated (and "
-            "perhaps some of the next chunk's), the others' not, and that cannot be finished "
+            "perhaps some of the later chunks'), the others' not, and that cannot be finished "
             "exactly. Restore the model and this optimizer from a checkpoint (load_state_dict "
             "clears this), or, to go on from here, close() this optimizer and wrap the inner "
             "one anew"
