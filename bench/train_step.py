@@ -468,6 +468,10 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
         # What the step planned (chunks, ring, the backward's loads) beside what it found.
         result["schedule"] = optimizer.schedule.describe()
+        result["forward_load_bytes"] = forward_load_bytes(optimizer)
+        result["forward_load_floor_ms"] = copy_floor_ms(
+            result["forward_load_bytes"], machine.get("both_gb_s")
+        )
         if optimizer.residency is not None:
             result["residency"] = dataclasses.asdict(optimizer.residency)
     if marks is not None:
@@ -491,6 +495,20 @@ def alloc_retries(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
+def forward_load_bytes(optimizer: CPUOffloadOptimizer) -> int:
+    """State bytes the forward after a step loads: the staged chunks the backward does not
+    load (rank-invariant bytes: this process's own on one GPU)."""
+    schedule, chunks = optimizer.schedule, optimizer.plan.chunks
+    in_backward = set(schedule.loaded_in_backward)
+    return sum(chunks[c].invariant_bytes for c in schedule.staged if c not in in_backward)
+
+
+def copy_floor_ms(size: int, both_gb_s: float | None) -> float | None:
+    """The least time `size` bytes take to load while as many write back (the link's rate
+    both ways at once, GB/s): the overlapped forward's floor. None without a measured link."""
+    return None if not both_gb_s else 1e3 * size / (both_gb_s * 1e9)
 
 
 def trace_path(json_path: Path, arm: Arm) -> Path:
@@ -724,7 +742,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{r.get('chunks_loaded_in_backward', '-'):>4} {r['timed_steps']:>6}"
         )
         if "schedule" in r:
-            print(f"{'':<{width}} {r['schedule']}")
+            loads = f"; the forward loads {r['forward_load_bytes'] / GiB:.2f} GiB"
+            if r.get("forward_load_floor_ms") is not None:
+                loads += f": >= {r['forward_load_floor_ms']:.1f} ms at the link's both-ways rate"
+            print(f"{'':<{width}} {r['schedule']}{loads}")
         if "residency" in r:
             c = r["residency"]
             print(
@@ -768,7 +789,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
         "window's ends); window: window / steps; returns: host ms until step() returns; "
         "vs none: against the same optimizer's none arm (plain arms: plain/none); kept: "
         "allocated after step() + zero_grad beyond params and device state; resident: MiB of "
-        "state kept on the GPU; bwd: chunks the last step found loaded in the backward"
+        "state kept on the GPU; bwd: chunks the last step found loaded in the backward; the "
+        "forward loads: what the forward after a step loads, and the least time that takes "
+        "while as much writes back"
     )
 
 

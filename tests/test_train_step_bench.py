@@ -106,3 +106,29 @@ def test_a_plain_arm_can_load_state_in_the_backward_and_names_its_bytes():
     for bad in ("plain/offload+overlap+bwd", "plain/offload+overlap=2GiB", "plain/offload"):
         with pytest.raises(SystemExit, match="unknown arm"):
             selected_arms(bad, [], "")
+
+
+def test_the_forward_loads_the_staged_chunks_the_backward_does_not_and_its_floor():
+    from bench.train_step import copy_floor_ms, forward_load_bytes
+    from offload import CPUOffloadOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    state = 8 * sum(p.numel() for p in model.parameters())  # AdamW: two fp32 tensors
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()),
+        chunk_bytes=state // 8,
+        staging_slots=2,
+        overlap_forward=model,
+        load_in_backward=state // 2,
+    )
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    opt.wait_for_optimizer_step()
+    chunks, loaded = opt.plan.chunks, set(opt.schedule.loaded_in_backward)
+    assert 0 < len(loaded) < len(chunks)
+    expected = sum(c.invariant_bytes for i, c in enumerate(chunks) if i not in loaded)
+    assert forward_load_bytes(opt) == expected
+    assert state // 2 - state // 8 <= expected <= state - state // 2
+    assert copy_floor_ms(48 * 10**9, 48.0) == 1000.0
+    assert copy_floor_ms(1, None) is None
