@@ -24,7 +24,7 @@ from muon_offload.estimate import MeshSpec, _split, estimate
 def one_rank_plan_seconds(preset: str, fsdp: int, ep: int, rank: int) -> tuple[float, MuonPlan]:
     """Seconds to build rank `rank`'s plan and lay out every exchange it runs, and the plan."""
     mesh = MeshSpec(fsdp, ep=ep)
-    muon, _ = _split(meta_module(from_preset(preset)), None)
+    muon, _, _ = _split(meta_module(from_preset(preset)), None)
     layouts = [mesh.layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
     start = time.perf_counter()
     plan = MuonPlan.build(layouts)

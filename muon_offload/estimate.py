@@ -566,19 +566,26 @@ def _memory(rank: RankEstimate, offload: bool) -> StepMemory:
 
 def _split(
     module: nn.Module, row_blocks: Mapping[str, Sequence[int]] | None
-) -> tuple[list[tuple[str, tuple[int, ...], tuple[int, ...], int]], list[tuple[int, tuple]]]:
-    """Muon params as (name, shape, row_blocks, group) in the optimizer's order, and the
-    AdamW params as (group, shape), as `muon_param_groups` groups them."""
+) -> tuple[
+    list[tuple[str, tuple[int, ...], tuple[int, ...], int]],
+    list[tuple[int, tuple]],
+    list[nn.Parameter],
+]:
+    """Muon params as (name, shape, row_blocks, group) in the optimizer's order, the
+    AdamW params as (group, shape), as `muon_param_groups` groups them, and the params
+    by index (the Muon ones, then the AdamW ones: `RankEstimate.units`' numbering)."""
     names = {id(p): name for name, p in module.named_parameters()}
-    muon, adamw = [], []
+    muon, adamw, muon_params, adamw_params = [], [], [], []
     for index, group in enumerate(muon_param_groups(module, row_blocks=row_blocks)):
         for p in group["params"]:
             if group.get("algorithm") == "adamw":
                 adamw.append((index, tuple(p.shape)))
+                adamw_params.append(p)
             else:
                 blocks = tuple(group.get("row_blocks") or ())
                 muon.append((names[id(p)], tuple(p.shape), blocks, index))
-    return muon, adamw
+                muon_params.append(p)
+    return muon, adamw, muon_params + adamw_params
 
 
 def launches_transient(
@@ -900,7 +907,7 @@ def compare_replica_owners(
     busiest owner gains: these totals over the step can favour spread more."""
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    muon, adamw = _split(module, row_blocks)
+    muon, adamw, _ = _split(module, row_blocks)
     steps = SCHEDULES[settings.ns_schedule].steps
     figures = []
     for choice in ("spread", "per_replica"):
@@ -942,12 +949,12 @@ def estimate(
     deadline = _Deadline(mesh, time_limit_s)
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    muon, adamw = _split(module, row_blocks)
+    muon, adamw, params = _split(module, row_blocks)
     plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
     picked = _representatives(screen)
     planned = []
-    forward_use = _forward_use(module, row_blocks, fsdp_modules)
+    forward_use = _forward_use(module, params, fsdp_modules)
     for rank in sorted({r for _, r in picked} | set(ranks)):
         deadline.check(f"planning rank {rank}")
         plan = plan_of(rank)
@@ -986,12 +993,10 @@ class _ForwardUse:
 
 
 def _forward_use(
-    module: nn.Module, row_blocks: Mapping[str, Sequence[int]] | None, fsdp_modules: Collection[str]
+    module: nn.Module, params: Sequence[nn.Parameter], fsdp_modules: Collection[str]
 ) -> _ForwardUse:
-    """`_ForwardUse` of `module` with the modules named in `fsdp_modules` as FSDP2 units."""
-    groups = muon_param_groups(module, row_blocks=row_blocks)
-    muon = [p for g in groups if g.get("algorithm") != "adamw" for p in g["params"]]
-    params = muon + [p for g in groups if g.get("algorithm") == "adamw" for p in g["params"]]
+    """`_ForwardUse` of `module` (its `params` by index, as `_split` numbers them) with the
+    modules named in `fsdp_modules` as FSDP2 units."""
     named = {m: name for name, m in module.named_modules()}
     unknown = set(fsdp_modules) - set(named.values())
     if unknown:
