@@ -254,6 +254,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="offload_chunk_bytes of the offload arms (e.g. 512MiB; default: the config's)",
     )
     parser.add_argument(
+        "--gpu-budget",
+        type=parse_bytes,
+        help="offload_gpu_budget_bytes of the @auto arms (e.g. 3.5GiB; default: the config's, "
+        "what the device has free)",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="also time each step's phases (bench.phases: device and host ms; one micro-batch)",
@@ -360,6 +366,8 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
             chunking["load_in_backward"] = arm.backward_load
         return CPUOffloadOptimizer(adamw, overlap_forward=model, **chunking)
     extra = {} if arm.resident is None else {RESIDENT_FIELD: arm.resident}
+    if arm.resident == "auto" and args.gpu_budget is not None:
+        extra["offload_gpu_budget_bytes"] = args.gpu_budget
     config = OptimizerConfig(
         type=arm.optimizer,
         lr=args.lr,

@@ -132,3 +132,16 @@ def test_the_forward_loads_the_staged_chunks_the_backward_does_not_and_its_floor
     assert state // 2 - state // 8 <= expected <= state - state // 2
     assert copy_floor_ms(48 * 10**9, 48.0) == 1000.0
     assert copy_floor_ms(1, None) is None
+
+
+def test_gpu_budget_bounds_the_auto_arms_only():
+    from bench.train_step import build_optimizer, parse_args
+
+    args = parse_args(["--gpu-budget", "3MiB", "--device", "cpu"])
+    assert args.gpu_budget == 3 * 2**20
+    for spec, budget in (("adamw/offload+overlap@auto", 3 * 2**20), ("adamw/offload", None)):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        (arm,) = selected_arms(spec, [], "")
+        opt = build_optimizer(arm, model, args)
+        assert opt.gpu_budget_bytes == budget
+        opt.close()
