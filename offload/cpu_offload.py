@@ -838,8 +838,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         had_state: set[Tensor],
         timed: bool,
     ) -> None:
-        """Enqueue chunks `cs`'s update on `compute`, as one update (their params and
-        slices in one call: elementwise, so the same bits as one call each), from their
+        """Enqueue chunks `cs`'s update on `compute` in one call of the subset step (it
+        updates each unit on its own: the same bits as one call a chunk), from their
         staging slots (or resident homes)."""
         streams, state = self._streams, self.optimizer.state
         chunks = [self._chunks[c] for c in cs]

@@ -10,8 +10,8 @@ write-back is done. The schedule says:
   chunks the backward loads beyond what the ring holds, which take an extra slot each
   (`staging_slot_order`);
 - which leading chunks are ready when the step starts (resident, or loaded in the
-  backward): their updates are enqueued first, as one update (`ready`), so the host
-  pays one call's overhead for them instead of one per chunk;
+  backward): their updates are enqueued first (`ready`), in as few optimizer calls as
+  their params allow, so the host pays a few calls' overhead for them, not one a chunk;
 - in which order the copies and updates are enqueued: the first `ring_slots - 1`
   loads up front, then per chunk the load `ring_slots - 1` staged chunks ahead, its
   update, its write-back; with forward overlap the extra slots' write-backs go last
@@ -148,7 +148,8 @@ class StepSchedule:
     ready: tuple[int, ...]
     """The leading chunks whose state is on the GPU when the step starts: the resident
     ones and those the backward loads (the executor loads any the backward did not, e.g.
-    on the first step). Updated first, together; no op below loads or updates them."""
+    on the first step). Updated first, in as few calls as their params allow; no op below
+    loads or updates them."""
     prologue: tuple[Op, ...]
     """Enqueued before the first chunk: the first loads."""
     per_chunk: tuple[tuple[Op, ...], ...]
