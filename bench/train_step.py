@@ -148,6 +148,14 @@ def parse_bytes(text: str) -> int | str:
     return int(float(match[1]) * UNITS[match[2] or ""])
 
 
+def _load_bytes(text: str, item: str) -> int | None:
+    """The bytes of arm `item`'s `+bwd=BYTES` (`text`), None without."""
+    loads = parse_bytes(text) if text else None
+    if loads == "auto":
+        raise SystemExit(f"arm {item!r}: backward load bytes are a number, not auto")
+    return loads
+
+
 def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) -> list[Arm]:
     """The arms `--arms`, `--resident-sweep` and `--sweep-optimizers` ask for, in order."""
     chosen: list[Arm] = []
@@ -164,10 +172,7 @@ def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) 
                     f"unknown arm {item!r}: plain/ARM with ARM in {PLAIN_ARMS}, "
                     "offload+overlap+bwd=BYTES"
                 )
-            backward_load = parse_bytes(loads) if loads else None
-            if backward_load == "auto":
-                raise SystemExit(f"arm {item!r}: backward load bytes are a number, not auto")
-            chosen.append(Arm("adamw", mode, plain=True, backward_load=backward_load))
+            chosen.append(Arm("adamw", mode, plain=True, backward_load=_load_bytes(loads, item)))
             continue
         mode, _, resident = arm.partition("@")
         mode, _, loads = mode.partition("=")
@@ -183,15 +188,12 @@ def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) 
                     f"or ARM@BYTES with ARM in {OVERLAP_ARMS}, offload+overlap+bwd=BYTES, or "
                     f"plain/ARM with ARM in {PLAIN_ARMS}"
                 )
-            backward_load = parse_bytes(loads) if loads else None
-            if backward_load == "auto":
-                raise SystemExit(f"arm {item!r}: backward load bytes are a number, not auto")
             chosen.append(
                 Arm(
                     o,
                     mode,
                     resident=parse_bytes(resident) if resident else None,
-                    backward_load=backward_load,
+                    backward_load=_load_bytes(loads, item),
                 )
             )
     for o in sweep_optimizers.split(",") if sweep else ():
@@ -476,10 +478,11 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
         # What the step planned (chunks, ring, the backward's loads) beside what it found.
         result["schedule"] = optimizer.schedule.describe()
-        result["forward_load_bytes"] = forward_load_bytes(optimizer)
-        result["forward_load_floor_ms"] = copy_floor_ms(
-            result["forward_load_bytes"], machine.get("both_gb_s")
-        )
+        if arm.mode in OVERLAP_ARMS:  # without overlap the step itself loads everything
+            result["forward_load_bytes"] = forward_load_bytes(optimizer)
+            result["forward_load_floor_ms"] = copy_floor_ms(
+                result["forward_load_bytes"], machine.get("both_gb_s")
+            )
         if optimizer.residency is not None:
             result["residency"] = dataclasses.asdict(optimizer.residency)
     if marks is not None:
@@ -750,7 +753,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{r.get('chunks_loaded_in_backward', '-'):>4} {r['timed_steps']:>6}"
         )
         if "schedule" in r:
-            loads = f"; the forward loads {r['forward_load_bytes'] / GiB:.2f} GiB"
+            loads = ""
+            if "forward_load_bytes" in r:
+                loads = f"; the forward loads {r['forward_load_bytes'] / GiB:.2f} GiB"
             if r.get("forward_load_floor_ms") is not None:
                 loads += f": >= {r['forward_load_floor_ms']:.1f} ms at the link's both-ways rate"
             print(f"{'':<{width}} {r['schedule']}{loads}")

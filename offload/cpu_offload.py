@@ -817,16 +817,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         sliced param's slices each create their own, adopted after their call)."""
         groups: list[list[int]] = []
         seen: set[Tensor] = set()
+        closed = True  # the last run takes no more chunks
         for c in cs:
             touched = self._chunks[c].touched
             creates = not all(p in had_state for p in touched)
-            if not groups or creates or any(p in seen for p in touched):
+            if closed or creates or any(p in seen for p in touched):
                 groups.append([])
                 seen = set()
             groups[-1].append(c)
             seen.update(touched)
-            if creates:
-                seen = set(self._params)  # nothing joins a run that creates state
+            closed = creates
         return groups
 
     def _step_chunks(
