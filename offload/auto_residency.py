@@ -12,7 +12,7 @@ Steps: the first `AUTO_WARMUP_STEPS` pin slabs and create state; the next
 length, the load rate, each step). Then the stall model's total, split between the
 backward and residency; with forward overlap on a device that times events, the search
 tries splits, `PROBE_STEPS` steps each, settles (`residency.next_split`), and checks the
-settled split on the next `PROBE_STEPS` steps (`RECHECK_SLACK`).
+settled split on the next `PROBE_STEPS` steps against the fastest split measured.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from offload.residency import (
     AUTO_WARMUP_STEPS,
     BACKWARD_LOAD_SHARE,
     PROBE_STEPS,
-    RECHECK_SLACK,
     Probe,
     ResidencyChoice,
     Split,
@@ -40,6 +39,7 @@ from offload.residency import (
     leading_units,
     median_error_ms,
     median_predicted_stall_ms,
+    near_fastest,
     next_split,
     search_splits,
     settled_split,
@@ -230,13 +230,12 @@ class AutoResidency:
         return self._run(split)
 
     def _check(self, after: Probe) -> Split | None:
-        """The settled split's steps against what the search measured for it: slower by
-        more than `RECHECK_SLACK`, the fastest split measured instead (once; itself when
-        it was the fastest)."""
-        measured = next(p for p in self._probes if p.split == self._settled)
+        """The settled split's steps against the fastest split the search measured: not
+        as fast (`near_fastest`), the fastest instead (once; itself when it was the
+        fastest)."""
         fastest = min(self._probes, key=lambda p: p.iteration_ms)
         split = self._settled
-        if after.iteration_ms > (1 + RECHECK_SLACK) * measured.iteration_ms:
+        if not near_fastest(after, [*self._probes, after]):
             split = fastest.split
         self._settle(split, self._shape, self._profiles, after)
         return self._run(split)

@@ -256,9 +256,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             rest stay resident; then, on a GPU, run the most the budget allows a few
             steps, and bisect for the least amount whose step is as fast as the
             fastest, within `residency.NEAR_FASTEST` or the steps' own spread
-            (`residency.NOISE_SIGMAS`; `offload.auto_residency`); the
-            steps after it settles are checked, and if they are slower than measured it
-            takes the fastest split measured instead. Without
+            (`residency.NOISE_SIGMAS`, at most `residency.NOISE_CAP`;
+            `offload.auto_residency`); the steps after it settles are checked, and if
+            they are not as fast as the fastest split measured it takes that one instead. Without
             overlap the last units stay resident. `residency` says what it chose, and
             one log line. It keeps room in the host slabs for the whole state, so
             re-choosing never allocates pinned memory.

@@ -44,15 +44,16 @@ medians' difference is as fast: what the search cannot tell apart is not worth G
 memory. Steps of one run can vary by several percent, more than the splits differ, and
 a fixed tolerance then lets that noise choose (the winner's next steps come in slower
 than the probe that chose it)."""
+NOISE_CAP = 0.05
+"""But a step this much slower than the fastest is never as fast, however its steps
+vary: steps that drift within a probe give an error that covers any gap, and the search
+would settle on its slowest split."""
 PROBE_STEPS = 6
 """Steps each split of the search runs: the first is not timed (its re-plan syncs), the
 median of the others counts (steps of one run vary by several percent)."""
 MAX_PROBES = 4
 AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 1) * PROBE_STEPS + 1
 """Steps until "auto" has settled and checked, at most (it says what it chose then)."""
-RECHECK_SLACK = 0.10
-"""Once settled, the next `PROBE_STEPS` steps are checked against what the search measured
-for the split: this much slower, and "auto" takes the fastest split it measured instead."""
 SEARCH_STEPS = 8
 """The search's totals are the state over this many, and multiples."""
 BACKWARD_LOAD_SHARE = 0.65
@@ -204,14 +205,14 @@ def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> l
     return splits
 
 
-def _near_fastest(probe: Probe, probes: Sequence[Probe]) -> bool:
-    """`probe`'s step is as fast as the fastest's: within `NEAR_FASTEST`, or within
-    `NOISE_SIGMAS` standard errors of the difference of their medians."""
+def near_fastest(probe: Probe, probes: Sequence[Probe]) -> bool:
+    """`probe`'s step is as fast as the fastest of `probes`: within `NEAR_FASTEST`, or
+    within `NOISE_SIGMAS` standard errors of the difference of their medians, but never
+    beyond `NOISE_CAP`."""
     fastest = min(probes, key=lambda p: p.iteration_ms)
     noise = NOISE_SIGMAS * math.hypot(probe.error_ms, fastest.error_ms)
-    return probe.iteration_ms - fastest.iteration_ms <= max(
-        NEAR_FASTEST * fastest.iteration_ms, noise
-    )
+    allowed = max(NEAR_FASTEST, min(noise / fastest.iteration_ms, NOISE_CAP))
+    return probe.iteration_ms - fastest.iteration_ms <= allowed * fastest.iteration_ms
 
 
 def next_split(probes: Sequence[Probe], splits: Sequence[Split]) -> Split | None:
@@ -227,7 +228,7 @@ def next_split(probes: Sequence[Probe], splits: Sequence[Split]) -> Split | None
     if len(probes) == 1:
         return splits[-1]
     index = {split: i for i, split in enumerate(splits)}
-    tried = [(index.get(p.split, -1), _near_fastest(p, probes)) for p in probes]
+    tried = [(index.get(p.split, -1), near_fastest(p, probes)) for p in probes]
     near = min((i for i, ok in tried if ok), default=len(splits))
     slow = max((i for i, ok in tried if not ok and i < near), default=-1)
     if near - slow <= 1:
@@ -236,8 +237,8 @@ def next_split(probes: Sequence[Probe], splits: Sequence[Split]) -> Split | None
 
 
 def settled_split(probes: Sequence[Probe]) -> Split:
-    """The least total whose step was near the fastest (`_near_fastest`)."""
-    near = [p for p in probes if _near_fastest(p, probes)]
+    """The least total whose step was near the fastest (`near_fastest`)."""
+    near = [p for p in probes if near_fastest(p, probes)]
     return min(near, key=lambda p: p.split.total).split
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from offload.residency import (
     FINE_TOTALS,
     MAX_PROBES,
     NEAR_FASTEST,
+    NOISE_CAP,
     SEARCH_STEPS,
     ChunkWait,
     Probe,
@@ -21,6 +23,7 @@ from offload.residency import (
     largest_fitting_total,
     leading_units,
     median_error_ms,
+    near_fastest,
     next_split,
     predicted_stall_ms,
     search_splits,
@@ -247,6 +250,27 @@ def test_what_the_steps_spread_cannot_tell_apart_settles_on_the_least():
     # the same medians measured without spread: only the fastest is near it
     exact = [Probe(p.split, p.iteration_ms) for p in noisy]
     assert settled_split(exact) == Split(0, 800)
+
+
+def test_steps_that_drift_within_a_probe_never_make_a_much_slower_split_as_fast():
+    """Probes measured on the H200 (batch-4 Llama): nothing kept, then the most the budget
+    keeps, whose steps drifted from 199 to 268 ms. The drift's error (24 ms) covered the
+    47 ms gap, and the search settled on keeping nothing, its slowest split. A split
+    more than NOISE_CAP slower than the fastest is never as fast; the search goes on."""
+    steps_nothing = (260.48, 274.91, 276.88)
+    steps_most = (209.77, 199.15, 227.74, 257.31, 268.42)
+    probes = [
+        Probe(Split(0, 0), 274.91, steps_nothing, median_error_ms(steps_nothing)),
+        Probe(Split(0, 800), 227.74, steps_most, median_error_ms(steps_most)),
+    ]
+    assert probes[1].error_ms > 20.0
+    assert 2 * math.hypot(probes[0].error_ms, probes[1].error_ms) > 274.91 - 227.74
+    assert not near_fastest(probes[0], probes)
+    assert next_split(probes, SPLITS) == Split(0, 400)
+    assert settled_split(probes) == Split(0, 800)
+    # within the cap, the noise still decides (the first test of this kind)
+    close = [Probe(Split(0, 0), 1.04 * 227.74, (), 10.0), probes[1]]
+    assert near_fastest(close[0], close) and 1.04 < 1 + NOISE_CAP
 
 
 def test_the_search_stops_after_max_probes_and_settles_on_what_it_measured():
