@@ -13,6 +13,7 @@ import pytest
 import torch
 from spawn_ranks import run_on_ranks
 from test_muon_distributed import _full, _shard
+from test_muon_plan import TINY_MOE as PLAN_TINY_MOE
 from torch.distributed.tensor import Replicate, Shard
 
 from muon import Muon
@@ -144,25 +145,8 @@ def test_auto_spreads_where_the_model_says_it_pays():
     assert not MuonPlan.build(flat, replica_owners=auto).buckets[0].spread
 
 
-# DeepSeek-like tiny MoE: MLA, a dense first layer, routed experts + a shared one.
-TINY_MOE = {
-    "model_type": "deepseek_v3",
-    "hidden_size": 16,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 2,
-    "q_lora_rank": 12,
-    "kv_lora_rank": 8,
-    "qk_nope_head_dim": 4,
-    "qk_rope_head_dim": 2,
-    "v_head_dim": 4,
-    "intermediate_size": 24,
-    "moe_intermediate_size": 6,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "topk_method": "noaux_tc",
-    "vocab_size": 40,
-}
+# test_muon_plan's tiny DeepSeek-like MoE with 4 routed experts: two expert-parallel ranks.
+TINY_MOE = {**PLAN_TINY_MOE, "n_routed_experts": 4}
 
 
 @pytest.mark.parametrize(
