@@ -509,11 +509,9 @@ def alloc_retries(device: torch.device) -> int:
 
 
 def forward_load_bytes(optimizer: CPUOffloadOptimizer) -> int:
-    """State bytes the forward after a step loads: the staged chunks the backward does not
-    load (rank-invariant bytes: this process's own on one GPU)."""
-    schedule, chunks = optimizer.schedule, optimizer.plan.chunks
-    in_backward = set(schedule.loaded_in_backward)
-    return sum(chunks[c].invariant_bytes for c in schedule.staged if c not in in_backward)
+    """State bytes the forward after a step loads (rank-invariant bytes: this process's
+    own on one GPU)."""
+    return optimizer.schedule.forward_load_bytes([c.invariant_bytes for c in optimizer.plan.chunks])
 
 
 def copy_floor_ms(size: int, both_gb_s: float | None) -> float | None:

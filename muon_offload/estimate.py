@@ -396,6 +396,12 @@ class RankEstimate:
         return len(self.offload_schedule.slots)
 
     @property
+    def offload_forward_load_bytes(self) -> int:
+        """With forward overlap, the state bytes the forward after a step loads."""
+        chunks = self.offload_plan.chunks
+        return self.offload_schedule.forward_load_bytes([c.invariant_bytes for c in chunks])
+
+    @property
     def state_bytes(self) -> int:
         """All optimizer state, wherever it lives."""
         return self.muon_state_bytes + self.adamw_state_bytes

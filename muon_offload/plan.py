@@ -155,6 +155,7 @@ def rank_dict(rank: RankEstimate) -> dict[str, Any]:
         "adamw_state_bytes": rank.adamw_state_bytes,
         "offload_chunks": rank.offload_chunks,
         "offload_schedule": rank.offload_schedule.describe(),
+        "offload_forward_load_bytes": rank.offload_forward_load_bytes,
         "no_offload": _memory_dict(rank.no_offload),
         "offload": _memory_dict(rank.offload),
     }
@@ -288,9 +289,12 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
     ]
     for offload in (False, True):
         top = model.largest_peak(offload)
+        loads = top.offload_forward_load_bytes
         title = (
             f"with offload ({_mib(settings.offload_chunk_bytes)} MiB chunks; "
-            f"{top.offload_schedule.describe()})"
+            f"{top.offload_schedule.describe()}"
+            + (f"; the forward loads {loads / 2**30:.2f} GiB" if loads else "")
+            + ")"
             if offload
             else "without offload"
         )

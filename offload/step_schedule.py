@@ -35,6 +35,8 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
     (('step', 6), ('write_back', 6))
     >>> s.describe()
     '8 chunks: 2 resident, 6 staged in a ring of 3 slots and 1 extra; the backward loads 4'
+    >>> s.forward_load_bytes([100] * 8)  # chunks 6 and 7
+    200
 """
 
 from __future__ import annotations
@@ -162,6 +164,8 @@ class StepSchedule:
     ahead_of: tuple[int, ...]
     """With forward overlap: per chunk, the last chunk enqueued once the forward needs it
     (the number of chunks, as in `up_front`)."""
+    overlap: bool
+    """The step runs with the next forward."""
 
     @property
     def staged(self) -> tuple[int, ...]:
@@ -175,6 +179,16 @@ class StepSchedule:
     @property
     def extra_slots(self) -> int:
         return sum(slot >= self.ring_slots for slot in self.slots)
+
+    def forward_load_bytes(self, chunk_bytes: Sequence[int]) -> int:
+        """The state bytes the forward after a step loads, of chunks of `chunk_bytes` (step
+        order): with forward overlap the staged chunks the backward does not load (what
+        the overlap must hide behind the forward, while as much writes back); without,
+        none (`step()` loads them all)."""
+        if not self.overlap:
+            return 0
+        in_backward = set(self.loaded_in_backward)
+        return sum(chunk_bytes[c] for c in self.staged if c not in in_backward)
 
     def describe(self) -> str:
         staged = len(self.staged)
@@ -242,4 +256,5 @@ def plan_step(
         epilogue=tuple(held),
         up_front=min(UP_FRONT_RINGS * ring_slots - 1, end),
         ahead_of=ahead_of if overlap else (),
+        overlap=overlap,
     )

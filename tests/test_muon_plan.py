@@ -579,6 +579,11 @@ def test_backward_loads_add_an_extra_slot_per_chunk_beyond_the_ring():
     # each at most a ring slot
     ring = within.offload.staging_bytes
     assert ring < everything.offload.staging_bytes <= ring + schedule.extra_slots * ring // slots
+    # what the forward after a step loads: the rest of the staged chunks; nothing when the
+    # backward loads them all, or without overlap (step() loads everything)
+    sizes = [c.invariant_bytes for c in within.offload_plan.chunks]
+    assert within.offload_forward_load_bytes == sum(sizes[slots:]) > 0
+    assert everything.offload_forward_load_bytes == none.offload_forward_load_bytes == 0
 
 
 BACKWARD_LOADS = 10 * OFFLOAD_CHUNK  # bytes: the backward loads several chunks
