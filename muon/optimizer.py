@@ -606,6 +606,7 @@ class MuonStep:
         ]
         self._kinds = plan.step_units(len(self._adamw))
         self.units: list[list[Tensor]] = [self._unit_params(kind) for kind in self._kinds]
+        self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit}
         self._stepped: set[int] = set()  # units done this step
         optimizer.metrics = []
 
@@ -618,19 +619,19 @@ class MuonStep:
         return [self._adamw[index][1]]
 
     def step_params(self, params: Collection[Tensor]) -> None:
+        # Checked whole before any unit is marked: a refused call steps nothing. Units are
+        # looked up by param (an offloaded step calls this once per chunk).
         wanted = {id(p) for p in params}
-        chosen = []
-        for index, unit in enumerate(self.units):
-            inside = [id(p) in wanted for p in unit]
-            if any(inside) != all(inside):
-                raise ValueError(f"step_params needs whole units; unit {index} is split")
-            if all(inside):
-                if index in self._stepped:
-                    raise ValueError(f"unit {index} has already stepped this step")
-                chosen.append(self._kinds[index])
-                self._stepped.add(index)
-        if sum(len(self._unit_params(kind)) for kind in chosen) != len(wanted):
+        indices = sorted({self._unit_of.get(key, -1) for key in wanted})
+        if indices and indices[0] < 0:
             raise ValueError("step_params got params that are not in this optimizer's units")
+        for index in indices:
+            if not all(id(p) in wanted for p in self.units[index]):
+                raise ValueError(f"step_params needs whole units; unit {index} is split")
+            if index in self._stepped:
+                raise ValueError(f"unit {index} has already stepped this step")
+        self._stepped.update(indices)
+        chosen = [self._kinds[index] for index in indices]
         with torch.no_grad():
             self._run_muon(
                 [i for what, i in chosen if what == "bucket"],

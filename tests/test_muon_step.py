@@ -192,6 +192,29 @@ def test_offloaded_muon_is_bitwise_equal_and_keeps_its_launches(launches):
         assert count * rows * cols * 2 <= cap
 
 
+def test_a_refused_step_params_call_steps_and_marks_nothing():
+    """A call with a param outside the units is refused before anything steps: the units it
+    named step later as usual (once, bit for bit as a whole step)."""
+    params, reference = _params(), _params()
+    opt = Muon(_groups(params), lr=0.02)
+    ref = Muon(_groups(reference), lr=0.02)
+    for p, q in zip(params, reference, strict=True):
+        p.grad = torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel()))
+        q.grad = p.grad.clone()
+    step = opt.begin_subset_step()
+    stranger = torch.nn.Parameter(torch.zeros(3, 3))
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="not in this optimizer's units"):
+        step.step_params([*step.units[0], stranger])
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    for unit in step.units:  # unit 0 too: the refused call did not mark it stepped
+        step.step_params(unit)
+    with pytest.raises(ValueError, match="already stepped"):
+        step.step_params(step.units[0])
+    ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, reference, strict=True))
+
+
 def test_a_unit_lets_go_of_its_grads_once_it_has_stepped():
     params = _params()
     opt = Muon(_groups(params), lr=0.02, adjust_lr_fn="match_rms_adamw")
