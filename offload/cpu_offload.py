@@ -54,6 +54,7 @@ from offload.subset_step import (
     StateLayout,
     SubsetStep,
     local_tensor,
+    step_without_hooks,
     subset_step_for,
 )
 
@@ -702,9 +703,32 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("this CPUOffloadOptimizer is closed; build a new one to step")
         if self._interrupted is not None:
             raise RuntimeError(self._interrupted)
+        self._run_wrapped_step_hooks(pre=True)
         self._check_step_inputs()
         if self._subset is None:  # the wrapped step calls the closure (LBFGS: many times)
-            return self._serial_step(closure)
+            loss = self._serial_step(closure)
+        else:
+            loss = self._offloaded_step(closure)
+        self._run_wrapped_step_hooks(pre=False)
+        return loss
+
+    def _run_wrapped_step_hooks(self, pre: bool) -> None:
+        """The wrapped optimizer's own step hooks, once a step, as its `step()` would run
+        them (its step runs per chunk without them: `step_without_hooks`); with overlap
+        the post-hooks run as `step()` returns, and what they read waits for the update.
+        Private API (torch 2.11, 2.13): an optimizer keeps them in
+        `_optimizer_step_pre_hooks` and `_optimizer_step_post_hooks`."""
+        inner = self.optimizer
+        hooks = inner._optimizer_step_pre_hooks if pre else inner._optimizer_step_post_hooks
+        for hook in list(hooks.values()):
+            if hook(inner, (inner,), {}) is not None and pre:
+                raise RuntimeError(
+                    f"a step pre-hook of the wrapped {type(inner).__name__} returned new step() "
+                    "arguments, which CPUOffloadOptimizer cannot pass on to the steps it runs "
+                    "per chunk; register it on the wrapper (register_step_pre_hook)"
+                )
+
+    def _offloaded_step(self, closure: Callable[[], float] | None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1425,7 +1449,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 state[param][spec.key] = _as_state(param, s)
                 staged.append((param, spec.key, home))
         try:
-            loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            loss = step_without_hooks(self.optimizer, closure)
         finally:  # interrupted too: the state goes home as the step left it, as plain torch's
             self._serial_write_back(staged)
         return loss

@@ -12,7 +12,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from offload.subset_step import _IMPLEMENTATION_OPTIONS, local_tensor
+from offload.subset_step import _IMPLEMENTATION_OPTIONS, local_tensor, step_without_hooks
 
 
 def dry_run_state_bytes(optimizer: torch.optim.Optimizer, params: Collection[Tensor]) -> int | None:
@@ -37,7 +37,7 @@ def dry_run_state_bytes(optimizer: torch.optim.Optimizer, params: Collection[Ten
         return 0
     try:
         shadow = type(optimizer)(groups)
-        shadow.step()
+        step_without_hooks(shadow)
     except Exception:  # e.g. LBFGS (needs a closure whose loss it reads)
         return None
     return sum(

@@ -107,6 +107,28 @@ if hasattr(torch.optim, "Muon"):  # torch.optim.Muon orthogonalizes each param o
 _IMPLEMENTATION_OPTIONS = {"foreach": False, "fused": None, "capturable": False}
 
 
+def step_without_hooks(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+    """`optimizer.step(closure)` without step hooks, its own or torch's global ones: a
+    subset step runs it once per chunk and a dry run on meta-device copies, while hooks
+    belong to the whole step (`CPUOffloadOptimizer` runs the optimizer's own once a step,
+    and torch's global ones run for the wrapper).
+
+    A `step` set on the instance (a user's or a tool's patch) is called as it is.
+    Private API (torch 2.11, 2.13): `Optimizer._patch_step_function` wraps a class's
+    `step` (functools.wraps: `__wrapped__` is the class's own) in the function that runs
+    the hooks, and marks it `hooked`.
+    """
+    args = () if closure is None else (closure,)  # a custom step may take no closure
+    step = type(optimizer).step
+    if (
+        "step" not in vars(optimizer)
+        and getattr(step, "hooked", False)
+        and hasattr(step, "__wrapped__")
+    ):
+        return step.__wrapped__(optimizer, *args)
+    return optimizer.step(*args)
+
+
 def local_tensor(t: Tensor) -> Tensor:
     """The tensor this rank holds: a DTensor's local shard, else `t` itself."""
     to_local = getattr(t, "to_local", None)
@@ -176,7 +198,7 @@ class GroupStep:
                 group.update(captured)
                 group.update((options or {}).get(index, {}))
                 group["params"] = chosen
-            self._optimizer.step()
+            step_without_hooks(self._optimizer)
         finally:
             for group, saved in zip(groups, saved_groups, strict=True):
                 group.clear()
@@ -347,7 +369,7 @@ def _meta_state_layout(
     options = {k: v for k, v in group.items() if k != "params"}
     options.update({k: v for k, v in _IMPLEMENTATION_OPTIONS.items() if k in options})
     shadow = type(optimizer)([{"params": [meta_param], **options}])
-    shadow.step()
+    step_without_hooks(shadow)
     return {
         key: (value.shape, value.dtype)
         for key, value in shadow.state[meta_param].items()

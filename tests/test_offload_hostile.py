@@ -402,3 +402,91 @@ def test_an_interrupted_serial_step_leaves_the_state_at_home_as_plain_torch_leav
     assert all(id(v) in homes for e in twin.opt.state.values() for v in e.values() if v.ndim)
     twin.step(2)
     twin.assert_equal()
+
+
+def _counting_hooks(optimizer: torch.optim.Optimizer, calls: list[str], name: str) -> None:
+    def pre(opt, args, kwargs):
+        calls.append(f"{name} pre")
+        assert opt is optimizer and args[0] is optimizer
+        for group in opt.param_groups:  # what a logging hook reads: the real params
+            assert all(p.device.type != "meta" for p in group["params"])
+
+    optimizer.register_step_pre_hook(pre)
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(f"{name} post"))
+
+
+def _muon_model_and_optimizer():
+    from muon import Muon
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(4)))
+    return model, Muon(model.parameters(), lr=0.02)
+
+
+@pytest.mark.parametrize(
+    "inner, options",
+    [
+        ("adamw", {"chunk_bytes": 2000}),  # several chunks, the last one sliced
+        ("adamw", {"chunk_bytes": 2000, "overlap": True}),
+        ("muon", {"chunk_bytes": 2000}),
+        ("rprop", {}),  # no subset step: the serial path steps it whole
+    ],
+)
+def test_step_hooks_run_once_a_step_whatever_the_chunks(inner, options):
+    """Step hooks on the wrapped optimizer run once a step (as without the wrapper), not
+    once per chunk or never; torch's global step hooks run once a step, for the wrapper,
+    and never see the meta-device dry runs that size the state."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    if inner == "muon":
+        model, optimizer = _muon_model_and_optimizer()
+    else:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+        make = torch.optim.AdamW if inner == "adamw" else torch.optim.Rprop
+        optimizer = make(model.parameters(), lr=1e-2)
+    calls: list[str] = []
+    _counting_hooks(optimizer, calls, "inner")
+    options = dict(options)
+    overlap = model if options.pop("overlap", False) else None
+    opt = CPUOffloadOptimizer(optimizer, overlap_forward=overlap, staging_slots=2, **options)
+    seen_by_global: list[torch.optim.Optimizer] = []
+
+    def global_pre(o, args, kwargs):
+        seen_by_global.append(o)
+        assert all(p.device.type != "meta" for g in o.param_groups for p in g["params"])
+
+    handles = [
+        register_optimizer_step_pre_hook(global_pre),
+        register_optimizer_step_post_hook(lambda o, args, kwargs: calls.append("global post")),
+    ]
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 16)).sum().backward()
+            opt.step()
+        opt.wait_for_optimizer_step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert opt.plan is not None and (inner == "rprop" or len(opt.plan.chunks) > 1)
+    assert calls == ["inner pre", "inner post", "global post"] * 3
+    assert seen_by_global == [opt] * 3
+
+
+def test_a_wrapped_pre_hook_that_replaces_the_arguments_is_refused_naming_the_way_out():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    inner = torch.optim.AdamW(model.parameters())
+    inner.register_step_pre_hook(lambda opt, args, kwargs: (args, {"closure": None}))
+    opt = CPUOffloadOptimizer(inner)
+    model(torch.ones(1, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        RuntimeError, match=r"pre-hook of the wrapped AdamW .*register_step_pre_hook"
+    ):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
