@@ -333,7 +333,8 @@ class GroupSubsetStep:
     """Adapter: a torch optimizer with independent per-param updates, one param per unit.
 
     `step_params` narrows each param group to the requested params around one
-    `optimizer.step()` call, so the update runs the optimizer's own code. For an
+    `optimizer.step()` call (without its step hooks: `step_without_hooks`), so the
+    update runs the optimizer's own code. For an
     elementwise optimizer the step also updates slices of params (`step_slices`).
     """
 
