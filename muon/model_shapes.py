@@ -89,8 +89,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """A `config.json` as a dict; a multimodal config's `text_config` if it has one."""
-    config = json.loads(Path(path).read_text())
+    """A `config.json` as a dict; a multimodal config's `text_config` if it has one. A file
+    that cannot be read or is not a JSON object raises ValueError naming it."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read the model config {path}: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"the model config {path} should be a JSON object but is a JSON list or value"
+        )
     return config.get("text_config", config)
 
 

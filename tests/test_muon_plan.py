@@ -306,6 +306,14 @@ def test_cli_json_sweep_config(tmp_path, capsys):
     assert main(["--config", str(config), "--fsdp", "3"]) == 0
     assert "with offload" in capsys.readouterr().out
     assert main(["--preset", "qwen3-8b", "--fsdp", "6", "--ep", "4"]) == 2
+    # a config that cannot be read: one line naming it, not a traceback
+    (tmp_path / "broken.json").write_text('{"model_type": "llama"')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    capsys.readouterr()
+    for name in ("missing.json", "broken.json", "list.json", "."):
+        assert main(["--config", str(tmp_path / name), "--fsdp", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and str(tmp_path / name) in err, err
 
 
 def test_cli_lists_the_offloaded_chunks_the_estimate_plans(tmp_path, capsys):
