@@ -331,6 +331,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> None:
         if isinstance(optimizer, CPUOffloadOptimizer):
             raise TypeError("optimizer is already a CPUOffloadOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "CPUOffloadOptimizer wraps an optimizer, e.g. "
+                "CPUOffloadOptimizer(torch.optim.AdamW(model.parameters())), but got: "
+                f"{type(optimizer).__name__}"
+            )
         if overlap_forward is not None and not isinstance(overlap_forward, nn.Module):
             raise TypeError(
                 "overlap_forward should be the model whose forward reads these params (the "
@@ -370,6 +376,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if len(devices) != 1:
             raise ValueError(f"all params must be on one device, found {sorted(map(str, devices))}")
         self.device = devices.pop()
+        if self.device.type == "meta":
+            raise ValueError(
+                "the params are on the meta device (a model not materialized yet): build and "
+                "wrap the optimizer after model.to_empty(device=...) and the weights' init"
+            )
         self._subset = subset_step_for(optimizer)
         self._check_ring_fits()
         self._streams = CopyStreams(self.device, staging_slots)
@@ -466,6 +477,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"({len(self._params)} params then, {len(current)} now): CPUOffloadOptimizer "
                 "plans its host slabs once. Call add_param_group on the optimizer before "
                 "wrapping it, or wrap a new optimizer (load the old one's state_dict into it)"
+            )
+        moved = next((i for i, p in enumerate(self._params) if p.device != self.device), None)
+        if moved is not None:
+            raise RuntimeError(
+                f"param {moved} is on {self._params[moved].device} but was on {self.device} "
+                "when its optimizer was wrapped: move the model first, then build and wrap the "
+                "optimizer (CPUOffloadOptimizer plans its staging for one device)"
             )
         if type(self.optimizer) is torch.optim.SGD:
             for group in self.optimizer.param_groups:

@@ -53,6 +53,26 @@ def test_an_optimizer_without_params_is_refused():
         CPUOffloadOptimizer(torch.optim.AdamW([{"params": []}]))
 
 
+def test_what_is_not_an_optimizer_or_not_materialized_is_refused_naming_the_fix():
+    model = _linear()
+    with pytest.raises(TypeError, match=r"wraps an optimizer, e.g. .* but got: list"):
+        CPUOffloadOptimizer(list(model.parameters()))
+    meta = torch.nn.Linear(4, 4, device="meta")  # deferred init: to_empty comes later
+    with pytest.raises(ValueError, match=r"meta device .* after model.to_empty"):
+        CPUOffloadOptimizer(torch.optim.AdamW(meta.parameters()))
+
+
+def test_params_moved_to_another_device_after_wrapping_are_refused_at_the_step():
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    _backward(model)
+    opt.step()
+    # as model.to(device) moves params in place (the only other device here is meta)
+    torch.utils.swap_tensors(model.bias, torch.nn.Parameter(torch.empty(4, device="meta")))
+    with pytest.raises(RuntimeError, match=r"param 1 is on meta but was on cpu .* move the model"):
+        opt.step()
+
+
 def test_a_group_added_to_the_wrapped_optimizer_fails_at_the_next_step_naming_the_fix():
     model, extra = _linear(), torch.nn.Linear(4, 4)
     inner = torch.optim.AdamW(model.parameters())
