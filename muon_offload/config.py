@@ -301,6 +301,11 @@ def _bucket_cap_for_offload(model: nn.Module, config: OptimizerConfig) -> int:
 
 def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     """Build the optimizer `config` asks for over `model`'s trainable params."""
+    if not isinstance(model, nn.Module) or not isinstance(config, OptimizerConfig):
+        raise TypeError(
+            "setup_optimizer(model, config) takes the model (an nn.Module) and an "
+            f"OptimizerConfig, but got: {type(model).__name__}, {type(config).__name__}"
+        )
     if config.type == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused

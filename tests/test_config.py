@@ -75,6 +75,14 @@ def test_contradictory_configs_fail_at_construction(kwargs, message):
         OptimizerConfig(**kwargs)
 
 
+def test_setup_optimizer_names_its_arguments_when_given_something_else():
+    model = Net()
+    with pytest.raises(TypeError, match=r"takes the model .* got: list, OptimizerConfig"):
+        setup_optimizer(list(model.parameters()), OptimizerConfig())
+    with pytest.raises(TypeError, match=r"got: Net, dict"):
+        setup_optimizer(model, {"type": "muon"})
+
+
 def test_muon_setup_groups_every_param_once():
     model = Net()
     opt = setup_optimizer(model, OptimizerConfig(type="muon", lr=0.02))
