@@ -38,6 +38,11 @@ def muon_param_groups(
     weight_decay) go into the AdamW group. Every trainable param lands in
     exactly one group; empty groups are left out.
     """
+    if not isinstance(model, nn.Module):  # the names choose the groups
+        raise TypeError(
+            "muon_param_groups takes the model (an nn.Module, whose param names choose the "
+            f"groups), not its params: got {type(model).__name__}"
+        )
     row_blocks = dict(row_blocks or {})
     plain: list[nn.Parameter] = []
     fused: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in row_blocks}

@@ -224,6 +224,8 @@ def test_param_group_helper():
     Muon(groups).step()
     with pytest.raises(ValueError, match="matches no Muon param"):
         muon_param_groups(model, row_blocks={"nothing": (1,)})
+    with pytest.raises(TypeError, match="takes the model .* not its params: got generator"):
+        muon_param_groups(model.parameters())
 
 
 @pytest.mark.parametrize(
