@@ -328,7 +328,9 @@ class Muon(torch.optim.Optimizer):
         """torch's load, with momentum buffers in fp32: torch casts floating state to the
         param's dtype, which for a bf16 param would round our fp32 momentum (and is what a
         torch.optim.Muon state holds). A schedule written by `state_dict()` becomes a
-        `NewtonSchulzSchedule` again."""
+        `NewtonSchulzSchedule` again. State shaped unlike its param (a checkpoint of
+        another model) is refused, naming it, before anything is loaded."""
+        self._check_loaded_shapes(state_dict)
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             if isinstance(group.get("ns_coefficients"), str):
@@ -340,6 +342,22 @@ class Muon(torch.optim.Optimizer):
             buf = saved.get(i, {}).get("momentum_buffer")
             if buf is not None:
                 self.state[p]["momentum_buffer"] = buf.to(dtype=torch.float32, device=p.device)
+
+    def _check_loaded_shapes(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict.get("param_groups", [])
+        if [len(g["params"]) for g in saved_groups] != [
+            len(g["params"]) for g in self.param_groups
+        ]:
+            return  # torch's load says how the groups differ
+        ids = (i for g in saved_groups for i in g["params"])
+        params = (p for g in self.param_groups for p in g["params"])
+        for index, (i, p) in enumerate(zip(ids, params, strict=True)):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if isinstance(value, Tensor) and value.ndim >= 1 and value.shape != p.shape:
+                    raise ValueError(
+                        f"state {key!r} of param {index} has shape {tuple(value.shape)}, "
+                        f"expected {tuple(p.shape)} (load a state_dict saved for these params)"
+                    )
 
     # -- subset-step protocol ------------------------------------------------------------------
 

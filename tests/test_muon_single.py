@@ -340,6 +340,20 @@ def test_loads_a_torch_muon_state_dict_and_continues_bitwise():
         assert torch.equal(p, q)
 
 
+def test_a_state_dict_of_other_shapes_is_refused_before_loading_anything():
+    """A checkpoint of another model: refused at the load, naming param and key (it used to
+    load, and the next step failed in a broadcast)."""
+    saved, other = _params([(8, 8), (8,)]), _params([(6, 6), (6,)])
+    source = Muon([{"params": saved[:1]}, {"params": saved[1:], "algorithm": "adamw"}], lr=0.02)
+    _run(source, saved, steps=1)
+    opt = Muon([{"params": other[:1]}, {"params": other[1:], "algorithm": "adamw"}], lr=0.02)
+    with pytest.raises(
+        ValueError, match=r"'momentum_buffer' of param 0 has shape \(8, 8\), expected \(6, 6\)"
+    ):
+        opt.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert not opt.state
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_state_dict_is_plain_data_that_checkpoint_code_takes(offload):
     # DCP's full-state gather (transformers.Trainer saving under FSDP2) raised
