@@ -715,7 +715,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     # -- stepping -----------------------------------------------------------------------
 
+    # Host bookkeeping, pinned slabs and streams: compiled (torch.compile(opt.step)), it
+    # runs eagerly rather than as a trace that cannot allocate or copy as it must.
     @torch.no_grad()
+    @torch.compiler.disable
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if self._closed:
             raise RuntimeError("this CPUOffloadOptimizer is closed; build a new one to step")

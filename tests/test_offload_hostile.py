@@ -490,3 +490,25 @@ def test_a_wrapped_pre_hook_that_replaces_the_arguments_is_refused_naming_the_wa
     ):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_compiled_step_runs_eagerly_and_bitwise(overlap):
+    """torch.compile(opt.step), as torch's recipe compiles an optimizer's step: the wrapper's
+    step runs eagerly (traced, it failed with a KeyError in the first plan's build)."""
+    plain_model, model = _three_linears(), _three_linears()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=300,
+        overlap_forward=model if overlap else None,
+    )
+    compiled = torch.compile(opt.step)
+    for _ in range(3):
+        for m, step in ((plain_model, plain.step), (model, compiled)):
+            m.zero_grad()
+            m(torch.ones(2, 8)).square().sum().backward()
+            step()
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
