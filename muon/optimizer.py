@@ -377,7 +377,10 @@ class Muon(torch.optim.Optimizer):
             _validate_group(group)
         return MuonStep(self, self._muon_plan())
 
+    # Compiled (torch.compile(opt.step)), the step runs eagerly: its launches are already
+    # fused where it pays, and a traced step rounds differently from the eager one.
     @torch.no_grad()
+    @torch.compiler.disable
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:

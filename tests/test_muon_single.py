@@ -340,6 +340,15 @@ def test_loads_a_torch_muon_state_dict_and_continues_bitwise():
         assert torch.equal(p, q)
 
 
+def test_a_compiled_step_is_the_eager_step_bit_for_bit():
+    eager, compiled = _params(SHAPES), _params(SHAPES)
+    opt, other = Muon(eager, lr=0.02), Muon(compiled, lr=0.02)
+    _run(opt, eager)
+    _run(type("Compiled", (), {"step": staticmethod(torch.compile(other.step))})(), compiled)
+    for p, q in zip(eager, compiled, strict=True):
+        assert torch.equal(p, q)
+
+
 def test_a_state_dict_of_other_shapes_is_refused_before_loading_anything():
     """A checkpoint of another model: refused at the load, naming param and key (it used to
     load, and the next step failed in a broadcast)."""
