@@ -1135,16 +1135,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None and (
             split.backward_load_bytes > 0 or self._insist_on_backward_loads
         ):
-            loads = chosen_backward_loads(
-                [(*c.params, *(s.param for s in c.slices)) for c in plan.chunks],
-                [c.invariant_bytes for c in plan.chunks],
-                staged,
-                self.staging_slots,
-                first_wait=None,  # "auto" chooses bytes
-                budget=split.backward_load_bytes or None,
-            )
+            loads = self._backward_loads(plan, None, split.backward_load_bytes or None)  # bytes
         schedule = plan_step(staged, self.staging_slots, loads, overlap=self._overlap is not None)
         return plan.held_bytes(schedule.slots, self.staging_slots)
+
+    def _backward_loads(
+        self, plan: OffloadPlan, first_wait: Sequence[int] | None, budget: int | None
+    ) -> int:
+        """How many of `plan`'s first staged chunks the backward loads (`chosen_backward_loads`:
+        the chunks holding `first_wait`, or `budget` bytes of them)."""
+        return chosen_backward_loads(
+            [(*c.params, *(s.param for s in c.slices)) for c in plan.chunks],
+            [c.invariant_bytes for c in plan.chunks],
+            [not c.resident for c in plan.chunks],
+            self.staging_slots,
+            first_wait=first_wait,
+            budget=budget,
+        )
 
     def _run_auto(self, auto: AutoResidency) -> None:
         """ "auto"'s decision at this step: re-plan with the split it returns (the host
@@ -1329,14 +1336,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if self._load_first_wait:
                 index = {p: i for i, p in enumerate(self._params)}
                 first = [index[p] for p in self._overlap.first_wait(index)]
-            loads = chosen_backward_loads(
-                [(*c.params, *(s.param for s in c.slices)) for c in plan.chunks],
-                [c.invariant_bytes for c in plan.chunks],
-                [not c.resident for c in plan.chunks],
-                self.staging_slots,
-                first_wait=first,
-                budget=self.backward_load_bytes,
-            )
+            loads = self._backward_loads(plan, first, self.backward_load_bytes)
             if self._load_first_wait:
                 self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
         schedule = plan_step(

@@ -222,6 +222,18 @@ def test_loaded_state_of_the_wrong_shape_is_refused_naming_param_and_key(stepped
         opt.load_state_dict(saved)
 
 
+def _adamw_pair(make_model, chunk_bytes: int, overlap: bool):
+    """Two copies of `make_model()`: plain AdamW on one, offloaded AdamW on the other."""
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=chunk_bytes,
+        overlap_forward=model if overlap else None,
+    )
+    return plain_model, plain, model, opt
+
+
 def _odd_grad(param: torch.Tensor, kind: str, step: int) -> torch.Tensor:
     torch.manual_seed(200 + step)
     if kind == "transposed":
@@ -232,13 +244,7 @@ def _odd_grad(param: torch.Tensor, kind: str, step: int) -> torch.Tensor:
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
 @pytest.mark.parametrize("kind", ["transposed", "expanded"])
 def test_non_contiguous_grads_on_a_sliced_param_step_exactly(kind, overlap):
-    plain_model, model = _linear(), _linear()
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=64,
-        overlap_forward=model if overlap else None,
-    )
+    plain_model, plain, model, opt = _adamw_pair(_linear, 64, overlap)
     for step in range(3):
         for m, o in ((plain_model, plain), (model, opt)):
             m(torch.ones(1, 32))  # the overlapped step runs its chunks in the forward
@@ -496,13 +502,7 @@ def test_a_wrapped_pre_hook_that_replaces_the_arguments_is_refused_naming_the_wa
 def test_a_compiled_step_runs_eagerly_and_bitwise(overlap):
     """torch.compile(opt.step), as torch's recipe compiles an optimizer's step: the wrapper's
     step runs eagerly (traced, it failed with a KeyError in the first plan's build)."""
-    plain_model, model = _three_linears(), _three_linears()
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=300,
-        overlap_forward=model if overlap else None,
-    )
+    plain_model, plain, model, opt = _adamw_pair(_three_linears, 300, overlap)
     compiled = torch.compile(opt.step)
     for _ in range(3):
         for m, step in ((plain_model, plain.step), (model, compiled)):
