@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from offload.auto_residency import AutoResidency, StepShape
@@ -37,6 +38,7 @@ from offload.host_memory import (
     check_device_memory,
     check_host_memory,
     device_headroom_bytes,
+    room_under_peak_bytes,
 )
 from offload.options import check_offload_options
 from offload.residency import ResidencyChoice, Split, StepTimer
@@ -45,6 +47,7 @@ from offload.step_schedule import (
     StepSchedule,
     backward_load_share,
     chosen_backward_loads,
+    loads_within_room,
     plan_step,
 )
 from offload.streams import CopyStreams
@@ -62,6 +65,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bench/offload_step.py: 1.03x the copy floor with 4 slots
 DEFAULT_STAGING_SLOTS = 4  # 4 measured 3-7% faster than 3 at every chunk size
+BACKWARD_ROOM_SHARE = 0.9
+"""By default, with overlap, the backward loads more than the chunks the forward first
+waits for while the plan holds at most this share of the room under the device's peak
+(`room_under_peak_bytes`): the activations are not given back evenly over the backward."""
 
 
 def _shard_count(param: Tensor) -> int:
@@ -444,6 +451,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
+        self._backward_room: tuple[int | None] | None = None  # `_room_under_peak`, once
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _check_ring_fits(self) -> None:
@@ -1338,6 +1346,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 first = [index[p] for p in self._overlap.first_wait(index)]
             loads = self._backward_loads(plan, first, self.backward_load_bytes)
             if self._load_first_wait:
+                room = self._room_under_peak()
+                if room is not None:
+                    mask = [not c.resident for c in plan.chunks]
+
+                    def held(loads: int) -> int:
+                        schedule = plan_step(mask, self.staging_slots, loads, overlap=True)
+                        return plan.held_bytes(schedule.slots, self.staging_slots)
+
+                    room = int(BACKWARD_ROOM_SHARE * room)
+                    loads = loads_within_room(loads, len(staged), held, room)
                 self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
         schedule = plan_step(
             [not c.resident for c in plan.chunks],
@@ -1435,6 +1453,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return {
             self._params[i]: end for unit, end in zip(units_key, ends, strict=True) for i in unit
         }
+
+    def _room_under_peak(self) -> int | None:
+        """The device's room under its peak when the first plan is built (`step()` after
+        the first backward), the least over the ranks (their schedules must agree); None
+        where unknown (off CUDA). Measured once: later plans hold state of their own."""
+        if self._backward_room is None:
+            room = room_under_peak_bytes(self.device)
+            if room is not None and dist.is_available() and dist.is_initialized():
+                least = torch.tensor([room], dtype=torch.int64, device=self.device)
+                dist.all_reduce(least, op=dist.ReduceOp.MIN)
+                room = int(least.item())
+            self._backward_room = (room,)
+        return self._backward_room[0]
 
     def _host_views(self) -> dict[tuple[Tensor, str], _Home]:
         return self._homes

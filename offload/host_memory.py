@@ -64,6 +64,15 @@ def device_headroom_bytes(device: torch.device) -> int:
     return max(0, total - peak - int(BUDGET_MARGIN_FRACTION * total))
 
 
+def room_under_peak_bytes(device: torch.device) -> int | None:
+    """What `device`'s allocator has held at its peak so far beyond what it holds now (at
+    a step: the forward's and backward's activations, given back): memory this process
+    has already used, so state held there does not raise its peak. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return max(0, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
+
+
 def check_device_memory(needed_bytes: int, device: torch.device, what: str, fix: str) -> None:
     """Raise before allocating if `device` has less free memory than needed (where known)."""
     free = free_device_bytes(device)

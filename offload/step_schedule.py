@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -99,6 +99,16 @@ def first_wait_load_count(
     last = max((c for c, params in enumerate(chunk_params) if wanted & set(params)), default=-1)
     through = sum(staged[: last + 1])
     return max(min(ring_slots, sum(staged)), through)
+
+
+def loads_within_room(least: int, most: int, held: Callable[[int], int], room: int) -> int:
+    """From `least` chunks loaded in the backward, the most (at most `most`) whose step
+    holds no more than `room` bytes (`held(loads)`: what the plan with that many holds
+    for state on the device, which grows with each chunk loaded)."""
+    loads = least
+    while loads < most and held(loads + 1) <= room:
+        loads += 1
+    return loads
 
 
 def chosen_backward_loads(

@@ -96,7 +96,10 @@ def train(
         )
         staged = [chunk.slot >= 0 for chunk in chunks]
         expected = max(min(optimizer.staging_slots, sum(staged)), sum(staged[: last + 1]))
-        assert optimizer.chunks_loaded_in_backward == expected
+        loaded = optimizer.chunks_loaded_in_backward
+        assert loaded == optimizer.schedule.backward_loads
+        # on CUDA also what fits under the allocator's peak (BACKWARD_ROOM_SHARE)
+        assert loaded == expected if device.type == "cpu" else loaded >= expected
     params = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     getattr(optimizer, "close", lambda: None)()
     return losses, params

@@ -179,6 +179,39 @@ def test_what_the_forward_first_waits_for_includes_what_fsdp2_prefetches_there()
     run_on_ranks(_first_wait_worker, 2)
 
 
+def _room_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from offload import cpu_offload
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    # rank 0's device has room for every chunk, rank 1's for none beyond the first wait
+    room = 2**40 if rank == 0 else 0
+    cpu_offload.room_under_peak_bytes = lambda device: room
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=256,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    _train(plain_model, plain, rank)
+    _train(model, opt, rank)
+    opt.wait_for_optimizer_step()
+    loads = torch.tensor([opt.schedule.backward_loads])
+    everyone = [torch.zeros_like(loads) for _ in range(world)]
+    dist.all_gather(everyone, loads)
+    assert len({int(t) for t in everyone}) == 1  # the least room: one schedule
+    assert int(loads) < len(opt.plan.chunks)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+
+
+def test_fsdp2_default_backward_loads_take_the_least_room_over_the_ranks():
+    run_on_ranks(_room_worker, 2)
+
+
 def _shared_unit_worker(rank: int, world: int) -> None:
     # fully_shard([a, b]) makes one unit (torchtitan shards norm + lm_head together):
     # whichever module runs first all-gathers both, so it must wait for both's chunks.

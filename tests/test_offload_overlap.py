@@ -13,6 +13,7 @@ import torch
 
 from offload import CPUOffloadOptimizer
 from offload.forward_overlap import param_owners
+from offload.step_schedule import plan_step
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -427,6 +428,40 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
         assert opt.backward_load_bytes == sum(c.invariant_bytes for c in opt.plan.chunks[:3])
     else:
         assert opt.chunks_loaded_in_backward == 0 and not opt._extra_slots
+    opt.wait_for_optimizer_step()
+    assert_params_and_state_equal(plain_model, plain, model, opt)
+
+
+@pytest.mark.parametrize("extra_chunks", [0, 2, 100], ids=["none", "two", "all"])
+def test_by_default_the_backward_also_loads_what_fits_under_the_devices_peak(
+    extra_chunks, monkeypatch
+):
+    """With a room under the device's peak (CUDA's allocator: its peak less what it holds
+    at the first step), the default loads more chunks in the backward while the plan's
+    state on the device fits in BACKWARD_ROOM_SHARE of it; bitwise equal either way."""
+    from offload import cpu_offload
+
+    _, sized = _loading_in_the_backward(None, chunk_bytes=2048)
+    run(make_model(), sized, batches(1))
+    chunks, slots = sized.plan.chunks, sized.staging_slots
+    sized.close()
+    mask = [not c.resident for c in chunks]
+    first_wait = 3  # the embedding's chunks (the test above)
+
+    def held(loads):
+        return sized.plan.held_bytes(plan_step(mask, slots, loads, overlap=True).slots, slots)
+
+    wanted = min(first_wait + extra_chunks, len(chunks))
+    room = held(wanted) / cpu_offload.BACKWARD_ROOM_SHARE + 1
+    monkeypatch.setattr(cpu_offload, "room_under_peak_bytes", lambda device: int(room))
+    plain_model = make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    model, opt = _loading_in_the_backward(None, chunk_bytes=2048)
+    run(plain_model, plain, batches(4))
+    run(model, opt, batches(4))
+    assert opt.chunks_loaded_in_backward == opt.schedule.backward_loads == wanted
+    assert len(opt._extra_slots) == wanted - slots
+    assert opt.backward_load_bytes == sum(c.invariant_bytes for c in opt.plan.chunks[:wanted])
     opt.wait_for_optimizer_step()
     assert_params_and_state_equal(plain_model, plain, model, opt)
 
