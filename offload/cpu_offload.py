@@ -16,6 +16,7 @@ the chunks as the next forward reaches them) is `forward_overlap.ForwardOverlap`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -451,7 +452,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._loaded_ahead_done: torch.Event | None = None
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
-        self._backward_room: tuple[int | None] | None = None  # `_room_under_peak`, once
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _check_ring_fits(self) -> None:
@@ -1346,7 +1346,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 first = [index[p] for p in self._overlap.first_wait(index)]
             loads = self._backward_loads(plan, first, self.backward_load_bytes)
             if self._load_first_wait:
-                room = self._room_under_peak()
+                room = self._room_under_peak
                 if room is not None:
                     mask = [not c.resident for c in plan.chunks]
 
@@ -1454,18 +1454,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._params[i]: end for unit, end in zip(units_key, ends, strict=True) for i in unit
         }
 
+    @functools.cached_property
     def _room_under_peak(self) -> int | None:
         """The device's room under its peak when the first plan is built (`step()` after
-        the first backward), the least over the ranks (their schedules must agree); None
-        where unknown (off CUDA). Measured once: later plans hold state of their own."""
-        if self._backward_room is None:
-            room = room_under_peak_bytes(self.device)
-            if room is not None and dist.is_available() and dist.is_initialized():
-                least = torch.tensor([room], dtype=torch.int64, device=self.device)
-                dist.all_reduce(least, op=dist.ReduceOp.MIN)
-                room = int(least.item())
-            self._backward_room = (room,)
-        return self._backward_room[0]
+        the first backward), the least over the default process group's ranks (their
+        schedules must agree: one collective); None where unknown (off CUDA). Measured
+        once: later plans hold state of their own."""
+        room = room_under_peak_bytes(self.device)
+        if room is not None and dist.is_available() and dist.is_initialized():
+            least = torch.tensor([room], dtype=torch.int64, device=self.device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            room = int(least.item())
+        return room
 
     def _host_views(self) -> dict[tuple[Tensor, str], _Home]:
         return self._homes
