@@ -124,12 +124,15 @@ def _deep_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(8)))
 
 
-def _assert_overlap_matches_plain(plain_model, model, rank: int) -> None:
-    """AdamW offloaded with forward overlap, one slice a chunk, equals plain AdamW bitwise."""
+def _assert_overlap_matches_plain(
+    plain_model, model, rank: int, chunk_bytes: int = 1
+) -> CPUOffloadOptimizer:
+    """AdamW offloaded with forward overlap (by default one slice a chunk) equals plain
+    AdamW bitwise; returns the wrapper."""
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     overlapped = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1,
+        chunk_bytes=chunk_bytes,
         staging_slots=2,
         overlap_forward=model,
     )
@@ -138,6 +141,7 @@ def _assert_overlap_matches_plain(plain_model, model, rank: int) -> None:
     overlapped.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.to_local(), b.to_local())
+    return overlapped
 
 
 def _prefetch_worker(rank: int, world: int, ahead: int) -> None:
@@ -189,23 +193,12 @@ def _room_worker(rank: int, world: int) -> None:
     # rank 0's device has room for every chunk, rank 1's for none beyond the first wait
     room = 2**40 if rank == 0 else 0
     cpu_offload.room_under_peak_bytes = lambda device: room
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=256,
-        staging_slots=2,
-        overlap_forward=model,
-    )
-    _train(plain_model, plain, rank)
-    _train(model, opt, rank)
-    opt.wait_for_optimizer_step()
+    opt = _assert_overlap_matches_plain(plain_model, model, rank, chunk_bytes=256)
     loads = torch.tensor([opt.schedule.backward_loads])
     everyone = [torch.zeros_like(loads) for _ in range(world)]
     dist.all_gather(everyone, loads)
     assert len({int(t) for t in everyone}) == 1  # the least room: one schedule
     assert int(loads) < len(opt.plan.chunks)
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a.to_local(), b.to_local())
 
 
 def test_fsdp2_default_backward_loads_take_the_least_room_over_the_ranks():
