@@ -44,7 +44,10 @@ Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
 - plain/none, plain/offload+overlap, plain/torchao: the model as a plain module
   (no FSDP), bf16 autocast, fused AdamW: on the GPU, in our CPUOffloadOptimizer,
   or in torchao's `CPUOffloadOptimizer` (when torchao is importable);
-  plain/offload+overlap+bwd=BYTES: ours with that much state loaded in the backward.
+  plain/offload+overlap+bwd=BYTES: ours with that much state loaded in the backward;
+- any arm%NAME=VALUE[%NAME=VALUE...]: that arm with environment variables set in its
+  process (`muon/offload+overlap%MUON_NS_BACKEND=torch`), an A/B of a switch read from
+  the environment measured beside the other arms, in one table and the same rounds.
 
 Each arm runs in its own process (a fresh model, optimizer and allocator, and its
 own peak memory): warmup steps, then a window of `--steps` steps with the device
@@ -64,6 +67,7 @@ optimizer's "none" arm in this run and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
@@ -73,7 +77,7 @@ import re
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +85,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import muon.elementwise
+import muon.newton_schulz
 from bench import hf_llama
 from bench.data import random_tokens
 from bench.machine import describe, probe
@@ -118,14 +124,17 @@ class Arm:
     """offload_gpu_resident_bytes (bytes or "auto") of a sweep point."""
     backward_load: int | None = None
     """offload_load_in_backward's bytes of a +bwd=BYTES arm."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set in the arm's process (`%NAME=VALUE`)."""
 
     @property
     def name(self) -> str:
         loads = "" if self.backward_load is None else f"={bytes_text(self.backward_load)}"
+        env = "".join(f"%{k}={v}" for k, v in self.env)
         if self.plain:
-            return f"plain/{self.mode}{loads}"
+            return f"plain/{self.mode}{loads}{env}"
         suffix = "" if self.resident is None else f"@{bytes_text(self.resident)}"
-        return f"{self.optimizer}/{self.mode}{loads}{suffix}"
+        return f"{self.optimizer}/{self.mode}{loads}{suffix}{env}"
 
 
 def bytes_text(value: int | str) -> str:
@@ -156,13 +165,25 @@ def _load_bytes(text: str, item: str) -> int | None:
     return loads
 
 
+def _arm_env(items: Sequence[str], arm: str) -> tuple[tuple[str, str], ...]:
+    """An arm's `%NAME=VALUE` parts as (name, value) pairs."""
+    env = []
+    for text in items:
+        name, equals, value = text.partition("=")
+        if not equals or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is None:
+            raise SystemExit(f"arm {arm!r}: {text!r} is not NAME=VALUE (an environment variable)")
+        env.append((name, value))
+    return tuple(env)
+
+
 def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) -> list[Arm]:
     """The arms `--arms`, `--resident-sweep` and `--sweep-optimizers` ask for, in order."""
     chosen: list[Arm] = []
-    for item in spec.split(","):
-        item = item.strip()
+    for text in spec.split(","):
+        item, *env_items = text.strip().split("%")
+        env = _arm_env(env_items, text.strip())
         if item == "all":
-            chosen += [Arm(o, a) for o in OPTIMIZERS for a in ARMS]
+            chosen += [Arm(o, a, env=env) for o in OPTIMIZERS for a in ARMS]
             continue
         prefix, _, arm = item.rpartition("/")
         if prefix == "plain":
@@ -172,7 +193,8 @@ def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) 
                     f"unknown arm {item!r}: plain/ARM with ARM in {PLAIN_ARMS}, "
                     "offload+overlap+bwd=BYTES"
                 )
-            chosen.append(Arm("adamw", mode, plain=True, backward_load=_load_bytes(loads, item)))
+            loaded = _load_bytes(loads, item)
+            chosen.append(Arm("adamw", mode, plain=True, backward_load=loaded, env=env))
             continue
         mode, _, resident = arm.partition("@")
         mode, _, loads = mode.partition("=")
@@ -194,6 +216,7 @@ def selected_arms(spec: str, sweep: Sequence[int | str], sweep_optimizers: str) 
                     mode,
                     resident=parse_bytes(resident) if resident else None,
                     backward_load=_load_bytes(loads, item),
+                    env=env,
                 )
             )
     for o in sweep_optimizers.split(",") if sweep else ():
@@ -214,7 +237,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="all",
         help=f"comma-separated OPT/ARM (e.g. muon/offload), ARM for both optimizers, "
         f"OPT/offload+overlap[+bwd]@BYTES, plain/ARM, or all; ARM in {ARMS}, plain ARM in "
-        f"{PLAIN_ARMS}",
+        f"{PLAIN_ARMS}; any arm%%NAME=VALUE sets an environment variable in its process",
     )
     parser.add_argument("--model", choices=MODELS, default="llama-0.85b")
     parser.add_argument("--wrap", choices=hf_llama.WRAPS, default="per-layer", help="hf models")
@@ -450,6 +473,10 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
     result: dict[str, Any] = {
         "machine": machine,
+        "backends": {
+            "ns": muon.newton_schulz.get_backend(),
+            "elementwise": muon.elementwise.get_backend(),
+        },
         "search_steps": search_steps,
         "search_ms": 1e3 * search_s,
         "warmup_steps": len(warm_s),
@@ -650,6 +677,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         "arm": arm.name,
         "resident_bytes": arm.resident,
         "backward_load_bytes": arm.backward_load,
+        "env": dict(arm.env),
     }
     reason = unsupported_reason(arm, device)
     if reason is not None:
@@ -657,7 +685,8 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     process = ctx.Process(target=_arm_process, args=(arm, args, free_port(), queue))
-    process.start()
+    with _environment(dict(arm.env)):  # a spawned child starts with the parent's environment
+        process.start()
     try:
         result = queue.get()
     except KeyboardInterrupt:
@@ -668,6 +697,21 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if process.exitcode not in (0, None) and not result:
         result = {"error": f"arm process exited with {process.exitcode}"}
     return {**base, **result}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` set in this process's environment for the duration."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_order(arms: Sequence[Arm], baseline_runs: int, rounds: int = 1) -> list[Arm]:

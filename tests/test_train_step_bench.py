@@ -145,3 +145,31 @@ def test_gpu_budget_bounds_the_auto_arms_only():
         opt = build_optimizer(arm, model, args)
         assert opt.gpu_budget_bytes == budget
         opt.close()
+
+
+def test_an_arm_sets_environment_variables_in_its_own_process(tmp_path):
+    """`arm%NAME=VALUE`: an A/B of an environment switch in one run; the arm's process sees
+    it (here the Newton-Schulz backend it records), the other arms and this process not."""
+    pytest.importorskip("transformers")
+    import json
+    import os
+
+    from bench.train_step import main
+
+    arms = selected_arms("muon/none%MUON_NS_BACKEND=torch%X_Y=a=b,adamw/none", [], "")
+    assert [a.name for a in arms] == ["muon/none%MUON_NS_BACKEND=torch%X_Y=a=b", "adamw/none"]
+    assert arms[0].env == (("MUON_NS_BACKEND", "torch"), ("X_Y", "a=b"))
+    for bad in ("muon/none%MUON_NS_BACKEND", "muon/none%=torch", "muon/none%1A=b"):
+        with pytest.raises(SystemExit, match="not NAME=VALUE"):
+            selected_arms(bad, [], "")
+    out = tmp_path / "env.json"
+    main(
+        ["--device", "cpu", "--model", "hf-llama-tiny", "--steps", "1", "--warmup", "1"]
+        + ["--arms", "muon/none,muon/none%MUON_NS_BACKEND=torch", "--baseline-runs", "1"]
+        + ["--json", str(out)]
+    )
+    runs = {r["arm"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["muon/none"]["backends"]["ns"] == "auto"
+    assert runs["muon/none%MUON_NS_BACKEND=torch"]["backends"]["ns"] == "torch"
+    assert runs["muon/none%MUON_NS_BACKEND=torch"]["env"] == {"MUON_NS_BACKEND": "torch"}
+    assert "MUON_NS_BACKEND" not in os.environ
