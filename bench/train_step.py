@@ -73,6 +73,7 @@ import gc
 import math
 import multiprocessing
 import os
+import queue
 import re
 import statistics
 import time
@@ -648,8 +649,8 @@ def sequence_length(model: str) -> int:
     return ModelConfig.preset(model).seq_len
 
 
-def _arm_process(arm: Arm, args: argparse.Namespace, port: int, queue) -> None:
-    """Child process: one arm on a fresh world-1 process group; the result goes on `queue`."""
+def _arm_process(arm: Arm, args: argparse.Namespace, port: int, results) -> None:
+    """Child process: one arm on a fresh world-1 process group; the result goes on `results`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.device == "cuda":
         device = torch.device("cuda", 0)
@@ -667,7 +668,7 @@ def _arm_process(arm: Arm, args: argparse.Namespace, port: int, queue) -> None:
         result = {"error": f"{type(error).__name__}: {error}"}
     finally:
         dist.destroy_process_group()
-    queue.put(result)
+    results.put(result)
 
 
 def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -683,12 +684,12 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if reason is not None:
         return {**base, "error": reason}
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    process = ctx.Process(target=_arm_process, args=(arm, args, free_port(), queue))
+    results = ctx.Queue()
+    process = ctx.Process(target=_arm_process, args=(arm, args, free_port(), results))
     with _environment(dict(arm.env)):  # a spawned child starts with the parent's environment
         process.start()
     try:
-        result = queue.get()
+        result = _result_or_exit(process, results)
     except KeyboardInterrupt:
         process.terminate()
         raise
@@ -697,6 +698,20 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if process.exitcode not in (0, None) and not result:
         result = {"error": f"arm process exited with {process.exitcode}"}
     return {**base, **result}
+
+
+def _result_or_exit(process, results) -> dict[str, Any]:
+    """The arm's result from its process, or {} once the process has exited without one
+    (it died before `_arm_process` ran, e.g. importing under a bad `%NAME=VALUE`)."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not process.is_alive():
+                try:  # put just before it exited
+                    return results.get(timeout=1.0)
+                except queue.Empty:
+                    return {}
 
 
 @contextlib.contextmanager

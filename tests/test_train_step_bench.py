@@ -173,3 +173,20 @@ def test_an_arm_sets_environment_variables_in_its_own_process(tmp_path):
     assert runs["muon/none%MUON_NS_BACKEND=torch"]["backends"]["ns"] == "torch"
     assert runs["muon/none%MUON_NS_BACKEND=torch"]["env"] == {"MUON_NS_BACKEND": "torch"}
     assert "MUON_NS_BACKEND" not in os.environ
+
+
+def test_an_arm_whose_process_dies_before_it_runs_is_an_error_not_a_hang(tmp_path):
+    """A bad environment value fails the child's imports, before it can report."""
+    pytest.importorskip("transformers")
+    import json
+
+    from bench.train_step import main
+
+    out = tmp_path / "dead.json"
+    main(
+        ["--device", "cpu", "--model", "hf-llama-tiny", "--steps", "1", "--warmup", "1"]
+        + ["--arms", "muon/none%MUON_NS_BACKEND=bogus", "--baseline-runs", "1"]
+        + ["--json", str(out)]
+    )
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["error"] == "arm process exited with 1"
