@@ -7,7 +7,9 @@ Every JSON result belongs to a bench (by its file name's start, `BENCHES`) and a
 configuration (e.g. a train_step batch). Per (bench, configuration) the files of the
 newest run are current and get a table each; older files are listed by name. A file's
 commit and date are its own `run` entry (`bench.report.write_json` writes one) or else
-the commit that added it to the repository. Ratios are taken within one file (one run):
+the commit that added it to the repository; where the entry names the code that ran
+(`code`), the earliest commit on this branch holding that code is its commit (a machine
+the tree was synced onto may report a stale HEAD). Ratios are taken within one file (one run):
 runs of the same arm on different days differ by more than most effects measured here.
 """
 
@@ -270,14 +272,38 @@ def added_commits(folder: Path) -> dict[str, tuple[str, datetime]]:
     return added
 
 
+def code_commits(folder: Path, wanted: set[str]) -> dict[str, str]:
+    """Code fingerprint (`bench.report.code_id`) -> the short hash of the earliest commit
+    reachable from HEAD that holds that code, for the fingerprints in `wanted` found."""
+    from bench.report import commit_code_id
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=folder, capture_output=True, text=True, check=True
+        ).stdout
+
+    root = Path(git("rev-parse", "--show-toplevel").strip())
+    found: dict[str, str] = {}
+    for short in git("rev-list", "--reverse", "--abbrev-commit", "HEAD").split():
+        if len(found) == len(wanted):
+            break
+        code = commit_code_id(short, root)
+        if code in wanted and code not in found:
+            found[code] = short
+    return found
+
+
 def load_results(folder: Path = MEASURED) -> list[Result]:
     added = added_commits(folder)
+    runs = {path: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+    wanted = {(d.get("run") or {}).get("code") for d in runs.values()} - {None}
+    by_code = code_commits(folder, wanted) if wanted else {}
     results = []
-    for path in sorted(folder.glob("*.json")):
-        data = json.loads(path.read_text())
+    for path, data in runs.items():
         run = data.get("run") or {}
         if "commit" in run:
-            commit, date = run["commit"], datetime.fromisoformat(run["date"])
+            commit = by_code.get(run.get("code"), run["commit"])
+            date = datetime.fromisoformat(run["date"])
         elif path.name in added:
             commit, date = added[path.name]
         else:
