@@ -210,7 +210,9 @@ class StepSettings:
     `offload_overlap_forward`): the state the backward loads, whole chunks and at least
     the ring's, in an extra slot per chunk beyond the ring. 0: no loads in the backward
     (`load_in_backward=False`). None (the wrapper's default), with overlap: the chunks
-    holding what the forward waits for first, at least the ring's."""
+    holding what the forward waits for first, at least the ring's; on CUDA the wrapper also
+    loads more while they fit under the activations' peak, which this estimate cannot see
+    (it plans the optimizer's memory alone), so it plans the first-wait chunks."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""

@@ -436,7 +436,8 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "--offload-backward-load-mib", type=float, default=None,
         help="CPUOffloadOptimizer's load_in_backward as bytes (implies overlap_forward): state "
         "loaded in the backward, an extra staging slot per chunk beyond the ring; 0: none; "
-        "default: the wrapper's (with overlap, the chunks the forward waits for first)",
+        "default: the wrapper's (with overlap, the chunks the forward waits for first; on "
+        "CUDA it loads more where they fit under the activations' peak, not planned here)",
     )  # fmt: skip
     p.add_argument(
         "--wrap", choices=FSDP_WRAPS, default="per-layer",
