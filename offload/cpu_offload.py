@@ -1138,12 +1138,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """GPU bytes for state the plan of `split` holds at most: its resident state, the
         ring and the backward's extra slots (held together from the backward on)."""
         plan = self._plan_for(self._units_key, split)
-        staged = [not c.resident for c in plan.chunks]
         loads = 0
         if self._overlap is not None and (
             split.backward_load_bytes > 0 or self._insist_on_backward_loads
         ):
             loads = self._backward_loads(plan, None, split.backward_load_bytes or None)  # bytes
+        return self._held_with_loads(plan, loads)
+
+    def _held_with_loads(self, plan: OffloadPlan, loads: int) -> int:
+        """GPU bytes for state `plan` holds at most with `loads` chunks loaded in the
+        backward (its schedule's resident state, ring and extra slots)."""
+        staged = [not c.resident for c in plan.chunks]
         schedule = plan_step(staged, self.staging_slots, loads, overlap=self._overlap is not None)
         return plan.held_bytes(schedule.slots, self.staging_slots)
 
@@ -1348,12 +1353,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if self._load_first_wait:
                 room = self._room_under_peak
                 if room is not None:
-                    mask = [not c.resident for c in plan.chunks]
-
-                    def held(loads: int) -> int:
-                        schedule = plan_step(mask, self.staging_slots, loads, overlap=True)
-                        return plan.held_bytes(schedule.slots, self.staging_slots)
-
+                    held = functools.partial(self._held_with_loads, plan)
                     room = int(BACKWARD_ROOM_SHARE * room)
                     loads = loads_within_room(loads, len(staged), held, room)
                 self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
