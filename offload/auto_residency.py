@@ -44,6 +44,7 @@ from offload.residency import (
     search_splits,
     settled_split,
     split_total,
+    with_default,
 )
 
 
@@ -87,6 +88,7 @@ class AutoResidency:
         self._steps = 0
         self._probes: list[Probe] = []
         self._splits: list[Split] = []
+        self._default: Split | None = None  # the split the optimizer runs without "auto"
         self._probe_start = 0
         self._current = Split(0, 0)
         self._settled: Split | None = None  # what the search settled on, being checked
@@ -136,16 +138,19 @@ class AutoResidency:
         shape: StepShape,
         held: Callable[[Split], int],
         headroom_bytes: Callable[[], int],
+        default_backward_bytes: Callable[[], int],
     ) -> Split | None:
         """At the step just started: the split to run from here, or None (keep the current
         one). `held(split)`: this device's bytes a split holds for state at most (the
-        caller plans it); `headroom_bytes()`: the default budget, asked at most once."""
+        caller plans it); `headroom_bytes()`: the default budget; `default_backward_bytes()`:
+        what the backward loads without "auto" (0: nothing), a split the search tries;
+        each asked at most once."""
         step = self._steps - 1
         decide_at = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
         if step < decide_at:
             return None
         if step == decide_at:
-            return self._first_choice(step, shape, held, headroom_bytes)
+            return self._first_choice(step, shape, held, headroom_bytes, default_backward_bytes)
         if step < self._probe_start + PROBE_STEPS:
             return None
         # The probe's first step re-planned (the host synced): its iteration is left out.
@@ -168,6 +173,7 @@ class AutoResidency:
         shape: StepShape,
         held: Callable[[Split], int],
         headroom_bytes: Callable[[], int],
+        default_backward_bytes: Callable[[], int],
     ) -> Split | None:
         profiles = self.timer.profiles()
         if not shape.overlap:  # the last units stay resident: the step seen from its end
@@ -201,6 +207,10 @@ class AutoResidency:
         limit = int(limit)
         model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, limit)
         splits = search_splits(shape.unit_bytes, backward, limit)
+        default = None
+        if self.backward is not None and shape.overlap:
+            default = Split(0, default_backward_bytes())
+            splits = with_default(splits, default) if default.total > 0 else splits
         (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
         splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
         first = split_total(int(total), shape.unit_bytes, backward)
@@ -218,10 +228,11 @@ class AutoResidency:
             return self._run(first)
         self._probes = [measured]
         self._splits = splits
+        self._default = default
         return self._next(step)
 
     def _next(self, step: int) -> Split | None:
-        split = next_split(self._probes, self._splits)
+        split = next_split(self._probes, self._splits, self._default)
         if split is None:
             # Settled: the next PROBE_STEPS steps check what it measured for that split
             # (also when it was the fastest: steps of one run vary, and the check says so).

@@ -263,8 +263,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             choose how much state the forward does not load: with `overlap_forward`,
             the backward loads what its length carries and the leading units of the
             rest stay resident; then, on a GPU, run the most the budget allows a few
-            steps, and bisect for the least amount whose step is as fast as the
-            fastest, within `residency.NEAR_FASTEST` or the steps' own spread
+            steps, then the default's backward loads (as without "auto"), and
+            bisect for the least amount whose step is as fast as the fastest, within
+            `residency.NEAR_FASTEST` or the steps' own spread
             (`residency.NOISE_SIGMAS`, at most `residency.NOISE_CAP`;
             `offload.auto_residency`); the steps after it settles are checked, and if
             they are not as fast as the fastest split measured it takes that one instead. Without
@@ -1166,6 +1167,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             budget=budget,
         )
 
+    def _first_wait_loads(self, plan: OffloadPlan) -> int:
+        """How many of `plan`'s first staged chunks the default backward loads (forward
+        overlap without "auto"): those holding what the forward first waits for, and more
+        while the step holds no more than its share of the room under the measured peak."""
+        index = {p: i for i, p in enumerate(self._params)}
+        first = [index[p] for p in self._overlap.first_wait(index)]
+        loads = self._backward_loads(plan, first, None)
+        room = self._room_under_peak
+        if room is not None:
+            held = functools.partial(self._held_with_loads, plan)
+            staged = sum(not c.resident for c in plan.chunks)
+            loads = loads_within_room(loads, staged, held, int(BACKWARD_ROOM_SHARE * room))
+        return loads
+
+    def _default_backward_bytes(self) -> int:
+        """What the backward loads without "auto" (`_first_wait_loads`, of the plan with
+        nothing resident, the room under the peak measured now), for "auto" to try."""
+        plan = self._plan_for(self._units_key, Split(0, 1))  # any bytes: it loads
+        staged = [c for c in plan.chunks if not c.resident]
+        return sum(c.invariant_bytes for c in staged[: self._first_wait_loads(plan)])
+
     def _run_auto(self, auto: AutoResidency) -> None:
         """ "auto"'s decision at this step: re-plan with the split it returns (the host
         waits here for the last step, as for a checkpoint); once it has settled, say
@@ -1179,7 +1201,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # The ring was held at the measured peak: it is the optimizer's to hold again.
         ring = plan.staging_bytes(self.staging_slots)
         split = auto.decide(
-            shape, self._held_bytes, lambda: device_headroom_bytes(self.device) + ring
+            shape,
+            self._held_bytes,
+            lambda: device_headroom_bytes(self.device) + ring,
+            self._default_backward_bytes,
         )
         settled = auto.choice
         if (
@@ -1345,18 +1370,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         staged = [c for c in plan.chunks if not c.resident]
         loads = 0
         if ring and self._load_in_backward:
-            first = None
             if self._load_first_wait:
-                index = {p: i for i, p in enumerate(self._params)}
-                first = [index[p] for p in self._overlap.first_wait(index)]
-            loads = self._backward_loads(plan, first, self.backward_load_bytes)
-            if self._load_first_wait:
-                room = self._room_under_peak
-                if room is not None:
-                    held = functools.partial(self._held_with_loads, plan)
-                    room = int(BACKWARD_ROOM_SHARE * room)
-                    loads = loads_within_room(loads, len(staged), held, room)
+                loads = self._first_wait_loads(plan)
                 self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
+            else:
+                loads = self._backward_loads(plan, None, self.backward_load_bytes)
         schedule = plan_step(
             [not c.resident for c in plan.chunks],
             self.staging_slots,

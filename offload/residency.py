@@ -215,18 +215,31 @@ def near_fastest(probe: Probe, probes: Sequence[Probe]) -> bool:
     return probe.iteration_ms - fastest.iteration_ms <= allowed * fastest.iteration_ms
 
 
-def next_split(probes: Sequence[Probe], splits: Sequence[Split]) -> Split | None:
+def with_default(splits: Sequence[Split], default: Split) -> list[Split]:
+    """`splits` with `default` among them in total order (it replaces a split of its total)."""
+    return sorted({s.total: s for s in (*splits, default)}.values(), key=lambda s: s.total)
+
+
+def next_split(
+    probes: Sequence[Probe], splits: Sequence[Split], default: Split | None = None
+) -> Split | None:
     """The split to try next, or None when the search is done.
 
     probes[0] is the measured steps (nothing kept off the forward's path). First the
-    largest split (the fastest step the budget allows), then a bisection between the
-    largest total tried that was not near the fastest and the least that was (a step
-    does not get slower with more kept off the forward's path), `MAX_PROBES` at most.
+    largest split (the fastest step the budget allows), then `default` (one of `splits`:
+    what the optimizer runs without "auto"), then a bisection between the largest total
+    tried that was not near the fastest and the least that was, `MAX_PROBES` at most.
+    The bisection takes a step not to get slower with more kept off the forward's path,
+    which does not always hold: loading the whole state in the backward can be slower
+    than loading the default's first chunks (measured with Muon, both ends alike), so
+    the default is tried whatever the ends measured.
     """
     if not splits or len(probes) > MAX_PROBES:
         return None
     if len(probes) == 1:
         return splits[-1]
+    if default in splits and all(p.split != default for p in probes):
+        return default
     index = {split: i for i, split in enumerate(splits)}
     tried = [(index.get(p.split, -1), near_fastest(p, probes)) for p in probes]
     near = min((i for i, ok in tried if ok), default=len(splits))

@@ -13,7 +13,7 @@ import torch
 from fake_step_timer import FakeStepTimer
 
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
-from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, settled_split
+from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, Split, settled_split
 from offload.subset_step import GroupStep, ParamSlice
 
 OPTIMIZERS = {
@@ -562,10 +562,13 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     totals = [p.split.total for p in probes]
     assert totals[0] == 0 and 3 <= len(totals) <= 1 + MAX_PROBES
     assert totals[1] == max(totals) > STATE_BYTES // 2  # the most first: the fastest step
+    default = Split(0, opt._default_backward_bytes())  # also tried, as it is
     for probe in probes[1:]:
         # the share of 10 ms * 200 bytes/ms at most loaded in the backward
         cap = int(BACKWARD_LOAD_SHARE * 10.0 * 200.0)
-        assert probe.split.backward_load_bytes == min(cap, probe.split.total)
+        if probe.split != default:
+            assert probe.split.backward_load_bytes == min(cap, probe.split.total)
+    assert default in [p.split for p in probes]
     fastest = min(p.iteration_ms for p in probes)
     near = [p for p in probes if p.iteration_ms <= (1 + NEAR_FASTEST) * fastest]
     settled = min(near, key=lambda p: p.split.total).split
@@ -579,6 +582,25 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     assert opt.plan.resident_bytes > 0 and opt.chunks_loaded_in_backward > 0
     assert len(slabs) >= 3 and all(s == slabs[0] for s in slabs)  # never re-pinned
     assert "loaded in the backward" in caplog.text and "steps tried" in caplog.text
+
+
+def test_auto_tries_the_default_backward_loads_when_more_is_not_faster():
+    """A step need not get faster with more kept off the forward's path: here only the
+    default's backward loads (what the forward first waits for) are fast, and the whole
+    state loaded in the backward is as slow as nothing. "auto" tries the default after the
+    largest split and settles on it, where bisecting from the ends settled on nothing."""
+    default = []
+
+    def iteration_ms(opt):
+        if not default:
+            default.append(opt._default_backward_bytes())
+        return 60.0 if (opt._resident_budget, _kept(opt)) == (0, default[0]) else 100.0
+
+    opt = _search_auto(iteration_ms, lambda opt, built: None)
+    choice = opt.residency
+    assert 0 < default[0] < max(p.split.total for p in choice.probes)
+    assert (choice.resident_bytes, choice.backward_load_bytes) == (0, default[0])
+    assert [p.split.total for p in choice.probes][2] == default[0]  # right after the largest
 
 
 def test_auto_never_settles_on_a_split_over_its_budget():

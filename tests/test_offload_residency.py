@@ -29,6 +29,7 @@ from offload.residency import (
     search_splits,
     settled_split,
     split_total,
+    with_default,
 )
 
 # Four chunks of 100 bytes done 10, 20, 30, 40 ms into the step. The forward reaches the
@@ -226,6 +227,21 @@ def test_the_search_runs_the_most_first_then_bisects_for_the_least_near_the_fast
     ]
 
     assert next_split(_probes((0, 100.0)), []) is None  # the budget keeps nothing
+
+
+def test_the_search_tries_the_default_after_the_largest_and_bisects_below_it():
+    default = Split(0, 250)
+    splits = with_default(SPLITS, default)
+    assert [s.total for s in splits] == [100, 200, 250, 300, 400, 500, 600, 700, 800]
+    assert with_default(SPLITS, Split(0, 300)) == SPLITS  # one split a total
+    # only the default is fast: the ends alike, as with the whole state loaded in the backward
+    probes = _probes((0, 100.0))
+    while (split := next_split(probes, splits, default)) is not None:
+        probes.append(Probe(split, 60.0 if split == default else 100.0))
+    assert [p.split.total for p in probes][:3] == [0, 800, 250]
+    assert settled_split(probes) == default
+    # a default the budget left out of the splits is not tried
+    assert next_split(_probes((0, 100.0), (800, 100.0)), SPLITS, default) is None
 
 
 def test_a_medians_error_is_robust_to_one_slow_step():
