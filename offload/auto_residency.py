@@ -68,7 +68,7 @@ class AutoResidency:
     budget_bytes: GPU memory for state the choice may hold (this device's bytes, as the
     caller's `held` counts them); None: the device's headroom at the measured peak, but
     never more than keeping the whole state on the GPU holds (offloading is for holding
-    less than not offloading).
+    less than not offloading), except that the default's backward loads are tried too.
     backward: what the backward may load: "auto" (what its measured length carries),
     a fixed byte count, or None (nothing).
     """
@@ -207,12 +207,16 @@ class AutoResidency:
         limit = int(limit)
         model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, limit)
         splits = search_splits(shape.unit_bytes, backward, limit)
-        default = None
-        if self.backward is not None and shape.overlap:
-            default = Split(0, default_backward_bytes())
-            splits = with_default(splits, default) if default.total > 0 else splits
         (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
         splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
+        default = None
+        if self.backward is not None and shape.overlap:
+            # Tried past the default budget too: without "auto" it would run anyway, and
+            # its loads fill the room under the peak (the same on every rank).
+            default = Split(0, default_backward_bytes())
+            _, (default_fits,) = self._agree([], [fits(default)])
+            if default.total > 0 and (default_fits or self.budget_bytes is None):
+                splits = with_default(splits, default)
         first = split_total(int(total), shape.unit_bytes, backward)
         _, (first_fits,) = self._agree([], [fits(first)])
         if not first_fits:

@@ -276,7 +276,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             (resident state, the staging ring and the backward's extra slots); default:
             what the device had free at the measured steps' peak, less
             `residency.BUDGET_MARGIN_FRACTION` of its memory, and never more than
-            keeping the whole state on the GPU would hold.
+            keeping the whole state on the GPU would hold; the default's backward loads
+            (what runs without "auto", within the room under the peak) are tried too.
         load_in_backward: with `overlap_forward`, load the next step's first chunks in
             the backward of the first forward after a step, spread over the modules it
             passes from the last module that forward ran on (by then the loss and head's

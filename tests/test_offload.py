@@ -602,6 +602,25 @@ def test_auto_tries_the_default_backward_loads_when_more_is_not_faster():
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, default[0])
     assert [p.split.total for p in choice.probes][2] == default[0]  # right after the largest
 
+    # A budget the user sets holds the default out; the default budget (at most what the
+    # whole state resident holds) does not: the whole state loaded in the backward holds
+    # more, the ring too, within the room under the peak.
+    held = opt._held_bytes(Split(0, default[0]))
+    small = _search_auto(iteration_ms, lambda opt, built: None, gpu_budget_bytes=held - 1)
+    assert all(p.split != Split(0, default[0]) for p in small.residency.probes)
+    everything = Split(0, STATE_BYTES)
+    assert opt._held_bytes(everything) > opt._held_bytes(Split(STATE_BYTES, 0))
+    default[:] = [STATE_BYTES]
+
+    def build(opt, built):
+        opt._default_backward_bytes = lambda: STATE_BYTES
+
+    loads_all = _search_auto(iteration_ms, build)
+    assert (loads_all.residency.resident_bytes, loads_all.residency.backward_load_bytes) == (
+        0,
+        STATE_BYTES,
+    )
+
 
 def test_auto_never_settles_on_a_split_over_its_budget():
     """What a split holds need not grow with its total: a smaller one can leave a large
