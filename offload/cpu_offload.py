@@ -582,6 +582,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._closed = True
         _WRAPPERS.pop(self.optimizer, None)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.copy, copy.deepcopy and pickle all come here. torch's Optimizer.__getstate__
+        # keeps only defaults, state and groups: the copy had no slabs, ring or hooks.
+        raise TypeError(
+            "a CPUOffloadOptimizer cannot be copied or pickled (its state lives in pinned "
+            "host slabs and it drives the model's forward hooks): save its state_dict() "
+            "and load it into a new CPUOffloadOptimizer wrapping a new optimizer"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's `state_dict`, with the hooks registered on the wrapper
         called around it as `torch.optim.Optimizer.state_dict` calls them."""

@@ -145,3 +145,18 @@ def test_overlap_forward_that_is_not_a_module_is_refused_naming_what_it_takes(va
     model = _linear()
     with pytest.raises(TypeError, match=r"overlap_forward should be the model .* but is: "):
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=value)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_a_copy_or_a_pickle_of_the_optimizer_is_refused_naming_state_dict(how):
+    """A copy would share the host slabs and staging ring, or lose them: it could not step."""
+    import copy
+    import pickle
+
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    _backward(model)
+    opt.step()
+    duplicate = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict\(\).*new"):
+        duplicate(opt)
