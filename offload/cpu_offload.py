@@ -143,6 +143,23 @@ def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size
         )
 
 
+def _check_each_param_once(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a param listed twice: torch's step updates it once per listing, the
+    chunked step once (its state has one home)."""
+    seen: dict[Tensor, tuple[int, int]] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for k, param in enumerate(group["params"]):
+            if param in seen:
+                first_g, first_k = seen[param]
+                raise ValueError(
+                    f"the param at group {g}, position {k} (shape {tuple(param.shape)}) is "
+                    f"listed twice: also at group {first_g}, position {first_k}. "
+                    f"{type(optimizer).__name__} steps it once per listing, "
+                    "CPUOffloadOptimizer once: list each param once"
+                )
+            seen[param] = (g, k)
+
+
 @dataclass
 class _Home:
     """Where one state tensor lives between steps: a host slab view, or a GPU-resident one."""
@@ -382,6 +399,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"{type(optimizer).__name__} has no params to optimize (its param groups are "
                 "empty); give it the model's params before wrapping it"
             )
+        _check_each_param_once(optimizer)
         devices = {local_tensor(p).device for p in self._params}
         if len(devices) != 1:
             raise ValueError(f"all params must be on one device, found {sorted(map(str, devices))}")

@@ -160,3 +160,19 @@ def test_a_copy_or_a_pickle_of_the_optimizer_is_refused_naming_state_dict(how):
     duplicate = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": pickle.dumps}[how]
     with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict\(\).*new"):
         duplicate(opt)
+
+
+@pytest.mark.parametrize("where", ["one_group", "two_groups"])
+def test_a_param_listed_twice_is_refused_naming_where(where):
+    # plain AdamW steps a param listed twice twice a step; the wrapper stepped it once
+    model = _linear()
+    if where == "one_group":
+        with pytest.warns(UserWarning, match="duplicate parameters"):  # torch only warns
+            inner = torch.optim.AdamW([model.weight, model.bias, model.weight])
+        second, first = r"group 0, position 2 \(shape \(4, 8\)\)", "group 0, position 0"
+    else:  # torch's add_param_group refuses this; a hand-edited param_groups does not
+        inner = torch.optim.AdamW([model.weight, model.bias])
+        inner.param_groups.append({**inner.param_groups[0], "params": [model.bias]})
+        second, first = r"group 1, position 0 \(shape \(4,\)\)", "group 0, position 1"
+    with pytest.raises(ValueError, match=rf"param at {second} is listed twice.*{first}.*once"):
+        CPUOffloadOptimizer(inner)
