@@ -176,3 +176,14 @@ def test_a_param_listed_twice_is_refused_naming_where(where):
         second, first = r"group 1, position 0 \(shape \(4,\)\)", "group 0, position 1"
     with pytest.raises(ValueError, match=rf"param at {second} is listed twice.*{first}.*once"):
         CPUOffloadOptimizer(inner)
+
+
+@pytest.mark.parametrize("which", ["another_model", "a_child_without_params"])
+def test_overlap_forward_holding_none_of_the_params_is_refused_naming_what_to_pass(which):
+    # accepted, it never overlapped a step: its forward reaches none of the chunks
+    model = torch.nn.Sequential(_linear(), torch.nn.Tanh())
+    other = {"another_model": _linear(1), "a_child_without_params": model[1]}[which]
+    with pytest.raises(
+        ValueError, match=r"overlap_forward \((Linear|Tanh)\) holds none of the 2 params.*reads"
+    ):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=other)
