@@ -314,7 +314,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             hide. These slots are GPU memory from the backward to the next forward, after
             the backward's peak (under gradient accumulation, from the first micro-batch's
             backward on). Nothing of the update starts before `step()` (grads may still
-            change, e.g. clipping). Each module's
+            change, e.g. clipping), and state edited in place after the backward (through
+            `state`, or a state tensor held from an earlier step, by torch ops: the host
+            slabs' version counters tell `step()` to load again) is what it steps. Each module's
             backward should outlast loading its share (about `chunk_bytes` per module at
             the host link's copy rate, with the defaults and a 16-layer model), or the
             trainer's own small copies wait behind the loads.
@@ -470,6 +472,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         settled, what it chose."""
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
+        self._loaded_ahead_versions: list[int] = []  # the host slabs' once the backward loaded
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
         _WRAPPERS[optimizer] = weakref.ref(self)
@@ -547,7 +550,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state, once the last step has written it back (an
         overlapped step's pending chunks run first, as for `state_dict`). Chunks the
         backward loaded for the next step are loaded again by it: the caller may edit
-        their state in place."""
+        their state in place (so may one holding a state tensor from an earlier step,
+        through torch ops: `load_in_backward`)."""
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
         return self.optimizer.state
@@ -798,6 +802,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
         self._take_replaced_state()
+        if self._loaded_ahead and self._host_slab_versions() != self._loaded_ahead_versions:
+            # A state tensor held from an earlier step was edited in place after the
+            # backward's loads (an edit through `state` has dropped them already).
+            self._drop_loaded_ahead()
         if auto is not None and self._plan is not None:
             self._run_auto(auto)
         subset = self._subset.begin_subset_step()
@@ -1065,6 +1073,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for index in range(loaded, share):
                 self._loaded_ahead[index] = self._load(staged[index], had_state)
         self._loaded_ahead_done = streams.mark(streams.h2d)
+        self._loaded_ahead_versions = self._host_slab_versions()
+
+    def _host_slab_versions(self) -> list[int]:
+        """The host slabs' version counters, which every in-place write through a home
+        (a view of a slab) bumps."""
+        return [slab._version for slab in self._host_slabs.values()]
 
     def _drop_loaded_ahead(self) -> None:
         """Forget chunks loaded in the backward (their homes are about to change)."""

@@ -202,6 +202,26 @@ def test_state_edit_after_backward_loads_is_kept(budget):
     _assert_same(plain_model, plain, model, overlapped)
 
 
+@pytest.mark.parametrize("load_in_backward", [None, True, 2**40], ids=["default", "ring", "all"])
+def test_edit_through_a_state_tensor_held_from_an_earlier_step_is_kept(load_in_backward):
+    # the step used the copy the backward had loaded: the edit, made after it, was lost
+    plain_model, plain, model, overlapped = _pair(Outside, load_in_backward=load_in_backward)
+    held: dict[CPUOffloadOptimizer, list[torch.Tensor]] = {}
+
+    def hold_moments(m, o):
+        if o not in held:
+            held[o] = [o.state[p]["exp_avg"] for p in m.parameters()]
+
+    def reset_held_moments(m, o):
+        for exp_avg in held.get(o, ()):
+            exp_avg.zero_()
+
+    data, edits = _tokens(4), {"after_step": hold_moments, "after_backward": reset_held_moments}
+    assert _train(plain_model, plain, data, **edits) == _train(model, overlapped, data, **edits)
+    assert overlapped.chunks_loaded_in_backward == 0  # dropped: the state changed after them
+    _assert_same(plain_model, plain, model, overlapped)
+
+
 # -- FSDP2 on gloo ---------------------------------------------------------------------
 
 
