@@ -315,8 +315,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             the backward's peak (under gradient accumulation, from the first micro-batch's
             backward on). Nothing of the update starts before `step()` (grads may still
             change, e.g. clipping), and state edited in place after the backward (through
-            `state`, or a state tensor held from an earlier step, by torch ops: the host
-            slabs' version counters tell `step()` to load again) is what it steps. Each module's
+            `state`, or a state tensor held from an earlier step, by torch ops: their
+            version counters tell `step()` to load again) is what it steps. Each module's
             backward should outlast loading its share (about `chunk_bytes` per module at
             the host link's copy rate, with the defaults and a 16-layer model), or the
             trainer's own small copies wait behind the loads.
@@ -472,7 +472,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         settled, what it chose."""
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
-        self._loaded_ahead_versions: list[int] = []  # the host slabs' once the backward loaded
+        self._loaded_ahead_versions: list[int] = []  # of their state, once the backward loaded
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
         _WRAPPERS[optimizer] = weakref.ref(self)
@@ -802,7 +802,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
         self._take_replaced_state()
-        if self._loaded_ahead and self._host_slab_versions() != self._loaded_ahead_versions:
+        if self._loaded_ahead and self._edited_since_loaded_ahead():
             # A state tensor held from an earlier step was edited in place after the
             # backward's loads (an edit through `state` has dropped them already).
             self._drop_loaded_ahead()
@@ -1070,15 +1070,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Allocated on the backward's stream: the loads start after its work so far.
             self._acquire_slots()
             streams.wait(streams.h2d, streams.mark(streams.current()))
+            if not loaded:
+                self._loaded_ahead_versions = []
             for index in range(loaded, share):
                 self._loaded_ahead[index] = self._load(staged[index], had_state)
+                self._loaded_ahead_versions += _state_versions(staged[index])
         self._loaded_ahead_done = streams.mark(streams.h2d)
-        self._loaded_ahead_versions = self._host_slab_versions()
 
-    def _host_slab_versions(self) -> list[int]:
-        """The host slabs' version counters, which every in-place write through a home
-        (a view of a slab) bumps."""
-        return [slab._version for slab in self._host_slabs.values()]
+    def _edited_since_loaded_ahead(self) -> bool:
+        """Whether state the backward loaded was edited in place since (by torch ops)."""
+        staged = self._schedule.loaded_in_backward
+        now = [v for i in self._loaded_ahead for v in _state_versions(self._chunks[staged[i]])]
+        return now != self._loaded_ahead_versions
 
     def _drop_loaded_ahead(self) -> None:
         """Forget chunks loaded in the backward (their homes are about to change)."""
@@ -1627,6 +1630,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ]
         units = tuple((i,) for i in range(len(self._params)))
         self._build(plan_offload(units, specs, chunk_bytes=2**62), units, ring=False)
+
+
+def _state_versions(chunk: _Chunk) -> list[int]:
+    """The version counters of `chunk`'s state at home. An in-place torch op on a home bumps
+    its slab's (shared by the slab's views); one on a DTensor state only the wrapper's (its
+    local op runs below the counting)."""
+    return [t._version for view in chunk.views for t in (view.home.home, view.home.home_state)]
 
 
 def _nothing(*args: Any) -> None:

@@ -337,6 +337,22 @@ def _fsdp_worker(rank: int, world: int) -> None:
     )
     _assert_same_local(*pair)
 
+    # ... and through a state DTensor held from an earlier step (an in-place op on it
+    # counts on the DTensor only, not on its local tensor)
+    held: dict[CPUOffloadOptimizer, list[torch.Tensor]] = {}
+
+    def hold_moments(m, o):
+        held.setdefault(o, [o.state[p]["exp_avg"] for p in m.parameters()])
+
+    def reset_held_moments(m, o):
+        for exp_avg in held.get(o, ()):
+            exp_avg.zero_()
+
+    pair = _fsdp_pair(TiedEmbedFirst, mesh, load_in_backward=True)
+    edits = {"after_step": hold_moments, "after_backward": reset_held_moments}
+    assert _train(*pair[:2], data, **edits) == _train(*pair[2:], data, **edits)
+    _assert_same_local(*pair)
+
     # params whose all-gather the overlap cannot see: refused, naming the param
     torch.manual_seed(0)
     model = _fsdp(Outside(), mesh)
