@@ -294,9 +294,10 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
 def _bucket_cap_for_offload(model: nn.Module, config: OptimizerConfig) -> int:
     """A Muon bucket is one offload unit, and the staging ring holds its largest unit
     `offload_staging_slots` times: cap buckets so a unit's fp32 momentum shard (twice
-    the bf16 bytes the cap counts, over the shards) fits one chunk."""
+    the bf16 bytes the cap counts, over the shards) fits one chunk. At least 1 byte (one
+    matrix a bucket): a chunk is at least one unit anyway."""
     shards = max((p.numel() // max(1, invariant_numel(p)) for p in model.parameters()), default=1)
-    return min(DEFAULT_BUCKET_CAP_BYTES, config.offload_chunk_bytes * shards // 2)
+    return max(1, min(DEFAULT_BUCKET_CAP_BYTES, config.offload_chunk_bytes * shards // 2))
 
 
 def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:

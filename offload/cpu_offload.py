@@ -143,6 +143,23 @@ def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size
         )
 
 
+def _check_each_param_once(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a param listed twice: torch's step updates it once per listing, the
+    chunked step once (its state has one home)."""
+    seen: dict[Tensor, tuple[int, int]] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for k, param in enumerate(group["params"]):
+            if param in seen:
+                first_g, first_k = seen[param]
+                raise ValueError(
+                    f"the param at group {g}, position {k} (shape {tuple(param.shape)}) is "
+                    f"listed twice: also at group {first_g}, position {first_k}. "
+                    f"{type(optimizer).__name__} steps it once per listing, "
+                    "CPUOffloadOptimizer once: list each param once"
+                )
+            seen[param] = (g, k)
+
+
 @dataclass
 class _Home:
     """Where one state tensor lives between steps: a host slab view, or a GPU-resident one."""
@@ -297,7 +314,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             hide. These slots are GPU memory from the backward to the next forward, after
             the backward's peak (under gradient accumulation, from the first micro-batch's
             backward on). Nothing of the update starts before `step()` (grads may still
-            change, e.g. clipping). Each module's
+            change, e.g. clipping), and state edited in place after the backward (through
+            `state`, or a state tensor held from an earlier step, by torch ops: their
+            version counters tell `step()` to load again) is what it steps. Each module's
             backward should outlast loading its share (about `chunk_bytes` per module at
             the host link's copy rate, with the defaults and a 16-layer model), or the
             trainer's own small copies wait behind the loads.
@@ -382,6 +401,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"{type(optimizer).__name__} has no params to optimize (its param groups are "
                 "empty); give it the model's params before wrapping it"
             )
+        _check_each_param_once(optimizer)
         devices = {local_tensor(p).device for p in self._params}
         if len(devices) != 1:
             raise ValueError(f"all params must be on one device, found {sorted(map(str, devices))}")
@@ -452,6 +472,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         settled, what it chose."""
         self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self._loaded_ahead_done: torch.Event | None = None
+        self._loaded_ahead_versions: list[int] = []  # of their state, once the backward loaded
         self.chunks_loaded_in_backward = 0
         """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
         _WRAPPERS[optimizer] = weakref.ref(self)
@@ -529,7 +550,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state, once the last step has written it back (an
         overlapped step's pending chunks run first, as for `state_dict`). Chunks the
         backward loaded for the next step are loaded again by it: the caller may edit
-        their state in place."""
+        their state in place (so may one holding a state tensor from an earlier step,
+        through torch ops: `load_in_backward`)."""
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
         return self.optimizer.state
@@ -581,6 +603,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._ring, self._extra_slots = None, []
         self._closed = True
         _WRAPPERS.pop(self.optimizer, None)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.copy, copy.deepcopy and pickle all come here. torch's Optimizer.__getstate__
+        # keeps only defaults, state and groups: the copy had no slabs, ring or hooks.
+        raise TypeError(
+            "a CPUOffloadOptimizer cannot be copied or pickled (its state lives in pinned "
+            "host slabs and it drives the model's forward hooks): save its state_dict() "
+            "and load it into a new CPUOffloadOptimizer wrapping a new optimizer"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's `state_dict`, with the hooks registered on the wrapper
@@ -771,6 +802,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
         self._take_replaced_state()
+        if self._loaded_ahead and self._edited_since_loaded_ahead():
+            # A state tensor held from an earlier step was edited in place after the
+            # backward's loads (an edit through `state` has dropped them already).
+            self._drop_loaded_ahead()
         if auto is not None and self._plan is not None:
             self._run_auto(auto)
         subset = self._subset.begin_subset_step()
@@ -1035,9 +1070,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Allocated on the backward's stream: the loads start after its work so far.
             self._acquire_slots()
             streams.wait(streams.h2d, streams.mark(streams.current()))
+            if not loaded:
+                self._loaded_ahead_versions = []
             for index in range(loaded, share):
                 self._loaded_ahead[index] = self._load(staged[index], had_state)
+                self._loaded_ahead_versions += _state_versions(staged[index])
         self._loaded_ahead_done = streams.mark(streams.h2d)
+
+    def _edited_since_loaded_ahead(self) -> bool:
+        """Whether state the backward loaded was edited in place since (by torch ops)."""
+        staged = self._schedule.loaded_in_backward
+        now = [v for i in self._loaded_ahead for v in _state_versions(self._chunks[staged[i]])]
+        return now != self._loaded_ahead_versions
 
     def _drop_loaded_ahead(self) -> None:
         """Forget chunks loaded in the backward (their homes are about to change)."""
@@ -1586,6 +1630,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ]
         units = tuple((i,) for i in range(len(self._params)))
         self._build(plan_offload(units, specs, chunk_bytes=2**62), units, ring=False)
+
+
+def _state_versions(chunk: _Chunk) -> list[int]:
+    """The version counters of `chunk`'s state at home. An in-place torch op on a home bumps
+    its slab's (shared by the slab's views); one on a DTensor state only the wrapper's (its
+    local op runs below the counting)."""
+    return [t._version for view in chunk.views for t in (view.home.home, view.home.home_state)]
 
 
 def _nothing(*args: Any) -> None:

@@ -183,6 +183,14 @@ class ForwardOverlap:
     def __init__(self, model: nn.Module, params: Sequence[Tensor], streams: CopyStreams) -> None:
         self._streams = streams
         self.owners = param_owners(model)
+        held = {p for _, own in self.owners for p in own}
+        if not any(p in held for p in params):
+            raise ValueError(
+                f"overlap_forward ({type(model).__name__}) holds none of the {len(params)} "
+                "params being optimized, so its forward never reaches a chunk and no step "
+                "would overlap: pass the model whose forward reads them (the root module you "
+                "fully_shard, or the plain module), or leave overlap_forward None"
+            )
         # FSDP2 units hold every param: a unit's forward reads only all-gathered copies,
         # so the mode leaves the stack at the forward's start (nothing for torch.compile
         # to trace; the forward's end finishes the step), but in the first overlapped

@@ -250,7 +250,9 @@ class ElementwiseGroupStep(GroupStep):
                 )
         finally:
             for p, stand_in in stand_ins:
-                state[p].update(state.pop(stand_in, {}))
+                # as torch, no entry for a param the step keeps no state for (SGD, momentum 0)
+                if stepped := state.pop(stand_in, {}):
+                    state[p].update(stepped)
         # A caller holding a sliced param's `state[param]["step"]` reads the result in it.
         for param in {s.param: None for s in slices}:
             for key, own in self._own_scalars.get(param, {}).items():

@@ -180,6 +180,27 @@ def test_offloaded_muon_buckets_fit_a_chunk():
     assert setup_optimizer(model, OptimizerConfig(type="muon")).bucket_cap_bytes > 2**20
 
 
+def test_offloaded_muon_with_chunks_smaller_than_a_byte_pair_steps_as_plain_muon():
+    # offload_chunk_bytes=1 once capped buckets at 0 bytes, refused as "bucket_cap_bytes
+    # should be >= 1", an option the user never set
+    config = OptimizerConfig(type="muon", offload="optimizer", offload_chunk_bytes=1)
+    plain_config = OptimizerConfig(type="muon", muon_options={"bucket_cap_bytes": 1})
+    torch.manual_seed(0)
+    model = Net()
+    plain_model = Net()
+    plain_model.load_state_dict(model.state_dict())
+    opt, plain = setup_optimizer(model, config), setup_optimizer(plain_model, plain_config)
+    assert opt.optimizer.bucket_cap_bytes == 1
+    for step in range(2):
+        for p, q in zip(model.parameters(), plain_model.parameters(), strict=True):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        opt.step()
+        plain.step()
+    for p, q in zip(model.parameters(), plain_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_valid_muon_options_and_int_lr_are_accepted():
     config = OptimizerConfig(
         type="muon", lr=1, muon_options={"ns_dtype": torch.float32, "ns_steps": None}

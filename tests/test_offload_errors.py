@@ -145,3 +145,45 @@ def test_overlap_forward_that_is_not_a_module_is_refused_naming_what_it_takes(va
     model = _linear()
     with pytest.raises(TypeError, match=r"overlap_forward should be the model .* but is: "):
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=value)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_a_copy_or_a_pickle_of_the_optimizer_is_refused_naming_state_dict(how):
+    """A copy would share the host slabs and staging ring, or lose them: it could not step."""
+    import copy
+    import pickle
+
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    _backward(model)
+    opt.step()
+    duplicate = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict\(\).*new"):
+        duplicate(opt)
+
+
+@pytest.mark.parametrize("where", ["one_group", "two_groups"])
+def test_a_param_listed_twice_is_refused_naming_where(where):
+    # plain AdamW steps a param listed twice twice a step; the wrapper stepped it once
+    model = _linear()
+    if where == "one_group":
+        with pytest.warns(UserWarning, match="duplicate parameters"):  # torch only warns
+            inner = torch.optim.AdamW([model.weight, model.bias, model.weight])
+        second, first = r"group 0, position 2 \(shape \(4, 8\)\)", "group 0, position 0"
+    else:  # torch's add_param_group refuses this; a hand-edited param_groups does not
+        inner = torch.optim.AdamW([model.weight, model.bias])
+        inner.param_groups.append({**inner.param_groups[0], "params": [model.bias]})
+        second, first = r"group 1, position 0 \(shape \(4,\)\)", "group 0, position 1"
+    with pytest.raises(ValueError, match=rf"param at {second} is listed twice.*{first}.*once"):
+        CPUOffloadOptimizer(inner)
+
+
+@pytest.mark.parametrize("which", ["another_model", "a_child_without_params"])
+def test_overlap_forward_holding_none_of_the_params_is_refused_naming_what_to_pass(which):
+    # accepted, it never overlapped a step: its forward reaches none of the chunks
+    model = torch.nn.Sequential(_linear(), torch.nn.Tanh())
+    other = {"another_model": _linear(1), "a_child_without_params": model[1]}[which]
+    with pytest.raises(
+        ValueError, match=r"overlap_forward \((Linear|Tanh)\) holds none of the 2 params.*reads"
+    ):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=other)

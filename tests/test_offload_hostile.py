@@ -512,3 +512,28 @@ def test_a_compiled_step_runs_eagerly_and_bitwise(overlap):
     opt.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("options", [{}, {"chunk_bytes": 64}], ids=["one_chunk", "sliced"])
+def test_sgd_state_dict_is_torchs_with_or_without_momentum(momentum, options):
+    # SGD without momentum keeps no state; the wrapper's state_dict had an empty entry
+    # per param
+    a, b = _linear(), _linear()
+    plain = torch.optim.SGD(a.parameters(), lr=0.1, momentum=momentum)
+    offloaded = CPUOffloadOptimizer(
+        torch.optim.SGD(b.parameters(), lr=0.1, momentum=momentum), **options
+    )
+    for step in range(2):
+        _backward(a, step)
+        _backward(b, step)
+        plain.step()
+        offloaded.step()
+    ref, got = plain.state_dict(), offloaded.state_dict()
+    assert ref["param_groups"] == got["param_groups"]
+    assert ref["state"].keys() == got["state"].keys()
+    for index, entries in ref["state"].items():
+        assert entries.keys() == got["state"][index].keys(), index
+        for key, value in entries.items():
+            assert torch.equal(value, got["state"][index][key]), (index, key)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
