@@ -402,8 +402,8 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_plan(self) -> MuonPlan:
         """The plan for the current Muon params, rebuilt only when they or what shapes the
-        plan (groups, row blocks, ns_dtype, bucket cap, groups forced to Gram Newton-Schulz
-        and their schedules) change."""
+        plan (groups, row blocks, device type, ns_dtype, bucket cap, groups forced to Gram
+        Newton-Schulz and their schedules) change."""
         entries = self._muon_params()
         params = tuple(p for p, _ in entries)
         gram = tuple(
@@ -416,8 +416,11 @@ class Muon(torch.optim.Optimizer):
             for g, group in enumerate(self.param_groups)
             if group["algorithm"] == "muon"
         }
+        # the plain path on CPU launches per matrix (`ns_path`): its workspace is smaller
+        ns_per_matrix = any(p.device.type == "cpu" for p in params)
         key = (
             tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
+            ns_per_matrix,
             self.ns_dtype,
             self.bucket_cap_bytes,
             gram,
@@ -438,6 +441,7 @@ class Muon(torch.optim.Optimizer):
                 gram_schedules=gram,
                 replica_owners=replica_owners,
                 spread_model=self.spread_model,
+                ns_per_matrix=ns_per_matrix,
             )
             self._plan_params = params
             self._plan_key = key

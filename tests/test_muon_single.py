@@ -68,6 +68,19 @@ def test_buckets_and_inflight_do_not_change_the_result():
             assert torch.equal(p, q)
 
 
+def test_same_shape_matrices_update_alike_whatever_the_bucket_cap():
+    # three (16, 16) matrices share one batch under the default cap, one each under a cap
+    # of 1 byte: CPU batched bf16 products made 2 of 30 seeds differ
+    for seed in range(30):
+        results = []
+        for options in ({}, {"bucket_cap_bytes": 1}):
+            params = _params([(16, 16)] * 3, seed=seed)
+            _run(Muon(params, **options), params, steps=2, seed=seed)
+            results.append(params)
+        for p, q in zip(*results, strict=True):
+            assert torch.equal(p, q), seed
+
+
 def test_zeropower_matches_torch_and_schedules_orthogonalize():
     x = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(0))
     for m in (x, x.mT):
@@ -443,7 +456,7 @@ def test_plan_models_the_gram_workspace(monkeypatch):
     from ns_alloc_tracker import PeakTracker
 
     from muon import optimizer as optimizer_module
-    from muon.newton_schulz import standard_workspace_numel
+    from muon.newton_schulz import ns_workspace_numel
 
     shapes = [(48, 48)] * 3 + [(40, 56), (24, 72)]
     params = _params(shapes)
@@ -466,4 +479,5 @@ def test_plan_models_the_gram_workspace(monkeypatch):
     full = sum(r * c for r, c in shapes)
     planned = metric.workspace_bytes // 4 - full  # a local bucket: its full buffer, then NS
     assert planned == measured
-    assert planned > standard_workspace_numel(3, 48, 48) + sum(r * c for r, c in shapes[3:])
+    standard = ns_workspace_numel([(3, 48, 48), (1, 40, 56), (1, 24, 72)], per_matrix=True)
+    assert planned > standard
