@@ -338,6 +338,72 @@ def test_group_errors():
         NewtonSchulzSchedule(())
 
 
+@pytest.mark.parametrize("option", ["amsgrad", "foreach", "fused", "capturable", "differentiable"])
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_torch_options_the_step_would_ignore_are_refused(option, algorithm):
+    # an adamw group with amsgrad=True stepped as plain AdamW, without a word
+    group = {"params": _params([(3, 4)]), "algorithm": algorithm, option: True}
+    with pytest.raises(ValueError, match=f"param group 0: {option}=True is not supported"):
+        Muon([group])
+    opt = Muon(_params([(3, 4)]))
+    with pytest.raises(ValueError, match=f"param group 1: {option}=True is not supported"):
+        opt.add_param_group({**group, "params": _params([(5, 4)])})
+    Muon([{**group, option: False}])  # torch's behaviour, said aloud
+
+
+def test_adamw_group_maximize_matches_torch_adamw_bitwise():
+    # maximize=True was dropped: the group descended
+    ours, theirs = _params([(5, 7), (11,)]), _params([(5, 7), (11,)])
+    opt = Muon([{"params": ours, "algorithm": "adamw", "lr": 1e-2, "maximize": True}])
+    _run(opt, ours)
+    _run(torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, maximize=True), theirs)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="param group 0: maximize=True is not supported by a Muon"):
+        Muon([{"params": _params([(3, 4)]), "maximize": True}])
+    with pytest.raises(TypeError, match="param group 0: maximize should be True or False"):
+        Muon([{"params": _params([(3,)]), "algorithm": "adamw", "maximize": 1}])
+
+
+@pytest.mark.parametrize(
+    "coefficients, error, match",
+    [
+        (
+            (3.0, float("nan"), 1.0),
+            ValueError,
+            r"ns_coefficients\[1\] should be finite but is: nan",
+        ),
+        ((3.0, -4.0, float("inf")), ValueError, r"ns_coefficients\[2\] should be finite"),
+        (("3", -4.0, 2.0), TypeError, r"ns_coefficients\[0\] should be a number but is: '3'"),
+        ((3.0, True, 2.0), TypeError, r"ns_coefficients\[1\] should be a number but is: True"),
+        ("abc", ValueError, r"ns_coefficients should be \(a, b, c\) .* but is: 'abc'"),
+    ],
+)
+def test_ns_coefficients_are_finite_numbers(coefficients, error, match):
+    # NaN and inf were taken (every update NaN); strings failed inside baddbmm at step()
+    with pytest.raises(error, match=f"param group 0: {match}"):
+        Muon(_params([(3, 4)]), ns_coefficients=coefficients)
+    opt = Muon(_params([(3, 4)]))
+    with pytest.raises(error, match=f"param group 1: {match}"):
+        opt.add_param_group({"params": _params([(5, 4)]), "ns_coefficients": coefficients})
+    opt.param_groups[0]["ns_coefficients"] = coefficients  # set by hand (or loaded)
+    with pytest.raises(error, match=f"param group 0: {match}"):
+        opt.step()
+
+
+def test_a_param_listed_twice_is_refused():
+    # torch only warns for the same group, and the step then updated the param twice
+    p, q = _params([(3, 4), (5, 4)])
+    with pytest.raises(ValueError, match=r"param group 0 lists a param twice \(params 1 and 2"):
+        Muon([p, q, q])
+    with pytest.raises(ValueError, match=r"param 0 of param group 1 .* is in param group 0"):
+        Muon([{"params": [p, q]}, {"params": [q], "algorithm": "adamw"}])
+    opt = Muon([p])
+    with pytest.raises(ValueError, match=r"param 1 of param group 1 .* is in param group 0"):
+        opt.add_param_group({"params": [q, p]})
+    assert len(opt.param_groups) == 1
+
+
 def test_loads_a_torch_muon_state_dict_and_continues_bitwise():
     ours, theirs = _params(SHAPES), _params(SHAPES)
     ref = torch.optim.Muon(theirs, lr=0.02)
