@@ -410,8 +410,9 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_plan(self) -> MuonPlan:
         """The plan for the current Muon params, rebuilt only when they or what shapes the
-        plan (groups, row blocks, device type, ns_dtype, bucket cap, groups forced to Gram
-        Newton-Schulz and their schedules) change."""
+        plan (groups, row blocks, the params' shapes, dtypes, devices and placements,
+        ns_dtype, bucket cap, groups forced to Gram Newton-Schulz and their schedules)
+        change."""
         entries = self._muon_params()
         params = tuple(p for p, _ in entries)
         gram = tuple(
@@ -428,6 +429,8 @@ class Muon(torch.optim.Optimizer):
         ns_per_matrix = any(p.device.type == "cpu" for p in params)
         key = (
             tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
+            # a param's data may be replaced (p.data = ...): the layouts follow these
+            tuple((p.shape, p.dtype, p.device, getattr(p, "placements", None)) for p in params),
             ns_per_matrix,
             self.ns_dtype,
             self.bucket_cap_bytes,

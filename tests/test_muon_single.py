@@ -81,6 +81,21 @@ def test_same_shape_matrices_update_alike_whatever_the_bucket_cap():
             assert torch.equal(p, q), seed
 
 
+def test_a_param_given_a_new_shape_is_replanned():
+    # the cached plan kept the old shape: after p.data = bigger, only the old rows moved
+    ours = _params([(5, 7), (6, 7)])
+    opt = Muon(ours)
+    _run(opt, ours, steps=1)
+    for p, shape in zip(ours, [(9, 7), (6, 4)], strict=True):
+        p.data = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    opt.state.clear()
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    _run(opt, ours, steps=2)
+    _run(torch.optim.Muon(theirs), theirs, steps=2)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+
+
 def test_zeropower_matches_torch_and_schedules_orthogonalize():
     x = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(0))
     for m in (x, x.mT):
