@@ -217,6 +217,52 @@ def test_offloaded_muon_is_bitwise_equal_to_plain():
                 assert torch.equal(state["state"][index][key], value), (index, key)
 
 
+def _adamw_names(model: torch.nn.Module) -> set[str]:
+    (*_, adamw) = muon_param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)] for p in adamw["params"]}
+
+
+def test_param_group_helper_sends_convs_embeddings_and_heads_to_adamw():
+    # Conv1d weights (3-D) went to Muon as expert stacks; GPT-2's wte / wpe and heads
+    # named head / output / classifier / score went to Muon
+    model = torch.nn.ModuleDict(
+        {
+            "wte": torch.nn.Embedding(10, 8),
+            "conv": torch.nn.Conv1d(8, 8, 3),
+            "proj": torch.nn.Linear(8, 8, bias=False),
+            **{name: torch.nn.Linear(8, 4, bias=False) for name in ("output", "classifier")},
+        }
+    )
+    assert _adamw_names(model) == {
+        "wte.weight", "conv.weight", "conv.bias", "output.weight", "classifier.weight",
+    }  # fmt: skip
+    transformers = pytest.importorskip("transformers")
+    tiny = {"vocab_size": 32, "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 8}
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(**tiny))
+    assert {n for n in _adamw_names(gpt2) if "ln_" not in n and "bias" not in n} == {
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+    }  # lm_head is tied to wte: one param
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+        )
+    )  # fmt: skip
+    assert {n for n in _adamw_names(llama) if "norm" not in n} == {
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    }
+    classifier = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, num_labels=3,
+        )
+    )  # fmt: skip
+    assert "score.weight" in _adamw_names(classifier)
+
+
 def test_param_group_helper():
     class Block(torch.nn.Module):
         def __init__(self) -> None:
