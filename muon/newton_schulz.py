@@ -75,7 +75,8 @@ class NewtonSchulzPath:
     dtype: torch.dtype
     """The dtype the iteration runs in; always of the input's element size."""
     per_matrix: bool = False
-    """Launch each matrix of a batch alone (cuBLAS is not batch-invariant for it)."""
+    """Launch each matrix of a batch alone, with 2-D products (batched products are not
+    batch-invariant for it)."""
 
 
 @functools.cache
@@ -93,7 +94,9 @@ def ns_path(
     `capability` is the CUDA compute capability's major version (None elsewhere).
     "auto" algorithm: Gram where the aspect ratio pays on the matrix's backend
     (`GRAM_MIN_ASPECT`) on CUDA, else standard (on CPU always standard, so one matrix
-    equals torch.optim.Muon's result bit for bit). Gram runs in float16 for 16-bit inputs
+    equals torch.optim.Muon's result bit for bit). The plain path launches per matrix with
+    2-D products on CPU and for the CUDA shapes below `CUBLAS_BATCH_INVARIANT_MIN_SIDE` or
+    in fp32 (`NewtonSchulzPath.per_matrix`). Gram runs in float16 for 16-bit inputs
     on every device, as does the standard iteration on the Triton backend; else the input's
     dtype. Gram in bf16 is not stable: in one CPU run over 256 x 256, 768 x 256 and 64 x 256
     inputs it returned NaN for deepseek_v4 on skewed spectra and 1.0-6.4x the plain bf16
@@ -126,9 +129,12 @@ def ns_path(
     if sixteen_bit and (algorithm == "gram" or backend == "triton"):
         compute = torch.float16
     # fp32 batched cuBLAS products were not batch-invariant on CUDA (a matrix's Muon
-    # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were.
+    # update changed with the bucket cap, tests/test_muon_gpu.py); bf16 ones were. CPU
+    # bf16 baddbmm was not batch-invariant for small shapes, nor equal to 2-D addmm
+    # (tests/test_newton_schulz.py): on CPU every matrix takes torch.optim.Muon's 2-D ops.
     variant = min(rows, cols) < CUBLAS_BATCH_INVARIANT_MIN_SIDE or compute == torch.float32
-    return NewtonSchulzPath(algorithm, backend, compute, cuda and backend == "torch" and variant)
+    per_matrix = backend == "torch" and (device_type == "cpu" or (cuda and variant))
+    return NewtonSchulzPath(algorithm, backend, compute, per_matrix)
 
 
 @functools.cache
@@ -182,10 +188,13 @@ def zeropower_along(
     path's compute dtype)."""
     dtype = path.dtype if dtype is None else dtype
     if path.per_matrix and x.ndim == 3:
+        # one 2-D matrix at a time: the same launches whatever the batch
         single = dataclasses.replace(path, per_matrix=False)
+        if x.size(0) == 1:  # no output to fill: the workspace of a batch of one
+            return zeropower_along(x[0], schedule, eps, single, dtype).unsqueeze(0)
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
-        for i in range(x.size(0)):  # a batch of one: the same launches whatever the batch
-            out[i].copy_(zeropower_along(x[i : i + 1], schedule, eps, single)[0])
+        for i in range(x.size(0)):
+            out[i].copy_(zeropower_along(x[i], schedule, eps, single))
         return out
     if path.backend == "triton":
         from muon import ns_triton
@@ -311,6 +320,7 @@ def ns_workspace_numel(
     schedule: NewtonSchulzSchedule = KELLER_JORDAN,
     path: Callable[[int, int], NewtonSchulzPath] | None = None,
     gram: Sequence[NewtonSchulzSchedule | None] | None = None,
+    per_matrix: bool = False,
 ) -> int:
     """Peak elements `zeropower` allocates for (count, rows, cols) batches run in this order.
 
@@ -320,14 +330,15 @@ def ns_workspace_numel(
     means the standard algorithm. `gram`, when given, says per batch instead: the
     schedule of a batch that takes Gram Newton-Schulz, None for the standard algorithm
     (the planner, which knows a group's `ns_algorithm` but not the device). Elements are
-    of the input's size (`NewtonSchulzPath.dtype` always is).
+    of the input's size (`NewtonSchulzPath.dtype` always is). `per_matrix`: every batch
+    launches one matrix at a time (`NewtonSchulzPath.per_matrix`, the plain path on CPU).
     """
     if path is not None and gram is not None:
         raise ValueError("ns_workspace_numel takes `path` or `gram`, not both")
     peak = done = 0
     for j, (count, rows, cols) in enumerate(batches):
         chosen = path(rows, cols) if path is not None else None
-        launch = 1 if chosen is not None and chosen.per_matrix else count
+        launch = 1 if per_matrix or (chosen is not None and chosen.per_matrix) else count
         if gram is not None:
             gram_schedule = gram[j]
         else:

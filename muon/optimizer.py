@@ -77,6 +77,8 @@ from muon.options import (
     check_bucket_cap_bytes,
     check_collect_timings,
     check_max_inflight,
+    check_maximize,
+    check_ns_coefficients,
     check_ns_steps,
     check_row_blocks,
     ns_dtype_from,
@@ -304,9 +306,15 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        index = len(self.param_groups)
+        params = param_group["params"]
+        if not isinstance(params, set):  # torch refuses a set, unordered
+            params = [params] if isinstance(params, Tensor) else list(params)
+            _check_listed_once(params, index, self.param_groups)
+            param_group["params"] = params
         _set_group_defaults(param_group, self.defaults)
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
+        _validate_group(self.param_groups[-1], index)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # As torch's optimizers do for keys added after a checkpoint was written: a
@@ -372,9 +380,9 @@ class Muon(torch.optim.Optimizer):
     def begin_subset_step(self) -> MuonStep:
         """Validate the groups, capture hyperparameters and gradients for one step; see
         `MuonStep`."""
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             _set_group_defaults(group, self.defaults)
-            _validate_group(group)
+            _validate_group(group, index)
         return MuonStep(self, self._muon_plan())
 
     # Compiled (torch.compile(opt.step)), the step runs eagerly: its launches are already
@@ -402,8 +410,9 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_plan(self) -> MuonPlan:
         """The plan for the current Muon params, rebuilt only when they or what shapes the
-        plan (groups, row blocks, ns_dtype, bucket cap, groups forced to Gram Newton-Schulz
-        and their schedules) change."""
+        plan (groups, row blocks, the params' shapes, dtypes, devices and placements,
+        ns_dtype, bucket cap, groups forced to Gram Newton-Schulz and their schedules)
+        change."""
         entries = self._muon_params()
         params = tuple(p for p, _ in entries)
         gram = tuple(
@@ -416,8 +425,13 @@ class Muon(torch.optim.Optimizer):
             for g, group in enumerate(self.param_groups)
             if group["algorithm"] == "muon"
         }
+        # the plain path on CPU launches per matrix (`ns_path`): its workspace is smaller
+        ns_per_matrix = any(p.device.type == "cpu" for p in params)
         key = (
             tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
+            # a param's data may be replaced (p.data = ...): the layouts follow these
+            tuple((p.shape, p.dtype, p.device, getattr(p, "placements", None)) for p in params),
+            ns_per_matrix,
             self.ns_dtype,
             self.bucket_cap_bytes,
             gram,
@@ -438,6 +452,7 @@ class Muon(torch.optim.Optimizer):
                 gram_schedules=gram,
                 replica_owners=replica_owners,
                 spread_model=self.spread_model,
+                ns_per_matrix=ns_per_matrix,
             )
             self._plan_params = params
             self._plan_key = key
@@ -466,27 +481,70 @@ def _validate_hyperparameters(values: dict[str, Any]) -> None:
         CHECKS[key](values[key], key)
 
 
-def _validate_group(group: dict[str, Any]) -> None:
-    """One error per bad hyperparameter, naming the group key and the value."""
+# torch.optim.AdamW options the step does not implement: a group may carry only torch's
+# default (or False), never have one silently ignored. AdamW groups honour `maximize`.
+_UNSUPPORTED_OPTIONS = ("amsgrad", "foreach", "fused", "capturable", "differentiable")
+
+
+def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any]]) -> None:
+    """Each param once in all groups: torch only warns within a group, and the step would
+    update a param listed twice twice."""
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(
+                f"param group {index} lists a param twice (params {seen[id(p)]} and {i}, "
+                f"shape {tuple(p.shape)}); list each param once"
+            )
+        seen[id(p)] = i
+    for other, group in enumerate(groups):
+        for q in group["params"]:
+            if id(q) in seen:
+                raise ValueError(
+                    f"param {seen[id(q)]} of param group {index} (shape {tuple(q.shape)}) is "
+                    f"in param group {other} already; list each param in one group"
+                )
+
+
+def _validate_group(group: dict[str, Any], index: int) -> None:
+    """One error per bad hyperparameter, naming the group, the key and the value."""
+    try:
+        _check_group(group)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"param group {index}: {error}") from None
+
+
+def _check_group(group: dict[str, Any]) -> None:
     for key in _COMMON_KEYS:
         CHECKS[key](group[key], key)
+    for key in _UNSUPPORTED_OPTIONS:
+        if group.get(key) not in (None, False):
+            raise ValueError(
+                f"{key}={group[key]!r} is not supported (the step runs as torch's "
+                f"{key}=False); remove it"
+            )
     algorithm = group["algorithm"]
     if algorithm == "adamw":
         check_betas(group["betas"])
+        check_maximize(group.get("maximize", False))
         return
     if algorithm != "muon":
         raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
+    if group.get("maximize") not in (None, False):
+        raise ValueError(
+            f"maximize={group['maximize']!r} is not supported by a Muon group "
+            "(torch.optim.Muon has no maximize); negate the loss"
+        )
     for key in _MUON_KEYS:
         CHECKS[key](group[key], key)
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
+    check_ns_coefficients(coefficients)
     if isinstance(coefficients, NewtonSchulzSchedule):
         if steps is not None and steps != coefficients.steps:
             raise ValueError(
                 f"ns_steps should be None or {coefficients.steps} for this schedule but is: {steps}"
             )
     else:
-        if len(coefficients) != 3:
-            raise ValueError(f"ns_coefficients should be (a, b, c) but is: {coefficients}")
         check_ns_steps(steps)
         group["ns_coefficients"] = tuple(coefficients)
     row_blocks = group["row_blocks"]
@@ -862,7 +920,7 @@ class MuonStep:
             lr=hp["lr"],
             weight_decay=hp["weight_decay"],
             eps=hp["eps"],
-            maximize=False,
+            maximize=hp.get("maximize", False),
         )
 
 

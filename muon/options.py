@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from muon.newton_schulz import ALGORITHMS as NS_ALGORITHMS
-from muon.ns_schedules import SCHEDULES
+from muon.ns_schedules import SCHEDULES, NewtonSchulzSchedule
 from muon.planning import REPLICA_OWNERS
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -85,6 +85,12 @@ def check_nesterov(value: Any, name: str = "nesterov") -> None:
         raise TypeError(f"{name} should be True or False but is: {value!r}")
 
 
+def check_maximize(value: Any, name: str = "maximize") -> None:
+    """AdamW's maximize (AdamW groups only)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} should be True or False but is: {value!r}")
+
+
 def check_adjust_lr_fn(value: Any, name: str = "adjust_lr_fn") -> None:
     if value not in ADJUST_LR_FNS:
         raise ValueError(f"{name} should be one of {ADJUST_LR_FNS} but is: {value!r}")
@@ -109,6 +115,16 @@ def check_ns_steps(value: Any, name: str = "ns_steps") -> None:
     _count(value, name, 1)
     if value > 99:
         raise ValueError(f"{name} should be None or in [1, 99] but is: {value}")
+
+
+def check_ns_coefficients(value: Any, name: str = "ns_coefficients") -> None:
+    """A `NewtonSchulzSchedule`, or one (a, b, c) of finite real numbers."""
+    if isinstance(value, NewtonSchulzSchedule):
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 3:
+        raise ValueError(f"{name} should be (a, b, c) or a NewtonSchulzSchedule but is: {value!r}")
+    for i, coefficient in enumerate(value):
+        _number(coefficient, f"{name}[{i}]")
 
 
 def ns_dtype_from(value: Any, name: str = "ns_dtype") -> torch.dtype:

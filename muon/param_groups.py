@@ -9,15 +9,24 @@ from typing import Any
 from torch import nn
 
 # Names of params Muon should not orthogonalize even though they are matrices:
-# embeddings and the output head (Keller Jordan, Moonlight), norms, biases and
-# MoE routers ("router", or a bare `gate` module next to the experts).
+# embeddings and the output head (Keller Jordan, Moonlight: a weight whose module is
+# named lm_head, head, output, classifier or score), norms, biases and MoE routers
+# ("router", or a bare `gate` module next to the experts).
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"embed",
-    r"lm_head",
+    r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",
     r"norm",
     r"bias",
     r"router",
     r"(^|\.)gate\.weight$",
+)
+# Modules whose params go to AdamW whatever their names: embeddings (GPT-2's wte, wpe;
+# an output head tied to one is the same param) and convolutions, whose 3-D+ weights
+# are kernels, not stacks of matrices.
+DEFAULT_ADAMW_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.modules.conv._ConvNd,
 )
 
 
@@ -26,12 +35,16 @@ def muon_param_groups(
     *,
     row_blocks: Mapping[str, Sequence[int]] | None = None,
     adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS,
+    adamw_modules: tuple[type[nn.Module], ...] = DEFAULT_ADAMW_MODULES,
     adamw_options: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Param groups for `muon.Muon`: 2-D / 3-D params to Muon, the rest to AdamW.
 
-    A param goes to AdamW if it has fewer than 2 or more than 3 dims or its name
-    matches one of `adamw_patterns` (regular expressions, `re.search`).
+    A param goes to AdamW if it has fewer than 2 or more than 3 dims, its name
+    matches one of `adamw_patterns` (regular expressions, `re.search`; by default
+    embeddings, the output head, norms, biases and routers), or a module of a type in
+    `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
+    3d and their transposes: a conv weight is a kernel, not a stack of matrices).
     `row_blocks` maps a name pattern to the row blocks of matching fused params
     (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
     and must match at least one Muon param. `adamw_options` (lr, betas, eps,
@@ -47,10 +60,17 @@ def muon_param_groups(
     plain: list[nn.Parameter] = []
     fused: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in row_blocks}
     adamw: list[nn.Parameter] = []
+    by_module = {
+        id(p) for m in model.modules() if isinstance(m, adamw_modules) for p in m.parameters()
+    }
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim not in (2, 3) or any(re.search(pattern, name) for pattern in adamw_patterns):
+        if (
+            p.ndim not in (2, 3)
+            or id(p) in by_module
+            or any(re.search(pattern, name) for pattern in adamw_patterns)
+        ):
             adamw.append(p)
             continue
         matches = [pattern for pattern in row_blocks if re.search(pattern, name)]

@@ -345,6 +345,9 @@ class ExchangePlan:
     workspace is Gram Newton-Schulz's. Other groups are modelled on the standard
     algorithm, which bounds "auto"'s Gram too: it takes Gram only where the long side
     is at least twice the short one, where Gram's workspace is no larger."""
+    ns_per_matrix: bool = False
+    """Newton-Schulz launches each matrix alone (the plain path on CPU, `ns_path`), so
+    the workspace is one matrix's plus the batch's output."""
     replica_axis: int | None = None
     """A spread bucket's replica axis (`Bucket.spread`); None otherwise."""
     replica: int = 0
@@ -408,6 +411,7 @@ class ExchangePlan:
         return ns_workspace_numel(
             [(len(b.matrices), b.rows, b.cols) for b in self.batches],
             gram=[gram.get(b.group) for b in self.batches],
+            per_matrix=self.ns_per_matrix,
         )
 
     @property
@@ -513,6 +517,8 @@ class MuonPlan:
     cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = ()
     """`ExchangePlan.gram_schedules` of every exchange plan."""
+    ns_per_matrix: bool = False
+    """`ExchangePlan.ns_per_matrix` of every exchange plan."""
     _exchanges: dict[tuple[int, frozenset[int]], ExchangePlan] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -530,6 +536,7 @@ class MuonPlan:
         gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = (),
         replica_owners: Mapping[int, str] | None = None,
         spread_model: SpreadModel = DEFAULT_SPREAD_MODEL,
+        ns_per_matrix: bool = False,
     ) -> MuonPlan:
         """Plan buckets, then owners bucket by bucket, balancing `cost_fn(rows, cols)`.
 
@@ -579,7 +586,15 @@ class MuonPlan:
                     for m, o in zip(matrices, owners, strict=True)
                 )
             )
-        return cls(layouts, tuple(buckets), tuple(planned), itemsize, cap_bytes, gram_schedules)
+        return cls(
+            layouts,
+            tuple(buckets),
+            tuple(planned),
+            itemsize,
+            cap_bytes,
+            gram_schedules,
+            ns_per_matrix,
+        )
 
     def seen_from(self, layouts: Sequence[ParamLayout]) -> MuonPlan:
         """This plan on the rank whose layouts (same params, other coordinates) are `layouts`.
@@ -602,7 +617,13 @@ class MuonPlan:
             for bucket, planned in zip(self.buckets, self.matrices, strict=True)
         )
         return MuonPlan(
-            layouts, self.buckets, matrices, self.itemsize, self.cap_bytes, self.gram_schedules
+            layouts,
+            self.buckets,
+            matrices,
+            self.itemsize,
+            self.cap_bytes,
+            self.gram_schedules,
+            self.ns_per_matrix,
         )
 
     def exchange(self, bucket: int, active: frozenset[int]) -> ExchangePlan:
@@ -617,6 +638,7 @@ class MuonPlan:
                 active,
                 self.itemsize,
                 self.gram_schedules,
+                self.ns_per_matrix,
             )
         return plan
 
@@ -645,7 +667,13 @@ class MuonPlan:
                 matrices = bucket_matrices(self.layouts, bucket, owner=0)
                 plans.append(
                     plan_exchange(
-                        self.layouts, bucket, matrices, active, self.itemsize, self.gram_schedules
+                        self.layouts,
+                        bucket,
+                        matrices,
+                        active,
+                        self.itemsize,
+                        self.gram_schedules,
+                        self.ns_per_matrix,
                     )
                 )
             plans = self._locals[key] = tuple(plans)
@@ -749,6 +777,7 @@ def plan_exchange(
     active: frozenset[int],
     itemsize: int = 2,
     gram_schedules: tuple[tuple[int, NewtonSchulzSchedule], ...] = (),
+    ns_per_matrix: bool = False,
 ) -> ExchangePlan:
     """Split sizes and buffer layouts for one rank and one bucket (see the module example).
 
@@ -824,6 +853,7 @@ def plan_exchange(
         me,
         itemsize,
         gram_schedules,
+        ns_per_matrix,
         replica_axis,
         replica,
         replica_splits,

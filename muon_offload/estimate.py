@@ -741,7 +741,7 @@ def screen_ranks(
                 for block in layout.blocks if count else ():
                     key = (layout.group, block, layout.shape[-1])
                     shapes[key] = shapes.get(key, 0) + count
-            workspace[bucket.index, which == k] = _ns_numel(shapes, gram)
+            workspace[bucket.index, which == k] = _ns_numel(shapes, gram, first.ns_per_matrix)
     # owned matrices of exchanged buckets, as flat (bucket * ranks + rank) indices
     where: list[int] = []
     owned: list[tuple[int, int, int]] = []
@@ -798,7 +798,7 @@ def screen_ranks(
         region = regions.reshape(len(buckets), ranks)
         width = regions.max(1).values.repeat(1, mesh.replicate)
     for (b, owner), shapes in batched.items():
-        numel = _ns_numel(shapes, gram)
+        numel = _ns_numel(shapes, gram, first.ns_per_matrix)
         for shift in [0] if buckets[b].spread else range(0, ranks, fsdp):
             workspace[b, owner + shift] = numel
     exchanged = torch.tensor([b.axis is not None for b in buckets]).unsqueeze(1)
@@ -822,12 +822,15 @@ def screen_ranks(
 
 
 def _ns_numel(
-    shapes: Mapping[tuple[int, int, int], int], gram: Mapping[int, NewtonSchulzSchedule]
+    shapes: Mapping[tuple[int, int, int], int],
+    gram: Mapping[int, NewtonSchulzSchedule],
+    per_matrix: bool,
 ) -> int:
     """`ExchangePlan.ns_numel` of batches {(group, rows, cols): matrices}, in that order."""
     return ns_workspace_numel(
         [(count, rows, cols) for (_, rows, cols), count in shapes.items()],
         gram=[gram.get(group) for group, _, _ in shapes],
+        per_matrix=per_matrix,
     )
 
 
@@ -882,6 +885,7 @@ def _planner(
             gram_schedules=gram,
             replica_owners={g: settings.replica_owners for _, _, _, g in muon},
             spread_model=SpreadModel(replica_bytes_per_s=settings.replica_bytes_per_s),
+            ns_per_matrix=settings.device == "cpu",
         )
         return plan
 
