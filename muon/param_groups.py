@@ -26,7 +26,12 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 DEFAULT_ADAMW_MODULES: tuple[type[nn.Module], ...] = (
     nn.Embedding,
     nn.EmbeddingBag,
-    nn.modules.conv._ConvNd,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
 )
 
 
