@@ -89,6 +89,7 @@ class AutoResidency:
         self._probes: list[Probe] = []
         self._splits: list[Split] = []
         self._default: Split | None = None  # the split the optimizer runs without "auto"
+        self._free: set[Split] = set()  # splits held in the room under the peak
         self._probe_start = 0
         self._current = Split(0, 0)
         self._settled: Split | None = None  # what the search settled on, being checked
@@ -139,18 +140,22 @@ class AutoResidency:
         held: Callable[[Split], int],
         headroom_bytes: Callable[[], int],
         default_backward_bytes: Callable[[], int],
+        room_bytes: Callable[[], int | None],
     ) -> Split | None:
         """At the step just started: the split to run from here, or None (keep the current
         one). `held(split)`: this device's bytes a split holds for state at most (the
         caller plans it); `headroom_bytes()`: the default budget; `default_backward_bytes()`:
         what the backward loads without "auto" (0: nothing), a split the search tries;
-        each asked at most once."""
+        `room_bytes()`: what a split may hold without raising the run's peak (None:
+        unknown); each asked at most once."""
         step = self._steps - 1
         decide_at = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
         if step < decide_at:
             return None
         if step == decide_at:
-            return self._first_choice(step, shape, held, headroom_bytes, default_backward_bytes)
+            return self._first_choice(
+                step, shape, held, headroom_bytes, default_backward_bytes, room_bytes
+            )
         if step < self._probe_start + PROBE_STEPS:
             return None
         # The probe's first step re-planned (the host synced): its iteration is left out.
@@ -174,6 +179,7 @@ class AutoResidency:
         held: Callable[[Split], int],
         headroom_bytes: Callable[[], int],
         default_backward_bytes: Callable[[], int],
+        room_bytes: Callable[[], int | None],
     ) -> Split | None:
         profiles = self.timer.profiles()
         if not shape.overlap:  # the last units stay resident: the step seen from its end
@@ -230,6 +236,11 @@ class AutoResidency:
             # Nothing to search with: the model's choice.
             self._settle(first, shape, profiles)
             return self._run(first)
+        room = room_bytes()
+        candidates = [measured.split, *splits]
+        within = [room is not None and held(s) <= room for s in candidates]
+        _, within = self._agree([], [float(w) for w in within])  # free on every rank
+        self._free = {s for s, w in zip(candidates, within, strict=True) if w}
         self._probes = [measured]
         self._splits = splits
         self._default = default
@@ -240,7 +251,7 @@ class AutoResidency:
         if split is None:
             # Settled: the next PROBE_STEPS steps check what it measured for that split
             # (also when it was the fastest: steps of one run vary, and the check says so).
-            split = self._settled = settled_split(self._probes)
+            split = self._settled = settled_split(self._probes, self._free)
         self._probe_start = step
         return self._run(split)
 

@@ -281,7 +281,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             the backward loads what its length carries and the leading units of the
             rest stay resident; then, on a GPU, run the most the budget allows a few
             steps, then the default's backward loads (as without "auto"), and
-            bisect for the least amount whose step is as fast as the fastest, within
+            bisect for the least amount (of those held within the room under the peak,
+            the fastest) whose step is as fast as the fastest, within
             `residency.NEAR_FASTEST` or the steps' own spread
             (`residency.NOISE_SIGMAS`, at most `residency.NOISE_CAP`;
             `offload.auto_residency`); the steps after it settles are checked, and if
@@ -1219,11 +1220,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         index = {p: i for i, p in enumerate(self._params)}
         first = [index[p] for p in self._overlap.first_wait(index)]
         loads = self._backward_loads(plan, first, None)
-        room = self._room_under_peak
+        room = self._room_for_state()
         if room is not None:
             held = functools.partial(self._held_with_loads, plan)
             staged = sum(not c.resident for c in plan.chunks)
-            loads = loads_within_room(loads, staged, held, int(BACKWARD_ROOM_SHARE * room))
+            loads = loads_within_room(loads, staged, held, room)
         return loads
 
     def _default_backward_bytes(self) -> int:
@@ -1232,6 +1233,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         plan = self._plan_for(self._units_key, Split(0, 1))  # any bytes: it loads
         staged = [c for c in plan.chunks if not c.resident]
         return sum(c.invariant_bytes for c in staged[: self._first_wait_loads(plan)])
+
+    def _room_for_state(self) -> int | None:
+        """What the step's state may hold on the device without raising its peak: the
+        share of the room under the peak the default's backward loads fill (None off
+        CUDA)."""
+        room = self._room_under_peak
+        return None if room is None else int(BACKWARD_ROOM_SHARE * room)
 
     def _run_auto(self, auto: AutoResidency) -> None:
         """ "auto"'s decision at this step: re-plan with the split it returns (the host
@@ -1250,6 +1258,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._held_bytes,
             lambda: device_headroom_bytes(self.device) + ring,
             self._default_backward_bytes,
+            self._room_for_state,
         )
         settled = auto.choice
         if (

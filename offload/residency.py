@@ -25,7 +25,7 @@ import bisect
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -249,9 +249,14 @@ def next_split(
     return splits[(slow + near) // 2]
 
 
-def settled_split(probes: Sequence[Probe]) -> Split:
-    """The least total whose step was near the fastest (`near_fastest`)."""
+def settled_split(probes: Sequence[Probe], free: Collection[Split] = ()) -> Split:
+    """Of the splits whose step was near the fastest (`near_fastest`): the fastest of
+    those `free` (held within memory the run has used anyway, the room under its peak:
+    they cost no memory, so only their steps tell them apart), else the least total."""
     near = [p for p in probes if near_fastest(p, probes)]
+    costless = [p for p in near if p.split in free]
+    if costless:
+        return min(costless, key=lambda p: p.iteration_ms).split
     return min(near, key=lambda p: p.split.total).split
 
 

@@ -244,6 +244,16 @@ def test_the_search_tries_the_default_after_the_largest_and_bisects_below_it():
     assert next_split(_probes((0, 100.0), (800, 100.0)), SPLITS, default) is None
 
 
+def test_near_the_fastest_a_split_held_in_the_room_under_the_peak_settles_by_its_step():
+    # the whole state loaded in the backward is fastest; 100 bytes, 0.5% slower, is near
+    probes = _probes((0, 100.0), (800, 60.0), (400, 61.0), (100, 60.3))
+    assert settled_split(probes) == Split(0, 100)  # the least total near the fastest
+    # held within the room under the peak, each costs no memory: the fastest of them
+    assert settled_split(probes, {Split(0, 100), Split(0, 800)}) == Split(0, 800)
+    # only splits near the fastest count
+    assert settled_split(probes, {Split(0, 400)}) == Split(0, 100)
+
+
 def test_a_medians_error_is_robust_to_one_slow_step():
     assert median_error_ms([]) == median_error_ms([100.0]) == 0.0
     assert median_error_ms([100.0] * 5) == 0.0
