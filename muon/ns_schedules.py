@@ -8,6 +8,8 @@ so the import graph has no circle.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,11 @@ POLAR_EXPRESS_NORM_SCALE = 1.02
 DEFAULT_GRAM_RESTARTS = (2,)
 
 
+def _finite_real(value: object) -> bool:
+    """A real number (not a bool) that is finite."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True, slots=True)
 class NewtonSchulzSchedule:
     """Quintic Newton-Schulz iterations: X <- a X + (b A + c A^2) X with A = X X^T."""
@@ -46,11 +53,13 @@ class NewtonSchulzSchedule:
         for triple in self.coefficients:
             if len(triple) != 3:
                 raise ValueError(f"each iteration needs (a, b, c) but got: {triple}")
+            if not all(_finite_real(v) for v in triple):
+                raise ValueError(f"each iteration needs finite real (a, b, c) but got: {triple}")
             if triple[0] == 0.0:
                 # Gram Newton-Schulz divides by a when it folds a I into Q (`_gram_torch`)
                 raise ValueError(f"each iteration needs a != 0 but got: {triple}")
-        if not self.norm_scale > 0.0:
-            raise ValueError(f"norm_scale should be > 0 but is: {self.norm_scale}")
+        if not (_finite_real(self.norm_scale) and self.norm_scale > 0.0):
+            raise ValueError(f"norm_scale should be finite and > 0 but is: {self.norm_scale!r}")
         restarts = self.gram_restarts
         if any(r <= 0 for r in restarts) or list(restarts) != sorted(set(restarts)):
             raise ValueError(f"gram_restarts should be increasing and > 0 but is: {restarts}")

@@ -61,6 +61,21 @@ def test_gram_restarts_are_data():
         NewtonSchulzSchedule(((0.0, 1.0, 1.0),))
 
 
+@pytest.mark.parametrize(
+    "coefficients, norm_scale",
+    [
+        (((float("nan"), 1.0, 1.0),), 1.0),
+        (((3.0, float("inf"), 1.0),), 1.0),
+        (((3.0, "4", 1.0),), 1.0),
+        (((3.0, True, 1.0),), 1.0),
+        (((3.0, -4.0, 1.0),), float("inf")),
+    ],
+)
+def test_a_schedule_takes_only_finite_real_numbers(coefficients, norm_scale):
+    with pytest.raises((TypeError, ValueError), match="finite|real|norm_scale"):
+        NewtonSchulzSchedule(coefficients, norm_scale=norm_scale)
+
+
 def _skewed(m: int, n: int, seed: int = 0) -> torch.Tensor:
     """U diag(10^(-4u)) V^T in bf16: singular values spread over four decades."""
     gen = torch.Generator().manual_seed(seed)
