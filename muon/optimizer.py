@@ -73,11 +73,11 @@ from muon.ns_schedules import (
 )
 from muon.options import (
     CHECKS,
+    check_adamw_flag,
     check_betas,
     check_bucket_cap_bytes,
     check_collect_timings,
     check_max_inflight,
-    check_maximize,
     check_ns_coefficients,
     check_ns_steps,
     check_row_blocks,
@@ -214,7 +214,9 @@ class Muon(torch.optim.Optimizer):
     Args:
         params: params or param groups. Groups default to Muon (2-D and 3-D
             params); a group with `algorithm="adamw"` is stepped with AdamW
-            (`betas`, `eps`, `lr`, `weight_decay`). `muon.muon_param_groups`
+            (`betas`, `eps`, `lr`, `weight_decay`, `amsgrad`, `maximize`, as in
+            torch.optim.AdamW; `foreach`, `fused`, `capturable` and `differentiable`
+            are refused in every group). `muon.muon_param_groups`
             builds both from a model. A Muon group may set `row_blocks`: the
             rows of each logical matrix of a fused param (e.g. (q, k, v)).
         lr, weight_decay, momentum, nesterov, eps, adjust_lr_fn: as in
@@ -374,7 +376,8 @@ class Muon(torch.optim.Optimizer):
         group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
         local = _local(param)
         if group["algorithm"] == "adamw":
-            return {"exp_avg": (local.shape, local.dtype), "exp_avg_sq": (local.shape, local.dtype)}
+            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 3 if group.get("amsgrad") else 2]
+            return {key: (local.shape, local.dtype) for key in keys}
         return {"momentum_buffer": (local.shape, torch.float32)}
 
     def begin_subset_step(self) -> MuonStep:
@@ -483,7 +486,9 @@ def _validate_hyperparameters(values: dict[str, Any]) -> None:
 
 # torch.optim.AdamW options the step does not implement: a group may carry only torch's
 # default (or False), never have one silently ignored. AdamW groups honour `maximize`.
-_UNSUPPORTED_OPTIONS = ("amsgrad", "foreach", "fused", "capturable", "differentiable")
+_UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+# torch.optim.AdamW options AdamW groups honour; torch.optim.Muon has neither.
+_ADAMW_OPTIONS = ("amsgrad", "maximize")
 
 
 def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any]]) -> None:
@@ -526,15 +531,17 @@ def _check_group(group: dict[str, Any]) -> None:
     algorithm = group["algorithm"]
     if algorithm == "adamw":
         check_betas(group["betas"])
-        check_maximize(group.get("maximize", False))
+        for key in _ADAMW_OPTIONS:
+            check_adamw_flag(group.get(key, False), key)
         return
     if algorithm != "muon":
         raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
-    if group.get("maximize") not in (None, False):
-        raise ValueError(
-            f"maximize={group['maximize']!r} is not supported by a Muon group "
-            "(torch.optim.Muon has no maximize); negate the loss"
-        )
+    for key in _ADAMW_OPTIONS:
+        if group.get(key) not in (None, False):
+            raise ValueError(
+                f"{key}={group[key]!r} is not supported by a Muon group (torch.optim.Muon "
+                f"has no {key}); it applies to algorithm='adamw' groups"
+            )
     for key in _MUON_KEYS:
         CHECKS[key](group[key], key)
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
@@ -896,15 +903,25 @@ class MuonStep:
         with_grad = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
         if not with_grad:
             return
-        exp_avgs, exp_avg_sqs, steps = [], [], []
+        amsgrad = hp.get("amsgrad", False)
+        exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
         for p, _ in with_grad:
             state = self._opt.state[p]
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = _zeros_like_local(p, _local(p).dtype)
                 state["exp_avg_sq"] = _zeros_like_local(p, _local(p).dtype)
+                if amsgrad:
+                    state["max_exp_avg_sq"] = _zeros_like_local(p, _local(p).dtype)
+            if amsgrad and "max_exp_avg_sq" not in state:  # torch.optim.AdamW: a KeyError
+                raise ValueError(
+                    f"param group {index}: amsgrad was turned on after the group's state was "
+                    "created; set it when the group is made"
+                )
             exp_avgs.append(_local(state["exp_avg"]))
             exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            if amsgrad:
+                max_exp_avg_sqs.append(_local(state["max_exp_avg_sq"]))
             steps.append(state["step"])
         beta1, beta2 = hp["betas"]
         adamw(
@@ -912,9 +929,9 @@ class MuonStep:
             [g for _, g in with_grad],
             exp_avgs,
             exp_avg_sqs,
-            [],
+            max_exp_avg_sqs,
             steps,
-            amsgrad=False,
+            amsgrad=amsgrad,
             beta1=beta1,
             beta2=beta2,
             lr=hp["lr"],

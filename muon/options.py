@@ -85,8 +85,8 @@ def check_nesterov(value: Any, name: str = "nesterov") -> None:
         raise TypeError(f"{name} should be True or False but is: {value!r}")
 
 
-def check_maximize(value: Any, name: str = "maximize") -> None:
-    """AdamW's maximize (AdamW groups only)."""
+def check_adamw_flag(value: Any, name: str) -> None:
+    """AdamW's amsgrad or maximize (AdamW groups only)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} should be True or False but is: {value!r}")
 

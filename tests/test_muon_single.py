@@ -399,10 +399,10 @@ def test_group_errors():
         NewtonSchulzSchedule(())
 
 
-@pytest.mark.parametrize("option", ["amsgrad", "foreach", "fused", "capturable", "differentiable"])
+@pytest.mark.parametrize("option", ["foreach", "fused", "capturable", "differentiable"])
 @pytest.mark.parametrize("algorithm", ["adamw", "muon"])
 def test_torch_options_the_step_would_ignore_are_refused(option, algorithm):
-    # an adamw group with amsgrad=True stepped as plain AdamW, without a word
+    # an adamw group with foreach=True stepped as it always does, without a word
     group = {"params": _params([(3, 4)]), "algorithm": algorithm, option: True}
     with pytest.raises(ValueError, match=f"param group 0: {option}=True is not supported"):
         Muon([group])
@@ -424,6 +424,25 @@ def test_adamw_group_maximize_matches_torch_adamw_bitwise():
         Muon([{"params": _params([(3, 4)]), "maximize": True}])
     with pytest.raises(TypeError, match="param group 0: maximize should be True or False"):
         Muon([{"params": _params([(3,)]), "algorithm": "adamw", "maximize": 1}])
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_adamw_group_amsgrad_matches_torch_adamw_bitwise(offloaded):
+    # amsgrad=True was refused (before that, dropped): the group stepped as plain AdamW
+    ours, theirs = _params([(5, 7), (11,)]), _params([(5, 7), (11,)])
+    opt = Muon([{"params": ours, "algorithm": "adamw", "lr": 1e-2, "amsgrad": True}])
+    if offloaded:
+        opt = CPUOffloadOptimizer(opt, chunk_bytes=64)
+    _run(opt, ours, steps=4)
+    plain = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, amsgrad=True)
+    _run(plain, theirs, steps=4)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["max_exp_avg_sq"], plain.state[q]["max_exp_avg_sq"])
+    with pytest.raises(ValueError, match="param group 0: amsgrad=True is not supported by a Muon"):
+        Muon([{"params": _params([(3, 4)]), "amsgrad": True}])
+    with pytest.raises(TypeError, match="param group 0: amsgrad should be True or False"):
+        Muon([{"params": _params([(3,)]), "algorithm": "adamw", "amsgrad": 1}])
 
 
 @pytest.mark.parametrize(
