@@ -79,6 +79,13 @@ class NewtonSchulzPath:
     batch-invariant for it)."""
 
 
+def every_matrix_alone(device_type: str) -> bool:
+    """Whether the plain path launches every matrix alone on a device of this type,
+    whatever its shape (on CUDA that depends on the shape, `ns_path`): what the planner's
+    workspace model takes (`MuonPlan.ns_per_matrix`)."""
+    return device_type == "cpu"
+
+
 @functools.cache
 def ns_path(
     rows: int,
@@ -133,7 +140,7 @@ def ns_path(
     # bf16 baddbmm was not batch-invariant for small shapes, nor equal to 2-D addmm
     # (tests/test_newton_schulz.py): on CPU every matrix takes torch.optim.Muon's 2-D ops.
     variant = min(rows, cols) < CUBLAS_BATCH_INVARIANT_MIN_SIDE or compute == torch.float32
-    per_matrix = backend == "torch" and (device_type == "cpu" or (cuda and variant))
+    per_matrix = backend == "torch" and (every_matrix_alone(device_type) or (cuda and variant))
     return NewtonSchulzPath(algorithm, backend, compute, per_matrix)
 
 

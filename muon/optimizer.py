@@ -64,7 +64,7 @@ from muon.exchange import (
     send_to_owners,
     share_across_replicas,
 )
-from muon.newton_schulz import zeropower
+from muon.newton_schulz import every_matrix_alone, zeropower
 from muon.ns_schedules import (
     DEFAULT_EPS,
     DEFAULT_NS_STEPS,
@@ -429,7 +429,7 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon"
         }
         # the plain path on CPU launches per matrix (`ns_path`): its workspace is smaller
-        ns_per_matrix = any(p.device.type == "cpu" for p in params)
+        ns_per_matrix = any(every_matrix_alone(p.device.type) for p in params)
         key = (
             tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
             # a param's data may be replaced (p.data = ...): the layouts follow these

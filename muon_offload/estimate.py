@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from muon.model_shapes import ParamShape, meta_module
-from muon.newton_schulz import ns_flops, ns_workspace_numel
+from muon.newton_schulz import every_matrix_alone, ns_flops, ns_workspace_numel
 from muon.ns_schedules import SCHEDULES, NewtonSchulzSchedule
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
 from muon.options import (
@@ -885,7 +885,7 @@ def _planner(
             gram_schedules=gram,
             replica_owners={g: settings.replica_owners for _, _, _, g in muon},
             spread_model=SpreadModel(replica_bytes_per_s=settings.replica_bytes_per_s),
-            ns_per_matrix=settings.device == "cpu",
+            ns_per_matrix=every_matrix_alone(settings.device),
         )
         return plan
 
