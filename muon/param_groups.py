@@ -1,4 +1,4 @@
-"""Split a model's params into Muon and AdamW param groups by name and shape."""
+"""Split a model's params into Muon and AdamW param groups by name, module and shape."""
 
 from __future__ import annotations
 
@@ -35,6 +35,19 @@ DEFAULT_ADAMW_MODULES: tuple[type[nn.Module], ...] = (
 )
 
 
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The output head the model names itself (transformers' `get_output_embeddings()`,
+    whatever the head's name: BERT's `cls.predictions.decoder`), else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    if not callable(get):
+        return None
+    try:
+        head = get()
+    except NotImplementedError:  # models without a head may say so by raising
+        return None
+    return head if isinstance(head, nn.Module) else None
+
+
 def muon_param_groups(
     model: nn.Module,
     *,
@@ -47,9 +60,11 @@ def muon_param_groups(
 
     A param goes to AdamW if it has fewer than 2 or more than 3 dims, its name
     matches one of `adamw_patterns` (regular expressions, `re.search`; by default
-    embeddings, the output head, norms, biases and routers), or a module of a type in
+    embeddings, the output head, norms, biases and routers), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
-    3d and their transposes: a conv weight is a kernel, not a stack of matrices).
+    3d and their transposes: a conv weight is a kernel, not a stack of matrices), or it
+    is the output head's that the model's `get_output_embeddings()` returns (as
+    transformers' models define it), whatever its name.
     `row_blocks` maps a name pattern to the row blocks of matching fused params
     (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
     and must match at least one Muon param. `adamw_options` (lr, betas, eps,
@@ -68,6 +83,9 @@ def muon_param_groups(
     by_module = {
         id(p) for m in model.modules() if isinstance(m, adamw_modules) for p in m.parameters()
     }
+    head = _output_embeddings(model)
+    if head is not None:
+        by_module |= {id(p) for p in head.parameters()}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -263,6 +263,33 @@ def test_param_group_helper_sends_convs_embeddings_and_heads_to_adamw():
     assert "score.weight" in _adamw_names(classifier)
 
 
+def test_param_group_helper_sends_the_models_output_embeddings_to_adamw():
+    # A head named otherwise (BERT's cls.predictions.decoder untied, a custom model's
+    # proj_out) went to Muon: the name patterns did not match it
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(8, 8, bias=False)
+            self.proj_out = torch.nn.Linear(8, 20, bias=False)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.proj_out
+
+    assert _adamw_names(Model()) == {"proj_out.weight"}
+    transformers = pytest.importorskip("transformers")
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=8, tie_word_embeddings=False,
+        )
+    )  # fmt: skip
+    assert "cls.predictions.decoder.weight" in _adamw_names(bert)
+    # a model whose get_output_embeddings says it has none (base models return None)
+    assert _adamw_names(transformers.BertModel(bert.config)) >= {
+        "embeddings.word_embeddings.weight"
+    }
+
+
 def test_param_group_helper():
     class Block(torch.nn.Module):
         def __init__(self) -> None:
