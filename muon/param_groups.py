@@ -62,9 +62,9 @@ def muon_param_groups(
     matches one of `adamw_patterns` (regular expressions, `re.search`; by default
     embeddings, the output head, norms, biases and routers), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
-    3d and their transposes: a conv weight is a kernel, not a stack of matrices), or it
-    is the output head's that the model's `get_output_embeddings()` returns (as
-    transformers' models define it), whatever its name.
+    3d and their transposes: a conv weight is a kernel, not a stack of matrices), or
+    the model's `get_output_embeddings()` (as transformers' models define it) returns
+    the module holding it: the output head, whatever its name.
     `row_blocks` maps a name pattern to the row blocks of matching fused params
     (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
     and must match at least one Muon param. `adamw_options` (lr, betas, eps,

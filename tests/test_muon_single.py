@@ -276,6 +276,12 @@ def test_param_group_helper_sends_the_models_output_embeddings_to_adamw():
             return self.proj_out
 
     assert _adamw_names(Model()) == {"proj_out.weight"}
+
+    class Headless(Model):
+        def get_output_embeddings(self) -> torch.nn.Module:
+            raise NotImplementedError
+
+    assert [g.get("algorithm") for g in muon_param_groups(Headless())] == [None]  # all Muon
     transformers = pytest.importorskip("transformers")
     bert = transformers.BertForMaskedLM(
         transformers.BertConfig(
@@ -284,10 +290,8 @@ def test_param_group_helper_sends_the_models_output_embeddings_to_adamw():
         )
     )  # fmt: skip
     assert "cls.predictions.decoder.weight" in _adamw_names(bert)
-    # a model whose get_output_embeddings says it has none (base models return None)
-    assert _adamw_names(transformers.BertModel(bert.config)) >= {
-        "embeddings.word_embeddings.weight"
-    }
+    # a model without a head (transformers' base models return None): its matrices stay
+    assert "pooler.dense.weight" not in _adamw_names(transformers.BertModel(bert.config))
 
 
 def test_param_group_helper():
