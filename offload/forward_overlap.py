@@ -447,11 +447,6 @@ class _PendingReads(TorchFunctionMode):
         self.landed = -1  # the last chunk the trainer's stream has waited for
         self._thread: int | None = None  # the thread whose stack holds this mode
 
-    # Never compiled: under a compiled model Dynamo took this for a frame of its own and
-    # recompiled it for each op it met, up to its recompile limit (a warning naming it, an
-    # error under fail_on_recompile_limit_hit); the look-up runs eagerly anyway. About
-    # 0.5 us a call while the mode is on the stack (torch 2.13; 2.11 checked on the device).
-    @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}

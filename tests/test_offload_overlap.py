@@ -239,29 +239,6 @@ def test_overlap_under_torch_compile_is_bitwise():
         assert torch.equal(a, b)
 
 
-def test_dynamo_never_compiles_the_pending_read_mode():
-    # Dynamo compiled the mode's __torch_function__ as a frame of its own, once per op it
-    # met, until its recompile limit: a warning naming it, or with
-    # fail_on_recompile_limit_hit (set to catch recompiles) a failed training step
-    config = torch._dynamo.config
-    if not hasattr(config, "fail_on_recompile_limit_hit"):
-        pytest.skip("this torch has no fail_on_recompile_limit_hit")
-    torch._dynamo.reset()
-    plain_model, model = _encoder(), _encoder()
-    plain = CPUOffloadOptimizer(torch.optim.AdamW(plain_model.parameters()), chunk_bytes=1)
-    overlapped = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters()), chunk_bytes=1, staging_slots=1, overlap_forward=model
-    )
-    ref = _train_encoder(plain_model, plain)
-    with config.patch(fail_on_recompile_limit_hit=True):
-        got = _train_encoder(model, overlapped, compiled=torch.compile(model, backend="aot_eager"))
-    overlapped.wait_for_optimizer_step()
-    torch._dynamo.reset()
-    assert ref == got
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-
-
 def test_chunks_enqueued_by_an_inference_forward_make_normal_state():
     def run(overlap: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
