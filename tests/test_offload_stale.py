@@ -244,6 +244,14 @@ def _fsdp_children(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def _compiled_then_fsdp(model: nn.Module, mesh) -> nn.Module:
+    """torchtitan's order: each layer compiled whole (fullgraph=True), then sharded."""
+    for index, layer in enumerate(model.body):
+        if any(True for _ in layer.parameters()):
+            model.body[index] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    return _fsdp(model, mesh)
+
+
 def _fsdp_pair(make_model, mesh, shard=_fsdp, **options):
     torch.manual_seed(0)
     model = make_model()
@@ -312,6 +320,12 @@ def _fsdp_worker(rank: int, world: int) -> None:
     compiled = torch.compile(model, backend="aot_eager")
     assert _train(plain_model, plain, data) == _train(compiled, overlapped, data)
     _assert_same_local(plain_model, plain, model, overlapped)
+
+    # torchtitan's recipe: the mode is on the stack inside the compiled layers in the plan's
+    # first overlapped forward, and a full graph must trace through it
+    pair = _fsdp_pair(TiedEmbedFirst, mesh, shard=_compiled_then_fsdp)
+    assert _train(*pair[:2], data) == _train(*pair[2:], data)
+    _assert_same_local(*pair)
 
     # model.state_dict() and load_state_dict() while a step is pending
     plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
