@@ -616,6 +616,15 @@ def _backward_reached_hook(
     return hook
 
 
+FULLGRAPH_HOOK_REASON = (
+    "CPUOffloadOptimizer(overlap_forward=...) hooks the modules holding the optimizer's "
+    "params (FSDP2 units; in a plain model, each param's module) to wait for the pending "
+    "step, and the hooks run eagerly. Under fullgraph=True, compile FSDP2 units before "
+    "fully_shard, as torchtitan does (their hooks then run outside the graph); otherwise "
+    "compile without fullgraph=True, or leave overlap_forward unset"
+)
+
+
 class _OverlapHook:
     """A module hook calling `method` of the overlap while it lives (with the hook's
     `args` and `kwargs` where `with_inputs`). A copy or a pickle of the model (an EMA
@@ -629,8 +638,9 @@ class _OverlapHook:
         self._with_inputs = with_inputs
 
     # Compiled forwards run the hooks eagerly: traced, the optimizer's step would
-    # become part of the user's graph (and recompile as chunks advance).
-    @torch.compiler.disable
+    # become part of the user's graph (and recompile as chunks advance). The reason is
+    # what fullgraph=True's error shows (it said "reason: None" and hinted to remove this).
+    @torch.compiler.disable(reason=FULLGRAPH_HOOK_REASON)
     def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
         target = self._overlap()
         if target is not None:

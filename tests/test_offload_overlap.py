@@ -239,6 +239,18 @@ def test_overlap_under_torch_compile_is_bitwise():
         assert torch.equal(a, b)
 
 
+def test_a_full_graph_around_the_overlap_hooks_says_what_to_do():
+    # fullgraph=True over a module holding params: Dynamo's error said "reason: None" and
+    # hinted to remove the hook's torch.compiler.disable
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="compile FSDP2 units before"):
+        compiled(torch.randn(3, 8))
+    opt.close()
+
+
 def test_chunks_enqueued_by_an_inference_forward_make_normal_state():
     def run(overlap: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
