@@ -639,7 +639,7 @@ class _OverlapHook:
 
     # Compiled forwards run the hooks eagerly: traced, the optimizer's step would
     # become part of the user's graph (and recompile as chunks advance). The reason is
-    # what fullgraph=True's error shows (it said "reason: None" and hinted to remove this).
+    # what fullgraph=True's error shows the user.
     @torch.compiler.disable(reason=FULLGRAPH_HOOK_REASON)
     def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
         target = self._overlap()
