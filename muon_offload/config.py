@@ -292,12 +292,18 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def _bucket_cap_for_offload(model: nn.Module, config: OptimizerConfig) -> int:
-    """A Muon bucket is one offload unit, and the staging ring holds its largest unit
-    `offload_staging_slots` times: cap buckets so a unit's fp32 momentum shard (twice
-    the bf16 bytes the cap counts, over the shards) fits one chunk. At least 1 byte (one
-    matrix a bucket): a chunk is at least one unit anyway."""
+    """A bucket that exchanges is one offload unit, and the staging ring holds its largest
+    unit `offload_staging_slots` times: cap buckets so a unit's fp32 momentum shard (twice
+    the bf16 bytes the cap counts, over the shards) fits one chunk.
+
+    With no param sharded (one rank, or a plain module) nothing exchanges: each param is
+    a unit of its own whatever the cap, which then only bounds how many matrices one
+    Newton-Schulz launch batches, so Muon's default stays (the chunks loaded in the
+    backward update in one call, and small launches would slow it)."""
     shards = max((p.numel() // max(1, invariant_numel(p)) for p in model.parameters()), default=1)
-    return max(1, min(DEFAULT_BUCKET_CAP_BYTES, config.offload_chunk_bytes * shards // 2))
+    if shards == 1:
+        return DEFAULT_BUCKET_CAP_BYTES
+    return min(DEFAULT_BUCKET_CAP_BYTES, config.offload_chunk_bytes * shards // 2)
 
 
 def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
