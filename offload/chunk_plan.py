@@ -25,7 +25,11 @@ import torch
 ALIGN_BYTES = 256
 # Chunks at each end of a step ramp their size up by halves over this many steps.
 RAMP_STEPS = 3
-# A splittable unit is cut at multiples of this many (rank-invariant) elements.
+# A splittable unit is cut at multiples of this many (rank-invariant) elements from its
+# start. torch's CPU fused kernels (`fused=True` Adam, AdamW, SGD, Adagrad) cut a tensor
+# into 64-byte task units from its start, and each thread's run of units into a vectorized
+# body and a scalar tail that round differently; 64 elements are whole 64-byte units for
+# every dtype of 1 to 8 bytes, so a slice is cut there as the whole tensor is.
 SLICE_ELEMENTS = 64
 
 
@@ -177,8 +181,9 @@ def _greedy(
 ) -> list[list[Span]]:
     """Chunks, in order; chunk k takes units (cutting splittable ones) while under cap(k).
 
-    With `reverse` the units are packed from the last, each splittable one cut
-    from its end; the result is still in forward order.
+    With `reverse` the units are packed from the last, each splittable one from its
+    end; the result is still in forward order. Either way a cut falls on a multiple of
+    SLICE_ELEMENTS from the unit's start.
     """
     chunks: list[list[Span]] = []
     current: list[Span] = []
@@ -199,24 +204,27 @@ def _greedy(
             filled += unit.bytes
             continue
         per_element = unit.bytes // unit.numel
-        done = 0
-        while done < unit.numel:
-            left = unit.numel - done
-            room = max(0, cap(len(chunks)) - filled)
-            if left * per_element <= room:
-                take = left
+        lo, hi = 0, unit.numel  # its elements not packed yet
+        while lo < hi:
+            room = max(0, cap(len(chunks)) - filled) // per_element
+            if hi - lo <= room:
+                start, stop = lo, hi
+            elif reverse:
+                start, stop = min(hi, _round_up(hi - room)), hi
             else:
-                take = room // per_element // SLICE_ELEMENTS * SLICE_ELEMENTS
-                if take == 0:
-                    if current:
-                        close()
-                        continue
-                    take = min(left, SLICE_ELEMENTS)  # a cap under one slice still takes one
-            start = unit.numel - done - take if reverse else done
-            current.append(Span(index, start, start + take))
-            filled += take * per_element
-            done += take
-            if done < unit.numel:
+                start, stop = lo, _round_down(lo + room)
+            if start == stop:
+                if current:
+                    close()
+                    continue
+                # a cap under one slice still takes one
+                start, stop = (
+                    (_round_down(hi - 1), hi) if reverse else (lo, min(hi, lo + SLICE_ELEMENTS))
+                )
+            current.append(Span(index, start, stop))
+            filled += (stop - start) * per_element
+            lo, hi = (lo, start) if reverse else (stop, hi)
+            if lo < hi:
                 close()
     if current:
         close()
@@ -259,6 +267,14 @@ def pack_units(
     tail = _greedy(units[middle:], cap, reverse=True)
     tail = [[Span(s.unit + middle, s.start, s.stop) for s in chunk] for chunk in tail]
     return tuple(tuple(chunk) for chunk in head + tail)
+
+
+def _round_down(offset: int) -> int:
+    return offset // SLICE_ELEMENTS * SLICE_ELEMENTS
+
+
+def _round_up(offset: int) -> int:
+    return -(-offset // SLICE_ELEMENTS) * SLICE_ELEMENTS
 
 
 def _aligned(offset: int, dtype: torch.dtype) -> int:

@@ -58,6 +58,7 @@ from offload.subset_step import (
     StateLayout,
     SubsetStep,
     local_tensor,
+    record_step_for_lr_schedulers,
     step_without_hooks,
     subset_step_for,
 )
@@ -141,6 +142,12 @@ def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size
             f"state {key!r} of param {param} has shape {tuple(shape)}, expected "
             f"{tuple(expected)} ({fix})"
         )
+
+
+def _position(params: Sequence[Tensor], param: Tensor) -> int:
+    """`param`'s index in `params`, by identity: `list.index` compares with `==`, which a
+    tensor answers elementwise (and raises on for another param's shape)."""
+    return next(i for i, p in enumerate(params) if p is param)
 
 
 def _check_each_param_once(optimizer: torch.optim.Optimizer) -> None:
@@ -403,6 +410,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "empty); give it the model's params before wrapping it"
             )
         _check_each_param_once(optimizer)
+        lazy = next((i for i, p in enumerate(self._params) if nn.parameter.is_lazy(p)), None)
+        if lazy is not None:
+            raise ValueError(
+                f"param {lazy} is uninitialized (a lazy module's, e.g. nn.LazyLinear): its "
+                "shape, and so its state's, is not known yet. Run the model's forward once "
+                "first, then wrap the optimizer"
+            )
         devices = {local_tensor(p).device for p in self._params}
         if len(devices) != 1:
             raise ValueError(f"all params must be on one device, found {sorted(map(str, devices))}")
@@ -467,6 +481,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ):
             reached = weakref.WeakMethod(self._backward_reached)  # the model must not keep self
             self._overlap.backward_reached = lambda *at: (reached() or _nothing)(*at)
+        waited = weakref.WeakMethod(self.wait_for_optimizer_step)
+        if self._overlap is not None:
+            self._overlap.written_back = lambda: (waited() or _nothing)()
+        # The wrapped optimizer's own state_dict() and load_state_dict() (a trainer that
+        # checkpoints `.optimizer`) see the last step whole, as the wrapper's do.
+        self._inner_hooks = [
+            optimizer.register_state_dict_pre_hook(lambda _: (waited() or _nothing)()),
+            optimizer.register_load_state_dict_pre_hook(lambda *_: (waited() or _nothing)()),
+        ]
         self.backward_load_bytes = backward_bytes
         """With loads in the backward: the state bytes it loads (None: the ring's chunks;
         by default, once planned, those the forward first waits for); under "auto", once
@@ -522,7 +545,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
                 if group["momentum"] != 0 and sparse:
                     raise ValueError(
-                        f"param {self._params.index(sparse[0])} has a sparse grad, for which "
+                        f"param {_position(self._params, sparse[0])} has a sparse grad, for which "
                         f"SGD(momentum={group['momentum']}) keeps a sparse momentum_buffer; "
                         "offloaded state lives in dense host slabs. Use dense grads "
                         "(nn.Embedding(sparse=False)), momentum=0, or do not offload this optimizer"
@@ -601,6 +624,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.close()
             self._overlap = None
+        for hook in self._inner_hooks:
+            hook.remove()
         self._ring, self._extra_slots = None, []
         self._closed = True
         _WRAPPERS.pop(self.optimizer, None)
@@ -734,6 +759,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         the backward's loads (they staged the old values).
         """
         state = self.optimizer.state
+        for param, key in self._homes:
+            # Staged from its home, a deleted state tensor would come back with old values.
+            if state.get(param) and key not in state[param]:
+                raise KeyError(
+                    f"state {key!r} of param {_position(self._params, param)} was deleted, and the "
+                    f"step reads it (the param's state has {sorted(state[param])}): assign it a "
+                    "tensor, or start the param's state afresh (del opt.state[param])"
+                )
         replaced = [
             (param, key, home)
             for (param, key), home in self._homes.items()
@@ -744,7 +777,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.wait_for_optimizer_step()
         self._drop_loaded_ahead()
         for param, key, home in replaced:
-            value, index = state[param][key], self._params.index(param)
+            value, index = state[param][key], _position(self._params, param)
             fix = "assign a tensor like the one it replaces, or edit that one in place"
             _check_state_shape(index, key, value, home.home.shape, fix)
             if value.dtype != home.home.dtype:
@@ -772,6 +805,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             loss = self._serial_step(closure)
         else:
             loss = self._offloaded_step(closure)
+        record_step_for_lr_schedulers(self.optimizer)
         self._run_wrapped_step_hooks(pre=False)
         return loss
 
@@ -852,7 +886,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         this = weakref.proxy(self)
         side = self._overlap.side_stream
         chunks = CPUOffloadOptimizer._enqueue_chunks(this, subset, side, timed)
-        self._overlap.start(CPUOffloadOptimizer._interruptible(this, chunks, side), grads, scalars)
+        homes = [home.home_state for home in self._homes.values()]
+        pending = CPUOffloadOptimizer._interruptible(this, chunks, side)
+        self._overlap.start(pending, grads, scalars, homes)
         return loss
 
     def _enqueue_chunks(
@@ -1566,6 +1602,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             }
             for view in layout.views:
                 spec, param = view.spec, self._params[view.param]
+                if not state.get(param):  # its state started afresh (`del opt.state[p]`)
+                    continue
                 s = staging[spec.dtype][view.staging_offset :][: spec.numel]
                 s = _carve(s, spec.shape, param)
                 home = self._homes[param, spec.key]
@@ -1588,7 +1626,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if now.shape != h.shape or now.dtype != h.dtype:
                 raise RuntimeError(
                     f"{type(self.optimizer).__name__} changed state {key!r} of param "
-                    f"{self._params.index(param)} from {tuple(h.shape)} {h.dtype} to "
+                    f"{_position(self._params, param)} from {tuple(h.shape)} {h.dtype} to "
                     f"{tuple(now.shape)} {now.dtype}; its state cannot live in fixed host slabs"
                 )
             h.copy_(now, non_blocking=True)

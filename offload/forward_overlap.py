@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 import warnings
 import weakref
@@ -194,13 +195,15 @@ class ForwardOverlap:
         # FSDP2 units hold every param: a unit's forward reads only all-gathered copies,
         # so the mode leaves the stack at the forward's start (nothing for torch.compile
         # to trace; the forward's end finishes the step), but in the first overlapped
-        # forward of each plan: there it finds reads outside a unit's forward (a term
-        # over another unit's sharded params, a state counter), and each makes the owner
-        # whose hook ran last wait for the chunk it read from then on (-1: before any
-        # owner's, the forward's start).
+        # forward of each plan that runs to its end: there it finds reads outside a unit's
+        # forward (a term over another unit's sharded params, a state counter), and each
+        # makes the owner whose hook ran last wait for the chunk it read from then on (-1:
+        # before any owner's, the forward's start). Where it found one, the mode stays on
+        # in later forwards too: that owner may not run in every forward (LayerDrop).
         self._hooks_see_forward = _check_reads_are_seen(model, self.owners, params)
         self._trace_reads = False
         self._tracing = False
+        self._reads_outside_units = False
         self._reading_owner = -1  # in a traced forward, the owner whose pre-hook ran last
         self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
@@ -218,6 +221,9 @@ class ForwardOverlap:
         """Called as the backward of the first forward after a step passes each owner module
         that forward ran on an input needing grad (once the grad of that input is computed),
         with (how many of them the backward has passed, how many there are)."""
+        self.written_back: Callable[[], None] | None = None
+        """Blocks the host until the finished step's state is home (written back): what a
+        read of a state tensor held from an earlier step waits for."""
         self._watch_inputs = False  # in the first forward after a step
         self._watch = _Watch()  # that forward's hooks on its owner modules' inputs
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
@@ -279,6 +285,7 @@ class ForwardOverlap:
         self._chunk_needs = list(itertools.accumulate(self._chunk_needs, max))
         self._param_chunk = {p: c for p, c in chunk_of.items()}
         self._trace_reads, self._start_chunk = self._hooks_see_forward, -1
+        self._reads_outside_units = False
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
     def start(
@@ -286,11 +293,14 @@ class ForwardOverlap:
         pending: Iterator[None],
         grads: Iterable[Tensor],
         state_scalars: Mapping[Tensor, Sequence[Tensor]],
+        state_homes: Collection[Tensor],
     ) -> None:
         """Run `pending`'s chunks on the side stream, from where the trainer's stream is
         now (grads reduced and clipped); the first few are enqueued at once. Until each
         chunk lands, torch calls on its params, their grads or their state tensors that the
-        step updates in place (`state_scalars`: per param, `step` and the like) wait for it."""
+        step updates in place (`state_scalars`: per param, `step` and the like) wait for it;
+        torch calls on the offloaded state's homes (`state_homes`: what `state` hands out
+        between steps, and a logger may hold) wait for the whole step to be written back."""
         streams, side = self._streams, self.side_stream
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
@@ -301,17 +311,17 @@ class ForwardOverlap:
         self._in_flight = True
         self._watch_inputs = self.backward_reached is not None
         self.advance(self._up_front)
-        self._reads.push(self, state_scalars)
+        self._reads.push(self, state_scalars, state_homes)
 
     @torch.compiler.disable
     def advance(self, last: int) -> None:
         """Enqueue the pending step's chunks up to index `last`.
 
         Called from forward hooks and from reads inside a forward too, so the trainer's
-        grad mode, inference mode and autocast are switched off, and torch.compile never
-        traces it (a read inside compiled code would compile the update): the update must
-        not change with where it runs. One thread at a time (a checkpointing thread may
-        wait for the step while the trainer's forward advances it).
+        grad mode, inference mode, autocast and torch.func transforms are switched off,
+        and torch.compile never traces it (a read inside compiled code would compile the
+        update): the update must not change with where it runs. One thread at a time (a
+        checkpointing thread may wait for the step while the trainer's forward advances it).
         """
         if self._pending is None or self._enqueued > last:
             return
@@ -320,6 +330,7 @@ class ForwardOverlap:
             torch.inference_mode(False),
             torch.no_grad(),
             torch.autocast(self._streams.device.type, enabled=False),
+            outside_transforms(),
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
@@ -383,8 +394,15 @@ class ForwardOverlap:
         return [index] + [i for i in prefetched if i is not None]
 
     def _wait_for_read(self, chunk: int) -> None:
-        """A torch call on the trainer's thread reads a param that lands with `chunk`."""
+        """A torch call on the trainer's thread reads a param that lands with `chunk`, or
+        (`chunk` past the last) a state home, which holds the update once written back."""
+        if chunk >= len(self.chunk_done):
+            self.finish()
+            if self.written_back is not None:
+                self.written_back()
+            return
         if self._tracing:  # the hooks wait for it from the next forward on
+            self._reads_outside_units = True
             owner = self._reading_owner
             if owner < 0:
                 self._start_chunk = max(self._start_chunk, chunk)
@@ -403,11 +421,16 @@ class ForwardOverlap:
             self.advance(self._ahead_of[self._start_chunk])
             self._wait_for_chunk(self._start_chunk, self._chunk_needs[self._start_chunk])
         if self._hooks_see_forward:
-            self._tracing, self._trace_reads = self._trace_reads, False
-            if not self._tracing:
+            self._tracing = self._trace_reads
+            if not self._tracing and not self._reads_outside_units:
                 self._reads.leave_stack()
 
-    def _after_forward(self) -> None:
+    def _after_forward(self, args: Any, output: Any) -> None:
+        # A forward that raised (torch calls this hook from its handler, with no output)
+        # may not have reached the reads it was to find: the next one looks again.
+        raised = output is None and sys.exc_info()[1] is not None
+        if self._tracing and not raised:
+            self._trace_reads = False
         self._tracing = False
         if self._in_flight:
             self.finish()
@@ -423,7 +446,8 @@ class _PendingReads(TorchFunctionMode):
     """While a step is pending (pushed by `start`, popped by `finish`), torch calls on
     the trainer's thread that are given a param, a param's grad or a state tensor the step
     updates in place (a held `step` counter), whose chunk has not landed on the trainer's
-    stream wait for that chunk first.
+    stream wait for that chunk first; given a home of the offloaded state (a held
+    `exp_avg`), for the whole step to be written back.
 
     Every torch call pays the look-up while the mode is on the stack, so it is kept
     short: a dict hit per argument (one level into lists), the rest only on a hit.
@@ -469,13 +493,18 @@ class _PendingReads(TorchFunctionMode):
             self.active = active
 
     def push(
-        self, overlap: ForwardOverlap, state_scalars: Mapping[Tensor, Sequence[Tensor]]
+        self,
+        overlap: ForwardOverlap,
+        state_scalars: Mapping[Tensor, Sequence[Tensor]],
+        state_homes: Collection[Tensor],
     ) -> None:
         """On, for `overlap`'s pending step: at the bottom of this thread's stack."""
         self._remove()
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
         held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
         held += [(t, c) for p, c in overlap._param_chunk.items() for t in state_scalars.get(p, ())]
+        written_back = len(overlap.chunk_done)  # past the last chunk: the whole step, home
+        held += [(t, written_back) for t in state_homes]
         self.chunk_of |= {id(t): c for t, c in held}
         self._held = {id(t): weakref.ref(t) for t, _ in held}
         self.step_pending, self.landed, self.active = True, -1, True
@@ -532,6 +561,14 @@ class _PendingReads(TorchFunctionMode):
 _ORPHANS: dict[int, list[_PendingReads]] = {}
 """Per thread, pending-read modes switched off where they could not be taken off its stack."""
 _ORPHANS_LOCK = threading.Lock()
+
+
+def outside_transforms() -> contextlib.AbstractContextManager[None]:
+    """torch.func's transforms (grad, vmap) off: the step's copies and updates act on the
+    optimizer's own tensors, which a transform running the forward or backward would
+    take for captured tensors mutated in place, and refuse. Private API
+    (`torch._C._DisableFuncTorch`, which FSDP2 uses around its own copies; torch 2.11, 2.13)."""
+    return torch._C._DisableFuncTorch()
 
 
 def _depth() -> int:
@@ -611,7 +648,8 @@ def _backward_reached_hook(
     def hook(grad: Tensor) -> None:
         target = overlap()
         if watch.complete and target is not None and target.backward_reached is not None:
-            target.backward_reached(watch.hooked - index, watch.hooked)
+            with outside_transforms():  # a backward inside torch.func.grad
+                target.backward_reached(watch.hooked - index, watch.hooked)
 
     return hook
 
@@ -666,18 +704,29 @@ def _register_hooks(
     """A pre-hook on each owner module (prepended: before FSDP2's unshard), and a
     pre-hook and a forward hook (also called when the forward raises) on the model,
     calling into `overlap` while it lives."""
-    handles = [
-        module.register_forward_pre_hook(
-            _OverlapHook(overlap, "_before_module", i, with_inputs=True),
-            prepend=True,
-            with_kwargs=True,
-        )
+    handles: list[RemovableHandle] = []
+    hooked = [
+        (module, _OverlapHook(overlap, "_before_module", i, with_inputs=True))
         for i, (module, _) in enumerate(owners)
     ]
-    before = _OverlapHook(overlap, "_before_forward", with_inputs=False)
-    after = _OverlapHook(overlap, "_after_forward", with_inputs=False)
-    handles.append(model.register_forward_pre_hook(before, prepend=True))
-    handles.append(model.register_forward_hook(after, always_call=True))
+    try:
+        for module, hook in hooked:
+            handles.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
+        before = _OverlapHook(overlap, "_before_forward", with_inputs=False)
+        after = _OverlapHook(overlap, "_after_forward", with_inputs=True)
+        module = model
+        handles.append(model.register_forward_pre_hook(before, prepend=True))
+        handles.append(model.register_forward_hook(after, always_call=True))
+    except RuntimeError as error:  # a torch.jit.script-ed module takes no hooks
+        for handle in handles:
+            handle.remove()
+        name = next((n for n, m in model.named_modules() if m is module), "")
+        raise RuntimeError(
+            f"overlap_forward hooks every module that reads the optimizer's params, and "
+            f"module {name or '(the root)'!r} ({type(module).__name__}) takes no hooks: "
+            f"{error}. Keep that module eager (not torch.jit.script-ed), or leave "
+            "overlap_forward None"
+        ) from error
     return handles
 
 

@@ -113,20 +113,47 @@ def step_without_hooks(optimizer: torch.optim.Optimizer, closure: Any = None) ->
     belong to the whole step (`CPUOffloadOptimizer` runs the optimizer's own once a step,
     and torch's global ones run for the wrapper).
 
-    A `step` set on the instance (a user's or a tool's patch) is called as it is.
+    A `step` set on the instance (a user's or a tool's patch) is called as it is, except
+    the one an LR scheduler built on the optimizer sets: it would run the hooks per chunk
+    (the wrapper records the step for the scheduler: `record_step_for_lr_schedulers`).
     Private API (torch 2.11, 2.13): `Optimizer._patch_step_function` wraps a class's
     `step` (functools.wraps: `__wrapped__` is the class's own) in the function that runs
     the hooks, and marks it `hooked`.
     """
     args = () if closure is None else (closure,)  # a custom step may take no closure
     step = type(optimizer).step
-    if (
-        "step" not in vars(optimizer)
-        and getattr(step, "hooked", False)
-        and hasattr(step, "__wrapped__")
-    ):
+    own_step = vars(optimizer).get("step")
+    if own_step is not None and _is_lr_scheduler_patch(own_step, step):
+        own_step = None
+    if own_step is None and getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
         return step.__wrapped__(optimizer, *args)
     return optimizer.step(*args)
+
+
+def record_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """What an LR scheduler's patch of `optimizer.step` records when called: the optimizer
+    has stepped (else the scheduler's first `step()` warns that it ran first). The
+    offloaded step never calls that patch (`step_without_hooks`; Muon's subset step never
+    calls `step`), so the wrapper records each of its steps here."""
+    own_step = vars(optimizer).get("step")
+    if own_step is not None and _is_lr_scheduler_patch(own_step, type(optimizer).step):
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def _is_lr_scheduler_patch(own_step: Any, class_step: Any) -> bool:
+    """Whether `own_step`, set on an optimizer, is an LR scheduler's patch of `class_step`.
+
+    Private API of torch's `LRScheduler`, read here only (checked in torch 2.13's source;
+    the same since pytorch#129933 added the wraps, in 2.5, so in 2.11 too): a scheduler
+    built on an optimizer sets on the instance a `step` marked `_wrapped_by_lr_sched`
+    (functools.wraps of the class's step, its `__wrapped__`) that sets
+    `optimizer._opt_called` and calls the class's step; the scheduler's first `step()`
+    warns "lr_scheduler.step() before optimizer.step()" unless `_opt_called` is set.
+    Without these attributes the patch is called as any other.
+    """
+    return bool(getattr(own_step, "_wrapped_by_lr_sched", False)) and (
+        getattr(own_step, "__wrapped__", None) is class_step
+    )
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 
 import pytest
 import torch
 
 from offload import CPUOffloadOptimizer
+from offload.chunk_plan import SLICE_ELEMENTS
 
 LAYOUTS = {
     "transposed": lambda: torch.randn(8, 6).t(),
@@ -166,6 +168,15 @@ def _rprop(params):  # no subset step: the serial path
     return torch.optim.Rprop(params, lr=1e-2)
 
 
+def _muon(params):  # a subset step that never calls step()
+    from muon import Muon
+
+    params = list(params)
+    matrices = [p for p in params if p.ndim == 2]
+    others = [p for p in params if p.ndim != 2]
+    return Muon([{"params": matrices}, {"params": others, "algorithm": "adamw"}], lr=1e-2)
+
+
 @pytest.mark.parametrize(
     ("make", "options"),
     [
@@ -183,10 +194,11 @@ def test_state_replaced_by_hand_is_taken_at_the_next_step(make, options):
     twin.step(1)
     if options.get("load_in_backward"):  # the next backward loads state the hand replaces
         assert twin.opt.chunks_loaded_in_backward > 0
-    key = next(iter(k for k, v in twin.plain.state[twin.plain_model[0].weight].items() if v.ndim))
     for opt, model in ((twin.plain, twin.plain_model), (twin.opt, twin.model)):
-        state = opt.state[model[0].weight]
-        state[key] = torch.full_like(state[key], 90.0)
+        for param in model.parameters():  # every param: an index found with == raised past the 1st
+            state = opt.state[param]
+            key = next(k for k, v in state.items() if v.ndim)
+            state[key] = torch.full_like(state[key], 90.0)
     twin.step(2)
     twin.assert_equal()
 
@@ -537,3 +549,167 @@ def test_sgd_state_dict_is_torchs_with_or_without_momentum(momentum, options):
         for key, value in entries.items():
             assert torch.equal(value, got["state"][index][key]), (index, key)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _halving_pre_hook(optimizer: torch.optim.Optimizer, seen: list[int]) -> None:
+    """A step pre-hook that scales the grads of what it steps (as a clipping hook does)."""
+
+    def pre(opt, args, kwargs):
+        seen.append(sum(len(group["params"]) for group in opt.param_groups))
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    optimizer.register_step_pre_hook(pre)
+
+
+def _train_with_scheduler_built_first(make, wrap: bool, **options):
+    """Three steps of `make` on `_two_linears()` with a halving pre-hook, an LR scheduler
+    built on it before it is wrapped (when `wrap`), and torch's global step hooks counted;
+    warnings are errors."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    model = _two_linears()
+    inner = make(model.parameters())
+    seen: list[int] = []
+    _halving_pre_hook(inner, seen)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 0.9**step)
+    opt = inner
+    if wrap:
+        overlap = model if options.pop("overlap", False) else None
+        opt = CPUOffloadOptimizer(inner, overlap_forward=overlap, **options)
+    stepped: list[torch.optim.Optimizer] = []
+    handle = register_optimizer_step_post_hook(lambda o, args, kwargs: stepped.append(o))
+    try:
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
+            warnings.simplefilter("error")
+            for seed in range(3):
+                opt.zero_grad()
+                _backward(model, seed)
+                opt.step()
+                scheduler.step()
+    finally:
+        handle.remove()
+    if wrap:
+        opt.wait_for_optimizer_step()
+    assert seen == [4, 4, 4]  # once a step, seeing every param
+    assert stepped == [opt] * 3
+    return model, inner
+
+
+@pytest.mark.parametrize(
+    ("make", "options"),
+    [
+        (_adamw, {"chunk_bytes": 64}),
+        (_adamw, {"chunk_bytes": 64, "overlap": True}),
+        (_rprop, {}),
+        (_muon, {"chunk_bytes": 64}),
+    ],
+    ids=["adamw_sliced", "adamw_overlapped", "serial", "muon"],
+)
+def test_a_scheduler_built_before_wrapping_leaves_step_hooks_once_a_step(make, options):
+    """An LR scheduler built on the optimizer before it is wrapped patches its `step` on
+    the instance; the wrapper ran that patch, and with it the step hooks, per chunk."""
+    plain_model, plain = _train_with_scheduler_built_first(make, wrap=False)
+    model, inner = _train_with_scheduler_built_first(make, wrap=True, **options)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain.state[a].items():
+            assert torch.equal(value, inner.state[b][key]), key
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+        lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=True),
+    ],
+    ids=["adamw", "sgd_momentum"],
+)
+def test_fused_cpu_steps_on_params_cut_into_slices_are_bitwise_equal(make):
+    """torch's CPU fused kernels round a vectorized body and a scalar tail differently: a
+    slice must split there as the whole param does. 407 elements is not a whole number of
+    vectors, and 1000-byte chunks cut both params, the second from its end."""
+    plain_params = [_param_like(lambda: torch.randn(407), seed) for seed in (0, 1)]
+    params = [_param_like(lambda: torch.randn(407), seed) for seed in (0, 1)]
+    plain, offloaded = make(plain_params), CPUOffloadOptimizer(make(params), chunk_bytes=1000)
+    for step in range(4):
+        for a, b in zip(plain_params, params, strict=True):
+            a.grad, b.grad = _grad_like(a, step), _grad_like(b, step)
+        plain.step()
+        offloaded.step()
+    slices = [piece for chunk in offloaded.plan.chunks for piece in chunk.slices]
+    assert len(slices) > 2
+    for a, b in zip(plain_params, params, strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain.state[a].items():
+            assert torch.equal(value, offloaded.state[b][key]), key
+    # and the cuts themselves, which a machine without vectors would not show
+    assert all(piece.start % SLICE_ELEMENTS == 0 for piece in slices)
+
+
+def test_lazy_params_are_refused_at_construction_naming_the_param_and_the_way_out():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.LazyLinear(2))
+    inner = torch.optim.AdamW(model.parameters())
+    with pytest.raises(
+        ValueError, match=r"param 2 is uninitialized .*Run the model's forward once first"
+    ):
+        CPUOffloadOptimizer(inner)
+    model(torch.ones(1, 5)).sum().backward()  # the lazy params take their shape
+    CPUOffloadOptimizer(inner).step()
+
+
+@pytest.mark.parametrize(
+    ("make", "options"),
+    [
+        (_adamw, {}),
+        (_adamw, {"chunk_bytes": 64}),
+        (_adamw, {"chunk_bytes": 64, "overlap": True}),
+        (_rprop, {}),
+    ],
+    ids=["adamw", "adamw_sliced", "adamw_overlapped", "serial"],
+)
+def test_a_deleted_state_tensor_is_refused_naming_param_and_key(make, options):
+    """Plain torch raises KeyError at the next step; the wrapper staged the deleted state
+    tensor from its home and stepped with its old values."""
+    twin = _Twin(make, **options)
+    twin.step(0)
+    twin.step(1)
+    twin.opt.wait_for_optimizer_step()
+    weight = twin.model[1].weight  # param 2
+    key = next(k for k, v in twin.opt.state[weight].items() if v.ndim)
+    deleted = twin.opt.state[weight][key].clone()
+    del twin.opt.state[weight][key]
+    before = [p.detach().clone() for p in twin.model.parameters()]
+    twin.opt.zero_grad()
+    _backward(twin.model, 2)
+    with pytest.raises(KeyError, match=rf"state '{key}' of param 2 was deleted"):
+        twin.opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(twin.model.parameters(), before, strict=True))
+    twin.opt.state[weight][key] = deleted  # the way out the error names
+    twin.step(2)
+    twin.assert_equal()
+
+
+@pytest.mark.parametrize("reset", ["del_param", "assign_empty", "clear"])
+@pytest.mark.parametrize(
+    ("make", "overlap"),
+    [(_adamw, False), (_adamw, True), (_rprop, False)],
+    ids=["adamw", "adamw_overlapped", "serial"],
+)
+def test_a_params_whole_state_reset_steps_as_torch(reset, make, overlap):
+    # the serial path staged the old state into the fresh dict: Rprop then found no
+    # `step` (a KeyError), and an optimizer filling in only missing keys kept old values
+    twin = _Twin(make, chunk_bytes=64, overlap=overlap)
+    twin.step(0)
+    twin.step(1)
+    for opt, model in ((twin.plain, twin.plain_model), (twin.opt, twin.model)):
+        if reset == "clear":
+            opt.state.clear()
+        elif reset == "del_param":
+            del opt.state[model[0].weight]
+        else:
+            opt.state[model[0].weight] = {}
+    twin.step(2)
+    twin.assert_equal()

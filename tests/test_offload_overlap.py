@@ -118,6 +118,15 @@ def test_overlap_needs_a_subset_step():
         CPUOffloadOptimizer(Custom(model.parameters(), lr=0.1), overlap_forward=model)
 
 
+def test_a_module_that_takes_no_hooks_is_named_and_leaves_none_behind():
+    # torch.jit.script-ed: torch's own error named neither the module nor the overlap
+    first = torch.nn.Linear(16, 16)
+    model = torch.nn.Sequential(first, torch.jit.script(torch.nn.Linear(16, 4)))
+    with pytest.raises(RuntimeError, match="module '1' .*takes no hooks.* overlap_forward None"):
+        CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+    assert not first._forward_pre_hooks
+
+
 def _train_plain_and_overlapped(set_to_none: bool):
     """Two steps of AdamW, plain and offloaded with overlap; the overlapped step is left
     pending. Returns (plain model, plain AdamW, overlapped model, its optimizer)."""

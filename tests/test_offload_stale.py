@@ -72,6 +72,36 @@ class BodyNormInRoot(FunctionalHead):
         return self.head(self.body(self.embed(tokens))) + 1e-3 * norm
 
 
+class HeadTermAfterSkippedLayer(nn.Module):
+    """The root's forward adds a term over the head's weight after the body, whose last
+    layer runs in every other forward only (LayerDrop; in the first forward after a step,
+    where the overlap looks for reads outside the units): with the head a unit of its
+    own (`_fsdp_head_apart`), no unit's hook sees that read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 40)
+        self.calls = 0
+
+    def forward(self, tokens):
+        self.calls += 1
+        h = self.embed(tokens)
+        for layer in self.body[: 2 if self.calls % 2 else 3]:
+            h = layer(h)
+        term = _full(self.head.weight.square().sum())  # before the head's own forward
+        return self.head(h) + 1e-3 * term
+
+
+class _BadBatch(Exception):
+    pass
+
+
+def _raise_bad_batch(*_):
+    raise _BadBatch
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(t, "full_tensor", None)
     return full_tensor() if full_tensor is not None else t
@@ -234,6 +264,14 @@ def _fsdp(model: nn.Module, mesh) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+def _fsdp_head_apart(model: nn.Module, mesh) -> nn.Module:
+    """The body's layers and the head each a unit of its own, the rest the root's."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.head, mesh=mesh)
+    return _fsdp(model, mesh)
+
+
 def _fsdp_children(model: nn.Module, mesh) -> nn.Module:
     """Every child with params its own FSDP2 unit, none at the root."""
     from torch.distributed.fsdp import fully_shard
@@ -297,6 +335,33 @@ def _fsdp_worker(rank: int, world: int) -> None:
         pair = _fsdp_pair(make_model, mesh)
         assert _train(*pair[:2], data) == _train(*pair[2:], data), make_model.__name__
         _assert_same_local(*pair)
+
+    # a read outside the units after a layer that the next forward skips: found in the
+    # plan's first forward, it is waited for in every later one whatever runs before it
+    pair = _fsdp_pair(HeadTermAfterSkippedLayer, mesh, shard=_fsdp_head_apart)
+    assert _train(*pair[:2], _rank_tokens(rank, 5)) == _train(*pair[2:], _rank_tokens(rank, 5))
+    _assert_same_local(*pair)
+
+    # the plan's first overlapped forward raises before it reaches that read (a bad
+    # batch, retried): the next one looks for it again
+    plain_model, plain, model, overlapped = _fsdp_pair(
+        HeadTermAfterSkippedLayer, mesh, shard=_fsdp_head_apart
+    )
+    runs = []
+    for m, o in ((plain_model, plain), (model, overlapped)):
+        failed: list[bool] = []
+
+        def bad_batch_once(m, o, failed=failed):
+            if not failed:
+                failed.append(True)
+                handle = m.body[0].register_forward_pre_hook(_raise_bad_batch)
+                with pytest.raises(_BadBatch):
+                    m(data[0])
+                handle.remove()
+
+        runs.append(_train(m, o, _rank_tokens(rank, 4), after_step=bad_batch_once))
+    assert runs[0] == runs[1]
+    _assert_same_local(plain_model, plain, model, overlapped)
 
     # with no unit at the root, the root's read comes before any owner's hook: the
     # forward's start waits for it
@@ -585,3 +650,72 @@ def test_a_held_step_counter_reads_each_update(chunk_bytes):
     assert len(opt._chunks) > 2  # the step is cut, and its later chunks run lazily
     assert seen == [[float(k)] * len(held) for k in (1, 2, 3)]
     opt.close()
+
+
+def _momentum_sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("make_inner", [torch.optim.AdamW, _momentum_sgd])
+def test_held_state_and_the_inner_state_dict_read_each_update(make_inner):
+    # A logger holding the state tensors of the first step, and a trainer that
+    # checkpoints the wrapped optimizer itself: both read the step before (the inner
+    # state_dict of the first step missed its later chunks' state), as the pending step
+    # had not written back; a held `step` counter already waited
+    logs: list[list[list[torch.Tensor]]] = [[], []]
+    for overlap, log in zip((False, True), logs, strict=True):
+        torch.manual_seed(0)
+        model = TiedEmbedFirst()
+        inner = make_inner(model.parameters())
+        opt = CPUOffloadOptimizer(
+            inner, chunk_bytes=1, staging_slots=1, overlap_forward=model if overlap else None
+        )
+        held: list[torch.Tensor] = []
+
+        def read(m, o, inner=inner, held=held, log=log):
+            log.append([t.clone() for t in held])
+            saved = inner.state_dict()["state"]
+            log[-1] += [t for entries in saved.values() for t in entries.values()]
+            if not held:
+                held.extend(t for p in m.parameters() for t in inner.state[p].values() if t.ndim)
+
+        _train(model, opt, _tokens(3), after_step=read)
+        opt.close()
+    for ref, got in zip(*logs, strict=True):
+        assert len(ref) == len(got)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_torch_func_transforms_around_the_forward_are_exact():
+    # grads by torch.func (the model's own params, and per-sample grads with detached
+    # ones): the pending chunks ran inside the transform, which refused their in-place
+    # copies as mutations of captured tensors (the step was then lost)
+    import torch.func as tf
+
+    def own_params(m, tokens):
+        def loss(params):
+            return tf.functional_call(m, params, (tokens,)).square().mean()
+
+        return tf.grad(loss)(dict(m.named_parameters()))
+
+    def per_sample(m, tokens):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+
+        def loss(params, row):
+            return tf.functional_call(m, params, (row[None],)).square().mean()
+
+        grads = tf.vmap(tf.grad(loss), in_dims=(None, 0))(params, tokens)
+        return {k: g.mean(0) for k, g in grads.items()}
+
+    for grads_of in (own_params, per_sample):
+        runs = []
+        for model, opt in (_pair(TiedEmbedFirst)[:2], _pair(TiedEmbedFirst)[2:]):
+            for tokens in _tokens(3):
+                opt.zero_grad()
+                grads = grads_of(model, tokens)
+                for name, p in model.named_parameters():
+                    p.grad = grads[name]
+                opt.step()
+            opt.wait_for_optimizer_step()
+            runs.append([p.detach().clone() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), grads_of.__name__
