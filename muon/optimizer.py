@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adamw import adamw
 
 from muon import elementwise
@@ -80,6 +81,7 @@ from muon.options import (
     check_max_inflight,
     check_ns_coefficients,
     check_ns_steps,
+    check_ns_steps_of_schedule,
     check_row_blocks,
     ns_dtype_from,
 )
@@ -180,14 +182,8 @@ def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLay
     if not isinstance(p, DTensor):
         return ParamLayout(tuple(p.shape), blocks, group=group)
     mesh = p.device_mesh
-    shard_dims: list[int | None] = []
-    for placement in p.placements:
-        if isinstance(placement, Shard):
-            shard_dims.append(placement.dim % p.ndim)
-        elif isinstance(placement, Replicate):
-            shard_dims.append(None)
-        else:
-            raise ValueError(f"Muon supports Shard and Replicate placements but got: {placement}")
+    # `_check_placements` let only Shard and Replicate through
+    shard_dims = [q.dim % p.ndim if isinstance(q, Shard) else None for q in p.placements]
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError(f"this rank is not in the mesh of a param of shape {tuple(p.shape)}")
@@ -252,7 +248,8 @@ class Muon(torch.optim.Optimizer):
     `load_state_dict` takes a `torch.optim.Muon` state dict too: group keys it
     lacks (`algorithm`, `row_blocks`, `ns_algorithm`, `replica_owners`) get their defaults.
     Groups are validated again at every step, so a hyperparameter or `algorithm`
-    changed by hand or by a load takes effect (or raises) there.
+    changed by hand or by a load takes effect (or raises) there. A step refuses, before
+    it changes anything, sparse grads and a DTensor param's grad placed unlike the param.
     """
 
     def __init__(
@@ -386,6 +383,9 @@ class Muon(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             _set_group_defaults(group, self.defaults)
             _validate_group(group, index)
+        # Every group's grads before any group steps: a refused step changes nothing.
+        for index, group in enumerate(self.param_groups):
+            _check_grads(group, index)
         return MuonStep(self, self._muon_plan())
 
     # Compiled (torch.compile(opt.step)), the step runs eagerly: its launches are already
@@ -547,15 +547,12 @@ def _check_group(group: dict[str, Any]) -> None:
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
     check_ns_coefficients(coefficients)
     if isinstance(coefficients, NewtonSchulzSchedule):
-        if steps is not None and steps != coefficients.steps:
-            raise ValueError(
-                f"ns_steps should be None or {coefficients.steps} for this schedule but is: {steps}"
-            )
+        check_ns_steps_of_schedule(steps, coefficients)
     else:
         check_ns_steps(steps)
         group["ns_coefficients"] = tuple(coefficients)
     row_blocks = group["row_blocks"]
-    for p in group["params"]:
+    for k, p in enumerate(group["params"]):
         if p.ndim not in (2, 3):
             raise ValueError(
                 f"Muon supports 2-D and 3-D params but got shape: {tuple(p.shape)}; put it in "
@@ -568,6 +565,57 @@ def _check_group(group: dict[str, Any]) -> None:
                 f"{tuple(p.shape)}; put it in an algorithm='adamw' group or use real views"
             )
         check_row_blocks(row_blocks, p.shape[-2])
+        _check_placements(p, k)
+
+
+def _check_placements(p: Tensor, k: int) -> None:
+    """A DTensor param sharded in torch.chunk pieces (Shard) or replicated: the layouts
+    the planner cuts matrices by. Private API (`_StridedShard`, FSDP2's placement over
+    tensor parallelism; a subclass of `Shard` in some torch releases, not in 2.13)."""
+    for placement in getattr(p, "placements", ()):
+        strided = isinstance(placement, _StridedShard)
+        if isinstance(placement, (Shard, Replicate)) and not strided:
+            continue
+        why = "Muon supports Shard and Replicate placements"
+        if strided:
+            why += "; strided sharding (FSDP2 over tensor parallelism) is not supported"
+        raise ValueError(
+            f"param {k} (shape {tuple(p.shape)}) has placements {tuple(p.placements)}: {why}; "
+            "shard it with FSDP2 alone, or put it in an algorithm='adamw' group"
+        )
+
+
+def _placements_text(t: Tensor) -> str:
+    return str(tuple(t.placements)) if isinstance(t, DTensor) else "a plain tensor"
+
+
+def _check_grads(group: dict[str, Any], index: int) -> None:
+    """Grads the step can read as they are: dense, as torch.optim.Muon and AdamW require,
+    and on a DTensor param of the param's mesh and placements. The step reads the grad's
+    local shard as the param's: a Partial grad (tensor parallelism can leave one on a
+    replicated param) would be used unreduced, each rank its own."""
+    algorithm = "Muon" if group["algorithm"] == "muon" else "AdamW"
+    for k, p in enumerate(group["params"]):
+        grad = p.grad
+        if grad is None:
+            continue
+        where = f"param group {index}: param {k} (shape {tuple(p.shape)})"
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"{where} has a {grad.layout} grad, but {algorithm} does not support sparse "
+                "gradients; make it dense (nn.Embedding(sparse=False)) or step that param "
+                "with torch.optim.SparseAdam"
+            )
+        same = isinstance(p, DTensor) == isinstance(grad, DTensor) and (
+            not isinstance(p, DTensor)
+            or (grad.device_mesh == p.device_mesh and grad.placements == p.placements)
+        )
+        if not same:
+            raise ValueError(
+                f"{where} has a grad with placements {_placements_text(grad)} but the param has "
+                f"{_placements_text(p)}; reduce or redistribute the grad to the param's placements "
+                "first (p.grad = p.grad.redistribute(p.device_mesh, p.placements))"
+            )
 
 
 def _transient(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:

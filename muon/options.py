@@ -117,6 +117,17 @@ def check_ns_steps(value: Any, name: str = "ns_steps") -> None:
         raise ValueError(f"{name} should be None or in [1, 99] but is: {value}")
 
 
+def check_ns_steps_of_schedule(
+    value: Any, schedule: NewtonSchulzSchedule, name: str = "ns_steps", of: str = "this schedule"
+) -> None:
+    """ns_steps beside a schedule, which sets its own iterations: None or their count."""
+    if value is not None and value != schedule.steps:
+        raise ValueError(
+            f"{name} should be None or {schedule.steps} for {of} (a schedule sets its own "
+            f"iterations) but is: {value}"
+        )
+
+
 def check_ns_coefficients(value: Any, name: str = "ns_coefficients") -> None:
     """A `NewtonSchulzSchedule`, or one (a, b, c) of finite real numbers."""
     if isinstance(value, NewtonSchulzSchedule):

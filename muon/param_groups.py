@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,8 +11,9 @@ from torch import nn
 
 # Names of params Muon should not orthogonalize even though they are matrices:
 # embeddings and the output head (Keller Jordan, Moonlight: a weight whose module is
-# named lm_head, head, output, classifier or score), norms, biases and MoE routers
-# ("router", or a bare `gate` module next to the experts).
+# named lm_head, head, output, classifier or score), norms, biases, MoE routers
+# ("router", or a bare `gate` module next to the experts) and state-space models' log
+# decay rates (Mamba's `A_log`, channels x states: a table of scalars, not a linear map).
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"embed",
     r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",
@@ -19,6 +21,15 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"bias",
     r"router",
     r"(^|\.)gate\.weight$",
+    r"(^|\.)A_log$",
+)
+# Names of params that usually hold several logical matrices (q|k|v, gate|up): Phi3's
+# qkv_proj and gate_up_proj, MoE expert stacks' gate_up_proj, GPT-NeoX's query_key_value,
+# GPT-2's c_attn, Baichuan's W_pack, MPT's Wqkv, nn.MultiheadAttention's in_proj_weight.
+# Without `row_blocks` Muon orthogonalizes each as one matrix, so they are warned about.
+FUSED_PATTERNS: tuple[str, ...] = (
+    r"(^|\.)(qkv|qkv_proj|in_proj_qkv|Wqkv|W_pack|query_key_value|c_attn|gate_up_proj)\.weight$",
+    r"(^|\.)(gate_up_proj|in_proj_weight)$",
 )
 # Modules whose params go to AdamW whatever their names: embeddings (GPT-2's wte, wpe;
 # an output head tied to one is the same param) and convolutions, whose 3-D+ weights
@@ -67,7 +78,10 @@ def muon_param_groups(
     the module holding it: the output head, whatever its name.
     `row_blocks` maps a name pattern to the row blocks of matching fused params
     (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
-    and must match at least one Muon param. `adamw_options` (lr, betas, eps,
+    and must match at least one Muon param. A Muon param named like a fused one
+    (`FUSED_PATTERNS`: qkv_proj, gate_up_proj, query_key_value, c_attn, in_proj_weight,
+    ...) that no `row_blocks` pattern matches is orthogonalized as one matrix, with one
+    warning per call listing them. `adamw_options` (lr, betas, eps,
     weight_decay) go into the AdamW group. Every trainable param lands in
     exactly one group; empty groups are left out.
     """
@@ -78,6 +92,7 @@ def muon_param_groups(
         )
     row_blocks = dict(row_blocks or {})
     plain: list[nn.Parameter] = []
+    unsplit_fused: list[str] = []
     fused: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in row_blocks}
     adamw: list[nn.Parameter] = []
     by_module = {
@@ -100,9 +115,13 @@ def muon_param_groups(
         if len(matches) > 1:
             raise ValueError(f"param {name} matches several row_blocks patterns: {matches}")
         (fused[matches[0]] if matches else plain).append(p)
+        if not matches and any(re.search(pattern, name) for pattern in FUSED_PATTERNS):
+            unsplit_fused.append(name)
     for pattern, params in fused.items():
         if not params:
             raise ValueError(f"row_blocks pattern {pattern!r} matches no Muon param")
+    if unsplit_fused:
+        warnings.warn(_unsplit_fused_warning(unsplit_fused), stacklevel=2)
     groups: list[dict[str, Any]] = []
     if plain:
         groups.append({"params": plain})
@@ -116,3 +135,16 @@ def muon_param_groups(
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert grouped == trainable, f"{grouped} params grouped, {trainable} trainable"
     return groups
+
+
+def _unsplit_fused_warning(names: Sequence[str]) -> str:
+    return (
+        f"muon_param_groups: {list(names)} look fused (q|k|v or gate|up in one param) and no "
+        "row_blocks pattern matches them: Muon orthogonalizes each as one matrix. Where the "
+        "blocks are rows (nn.Linear(in, q + k + v); experts stored (E, gate + up, in), as "
+        "Qwen3-MoE's and Mixtral's), declare them: row_blocks={r'qkv_proj\\.weight$': (q, k, v)} "
+        "here, or a module attribute row_blocks = {'qkv_proj.weight': (q, k, v)} for "
+        "setup_optimizer; one block, (rows,), keeps a param whole and silences this. Blocks "
+        "in columns (GPT-2's Conv1D c_attn, experts stored (E, in, gate + up)) or interleaved "
+        "per head (GPT-NeoX's query_key_value) cannot be declared."
+    )

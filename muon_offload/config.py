@@ -14,7 +14,7 @@ import json
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,12 @@ class OptimizerConfig:
         if self.muon_options and self.type != "muon":
             raise ValueError(f"muon_options is set but type is {self.type!r}; use type='muon'")
         _check_muon_options(self.muon_options)
+        muon_checks.check_ns_steps_of_schedule(
+            self.muon_options.get("ns_steps"),
+            SCHEDULES[self.ns_schedule],
+            "muon_options['ns_steps']",
+            f"ns_schedule={self.ns_schedule!r}",
+        )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -245,11 +251,26 @@ def _type_name(hint: Any) -> str:
     return str(hint).replace("typing.", "")
 
 
-def _check_type(name: str, value: Any, hint: Any, example: Any) -> None:
+# A value of each type, to show in an error about a field whose default is None.
+_TYPE_EXAMPLES: dict[type, Any] = {bool: True, int: 1, float: 1.0}
+
+
+def _example(value: Any, hint: Any, default: Any) -> Any:
+    """A value of type `hint` to show in an error about `value`: `value` as an int where
+    that loses nothing (TOML's `4e9` for a byte count), else `default` unless it is None,
+    else an example of the first of the hint's types that has one."""
+    if isinstance(value, float) and value.is_integer() and _matches(int(value), hint):
+        return int(value)
+    if default is not None:
+        return default
+    return next((_TYPE_EXAMPLES[t] for t in typing.get_args(hint) if t in _TYPE_EXAMPLES), None)
+
+
+def _check_type(name: str, value: Any, hint: Any, default: Any) -> None:
     if not _matches(value, hint):
         raise ValueError(
             f"{name} should be of type {_type_name(hint)} but is: {value!r} "
-            f"({type(value).__name__}); set it like {example!r}"
+            f"({type(value).__name__}); set it like {_example(value, hint, default)!r}"
         )
 
 
@@ -281,14 +302,36 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
 def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Fused params' logical row blocks, declared by modules as `row_blocks = {name: rows}`.
 
-    Returns name patterns for `muon_param_groups`, one per distinct block layout.
+    Returns name patterns for `muon_param_groups`, one per distinct block layout. A
+    module's `row_blocks` of None declares nothing.
     """
     by_blocks: dict[tuple[int, ...], list[str]] = {}
     for module_name, module in model.named_modules():
-        for param_name, rows in getattr(module, "row_blocks", {}).items():
+        declared = getattr(module, "row_blocks", None)
+        if declared is None:
+            continue
+        if not isinstance(declared, Mapping) or not all(
+            isinstance(name, str) and _is_row_counts(rows) for name, rows in declared.items()
+        ):
+            where = f"module {module_name!r}" if module_name else "the model"
+            raise TypeError(
+                f"{where} ({type(module).__name__}) has row_blocks = {declared!r}; it should "
+                "be a dict of param name -> row counts of its logical matrices, e.g. "
+                "{'qkv.weight': (q, k, v)}, or None"
+            )
+        for param_name, rows in declared.items():
             full = f"{module_name}.{param_name}" if module_name else param_name
             by_blocks.setdefault(tuple(rows), []).append(re.escape(full))
     return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items()}
+
+
+def _is_row_counts(rows: Any) -> bool:
+    """A sequence of ints (their values are checked where the param's rows are known)."""
+    return (
+        isinstance(rows, Sequence)
+        and not isinstance(rows, (str, bytes))
+        and all(isinstance(n, int) for n in rows)
+    )
 
 
 def _bucket_cap_for_offload(model: nn.Module, config: OptimizerConfig) -> int:

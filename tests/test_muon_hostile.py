@@ -1,0 +1,225 @@
+"""What a hostile user hands `muon.Muon`, `muon_param_groups` and the config: exact, or
+refused by name before anything steps."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from muon import Muon, muon_param_groups
+from muon_offload import OptimizerConfig, model_row_blocks, setup_optimizer
+
+
+@contextmanager
+def _fake_world(size: int) -> Iterator[None]:
+    """A process group of `size` ranks in this process: shapes and placements only, no
+    collective computes anything."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _snapshot(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in params]
+
+
+def _assert_nothing_stepped(opt: Muon, params: list[nn.Parameter], before: list[torch.Tensor]):
+    assert not opt.state
+    for p, old in zip(params, before, strict=True):
+        assert torch.equal(p.to_local() if isinstance(p, DTensor) else p, old)
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "adamw"])
+def test_a_grad_placed_unlike_its_param_is_refused_before_anything_steps(algorithm):
+    # A Partial grad (tensor parallelism leaves them on replicated params) was stepped
+    # unreduced, each rank its own; a Shard(1) grad on a Shard(0) param failed to broadcast
+    with _fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        plain = nn.Parameter(_randn(4, 4))
+        replicated = nn.Parameter(DTensor.from_local(_randn(8, 6), mesh, [Replicate()]))
+        sharded = nn.Parameter(DTensor.from_local(_randn(2, 4), mesh, [Shard(0)]))
+        params = [plain, replicated, sharded]
+        opt = Muon([{"params": [plain]}, {"params": params[1:], "algorithm": algorithm}])
+        plain.grad = _randn(4, 4, seed=1)
+        replicated.grad = DTensor.from_local(_randn(8, 6, seed=2), mesh, [Partial()])
+        sharded.grad = DTensor.from_local(_randn(4, 2, seed=3), mesh, [Shard(1)])
+        before = _snapshot(params)
+        with pytest.raises(
+            ValueError,
+            match=r"param group 1: param 0 \(shape \(8, 6\)\) has a grad with placements "
+            r"\(Partial\(sum\),\) but the param has \(Replicate\(\),\); reduce or "
+            r"redistribute the grad to the param's placements first",
+        ):
+            opt.step()
+        _assert_nothing_stepped(opt, params, before)
+        replicated.grad = DTensor.from_local(_randn(8, 6, seed=2), mesh, [Replicate()])
+        with pytest.raises(
+            ValueError,
+            match=r"param group 1: param 1 \(shape \(4, 4\)\) has a grad with placements "
+            r"\(Shard\(dim=1\),\) but the param has \(Shard\(dim=0\),\)",
+        ):
+            opt.step()
+        _assert_nothing_stepped(opt, params, before)
+
+
+def test_sparse_grads_are_refused_before_anything_steps():
+    # An nn.Embedding(sparse=True), which muon_param_groups sends to AdamW, failed deep in
+    # torch's dispatcher after the Muon params had stepped and the embedding had decayed
+    model = nn.ModuleDict({"emb": nn.Embedding(10, 8, sparse=True), "proj": nn.Linear(8, 8)})
+    opt = Muon(muon_param_groups(model), lr=0.02)
+    model["proj"](model["emb"](torch.tensor([1, 2, 3]))).square().sum().backward()
+    params = list(model.parameters())
+    before = _snapshot(params)
+    with pytest.raises(
+        RuntimeError,
+        match=r"param group 1: param 0 \(shape \(10, 8\)\) has a torch.sparse_coo grad, but "
+        "AdamW does not support sparse gradients",
+    ):
+        opt.step()
+    _assert_nothing_stepped(opt, params, before)
+    matrix = nn.Parameter(_randn(4, 4))
+    muon = Muon([matrix])
+    matrix.grad = _randn(4, 4).to_sparse()
+    with pytest.raises(RuntimeError, match="Muon does not support sparse gradients"):
+        muon.step()
+    _assert_nothing_stepped(muon, [matrix], [_randn(4, 4)])
+
+
+def test_fsdp_over_tensor_parallel_is_refused_naming_the_param():
+    # The error named no param: "Muon supports Shard and Replicate placements but got: _S(0, 2)"
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    with _fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = nn.Sequential(nn.Linear(8, 12, bias=False))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        with pytest.raises(
+            ValueError,
+            match=r"param group 0: param 0 \(shape \(12, 8\)\) has placements \(_StridedShard.*"
+            r"strided sharding \(FSDP2 over tensor parallelism\) is not supported",
+        ):
+            Muon(model.parameters())
+
+
+def _adamw_names(model: nn.Module) -> list[str]:
+    *_, adamw = muon_param_groups(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for p in adamw["params"]]
+
+
+def test_log_decay_rates_of_state_space_models_go_to_adamw():
+    # Mamba's A_log (channels x states) is no linear map, but went to Muon as a 2-D param
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_proj = nn.Linear(8, 16, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(16, 4))
+            self.D = nn.Parameter(torch.ones(16))
+
+    assert _adamw_names(nn.ModuleDict({"mixer": Mixer()})) == ["mixer.A_log", "mixer.D"]
+    transformers = pytest.importorskip("transformers")
+    config = {"vocab_size": 32, "hidden_size": 16, "state_size": 4, "num_hidden_layers": 1}
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(**config))
+    assert "backbone.layers.0.mixer.A_log" in _adamw_names(mamba)
+
+
+class _Block(nn.Module):
+    def __init__(self, row_blocks: object) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(8, 12, bias=False)
+        self.row_blocks = row_blocks
+
+
+def test_row_blocks_attribute_of_the_wrong_type_is_refused_naming_the_module():
+    # A tuple or None gave "AttributeError: 'tuple' object has no attribute 'items'"
+    for wrong in [(6, 6), {"gate_up.weight": 6}, {0: (6, 6)}]:
+        with pytest.raises(
+            TypeError,
+            match=re.escape(f"module 'layer' (_Block) has row_blocks = {wrong!r}; it should be ")
+            + r"a dict of param name -> row counts",
+        ):
+            model_row_blocks(nn.ModuleDict({"layer": _Block(wrong)}))
+    # None declares nothing, as a module without the attribute
+    assert model_row_blocks(nn.ModuleDict({"layer": _Block(None)})) == {}
+    setup_optimizer(_Block(None), OptimizerConfig(type="muon"))
+
+
+def test_config_refuses_ns_steps_its_schedule_does_not_have():
+    # Refused only in setup_optimizer, as "param group 0: ns_steps should be None or 5 for
+    # this schedule", naming neither muon_options nor ns_schedule
+    with pytest.raises(
+        ValueError,
+        match=r"muon_options\['ns_steps'\] should be None or 5 for ns_schedule='keller_jordan' "
+        r"\(a schedule sets its own iterations\) but is: 3",
+    ):
+        OptimizerConfig(type="muon", muon_options={"ns_steps": 3})
+    model = nn.Linear(8, 8, bias=False)
+    setup_optimizer(model, OptimizerConfig(type="muon", muon_options={"ns_steps": 5}))
+
+
+def test_a_value_of_the_wrong_type_is_refused_with_an_example_of_the_right_type(tmp_path):
+    # "set it like None" for a field whose default is None
+    path = tmp_path / "train.toml"
+    path.write_text('[optimizer]\noffload = "optimizer"\noffload_gpu_budget_bytes = 4e9\n')
+    with pytest.raises(
+        ValueError,
+        match=r"offload_gpu_budget_bytes should be of type int \| None but is: 4000000000.0 "
+        r"\(float\); set it like 4000000000$",
+    ):
+        OptimizerConfig.from_toml(str(path))
+    with pytest.raises(
+        ValueError, match=r"fused should be .* but is: 'yes' \(str\); set it like True"
+    ):
+        OptimizerConfig(fused="yes")
+    with pytest.raises(ValueError, match=r"muon_options\['ns_steps'\] .*; set it like 1$"):
+        OptimizerConfig(type="muon", muon_options={"ns_steps": "five"})
+
+
+class _Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = nn.Linear(8, 24, bias=False)
+        self.attn = nn.MultiheadAttention(8, 2, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(2, 12, 8))
+        self.mlp = nn.Linear(8, 8, bias=False)
+
+
+def test_fused_params_without_row_blocks_are_warned_about_once_per_call():
+    # Phi3's qkv_proj, transformers' expert stacks and nn.MultiheadAttention's in_proj
+    # were orthogonalized as one matrix without a word
+    model = _Fused()
+    with pytest.warns(UserWarning) as record:
+        muon_param_groups(model)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert message.startswith(
+        "muon_param_groups: ['qkv_proj.weight', 'attn.in_proj_weight', "
+        "'experts.gate_up_proj'] look fused"
+    )
+    assert "orthogonalizes each as one matrix" in message and "row_blocks=" in message
+    declared = {r"qkv_proj\.weight$": (8, 8, 8), r"in_proj_weight$": (24,)}
+    with pytest.warns(UserWarning, match=r"\['experts.gate_up_proj'\] look fused"):
+        muon_param_groups(model, row_blocks=declared)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        muon_param_groups(model, row_blocks={**declared, "gate_up_proj$": (6, 6)})
