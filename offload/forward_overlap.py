@@ -503,10 +503,13 @@ class _PendingReads(TorchFunctionMode):
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
         held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
         held += [(t, c) for p, c in overlap._param_chunk.items() for t in state_scalars.get(p, ())]
-        written_back = len(overlap.chunk_done)  # past the last chunk: the whole step, home
-        held += [(t, written_back) for t in state_homes]
         self.chunk_of |= {id(t): c for t, c in held}
         self._held = {id(t): weakref.ref(t) for t, _ in held}
+        # Past the last chunk: the whole step, home. The homes live as long as the
+        # optimizer, so their ids are not checked (`_held`): torch 2.11's Dynamo, tracing
+        # this mode in a compiled forward, fails to fake the slab views it would find there.
+        written_back = len(overlap.chunk_done)
+        self.chunk_of |= {id(t): written_back for t in state_homes}
         self.step_pending, self.landed, self.active = True, -1, True
         modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
         torch._C._push_on_torch_function_stack(self)
