@@ -69,7 +69,9 @@ def muon_param_groups(
 ) -> list[dict[str, Any]]:
     """Param groups for `muon.Muon`: 2-D / 3-D params to Muon, the rest to AdamW.
 
-    A param goes to AdamW if it has fewer than 2 or more than 3 dims, its name
+    A param goes to AdamW if it has fewer than 2 or more than 3 dims, its matrices are
+    vectors (a side of at most 1: a ViT's class token (1, 1, d), RWKV's time-mix
+    weights, whose orthogonalization would only normalize them), its name
     matches one of `adamw_patterns` (regular expressions, `re.search`; by default
     embeddings, the output head, norms, biases and routers), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
@@ -106,6 +108,7 @@ def muon_param_groups(
             continue
         if (
             p.ndim not in (2, 3)
+            or min(p.shape[-2:]) <= 1
             or id(p) in by_module
             or any(re.search(pattern, name) for pattern in adamw_patterns)
         ):

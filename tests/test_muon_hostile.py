@@ -142,6 +142,17 @@ def test_log_decay_rates_of_state_space_models_go_to_adamw():
     assert "backbone.layers.0.mixer.A_log" in _adamw_names(mamba)
 
 
+def test_params_whose_matrices_are_vectors_go_to_adamw():
+    # A ViT's class token (1, 1, d) and RWKV's time-mix (1, 1, d) went to Muon as stacks of
+    # 1 x d matrices, whose orthogonalization only normalizes them
+    model = nn.Module()
+    model.cls_token = nn.Parameter(torch.zeros(1, 1, 8))
+    model.time_mix_k = nn.Parameter(torch.zeros(1, 1, 8))
+    model.column = nn.Parameter(torch.zeros(8, 1))
+    model.proj = nn.Linear(8, 8, bias=False)
+    assert _adamw_names(model) == ["cls_token", "time_mix_k", "column"]
+
+
 class _Block(nn.Module):
     def __init__(self, row_blocks: object) -> None:
         super().__init__()
