@@ -330,7 +330,7 @@ class ForwardOverlap:
             torch.inference_mode(False),
             torch.no_grad(),
             torch.autocast(self._streams.device.type, enabled=False),
-            outside_transforms(),
+            _outside_transforms(),
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
@@ -566,7 +566,7 @@ _ORPHANS: dict[int, list[_PendingReads]] = {}
 _ORPHANS_LOCK = threading.Lock()
 
 
-def outside_transforms() -> contextlib.AbstractContextManager[None]:
+def _outside_transforms() -> contextlib.AbstractContextManager[None]:
     """torch.func's transforms (grad, vmap) off: the step's copies and updates act on the
     optimizer's own tensors, which a transform running the forward or backward would
     take for captured tensors mutated in place, and refuse. Private API
@@ -651,7 +651,7 @@ def _backward_reached_hook(
     def hook(grad: Tensor) -> None:
         target = overlap()
         if watch.complete and target is not None and target.backward_reached is not None:
-            with outside_transforms():  # a backward inside torch.func.grad
+            with _outside_transforms():  # a backward inside torch.func.grad
                 target.backward_reached(watch.hooked - index, watch.hooked)
 
     return hook
