@@ -26,6 +26,8 @@ training.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -52,22 +54,71 @@ class _WaitBeforeSave(transformers.TrainerCallback):
         wait_for_optimizer_step(optimizer)
 
 
+# TrainingArguments' optimizer settings, and what of `OptimizerConfig` this Trainer uses
+# in their place (None: nothing, `optim` picks an optimizer class).
+_ARGS_THE_CONFIG_REPLACES = {
+    "learning_rate": lambda c: c.lr,
+    "weight_decay": lambda c: c.weight_decay,
+    "adam_beta1": lambda c: c.betas[0],
+    "adam_beta2": lambda c: c.betas[1],
+    "adam_epsilon": lambda c: c.eps,
+    "optim": lambda c: None,
+    "optim_args": lambda c: None,
+}
+
+
+def _unused_args(args: transformers.TrainingArguments, config: OptimizerConfig) -> list[str]:
+    """TrainingArguments' optimizer settings set away from their defaults and from what
+    `config` sets: the Trainer's own optimizer would use them, this one does not."""
+    defaults = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
+    unused = []
+    for name, used in _ARGS_THE_CONFIG_REPLACES.items():
+        value = getattr(args, name, None)
+        if name in defaults and value != defaults[name] and value != used(config):
+            unused.append(f"{name}={getattr(value, 'value', value)!r}")  # optim: an enum
+    return unused
+
+
 class Trainer(transformers.Trainer):
     """`transformers.Trainer` whose optimizer is `setup_optimizer(model, optimizer_config)`.
 
     Everything else (scheduler, clipping, checkpoint save and resume, FSDP2 through
-    accelerate) is the Trainer's own.
+    accelerate) is the Trainer's own. The optimizer's settings are the config's alone:
+    TrainingArguments' `learning_rate`, `weight_decay`, `adam_*` and `optim` set to
+    something else are warned about, and an optimizer or scheduler passed in is refused.
     """
 
     def __init__(self, *args: Any, optimizer_config: OptimizerConfig, **kwargs: Any) -> None:
-        optimizers = kwargs.get("optimizers", (None, None))
-        if optimizers[0] is not None:
+        if not isinstance(optimizer_config, OptimizerConfig):
+            raise TypeError(
+                "optimizer_config should be an OptimizerConfig (OptimizerConfig(**fields), or "
+                f"OptimizerConfig.from_toml(path)) but is: {type(optimizer_config).__name__}"
+            )
+        optimizer, scheduler = kwargs.get("optimizers", (None, None))
+        if optimizer is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError(
-                "optimizers=(optimizer, ...) and optimizer_config both set: this Trainer builds "
-                "the optimizer from optimizer_config; pass one or the other"
+                "optimizers=(optimizer, ...) or optimizer_cls_and_kwargs set with "
+                "optimizer_config: this Trainer builds the optimizer from optimizer_config; "
+                "pass one or the other"
+            )
+        if scheduler is not None:
+            raise ValueError(
+                "optimizers=(None, scheduler): a scheduler built before the Trainer steps "
+                "another optimizer than the one it builds from optimizer_config; choose the "
+                "schedule with TrainingArguments (lr_scheduler_type, warmup_steps), or "
+                "override create_scheduler"
             )
         self.optimizer_config = optimizer_config
         super().__init__(*args, **kwargs)
+        unused = _unused_args(self.args, optimizer_config)
+        if unused:
+            warnings.warn(
+                f"TrainingArguments sets {', '.join(unused)}, which this Trainer does not use: "
+                f"optimizer_config sets the optimizer (type={optimizer_config.type!r}, "
+                f"lr={optimizer_config.lr}, weight_decay={optimizer_config.weight_decay}, "
+                f"betas={optimizer_config.betas}, eps={optimizer_config.eps})",
+                stacklevel=2,
+            )
         self.add_callback(_WaitBeforeSave())
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -140,3 +140,38 @@ def test_trainer_fsdp2_through_accelerate_offload_and_resume_are_bitwise_on_gpu(
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_gpu_body, args=(free_port(), tmp, opt), nprocs=1, join=True)
+
+
+def test_the_trainers_own_optimizer_settings_are_told_apart_from_the_configs(tmp_path):
+    # TrainingArguments' learning_rate, weight_decay, betas and optim were silently not
+    # used, optimizer_cls_and_kwargs trained with the config's optimizer all the same,
+    # and a scheduler passed in drove another optimizer than the one the Trainer built
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from muon_offload.hf_trainer import Trainer
+
+    model = hf_llama.build_hf_llama(PRESET, torch.device("cpu"), seed=0)
+    config = OptimizerConfig(type="muon", lr=1e-2)
+
+    def build(config=config, **options):
+        args = TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], **options.pop("args", {})
+        )
+        return Trainer(
+            model=model, args=args, train_dataset=Tokens(), optimizer_config=config, **options
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build(args={"learning_rate": 1e-2})  # the config's own lr: nothing to tell
+    told = r"sets learning_rate=2e-05, weight_decay=0.01, optim='sgd', which this Trainer does"
+    with pytest.warns(UserWarning, match=told):
+        build(args={"learning_rate": 2e-5, "weight_decay": 0.01, "optim": "sgd"})
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs set with optimizer_config"):
+        build(optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.5}))
+    with pytest.raises(ValueError, match=r"optimizers=\(None, scheduler\)"):
+        build(optimizers=(None, object()))
+    with pytest.raises(TypeError, match="optimizer_config should be an OptimizerConfig"):
+        build(config={"type": "muon"})
