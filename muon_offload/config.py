@@ -334,19 +334,20 @@ def _is_row_counts(rows: Any) -> bool:
     )
 
 
-def _bucket_cap_for_offload(model: nn.Module, config: OptimizerConfig) -> int:
-    """A bucket that exchanges is one offload unit, and the staging ring holds its largest
-    unit `offload_staging_slots` times: cap buckets so a unit's fp32 momentum shard (twice
-    the bf16 bytes the cap counts, over the shards) fits one chunk.
+def offload_bucket_cap(chunk_bytes: int, shards: int) -> int:
+    """Muon's `bucket_cap_bytes` when its state is offloaded in `chunk_bytes` chunks and
+    its params are sharded `shards` ways (what `setup_optimizer` and the planner use).
 
-    With no param sharded (one rank, or a plain module) nothing exchanges: each param is
-    a unit of its own whatever the cap, which then only bounds how many matrices one
-    Newton-Schulz launch batches, so Muon's default stays (the chunks loaded in the
-    backward update in one call, and small launches would slow it)."""
-    shards = max((p.numel() // max(1, invariant_numel(p)) for p in model.parameters()), default=1)
+    A bucket that exchanges is one offload unit, and the staging ring holds its largest
+    unit `offload_staging_slots` times: cap buckets so a unit's fp32 momentum shard (twice
+    the bf16 bytes the cap counts, over the shards) fits one chunk. With no param sharded
+    (one rank, or a plain module) nothing exchanges: each param is a unit of its own
+    whatever the cap, which then only bounds how many matrices one Newton-Schulz launch
+    batches, so Muon's default stays (the chunks loaded in the backward update in one
+    call, and small launches would slow it)."""
     if shards == 1:
         return DEFAULT_BUCKET_CAP_BYTES
-    return min(DEFAULT_BUCKET_CAP_BYTES, config.offload_chunk_bytes * shards // 2)
+    return min(DEFAULT_BUCKET_CAP_BYTES, chunk_bytes * shards // 2)
 
 
 def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -377,7 +378,12 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         )
         options = dict(config.muon_options)
         if config.offload == "optimizer":
-            options.setdefault("bucket_cap_bytes", _bucket_cap_for_offload(model, config))
+            shards = max(
+                (p.numel() // max(1, invariant_numel(p)) for p in model.parameters()), default=1
+            )
+            options.setdefault(
+                "bucket_cap_bytes", offload_bucket_cap(config.offload_chunk_bytes, shards)
+            )
         optimizer = Muon(
             groups,
             lr=config.lr,

@@ -45,6 +45,7 @@ from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
 from muon.options import NS_ALGORITHMS
 from muon.planning import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_SPREAD_MODEL, REPLICA_OWNERS, MuonPlan
+from muon_offload.config import offload_bucket_cap
 from muon_offload.estimate import (
     DEFAULT_TIME_LIMIT_S,
     EXPERT_SHARDS,
@@ -401,7 +402,11 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicas")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --fsdp)")
     p.add_argument("--expert-shard", choices=EXPERT_SHARDS, default="auto")
-    p.add_argument("--bucket-cap-mib", type=float, default=DEFAULT_BUCKET_CAP_BYTES / 2**20)
+    p.add_argument(
+        "--bucket-cap-mib", type=float, default=None,
+        help=f"Muon's bucket_cap_bytes; default: {DEFAULT_BUCKET_CAP_BYTES / 2**20:g}, with "
+        "--offload what setup_optimizer caps it at for the chunks and --fsdp",
+    )  # fmt: skip
     p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT)
     p.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
@@ -417,7 +422,8 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     )  # fmt: skip
     p.add_argument(
         "--offload", action="store_true",
-        help="size the sweep and --budget-gib for CPUOffloadOptimizer (the report shows both)",
+        help="plan for CPUOffloadOptimizer: Muon's buckets capped as setup_optimizer caps "
+        "them, the sweep and --budget-gib sized for it (the report shows both)",
     )  # fmt: skip
     p.add_argument(
         "--offload-chunk-mib", type=float, default=StepSettings().offload_chunk_bytes / 2**20
@@ -494,15 +500,23 @@ def _positive_gib(text: str) -> float:
     return gib
 
 
-def settings_from(args: argparse.Namespace) -> StepSettings:
+def settings_from(args: argparse.Namespace, fsdp: int | None = None) -> StepSettings:
+    """The step settings the parsed arguments ask for (at `fsdp` if given)."""
+    chunk_bytes = int(args.offload_chunk_mib * 2**20)
+    if args.bucket_cap_mib is not None:
+        bucket_cap = int(args.bucket_cap_mib * 2**20)
+    elif args.offload:
+        bucket_cap = offload_bucket_cap(chunk_bytes, args.fsdp if fsdp is None else fsdp)
+    else:
+        bucket_cap = DEFAULT_BUCKET_CAP_BYTES
     return StepSettings(
-        bucket_cap_bytes=int(args.bucket_cap_mib * 2**20),
+        bucket_cap_bytes=bucket_cap,
         max_inflight=args.max_inflight,
         ns_dtype=DTYPES[args.ns_dtype],
         param_dtype=DTYPES[args.param_dtype],
         nesterov=args.nesterov,
         device=args.device,
-        offload_chunk_bytes=int(args.offload_chunk_mib * 2**20),
+        offload_chunk_bytes=chunk_bytes,
         offload_slots=args.offload_slots,
         offload_resident_bytes=int(args.offload_resident_mib * 2**20),
         offload_overlap_forward=args.offload_overlap_forward,
@@ -525,9 +539,8 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
     shapes = model_shapes(args)
     mesh = MeshSpec(args.fsdp if fsdp is None else fsdp, args.replicate, args.ep, args.expert_shard)
     wrapped = fsdp_modules(shapes, args.wrap)
-    return estimate(
-        shapes, mesh, settings_from(args), time_limit_s=args.time_limit_s, fsdp_modules=wrapped
-    )
+    settings = settings_from(args, fsdp)
+    return estimate(shapes, mesh, settings, time_limit_s=args.time_limit_s, fsdp_modules=wrapped)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from muon.model_shapes import (
     meta_module,
 )
 from muon.planning import MuonPlan, ParamLayout, transient_peak_numel
+from muon_offload.config import offload_bucket_cap
 from muon_offload.estimate import (
     MeshSpec,
     StepSettings,
@@ -277,6 +278,22 @@ def test_bucket_cap_changes_the_figure(capsys):
     assert small["offload"]["buffer_bytes"] < default["offload"]["buffer_bytes"]
 
 
+def test_the_planner_caps_buckets_for_offload_as_setup_optimizer_does():
+    # --offload planned Muon's default 512 MiB buckets, while setup_optimizer caps them
+    # to the chunks (the offloaded step's peak at fsdp 8, 64 MiB chunks: 3.06 vs 2.80 GiB)
+    from muon_offload.plan import parser, settings_from
+
+    def cap(*flags: str, fsdp: int | None = None) -> int:
+        args = parser().parse_args(["--preset", "qwen3-8b", "--fsdp", "8", *flags])
+        return settings_from(args, fsdp).bucket_cap_bytes
+
+    offloaded = ("--offload", "--offload-chunk-mib", "64")
+    assert cap(*offloaded) == offload_bucket_cap(64 * 2**20, 8) == 256 * 2**20
+    assert cap(*offloaded, fsdp=2) == 64 * 2**20  # a sweep's point plans its own shards
+    assert cap() == cap("--offload", "--offload-chunk-mib", "64", fsdp=1) == 512 * 2**20
+    assert cap(*offloaded, "--bucket-cap-mib", "32") == 32 * 2**20
+
+
 def test_padded_alternative_pads_matrices_and_rows_to_the_ranks():
     # 3 experts of 6 x 16 and 3 of 16 x 6, rows sharded over 4 ranks: one bucket
     layouts = [
@@ -329,6 +346,7 @@ def test_cli_lists_the_offloaded_chunks_the_estimate_plans(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["offload_chunks"]
     shapes = from_config(TINY_DENSE)
     settings = StepSettings(
+        bucket_cap_bytes=offload_bucket_cap(chunk, 2),  # as --offload caps it
         offload_chunk_bytes=chunk,
         offload_slots=2,
         offload_overlap_forward=True,
