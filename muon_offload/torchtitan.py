@@ -22,6 +22,7 @@ own container code. Needs torchtitan (imported here, not by `muon_offload`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,11 +51,17 @@ class MuonOffloadOptimizers(OptimizersContainer):
         """What `muon_offload.setup_optimizer` builds for each model part."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        if config.param_groups:
-            raise ValueError(
-                "MuonOffloadOptimizers.Config.param_groups is set: groups come from "
-                "config.optimizer (muon_param_groups for type='muon'); leave param_groups empty"
-            )
+        # torchtitan's own fields (param_groups, implementation, the factories' kwargs)
+        # would be silently unused: everything comes from config.optimizer
+        base = OptimizersContainer.Config()
+        for name in (f.name for f in dataclasses.fields(base)):
+            if getattr(config, name) != getattr(base, name):
+                raise ValueError(
+                    f"MuonOffloadOptimizers.Config.{name} is set, but the optimizer comes "
+                    "from config.optimizer alone (an OptimizerConfig: muon_param_groups' "
+                    f"groups for type='muon', its fused and muon_options); leave {name} at "
+                    f"its default, {getattr(base, name)!r}"
+                )
         self.model_parts = model_parts
         self.optimizers = []
         all_params = []

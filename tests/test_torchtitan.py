@@ -95,11 +95,20 @@ def test_torchtitan_container_offload_overlap_and_state_round_trip_are_bitwise()
     run_on_ranks(_body, 2)
 
 
-def test_param_groups_in_the_job_config_are_refused():
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"param_groups": [object()]},
+        {"implementation": "fused_opt_states_bf16"},  # was silently unused, as the next
+        {"optimizer_factory_kwargs_by_name": {"AdamW": {"lr": 5.0}}},
+    ],
+    ids=lambda field: next(iter(field)),
+)
+def test_torchtitans_own_optimizer_fields_in_the_job_config_are_refused(field):
     from muon_offload.torchtitan import MuonOffloadOptimizers
 
-    config = MuonOffloadOptimizers.Config(param_groups=[object()])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="param_groups"):
+    config = MuonOffloadOptimizers.Config(**field)
+    with pytest.raises(ValueError, match=f"Config.{next(iter(field))} is set"):
         config.build(model_parts=[torch.nn.Linear(2, 2)])
 
 
