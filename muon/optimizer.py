@@ -321,6 +321,14 @@ class Muon(torch.optim.Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             _set_group_defaults(group, self.defaults)
+            if group["algorithm"] != "adamw":
+                continue
+            # A step counter saved as a number (torch < 1.12, a hand-made checkpoint)
+            # becomes the tensor torch's AdamW keeps, as its own __setstate__ does.
+            for p in group["params"]:
+                entries = self.state.get(p, {})
+                if "step" in entries and not torch.is_tensor(entries["step"]):
+                    entries["step"] = torch.tensor(float(entries["step"]), dtype=torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with a `NewtonSchulzSchedule` in `ns_coefficients` written as

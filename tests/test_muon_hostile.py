@@ -3,6 +3,7 @@ refused by name before anything steps."""
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from collections.abc import Iterator
@@ -234,3 +235,36 @@ def test_fused_params_without_row_blocks_are_warned_about_once_per_call():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         muon_param_groups(model, row_blocks={**declared, "gate_up_proj$": (6, 6)})
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "offloaded"])
+def test_adamw_step_counters_saved_as_numbers_resume_as_torchs_adamw_does(wrap):
+    # torch < 1.12 wrote `step` as a number, which torch's AdamW turns into a tensor on
+    # load; Muon's AdamW groups failed at the next step ("API has changed, `state_steps`")
+    from offload import CPUOffloadOptimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        opt = Muon(muon_param_groups(model), lr=1e-2)
+        return model, CPUOffloadOptimizer(opt) if wrap else opt
+
+    def step(model, opt, seed):
+        model(_randn(3, 8, seed=seed)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build()
+    step(model, opt, 0)
+    saved = copy.deepcopy(opt.state_dict())  # its entries are the live state's
+    for entries in saved["state"].values():
+        if "step" in entries:
+            entries["step"] = int(entries["step"].item())
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt.load_state_dict(saved)
+    for seed in (1, 2):
+        step(model, opt, seed)
+        step(resumed, resumed_opt, seed)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

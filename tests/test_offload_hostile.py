@@ -713,3 +713,68 @@ def test_a_params_whole_state_reset_steps_as_torch(reset, make, overlap):
             opt.state[model[0].weight] = {}
     twin.step(2)
     twin.assert_equal()
+
+
+class _SubclassedSGD(torch.optim.SGD):  # not a class with a subset step: the serial path
+    pass
+
+
+def test_state_of_another_dtype_loaded_before_the_first_step_takes_the_params_dtype():
+    # torch's load casts floating state to the param's dtype; loaded before the first step,
+    # the serial path kept a bf16 checkpoint's momentum in bf16 (other bits from then on)
+    def run(wrap: bool) -> torch.nn.Linear:
+        model = _linear()
+        opt = _SubclassedSGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = CPUOffloadOptimizer(opt) if wrap else opt
+        opt.load_state_dict(copy.deepcopy(saved))
+        for seed in range(3):
+            _backward(model, seed)
+            opt.step()
+            opt.zero_grad()
+        assert all(v.dtype == torch.float32 for e in opt.state.values() for v in e.values())
+        return model
+
+    source = _linear()
+    optimizer = torch.optim.SGD(source.parameters(), lr=0.1, momentum=0.9)
+    _backward(source, 9)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for entries in saved["state"].values():
+        entries["momentum_buffer"] = entries["momentum_buffer"].to(torch.bfloat16)
+    for a, b in zip(run(False).parameters(), run(True).parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_saved_state_of_a_param_no_group_lists_is_refused_naming_it():
+    # a bare KeyError: 99
+    model = _two_linears()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    saved = opt.state_dict()
+    saved["state"][99] = {"exp_avg": torch.zeros(3)}
+    with pytest.raises(ValueError, match="state for 99, which none of its param_groups lists"):
+        opt.load_state_dict(saved)
+
+
+def test_the_staging_views_an_error_leaves_in_its_traceback_stay_readable():
+    # What a debugger or pytest's report reads in the frames of an error raised inside the
+    # wrapped step: its staging views pointed at the ring's memory, given back at once
+    # (reading them crashed the process)
+    model = _three_linears()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=600, staging_slots=2
+    )
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    opt.state[list(model.parameters())[3]]["step"] = 3  # a number where torch keeps a tensor
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="state_steps") as caught:
+        opt.step()
+    read, tb = 0, caught.tb
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.Tensor):
+                    item.sum()
+                    read += 1
+        tb = tb.tb_next
+    assert read > 0
