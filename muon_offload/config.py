@@ -210,6 +210,11 @@ class OptimizerConfig:
                 f"unknown keys in [{table}] of {path}: {sorted(unknown)}; the fields are {names}"
             )
         if "betas" in values:
+            if not isinstance(values["betas"], list):  # a TOML array; tuple() of "0.9, 0.95"
+                raise ValueError(  # would split the string into characters
+                    f"betas in [{table}] of {path} should be an array of two numbers, e.g. "
+                    f"betas = [0.9, 0.95], but is: {values['betas']!r}"
+                )
             values["betas"] = tuple(values["betas"])
         return cls(**values)
 
@@ -409,7 +414,15 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
 
 def _bytes_or_auto(text: str) -> int | str:
     """`--offload-gpu-resident-bytes`: "auto" or a byte count."""
-    return text if text == "auto" else int(text)
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"should be 'auto' or a whole number of bytes (e.g. {2**30} for 1 GiB), "
+            f"but is: {text!r}"
+        ) from None
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -235,6 +235,9 @@ def test_valid_muon_options_and_int_lr_are_accepted():
         ),
         ('type = "muon"\n', r"no \[optimizer\] table \(found tables \[\]\)"),
         ("[optimizer]\nnesterov = 'no'\n", "nesterov should be of type bool"),
+        # a TypeError that named nothing; a string split into characters
+        ("[optimizer]\nbetas = 0.9\n", r"betas in \[optimizer\] .* should be an array"),
+        ('[optimizer]\nbetas = "0.9, 0.95"\n', r"betas = \[0.9, 0.95\], but is: '0.9, 0.95'"),
     ],
 )
 def test_toml_with_a_wrong_table_or_value_fails_naming_it(tmp_path, text, message):
@@ -250,6 +253,16 @@ def test_resident_bytes_flag_takes_auto_or_bytes(value, expected):
     OptimizerConfig.add_arguments(parser)
     args = parser.parse_args(["--offload", "optimizer", "--offload-gpu-resident-bytes", value])
     assert OptimizerConfig.from_args(args).offload_gpu_resident_bytes == expected
+
+
+def test_resident_bytes_flag_says_what_it_takes(capsys):
+    # "invalid _bytes_or_auto value: '1GiB'" named a private function
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--offload-gpu-resident-bytes", "1GiB"])
+    error = capsys.readouterr().err
+    assert "argument --offload-gpu-resident-bytes: should be 'auto' or a whole number" in error
 
 
 @pytest.mark.parametrize(
