@@ -15,6 +15,12 @@ from torch import Tensor
 SUCCESSOR_PROBS = (0.55, 0.25, 0.12, 0.08)
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    """Room for each token's distinct successors, with random gaps between them."""
+    if vocab_size < 2 * len(SUCCESSOR_PROBS):
+        raise ValueError(f"vocab_size should be >= {2 * len(SUCCESSOR_PROBS)} but is: {vocab_size}")
+
+
 class MarkovData:
     """Batches of (inputs, targets) from one Markov chain shared by all ranks.
 
@@ -36,8 +42,7 @@ class MarkovData:
         self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
         chain = torch.Generator().manual_seed(seed)
         k = len(SUCCESSOR_PROBS)
-        if vocab_size < 2 * k:
-            raise ValueError(f"vocab_size should be >= {2 * k} but is: {vocab_size}")
+        check_vocab_size(vocab_size)
         # k distinct successors per token without a vocab x vocab table (32k vocab:
         # 4 GiB): a random first one, then random gaps that sum to less than vocab.
         first = torch.randint(vocab_size, (vocab_size, 1), generator=chain)

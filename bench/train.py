@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from bench.data import MarkovData
+from bench.data import MarkovData, check_vocab_size
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize
 from bench.report import exit_spawned_rank, write_json
 from muon_offload import OptimizerConfig, setup_optimizer
@@ -304,6 +304,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         optimizer_config(args)
     except ValueError as err:
         parser.error(str(err))
+    try:  # here, not in the ranks it spawns
+        check_vocab_size(model_config(args).vocab_size)
+    except ValueError as err:
+        parser.error(f"the model flags (--dim, --heads, --kv-heads, --moe-*, ...): {err}")
     if args.json is None:
         args.json = default_json_path(args, time.gmtime())
     try:

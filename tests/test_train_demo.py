@@ -144,6 +144,10 @@ def test_offloaded_training_matches_plain_bitwise():
         (["--offload", "none", "--compare"], "--compare runs with and without offload"),
         (["--json", "{file}/run.json"], "cannot create its folder"),
         (["--json", "{dir}"], "not a writable file path"),
+        # these failed in the spawned ranks, with a traceback each
+        (["--heads", "3"], "model flags (--dim, --heads, --kv-heads, --moe-*, ...): dim 64"),
+        (["--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k should be in [1, 2]: 3"),
+        (["--vocab", "1"], "vocab_size should be >= 8 but is: 1"),
     ],
 )
 def test_demo_flags_fail_before_training_in_one_line(tmp_path, capsys, argv, message):
