@@ -195,15 +195,18 @@ def _moe(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
     return out
 
 
+_REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     """Params of a decoder-only model from Hugging Face config keys (see `PRESETS`)."""
-    missing = [
-        key
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if key not in config
-    ]
+    missing = [key for key in _REQUIRED_SIZES if key not in config]
     if missing:
         raise ValueError(f"config is missing keys {missing}")
+    for key in (*_REQUIRED_SIZES, "num_key_value_heads", "intermediate_size", "head_dim"):
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"config's {key} should be a whole number >= 1 but is: {value!r}")
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     shapes = [ParamShape("model.embed_tokens.weight", (vocab, hidden))]
     for layer in range(config["num_hidden_layers"]):

@@ -278,6 +278,24 @@ def test_bucket_cap_changes_the_figure(capsys):
     assert small["offload"]["buffer_bytes"] < default["offload"]["buffer_bytes"]
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("num_hidden_layers", 0),
+        ("num_attention_heads", 0),
+        ("hidden_size", -64),
+        ("hidden_size", "64"),
+    ],
+)
+def test_a_config_whose_sizes_make_no_model_is_refused_naming_the_key(key, value):
+    # tracebacks from deep in the planning (a float where, a division by zero, ...)
+    import re
+
+    message = f"config's {key} should be a whole number >= 1 but is: {value!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        from_config({**TINY_DENSE, key: value})
+
+
 def test_the_planner_caps_buckets_for_offload_as_setup_optimizer_does():
     # --offload planned Muon's default 512 MiB buckets, while setup_optimizer caps them
     # to the chunks (the offloaded step's peak at fsdp 8, 64 MiB chunks: 3.06 vs 2.80 GiB)
