@@ -332,11 +332,15 @@ class Muon(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with a `NewtonSchulzSchedule` in `ns_coefficients` written as
-        its `to_json()` string (checkpoint code takes only plain types; see there)."""
+        its `to_json()` string (checkpoint code takes only plain types; see there), and an
+        (a, b, c) triple's `ns_steps` of None as the 5 it means, which `torch.optim.Muon`
+        needs to step after loading it."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:  # shallow copies of the live groups
             if isinstance(group.get("ns_coefficients"), NewtonSchulzSchedule):
                 group["ns_coefficients"] = group["ns_coefficients"].to_json()
+            elif group.get("ns_steps", DEFAULT_NS_STEPS) is None:
+                group["ns_steps"] = DEFAULT_NS_STEPS
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

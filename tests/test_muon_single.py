@@ -530,6 +530,21 @@ def test_loads_a_torch_muon_state_dict_and_continues_bitwise():
         assert torch.equal(p, q)
 
 
+def test_torch_muon_loads_our_state_dict_and_continues_bitwise():
+    # our ns_steps=None went into the state dict, and torch's step compared it with an int
+    ours, theirs = _params(SHAPES), _params(SHAPES)
+    opt = Muon(ours, lr=0.02)
+    _run(opt, ours, steps=2)
+    for p, q in zip(ours, theirs, strict=True):
+        q.data.copy_(p)
+    ref = torch.optim.Muon(theirs, lr=0.02)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _run(opt, ours, steps=2, seed=5)
+    _run(ref, theirs, steps=2, seed=5)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+
+
 def test_a_compiled_step_is_the_eager_step_bit_for_bit():
     eager, compiled = _params(SHAPES), _params(SHAPES)
     opt, other = Muon(eager, lr=0.02), Muon(compiled, lr=0.02)
