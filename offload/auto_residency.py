@@ -218,10 +218,12 @@ class AutoResidency:
         default = None
         if self.backward is not None and shape.overlap:
             # Tried past the default budget too: without "auto" it would run anyway, and
-            # its loads fill the room under the peak (the same on every rank).
+            # its loads fill the room under the peak (the same on every rank). Not past a
+            # byte count the user gave the backward's loads: the most they may be.
             default = Split(0, default_backward_bytes())
             _, (default_fits,) = self._agree([], [fits(default)])
-            if default.total > 0 and (default_fits or self.budget_bytes is None):
+            capped = isinstance(self.backward, int) and default.backward_load_bytes > backward
+            if default.total > 0 and not capped and (default_fits or self.budget_bytes is None):
                 splits = with_default(splits, default)
         first = split_total(int(total), shape.unit_bytes, backward)
         _, (first_fits,) = self._agree([], [fits(first)])

@@ -584,6 +584,18 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     assert "loaded in the backward" in caplog.text and "steps tried" in caplog.text
 
 
+def test_auto_loads_no_more_in_the_backward_than_a_byte_count_given():
+    # the default's loads were tried past the count, and settled on: 6400 bytes for 700
+    cap = 700
+    opt = _search_auto(
+        lambda opt: 100.0 - 0.005 * _kept(opt),  # the more kept, the faster
+        lambda opt, built: None,
+        load_in_backward=cap,
+    )
+    assert all(p.split.backward_load_bytes <= cap for p in opt.residency.probes)
+    assert opt.residency.backward_load_bytes <= cap
+
+
 def test_auto_tries_the_default_backward_loads_when_more_is_not_faster():
     """A step need not get faster with more kept off the forward's path: here only the
     default's backward loads (what the forward first waits for) are fast, and the whole
