@@ -218,27 +218,32 @@ def plan_buckets(
 ) -> tuple[Bucket, ...]:
     """Group params into buckets in layer order under `cap_bytes`, one open bucket per domain.
 
-    A domain is (mesh, exchange axis); a param larger than the cap gets a bucket
-    of its own. Depends only on global shapes and mesh sizes, so every rank
-    builds the same buckets. Buckets are numbered by their first param.
+    A domain is (mesh, exchange axis, replica axis): a bucket's params exchange over one
+    axis and are replicated (HSDP) over the same one or none, so whether the bucket
+    spreads its owners over the replicas holds for all of them (an expert stack sharded
+    over the axis that replicates a dense matrix shared a bucket with it, and took
+    another expert's update). A param larger than the cap gets a bucket of its own.
+    Depends only on global shapes and mesh sizes, so every rank builds the same buckets.
+    Buckets are numbered by their first param.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap should be > 0 bytes but is: {cap_bytes}")
-    open_buckets: dict[tuple[Hashable, int | None], tuple[list[int], int]] = {}
-    closed: list[tuple[list[int], Hashable, int | None, int]] = []
+    Domain = tuple[Hashable, int | None, int | None]
+    open_buckets: dict[Domain, tuple[list[int], int]] = {}
+    closed: list[tuple[list[int], Domain, int]] = []
     for index, layout in enumerate(layouts):
-        domain = (layout.mesh_key, layout.exchange_axis)
+        domain = (layout.mesh_key, layout.exchange_axis, layout.replica_axis)
         nbytes = layout.exchange_bytes(itemsize)
         members, total = open_buckets.get(domain, ([], 0))
         if members and total + nbytes > cap_bytes:
-            closed.append((members, *domain, total))
+            closed.append((members, domain, total))
             members, total = [], 0
         open_buckets[domain] = (members + [index], total + nbytes)
-    closed.extend((members, *domain, total) for domain, (members, total) in open_buckets.items())
+    closed.extend((members, domain, total) for domain, (members, total) in open_buckets.items())
     closed.sort(key=lambda entry: entry[0][0])
     return tuple(
         Bucket(i, tuple(members), key, axis, total)
-        for i, (members, key, axis, total) in enumerate(closed)
+        for i, (members, (key, axis, _), total) in enumerate(closed)
     )
 
 

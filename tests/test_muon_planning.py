@@ -192,6 +192,20 @@ def test_ep_fsdp_layouts():
         layout((0, 0), (1, 2))
 
 
+def test_an_hsdp_matrix_and_an_expert_stack_on_one_mesh_get_buckets_of_their_own():
+    # Both exchange over axis 1 of a (2, 2) mesh; axis 0 replicates the matrix (HSDP) but
+    # holds other experts of the stack. In one bucket, "spread" shared the matrix's
+    # replicas' results over axis 0 for the stack too: another expert's update, silently.
+    dense = ParamLayout((8, 8), (), (2, 2), (None, 0), (0, 0), mesh_key="m")
+    stack = ParamLayout((2, 8, 8), (), (2, 2), (0, 1), (0, 0), mesh_key="m")
+    assert dense.exchange_axis == stack.exchange_axis == 1
+    assert (dense.replica_axis, stack.replica_axis) == (0, None)
+    buckets = plan_buckets([dense, stack], cap_bytes=2**20)
+    assert [b.params for b in buckets] == [(0,), (1,)]
+    plan = MuonPlan.build([dense, stack], replica_owners={0: "spread"})
+    assert [b.spread for b in plan.buckets] == [True, False]
+
+
 def test_ns_flop_counts():
     # REFERENCE.md: 4 m^2 n + 2 m^3 dense per iteration (m <= n); the symmetric kernels
     # compute half of X X^T and of A A: 3 m^2 n + m^3
