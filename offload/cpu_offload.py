@@ -427,6 +427,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "wrap the optimizer after model.to_empty(device=...) and the weights' init"
             )
         self._subset = subset_step_for(optimizer)
+        if self._subset is None and (gpu_resident_bytes != 0 or gpu_budget_bytes is not None):
+            raise ValueError(
+                f"gpu_resident_bytes and gpu_budget_bytes need an optimizer with a subset "
+                f"step; {type(optimizer).__name__} has none (it takes the serial path, which "
+                "keeps no state on the GPU between steps): leave them unset"
+            )
         self._check_ring_fits()
         self._streams = CopyStreams(self.device, staging_slots)
         self._plan: OffloadPlan | None = None

@@ -127,6 +127,21 @@ def test_a_module_that_takes_no_hooks_is_named_and_leaves_none_behind():
     assert not first._forward_pre_hooks
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"gpu_resident_bytes": "auto"}, {"gpu_resident_bytes": 10**9}],
+    ids=["auto", "bytes"],
+)
+def test_residency_needs_a_subset_step(options):
+    # the serial path accepted them and kept nothing resident, silently
+    class Custom(torch.optim.SGD):
+        pass
+
+    model = make_model()
+    with pytest.raises(ValueError, match="gpu_resident_bytes .* need an optimizer with a subset"):
+        CPUOffloadOptimizer(Custom(model.parameters(), lr=0.1), **options)
+
+
 def _train_plain_and_overlapped(set_to_none: bool):
     """Two steps of AdamW, plain and offloaded with overlap; the overlapped step is left
     pending. Returns (plain model, plain AdamW, overlapped model, its optimizer)."""
