@@ -12,7 +12,8 @@ holding it has stepped:
   weight read by the module the hooks did not expect, a functional read of another
   module's weight, `model.state_dict()` / `load_state_dict()`, an in-place edit.
   Inside an FSDP2 forward it is on only in each plan's first overlapped forward, which
-  teaches the hooks the reads they do not see (see `ForwardOverlap.__init__`).
+  teaches the hooks the reads they do not see, and in every later one where that forward
+  found such a read (see `ForwardOverlap.__init__`).
 """
 
 from __future__ import annotations
