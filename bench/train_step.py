@@ -402,7 +402,11 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         offload_load_in_backward=(
             (arm.backward_load or True) if arm.mode == "offload+overlap+bwd" else None
         ),
-        **({} if args.chunk_bytes is None else {"offload_chunk_bytes": args.chunk_bytes}),
+        **(
+            {"offload_chunk_bytes": args.chunk_bytes}
+            if args.chunk_bytes is not None and arm.mode.startswith("offload")
+            else {}
+        ),
         **extra,
     )
     return setup_optimizer(model, config)

@@ -118,6 +118,7 @@ class OptimizerConfig:
                 "offload_overlap_forward=True needs offload='optimizer' (it overlaps the "
                 "offloaded step with the next forward); set offload='optimizer' or turn it off"
             )
+        _check_used(self)
         offload_checks.check_offload_options(
             chunk_bytes=self.offload_chunk_bytes,
             staging_slots=self.offload_staging_slots,
@@ -127,14 +128,6 @@ class OptimizerConfig:
             load_in_backward=self.offload_load_in_backward,
             prefix="offload_",
         )
-        if self.fused is not None and self.type != "adamw":
-            raise ValueError(
-                f"fused is set but type is {self.type!r}: it picks torch.optim.AdamW's kernel "
-                "(type='adamw'); Muon's own elementwise kernels are chosen by "
-                "MUON_ELEMENTWISE_BACKEND (muon.elementwise)"
-            )
-        if self.muon_options and self.type != "muon":
-            raise ValueError(f"muon_options is set but type is {self.type!r}; use type='muon'")
         _check_muon_options(self.muon_options)
         muon_checks.check_ns_steps_of_schedule(
             self.muon_options.get("ns_steps"),
@@ -217,6 +210,44 @@ class OptimizerConfig:
                 )
             values["betas"] = tuple(values["betas"])
         return cls(**values)
+
+
+# Fields that only one type or offload mode reads: (the field that picks, its value, a
+# hint). A value other than the default under another choice would be silently unused.
+_USED_ONLY_WITH: dict[str, tuple[str, str, str]] = {
+    "momentum": ("type", "muon", ""),
+    "nesterov": ("type", "muon", ""),
+    "ns_schedule": ("type", "muon", ""),
+    "adjust_lr_fn": ("type", "muon", ""),
+    "muon_options": ("type", "muon", ""),
+    "fused": (
+        "type",
+        "adamw",
+        "; it picks torch.optim.AdamW's kernel, and Muon's own elementwise kernels are "
+        "chosen by MUON_ELEMENTWISE_BACKEND (muon.elementwise)",
+    ),
+    "offload_chunk_bytes": ("offload", "optimizer", ""),
+    "offload_staging_slots": ("offload", "optimizer", ""),
+    "offload_gpu_resident_bytes": ("offload", "optimizer", ""),
+    "offload_gpu_budget_bytes": ("offload", "optimizer", ""),
+    "offload_load_in_backward": ("offload", "optimizer", ""),
+}
+
+
+def _check_used(config: OptimizerConfig) -> None:
+    """Refuse a field set away from its default where the chosen type or offload mode
+    does not read it (momentum with type="adamw", offload_chunk_bytes without offload)."""
+    for f in dataclasses.fields(config):
+        if f.name not in _USED_ONLY_WITH:
+            continue
+        chooser, needed, hint = _USED_ONLY_WITH[f.name]
+        value, default = getattr(config, f.name), _field_default(f)
+        if getattr(config, chooser) != needed and value != default:
+            raise ValueError(
+                f"{f.name}={value!r} is set but {chooser} is {getattr(config, chooser)!r}, "
+                f"which does not use it: it is read only with {chooser}={needed!r}{hint}; set "
+                f"{chooser}={needed!r} or leave {f.name} at its default ({default!r})"
+            )
 
 
 def _field_default(f: dataclasses.Field) -> Any:

@@ -58,7 +58,18 @@ class Net(torch.nn.Module):
         ({"lr": -1.0}, "lr should be >= 0"),
         ({"offload": "optimizer", "offload_chunk_bytes": 0}, "offload_chunk_bytes"),
         ({"offload": "optimizer", "offload_staging_slots": 0}, "offload_staging_slots"),
-        ({"muon_options": {"max_inflight": 2}}, "use type='muon'"),
+        ({"muon_options": {"max_inflight": 2}}, "muon_options=.* set type='muon'"),
+        # fields the chosen type or offload mode would leave unused
+        ({"momentum": 0.9}, r"momentum=0.9 is set but type is 'adamw'.*only with type='muon'"),
+        ({"nesterov": False}, "nesterov=False is set but type is 'adamw'"),
+        ({"ns_schedule": "polar_express"}, "ns_schedule='polar_express' is set but type"),
+        ({"adjust_lr_fn": "original"}, "adjust_lr_fn='original' is set but type is 'adamw'"),
+        ({"offload_chunk_bytes": 2**20}, r"offload_chunk_bytes=1048576 is set but offload is"),
+        ({"offload_staging_slots": 2}, "offload_staging_slots=2 is set but offload is 'none'"),
+        ({"offload_gpu_resident_bytes": "auto"}, "offload_gpu_resident_bytes='auto' is set"),
+        ({"offload_gpu_budget_bytes": 2**30}, "offload_gpu_budget_bytes=1073741824 is set"),
+        ({"offload_load_in_backward": False}, "offload_load_in_backward=False is set but"),
+        ({"type": "muon", "fused": False}, "fused=False is set but type is 'muon'"),
         ({"nesterov": "no"}, r"nesterov should be of type bool but is: 'no'"),
         ({"lr": "abc"}, r"lr should be of type float but is: 'abc'"),
         ({"betas": (0.9,)}, r"betas should be of type tuple\[float, float\].*like \(0.9, 0.95\)"),
@@ -298,7 +309,7 @@ def test_adamw_fused_is_chosen_by_the_config_and_its_flags():
     assert _adamw_fused(setup_optimizer(model, OptimizerConfig(fused=True))) is True
     offloaded = setup_optimizer(model, OptimizerConfig(fused=False, offload="optimizer"))
     assert _adamw_fused(offloaded) is False
-    with pytest.raises(ValueError, match="fused is set but type is 'muon'"):
+    with pytest.raises(ValueError, match="fused=True is set but type is 'muon'"):
         OptimizerConfig(type="muon", fused=True)
     parser = argparse.ArgumentParser()
     OptimizerConfig.add_arguments(parser)

@@ -86,15 +86,19 @@ def test_markov_data_is_learnable_and_sharded():
 STEPS = 3
 ARMS = {
     "none": {"offload": "none"},
-    "offload": {"offload": "optimizer"},
-    "offload+overlap": {"offload": "optimizer", "offload_overlap_forward": True},
+    # Tiny chunks so even this model's state is streamed through several chunks.
+    "offload": {"offload": "optimizer", "offload_chunk_bytes": 4096},
+    "offload+overlap": {
+        "offload": "optimizer",
+        "offload_chunk_bytes": 4096,
+        "offload_overlap_forward": True,
+    },
 }
 
 
 def _train(config: ModelConfig, opt: str, arm: dict, mesh, rank: int):
     """Train STEPS steps; returns (losses, local param shards, initial local shards)."""
-    # Tiny chunks so even this model's state is streamed through several chunks.
-    opt_config = OptimizerConfig(type=opt, lr=1e-2, offload_chunk_bytes=4096, **arm)
+    opt_config = OptimizerConfig(type=opt, lr=1e-2, **arm)
     model, optimizer = build(config, opt_config, mesh, torch.device("cpu"))
     initial = [p.to_local().clone() for p in model.parameters()]
     data = MarkovData(config.vocab_size, config.seq_len, 4, rank=rank)
