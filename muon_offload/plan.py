@@ -26,7 +26,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -398,16 +398,18 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS))
     source.add_argument("--config", help="a Hugging Face config.json")
-    p.add_argument("--fsdp", type=int, default=8, help="FSDP (shard) size")
-    p.add_argument("--replicate", type=int, default=1, help="HSDP replicas")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides --fsdp)")
+    p.add_argument("--fsdp", type=_at_least(1), default=8, help="FSDP (shard) size")
+    p.add_argument("--replicate", type=_at_least(1), default=1, help="HSDP replicas")
+    p.add_argument(
+        "--ep", type=_at_least(1), default=1, help="expert-parallel size (divides --fsdp)"
+    )
     p.add_argument("--expert-shard", choices=EXPERT_SHARDS, default="auto")
     p.add_argument(
-        "--bucket-cap-mib", type=float, default=None,
+        "--bucket-cap-mib", type=_mib_size(positive=True), default=None,
         help=f"Muon's bucket_cap_bytes; default: {DEFAULT_BUCKET_CAP_BYTES / 2**20:g}, with "
         "--offload what setup_optimizer caps it at for the chunks and --fsdp",
     )  # fmt: skip
-    p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT)
+    p.add_argument("--max-inflight", type=_at_least(1), default=DEFAULT_MAX_INFLIGHT)
     p.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
@@ -426,11 +428,13 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "them, the sweep and --budget-gib sized for it (the report shows both)",
     )  # fmt: skip
     p.add_argument(
-        "--offload-chunk-mib", type=float, default=StepSettings().offload_chunk_bytes / 2**20
+        "--offload-chunk-mib",
+        type=_mib_size(positive=True),
+        default=StepSettings().offload_chunk_bytes / 2**20,
     )
-    p.add_argument("--offload-slots", type=int, default=StepSettings().offload_slots)
+    p.add_argument("--offload-slots", type=_at_least(1), default=StepSettings().offload_slots)
     p.add_argument(
-        "--offload-resident-mib", type=float, default=0.0,
+        "--offload-resident-mib", type=_mib_size(positive=False), default=0.0,
         help="CPUOffloadOptimizer's gpu_resident_bytes: state kept on the GPU",
     )  # fmt: skip
     p.add_argument(
@@ -439,7 +443,7 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "use (see --wrap), resident state the units the forward needs first",
     )  # fmt: skip
     p.add_argument(
-        "--offload-backward-load-mib", type=float, default=None,
+        "--offload-backward-load-mib", type=_mib_size(positive=False), default=None,
         help="CPUOffloadOptimizer's load_in_backward as bytes (implies overlap_forward): state "
         "loaded in the backward, an extra staging slot per chunk beyond the ring; 0: none; "
         "default: the wrapper's (with overlap, the chunks the forward waits for first; on "
@@ -453,18 +457,19 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     )  # fmt: skip
     p.add_argument("--sweep-fsdp", type=_sizes, help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument(
-        "--budget-gib", type=_positive_gib, help="per-rank budget for the optimizer's peak"
+        "--budget-gib", type=_positive("GiB"), help="per-rank budget for the optimizer's peak"
     )
     p.add_argument(
         "--replica-owners", choices=REPLICA_OWNERS, default="auto",
         help="HSDP: who orthogonalizes a matrix (Muon's replica_owners); the report shows both",
     )  # fmt: skip
     p.add_argument(
-        "--replica-gbs", type=float, default=DEFAULT_SPREAD_MODEL.replica_bytes_per_s / 1e9,
+        "--replica-gbs", type=_positive("GB/s"),
+        default=DEFAULT_SPREAD_MODEL.replica_bytes_per_s / 1e9,
         help="bandwidth between replicas per rank, GB/s, that replica_owners='auto' assumes",
     )  # fmt: skip
     p.add_argument(
-        "--time-limit-s", type=float, default=DEFAULT_TIME_LIMIT_S,
+        "--time-limit-s", type=_positive("seconds"), default=DEFAULT_TIME_LIMIT_S,
         help="refuse a mesh that does not plan within this many seconds",
     )  # fmt: skip
     p.add_argument(
@@ -489,15 +494,54 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def _positive_gib(text: str) -> float:
-    """`--budget-gib`: a finite number of GiB > 0."""
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `low` (argparse names the flag on an error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"should be a whole number >= {low} but is: {text!r}")
+        return value
+
+    parse.__name__ = f"whole number >= {low}"
+    return parse
+
+
+def _finite(text: str, positive: bool, unit: str) -> float:
     try:
-        gib = float(text)
+        value = float(text)
     except ValueError:
-        gib = math.nan
-    if not 0 < gib < math.inf:
-        raise argparse.ArgumentTypeError(f"should be a number of GiB > 0 but is: {text!r}")
-    return gib
+        value = math.nan
+    if not (0 < value < math.inf if positive else 0 <= value < math.inf):
+        bound = "> 0" if positive else ">= 0"
+        raise argparse.ArgumentTypeError(f"should be a number of {unit} {bound} but is: {text!r}")
+    return value
+
+
+def _positive(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number of `unit` > 0."""
+
+    def parse(text: str) -> float:
+        return _finite(text, True, unit)
+
+    parse.__name__ = unit
+    return parse
+
+
+def _mib_size(positive: bool) -> Callable[[str], float]:
+    """An argparse type for a size in MiB: finite, > 0 or >= 0, at least a byte when > 0."""
+
+    def parse(text: str) -> float:
+        mib = _finite(text, positive, "MiB")
+        if positive and int(mib * 2**20) < 1:
+            raise argparse.ArgumentTypeError(f"should be at least one byte but is: {text!r} MiB")
+        return mib
+
+    parse.__name__ = "MiB"
+    return parse
 
 
 def settings_from(args: argparse.Namespace, fsdp: int | None = None) -> StepSettings:

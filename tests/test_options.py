@@ -139,6 +139,17 @@ def test_ns_dtype_by_name_from_toml_and_the_cli(tmp_path):
         (["--budget-gib", "-1"], "argument --budget-gib: should be a number of GiB > 0"),
         (["--sweep-fsdp", "8,a"], "argument --sweep-fsdp: should be comma-separated sizes"),
         (["--sweep-fsdp", "8,0"], "argument --sweep-fsdp: should be comma-separated sizes"),
+        # these named internal fields (offload_slots, ...) or were accepted (nan, -1)
+        (["--fsdp", "0"], "argument --fsdp: should be a whole number >= 1 but is: '0'"),
+        (["--offload-slots", "0"], "argument --offload-slots: should be a whole number >= 1"),
+        (["--max-inflight", "two"], "argument --max-inflight: should be a whole number >= 1"),
+        (["--offload-chunk-mib", "-1"], "argument --offload-chunk-mib: should be a number of"),
+        (["--bucket-cap-mib", "1e-9"], "argument --bucket-cap-mib: should be at least one byte"),
+        (["--offload-resident-mib", "nan"], "argument --offload-resident-mib: should be a"),
+        (["--offload-backward-load-mib", "-5"], "argument --offload-backward-load-mib: should"),
+        (["--time-limit-s", "nan"], "argument --time-limit-s: should be a number of seconds > 0"),
+        (["--time-limit-s", "-1"], "argument --time-limit-s: should be a number of seconds > 0"),
+        (["--replica-gbs", "0"], "argument --replica-gbs: should be a number of GB/s > 0"),
     ],
 )
 def test_planner_flags_are_checked_naming_the_flag(flags, message, capsys):
