@@ -52,7 +52,14 @@ def check_load_in_backward(value: Any, name: str = "load_in_backward") -> None:
     """None (the default), True, False, or a byte count >= 1."""
     if value is None or isinstance(value, bool):
         return
-    _count(value, name, 1, "True, False, None or a byte count")
+    kind = "True, False, None or a byte count"
+    if not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} should be {kind} but is: {value!r} ({type(value).__name__})")
+    if value < 1:  # 0 reads as "nothing": that is False
+        raise ValueError(
+            f"{name} should be a byte count >= 1, or False to load nothing in the backward, "
+            f"but is: {value}"
+        )
 
 
 def check_offload_options(

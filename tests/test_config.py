@@ -50,7 +50,7 @@ class Net(torch.nn.Module):
                 "offload_overlap_forward": True,
                 "offload_load_in_backward": 0,
             },
-            "offload_load_in_backward should be >= 1",
+            "offload_load_in_backward should be a byte count >= 1, or False to load nothing",
         ),
         ({"offload_load_in_backward": 1.5}, "should be of type bool | int | None"),
         ({"ns_schedule": "newton"}, "ns_schedule should be one of"),

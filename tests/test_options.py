@@ -42,7 +42,12 @@ def _adamw() -> torch.optim.AdamW:
             "load_in_backward should be True, False, None or a byte count",
         ),
         ({"load_in_backward": 2.5}, TypeError, "True, False, None or a byte count"),
-        ({"load_in_backward": -1}, ValueError, "load_in_backward should be >= 1"),
+        ({"load_in_backward": -1}, ValueError, "load_in_backward should be a byte count >= 1"),
+        (
+            {"load_in_backward": 0},
+            ValueError,
+            "or False to load nothing in the backward, but is: 0",
+        ),
         (
             {"load_in_backward": 2**30},
             ValueError,
