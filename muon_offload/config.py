@@ -8,10 +8,12 @@ protocol at run time).
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import inspect
 import json
 import re
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -140,19 +142,28 @@ class OptimizerConfig:
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add one `--flag` per field (`--offload-overlap-forward`, ...) to `parser`; each
         value is checked as the field is, and an error names the flag. `--muon-options`
-        takes a JSON object, e.g. '{"ns_dtype": "float32", "max_inflight": 3}'."""
+        takes a JSON object, e.g. '{"ns_dtype": "float32", "max_inflight": 3}'. `--help`
+        shows each field's docstring."""
+        docs = _field_docs(cls)
+        group = parser.add_argument_group("optimizer (muon_offload.OptimizerConfig)")
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = _field_default(f)
+            described = {"help": docs.get(f.name, "").replace("%", "%%")}
             if isinstance(default, bool) or f.name == "fused":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, **described
+                )
                 continue
             if f.name == "offload_load_in_backward":  # --flag (True), --flag BYTES, --no-flag
                 load = _checked(int, offload_checks.check_load_in_backward, f.name)
-                parser.add_argument(flag, nargs="?", const=True, type=load, metavar="BYTES")
-                parser.add_argument(
-                    "--no-" + flag[2:], dest=f.name, action="store_const", const=False
+                group.add_argument(
+                    flag, nargs="?", const=True, type=load, metavar="BYTES", **described
                 )
+                group.add_argument(
+                    "--no-" + flag[2:], dest=f.name, action="store_const", const=False,
+                    help="load nothing in the backward",
+                )  # fmt: skip
                 parser.set_defaults(**{f.name: default})
                 continue
             if f.name == "muon_options":
@@ -165,8 +176,8 @@ class OptimizerConfig:
                 parse = float if isinstance(default, tuple) else type(default)
             kwargs: dict[str, Any] = {"nargs": len(default)} if isinstance(default, tuple) else {}
             check = _FLAG_CHECKS.get(f.name)
-            parser.add_argument(
-                flag, type=_checked(parse, check, f.name), default=default, **kwargs
+            group.add_argument(
+                flag, type=_checked(parse, check, f.name), default=default, **kwargs, **described
             )
 
     @classmethod
@@ -248,6 +259,25 @@ def _check_used(config: OptimizerConfig) -> None:
                 f"which does not use it: it is read only with {chooser}={needed!r}{hint}; set "
                 f"{chooser}={needed!r} or leave {f.name} at its default ({default!r})"
             )
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of the dataclass `cls`, on one line (for `--help`)."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError):  # no source (a frozen app): flags without help
+        return {}
+    docs = {}
+    for field_node, doc in zip(body, body[1:], strict=False):
+        if (
+            isinstance(field_node, ast.AnnAssign)
+            and isinstance(field_node.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field_node.target.id] = " ".join(doc.value.value.split())
+    return docs
 
 
 def _field_default(f: dataclasses.Field) -> Any:

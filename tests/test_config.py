@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -327,3 +328,16 @@ def test_adamw_on_cuda_is_fused_by_default():
     assert _adamw_fused(offloaded) is True
     offloaded.close()
     assert _adamw_fused(setup_optimizer(model, OptimizerConfig(fused=False))) is False
+
+
+def test_every_flag_has_its_fields_docstring_as_help():
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    helps = {
+        action.dest: action.help for action in parser._actions if action.dest != "help"
+    }  # --no-offload-load-in-backward shares its dest with the flag
+    assert set(helps) == {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert all(helps.values()), [name for name, text in helps.items() if not text]
+    assert helps["momentum"] == "Muon momentum."
+    text = parser.format_help()  # a docstring's % must not break argparse's formatting
+    assert "optimizer (muon_offload.OptimizerConfig)" in text and "--offload-chunk-bytes" in text
