@@ -232,6 +232,8 @@ class ForwardOverlap:
         self._up_front = -1  # the last chunk enqueued when `start` returns
         self._ahead_of: Sequence[int] = ()  # per chunk: the last enqueued once it is needed
         self._advancing = threading.RLock()
+        # The autocast state `step()` was called in: its chunks run in it wherever they run.
+        self._autocast: dict[str, Any] = {"enabled": False}
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
@@ -303,6 +305,11 @@ class ForwardOverlap:
         torch calls on the offloaded state's homes (`state_homes`: what `state` hands out
         between steps, and a logger may hold) wait for the whole step to be written back."""
         streams, side = self._streams, self.side_stream
+        device_type = streams.device.type
+        self._autocast = {
+            "enabled": torch.is_autocast_enabled(device_type),
+            "dtype": torch.get_autocast_dtype(device_type),
+        }
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
             for grad in grads:
@@ -319,9 +326,10 @@ class ForwardOverlap:
         """Enqueue the pending step's chunks up to index `last`.
 
         Called from forward hooks and from reads inside a forward too, so the trainer's
-        grad mode, inference mode, autocast and torch.func transforms are switched off,
-        and torch.compile never traces it (a read inside compiled code would compile the
-        update): the update must not change with where it runs. One thread at a time (a
+        grad mode, inference mode and torch.func transforms are switched off, autocast is
+        as `step()` found it, and torch.compile never traces it (a read inside compiled
+        code would compile the update): the update must not change with where it runs, and
+        equals the step run inside `step()`. One thread at a time (a
         checkpointing thread may wait for the step while the trainer's forward advances it).
         """
         if self._pending is None or self._enqueued > last:
@@ -330,7 +338,7 @@ class ForwardOverlap:
             self._advancing,
             torch.inference_mode(False),
             torch.no_grad(),
-            torch.autocast(self._streams.device.type, enabled=False),
+            torch.autocast(self._streams.device.type, **self._autocast),
             _outside_transforms(),
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
@@ -413,6 +421,15 @@ class ForwardOverlap:
         self.advance(self._ahead_of[chunk])
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
+    def _before_backward(self) -> None:
+        """A backward adds into each existing `.grad` in place (autograd's AccumulateGrad,
+        which no torch function mode sees): the chunks that still read such a grad (a
+        second backward through a retained graph after `step()`) land first."""
+        chunk = max((c for p, c in self._param_chunk.items() if p.grad is not None), default=-1)
+        if chunk > self._reads.landed:
+            self.advance(self._ahead_of[chunk])
+            self._wait_for_chunk(chunk, self._chunk_needs[chunk])
+
     def _before_forward(self) -> None:
         self._reading_owner = -1
         if not self._in_flight:
@@ -475,7 +492,11 @@ class _PendingReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if self.active:
+        if self.active and func in _BACKWARDS:
+            overlap = self._overlap()
+            if overlap is not None:
+                overlap._before_backward()
+        elif self.active:
             chunk = _latest_chunk(self.chunk_of, self._held, args)
             if kwargs:
                 chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, kwargs.values()))
@@ -616,6 +637,11 @@ _METADATA = frozenset(
     )
 )
 """Tensor attributes and methods that read or set no param values."""
+
+
+# What runs a backward that adds into params' `.grad` (`torch.autograd.grad` returns its
+# grads instead).
+_BACKWARDS = (Tensor.backward, torch.autograd.backward)
 
 
 def _touches_data(func: Callable[..., Any]) -> bool:

@@ -719,3 +719,66 @@ def test_torch_func_transforms_around_the_forward_are_exact():
             opt.wait_for_optimizer_step()
             runs.append([p.detach().clone() for p in model.parameters()])
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), grads_of.__name__
+
+
+class Parallel(nn.Module):
+    """Layers side by side on the input: their backward saves no weight, so a graph
+    retained across a step still runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers)
+
+
+@pytest.mark.parametrize("backward", ["tensor", "autograd"])
+def test_a_backward_while_pending_adds_to_grads_after_the_update(backward):
+    # Two losses of one forward, a step between their backwards (retain_graph): autograd
+    # added the second grads in place, unseen, into the grads the pending chunks read.
+    plain_model, plain, model, overlapped = _pair(Parallel)
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+    for m, opt in ((plain_model, plain), (model, overlapped)):
+        _train(m, opt, data[:2])
+        out = m(data[2])
+        first, second = out.square().mean(), out.sin().mean()
+        first.backward(retain_graph=True)
+        opt.step()
+        if backward == "tensor":
+            second.backward()
+        else:
+            torch.autograd.backward([second])
+        opt.step()
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+def test_chunks_run_in_the_autocast_state_step_was_called_in():
+    # The lazy chunks ran with autocast off; a step() called inside autocast runs its
+    # matmuls in it (torch.optim.Muon under fp16 autocast), and chunks must match that.
+    torch.manual_seed(0)
+    plain_model = nn.Sequential(
+        nn.Linear(16, 16, bias=False),
+        nn.Tanh(),
+        nn.Linear(16, 16, bias=False),
+        nn.Linear(16, 4, bias=False),
+    )
+    model = copy.deepcopy(plain_model)
+    plain = torch.optim.Muon(plain_model.parameters(), lr=1e-2, adjust_lr_fn="match_rms_adamw")
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.Muon(model.parameters(), lr=1e-2, adjust_lr_fn="match_rms_adamw"),
+        chunk_bytes=1,
+        overlap_forward=model,
+    )
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 16, generator=gen) for _ in range(4)]
+    for m, opt in ((plain_model, plain), (model, overlapped)):
+        for x in batches:
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                opt.step()
+    overlapped.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
