@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -56,7 +58,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adamw import adamw
 
-from muon import elementwise
+from muon import elementwise, newton_schulz
 from muon.exchange import (
     assemble,
     local_rect,
@@ -226,7 +228,8 @@ class Muon(torch.optim.Optimizer):
             rectangular matrices), "auto" (default) picks per matrix shape, never
             per launch, so a matrix's result does not depend on its batch.
         ns_dtype: dtype on the wire and in Newton-Schulz: torch.bfloat16 (default) or
-            torch.float32, or their names "bfloat16", "float32" (for TOML and JSON).
+            torch.float32, or their names "bfloat16", "float32" (for TOML and JSON). The
+            step runs with autocast off, so an enclosing autocast region changes nothing.
         bucket_cap_bytes: cap on one bucket's full-matrix bytes (in `ns_dtype`).
             A bucket's buffers and Newton-Schulz workspace live only while the
             bucket runs, so the cap bounds the step's transient memory; nothing
@@ -302,6 +305,10 @@ class Muon(torch.optim.Optimizer):
         self._plan: MuonPlan | None = None
         self._plan_params: tuple[Tensor, ...] = ()
         self._plan_key: tuple[Any, ...] = ()
+        # Each group's `momentum` when it was added (by index), to notice a scheduler
+        # cycling it in AdamW groups, which do not read it (`_warn_adamw_momentum`).
+        self._momentum_when_added: list[Any] = []
+        self._warned_adamw_momentum = False
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -313,12 +320,18 @@ class Muon(torch.optim.Optimizer):
             param_group["params"] = params
         _set_group_defaults(param_group, self.defaults)
         super().add_param_group(param_group)
+        self._momentum_when_added.append(self.param_groups[-1].get("momentum"))
         _validate_group(self.param_groups[-1], index)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # As torch's optimizers do for keys added after a checkpoint was written: a
         # torch.optim.Muon state dict has no `algorithm`, `row_blocks`, `ns_algorithm`.
         super().__setstate__(state)
+        # An optimizer pickled before these existed: its groups' momentum as they are now.
+        self.__dict__.setdefault(
+            "_momentum_when_added", [g.get("momentum") for g in self.param_groups]
+        )
+        self.__dict__.setdefault("_warned_adamw_momentum", False)
         for group in self.param_groups:
             _set_group_defaults(group, self.defaults)
             if group["algorithm"] != "adamw":
@@ -398,7 +411,32 @@ class Muon(torch.optim.Optimizer):
         # Every group's grads before any group steps: a refused step changes nothing.
         for index, group in enumerate(self.param_groups):
             _check_grads(group, index)
+        self._warn_adamw_momentum()
         return MuonStep(self, self._muon_plan())
+
+    def _warn_adamw_momentum(self) -> None:
+        """Warn once if an AdamW group's `momentum` changed since the group was added: OneCycleLR
+        and CyclicLR (cycle_momentum=True, their default) cycle `betas[0]` only for optimizers
+        with `betas` in their defaults, and `momentum` (which Muon groups read) otherwise, so
+        on this optimizer they write `momentum` into every group, and AdamW groups ignore it."""
+        if self._warned_adamw_momentum:
+            return
+        # strict=False: a group appended to param_groups by hand has no entry; it is skipped.
+        added_momentum = zip(self.param_groups, self._momentum_when_added, strict=False)
+        for index, (group, added) in enumerate(added_momentum):
+            if group["algorithm"] == "adamw" and bool(group.get("momentum") != added):
+                self._warned_adamw_momentum = True
+                warnings.warn(
+                    f"param group {index} (algorithm='adamw') has momentum "
+                    f"{group.get('momentum')} where it had {added}, but AdamW groups do not "
+                    "read momentum: their beta1 is betas[0], which OneCycleLR and CyclicLR "
+                    "cycle only for optimizers with 'betas' in their defaults (Muon groups "
+                    "do read the cycled momentum); pass cycle_momentum=False to silence this, "
+                    "or set the AdamW groups' betas yourself",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                return
 
     # Compiled (torch.compile(opt.step)), the step runs eagerly: its launches are already
     # fused where it pays, and a traced step rounds differently from the eager one.
@@ -660,7 +698,7 @@ class _TorchElementwise:
             _local(step._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
         for i, target, update in targets:
             m = plan.matrices[i]
-            target.add_(update.to(step._opt.ns_dtype), alpha=-step._adjusted_lr(m))
+            target.add_(update.to(step._ns_dtype), alpha=-step._adjusted_lr(m))
 
 
 class _FusedElementwise:
@@ -697,7 +735,7 @@ class _FusedElementwise:
             m = plan.matrices[i]
             hp = step._hp(m.param)
             decay = 1 - hp["lr"] * hp["weight_decay"]
-            fused.apply_(target, update, decay, -step._adjusted_lr(m), step._opt.ns_dtype)
+            fused.apply_(target, update, decay, -step._adjusted_lr(m), step._ns_dtype)
 
 
 def _elementwise_for(device: torch.device) -> type[_TorchElementwise] | type[_FusedElementwise]:
@@ -754,7 +792,19 @@ class MuonStep:
         self.units: list[list[Tensor]] = [self._unit_params(kind) for kind in self._kinds]
         self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit}
         self._stepped: set[int] = set()  # units done this step
-        optimizer.metrics = []
+        # What the step reads beyond its groups and grads, captured now: an overlapped offload
+        # runs `step_params` after `step()` returned, and a setting changed in between takes
+        # effect from the next step, as it does for a plain step.
+        self._ns_dtype = optimizer.ns_dtype
+        self._max_inflight = optimizer.max_inflight
+        self._collect_timings = optimizer.collect_timings
+        self._ns_backend = newton_schulz.get_backend()
+        self._kernels = {g.device: _elementwise_for(g.device) for g in self._grads if g is not None}
+        self._metrics: list[BucketMetrics] = []
+        optimizer.metrics = self._metrics
+        # Autocast would round the step's matmuls below `ns_dtype`; lazily run offload chunks
+        # run with it off, so every step does (for each device type the params live on).
+        self._device_types = sorted({_local(p).device.type for unit in self.units for p in unit})
 
     def _unit_params(self, kind: tuple[str, int]) -> list[Tensor]:
         what, index = kind
@@ -778,7 +828,7 @@ class MuonStep:
                 raise ValueError(f"unit {index} has already stepped this step")
         self._stepped.update(indices)
         chosen = [self._kinds[index] for index in indices]
-        with torch.no_grad():
+        with torch.no_grad(), _autocast_off(self._device_types):
             self._run_muon(
                 [i for what, i in chosen if what == "bucket"],
                 sorted(i for what, i in chosen if what == "local"),
@@ -813,7 +863,7 @@ class MuonStep:
         # A bucket with nothing on this rank keeps its place (None), so every rank
         # finishes bucket k at the same point and the collectives stay in order.
         alive: dict[int, _InFlight | None] = {}
-        for start, i in launch_order(plans, self._opt.max_inflight):
+        for start, i in launch_order(plans, self._max_inflight):
             if start:
                 alive[i] = self._start(plans[i])
             else:
@@ -834,12 +884,12 @@ class MuonStep:
         if not plan.params:
             return None
         device = self._grads[plan.params[0]].device
-        kernels = _elementwise_for(device)
+        kernels = self._kernels[device]
         if not plan.matrices:  # e.g. an expert stack with no expert here: state, no work
             kernels.momentum(self, plan.params, plan, [])
             return None
-        clock = _Clock(self._opt.collect_timings, device)
-        dtype = self._opt.ns_dtype
+        clock = _Clock(self._collect_timings, device)
+        dtype = self._ns_dtype
         full = _transient(plan.full_numel, dtype, device)
         views: dict[int, Tensor] = {}
         for batch in plan.batches:
@@ -889,7 +939,7 @@ class MuonStep:
         """Assemble, orthogonalize, return the results and apply them; the buffers go."""
         plan = flight.plan
         device = flight.full.device
-        clock = _Clock(self._opt.collect_timings, device)
+        clock = _Clock(self._collect_timings, device)
         if flight.work is not None:
             flight.work.wait()
             assemble(plan, flight.recv, flight.views)
@@ -904,6 +954,7 @@ class MuonStep:
                 stack.view(count, batch.rows, batch.cols),
                 _schedule(hp["ns_coefficients"], hp["ns_steps"]),
                 hp["eps"],
+                self._ns_backend,
                 algorithm=hp["ns_algorithm"],
                 cast=False,  # rounded to ns_dtype by the apply (or the return exchange's copy)
             )
@@ -924,7 +975,7 @@ class MuonStep:
         flight.kernels.apply(self, plan, self._result_targets(plan, flight.send, results))
         apply_s = clock.lap()
 
-        self._opt.metrics.append(
+        self._metrics.append(
             BucketMetrics(
                 plan.bucket,
                 len(plan.matrices),
@@ -999,6 +1050,15 @@ class MuonStep:
             eps=hp["eps"],
             maximize=hp.get("maximize", False),
         )
+
+
+@contextmanager
+def _autocast_off(device_types: Iterable[str]) -> Iterator[None]:
+    """Autocast disabled for each of `device_types`, so `ns_dtype` decides the step's dtypes."""
+    with ExitStack() as stack:
+        for device_type in device_types:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def _add(a: float | None, b: float | None) -> float | None:

@@ -1,0 +1,195 @@
+"""Audit fixes to `muon.Muon`: a pending overlapped step keeps the settings it began with, the
+step ignores an enclosing autocast, and a scheduler cycling `momentum` into AdamW groups
+(which do not read it) is warned about once."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import CyclicLR, LRScheduler, OneCycleLR
+
+from muon import Muon, elementwise, muon_param_groups, newton_schulz
+from offload import CPUOffloadOptimizer
+
+torch.set_num_threads(1)
+CHUNK_BYTES = 4096  # several chunks, so most of an overlapped step runs in the next forward
+
+
+class _Net(nn.Module):
+    """Muon matrices of two shapes and AdamW params (embedding, biases, norm, head); one
+    layer's weight per 4 KiB chunk, so most of an overlapped step is pending after `step()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(24))
+        self.wide = nn.Linear(32, 48)
+        self.norm = nn.LayerNorm(48)
+        self.lm_head = nn.Linear(48, 20, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.lm_head(self.norm(self.wide(x)))
+
+
+def _model() -> _Net:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(20, (4, 7), generator=torch.Generator().manual_seed(step))
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    return model(_tokens(step)).float().square().mean()
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if not torch.equal(x, y)]
+    assert not differ, f"params {differ} differ"
+
+
+# -- 1. a pending overlapped step keeps the settings it began with ------------------------------
+
+
+def _two_steps_then_change(
+    offload: bool, change: Callable[[Muon], None]
+) -> tuple[list[torch.Tensor], Muon]:
+    """Two steps; `change` runs after the second `step()`, before the forward that (with
+    overlap) runs that step's chunks."""
+    model = _model()
+    inner = Muon(muon_param_groups(model), lr=0.02)
+    opt = (
+        CPUOffloadOptimizer(inner, chunk_bytes=CHUNK_BYTES, overlap_forward=model)
+        if offload
+        else inner
+    )
+    for step in range(2):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    change(inner)
+    model(_tokens(2))
+    if offload:
+        opt.wait_for_optimizer_step()
+    return _params(model), inner
+
+
+def _change_settings(opt: Muon) -> None:
+    opt.ns_dtype = torch.float32
+    opt.max_inflight = 1
+    opt.collect_timings = True
+
+
+def test_settings_changed_after_step_do_not_reach_its_pending_chunks() -> None:
+    plain, _ = _two_steps_then_change(False, _change_settings)
+    offloaded, inner = _two_steps_then_change(True, _change_settings)
+    _assert_bitwise(plain, offloaded)
+    # collect_timings was off when the step began: none of its buckets timed
+    assert inner.metrics and all(m.ns_s is None for m in inner.metrics)
+
+
+@pytest.mark.parametrize("set_backend", [newton_schulz.set_backend, elementwise.set_backend])
+def test_a_backend_changed_after_step_does_not_reach_its_pending_chunks(
+    set_backend: Callable[[str], str],
+) -> None:
+    """A backend set to "triton" (not importable here) after `step()` must not reach the
+    step's pending chunks; it takes effect from the next step."""
+    previous: list[str] = []
+    plain, _ = _two_steps_then_change(False, lambda _: None)
+    try:
+        offloaded, _ = _two_steps_then_change(
+            True, lambda _: previous.append(set_backend("triton"))
+        )
+    finally:
+        for backend in previous:
+            set_backend(backend)
+    _assert_bitwise(plain, offloaded)
+
+
+# -- 2. the step ignores an enclosing autocast -------------------------------------------------
+
+
+def _train(ns_dtype: torch.dtype, in_autocast: bool, overlap: bool = False) -> list[torch.Tensor]:
+    model = _model()
+    opt = Muon(muon_param_groups(model), lr=0.02, ns_dtype=ns_dtype)
+    if overlap:
+        opt = CPUOffloadOptimizer(opt, chunk_bytes=CHUNK_BYTES, overlap_forward=model)
+    for step in range(3):
+        _loss(model, step).backward()  # the forward outside autocast: the same grads
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=in_autocast):
+            opt.step()
+        opt.zero_grad()
+    if overlap:
+        opt.wait_for_optimizer_step()
+    return _params(model)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_step_in_autocast_equals_step_outside(ns_dtype: torch.dtype) -> None:
+    outside = _train(ns_dtype, in_autocast=False)
+    _assert_bitwise(outside, _train(ns_dtype, in_autocast=True))
+    # an overlapped step's chunks run in the next forward, with autocast off: the same
+    _assert_bitwise(outside, _train(ns_dtype, in_autocast=True, overlap=True))
+
+
+# -- 3. a scheduler cycling momentum into AdamW groups is warned about -------------------------
+
+
+def _one_cycle(opt: torch.optim.Optimizer, cycle: bool) -> LRScheduler:
+    return OneCycleLR(opt, max_lr=1e-2, total_steps=10, cycle_momentum=cycle)
+
+
+def _cyclic(opt: torch.optim.Optimizer, cycle: bool) -> LRScheduler:
+    return CyclicLR(opt, 1e-4, 1e-2, step_size_up=2, cycle_momentum=cycle)
+
+
+def _scheduled_steps(
+    make: Callable[[torch.optim.Optimizer, bool], LRScheduler] | None,
+    cycle: bool,
+    offload: bool = False,
+    steps: int = 4,
+) -> None:
+    model = _model()
+    opt: torch.optim.Optimizer = Muon(muon_param_groups(model), lr=1e-3)
+    if offload:
+        opt = CPUOffloadOptimizer(opt, chunk_bytes=CHUNK_BYTES)
+    scheduler = make(opt, cycle) if make is not None else None
+    for step in range(steps):
+        _loss(model, step).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("make", [_one_cycle, _cyclic])
+@pytest.mark.parametrize("offload", [False, True])
+def test_momentum_cycled_into_adamw_groups_warns_once(
+    make: Callable[[torch.optim.Optimizer, bool], LRScheduler], offload: bool
+) -> None:
+    with pytest.warns(UserWarning, match="cycle_momentum=False") as caught:
+        _scheduled_steps(make, cycle=True, offload=offload)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 1, texts  # once per optimizer, though every step sees it cycled
+    assert "algorithm='adamw'" in texts[0] and "betas[0]" in texts[0]
+
+
+@pytest.mark.parametrize("make", [_one_cycle, _cyclic, None])
+def test_no_momentum_warning_without_cycling(
+    make: Callable[[torch.optim.Optimizer, bool], LRScheduler] | None,
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _scheduled_steps(make, cycle=False)
