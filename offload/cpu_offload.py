@@ -16,6 +16,7 @@ the chunks as the next forward reaches them) is `forward_overlap.ForwardOverlap`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -245,6 +246,30 @@ def _copy_pieces(home: Tensor, staging: Tensor) -> list[tuple[Tensor, Tensor]]:
     """(home, staging) cut into aligned pieces of at most `COPY_PIECE_BYTES`."""
     step = max(1, COPY_PIECE_BYTES // home.element_size())
     return [(home[i : i + step], staging[i : i + step]) for i in range(0, home.numel(), step)]
+
+
+AMP_SCALING_ATTRIBUTES = ("grad_scale", "found_inf")
+"""What `torch.amp.GradScaler.step` sets on an optimizer with `_step_supports_amp_scaling`
+(fused Adam, AdamW, SGD, Adagrad) for its `step()` call and deletes after: its step reads
+them (`getattr(self, "grad_scale", None)`), unscales the grads in its kernel and skips the
+update on inf (torch 2.11, 2.13)."""
+
+
+@contextlib.contextmanager
+def _attributes_set(obj: object, values: Mapping[str, Any]) -> Iterator[None]:
+    """`values` set as attributes of `obj` inside the block; after it, removed (or what
+    `obj` held before restored)."""
+    held = {name: vars(obj)[name] for name in values if name in vars(obj)}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name in values:
+            if name in held:
+                setattr(obj, name, held[name])
+            else:
+                delattr(obj, name)
 
 
 OVERSIZED_UNIT_WARN_BYTES = 64 << 20
@@ -587,6 +612,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """The wrapped optimizer's (True for fused Adam, AdamW, SGD): `GradScaler.step` then
+        hands `step()` its scale and inf flag (`AMP_SCALING_ATTRIBUTES`) rather than
+        unscaling the grads itself and skipping `step()` on inf, as it would for the wrapped
+        optimizer: the same bits, and the same state after a skipped step."""
+        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    @property
     def plan(self) -> OffloadPlan | None:
         """The chunk plan, built on the first step (None before)."""
         return self._plan
@@ -816,10 +849,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError(self._interrupted)
         self._run_wrapped_step_hooks(pre=True)
         self._check_step_inputs()
+        # Copied: GradScaler's update() changes its scale in place, and with overlap the
+        # chunks run after it.
+        scaling = {
+            name: value.clone() if isinstance(value, Tensor) else value
+            for name, value in vars(self).items()
+            if name in AMP_SCALING_ATTRIBUTES
+        }
         if self._subset is None:  # the wrapped step calls the closure (LBFGS: many times)
-            loss = self._serial_step(closure)
+            loss = self._serial_step(closure, scaling)
         else:
-            loss = self._offloaded_step(closure)
+            loss = self._offloaded_step(closure, scaling)
         record_step_for_lr_schedulers(self.optimizer)
         self._run_wrapped_step_hooks(pre=False)
         return loss
@@ -840,7 +880,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     "per chunk; register it on the wrapper (register_step_pre_hook)"
                 )
 
-    def _offloaded_step(self, closure: Callable[[], float] | None) -> float | None:
+    def _offloaded_step(
+        self, closure: Callable[[], float] | None, scaling: Mapping[str, Any]
+    ) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -876,7 +918,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # The trainer's stream runs the whole step: all of it is exposed.
             timer = self._auto.timer if timed else None
             before = timer.mark(streams.current()) if timed else None
-            for _ in self._interruptible(self._enqueue_chunks(subset, streams.current(), timed)):
+            chunks = self._enqueue_chunks(subset, streams.current(), timed, scaling)
+            for _ in self._interruptible(chunks):
                 pass
             if timed:
                 everything = sum(c.invariant_bytes for c in self._plan.chunks)
@@ -884,6 +927,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 timer.waited(len(self._chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
+        grads += [v for v in scaling.values() if isinstance(v, Tensor)]  # read as grads are
         state = self.optimizer.state
         # what the step updates in place besides the offloaded state (`step` counters)
         scalars = {
@@ -900,17 +944,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # trainer's stack, its pinned slabs) alive until the cycle collector ran.
         this = weakref.proxy(self)
         side = self._overlap.side_stream
-        chunks = CPUOffloadOptimizer._enqueue_chunks(this, subset, side, timed)
+        chunks = CPUOffloadOptimizer._enqueue_chunks(this, subset, side, timed, scaling)
         homes = [home.home_state for home in self._homes.values()]
         pending = CPUOffloadOptimizer._interruptible(this, chunks, side)
         self._overlap.start(pending, grads, scalars, homes)
         return loss
 
     def _enqueue_chunks(
-        self, subset: SubsetStep, compute: torch.Stream | None, timed: bool
+        self,
+        subset: SubsetStep,
+        compute: torch.Stream | None,
+        timed: bool,
+        scaling: Mapping[str, Any],
     ) -> Iterator[None]:
         """Enqueue the step as its schedule says (`step_schedule`), yielding after each
-        chunk's operations (lazily, when overlapped)."""
+        chunk's operations (lazily, when overlapped); each update sees `scaling`
+        (`AMP_SCALING_ATTRIBUTES`) set on the wrapped optimizer."""
         streams, schedule = self._streams, self._schedule
         state = self.optimizer.state
         had_state = {p for p in self._params if state.get(p)}
@@ -928,7 +977,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             elif op == "write_back":
                 self._write_back(chunk, compute)
             else:
-                self._step_chunks(subset, [c], compute, loaded, had_state, timed)
+                self._step_chunks(subset, [c], compute, loaded, had_state, timed, scaling)
 
         # The chunks ready at the start (resident, or loaded in the backward; loaded here
         # if it did not, e.g. on the first step) update first, a few calls for all of them.
@@ -936,7 +985,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if self._chunks[c].slot >= 0:
                 run("load", c)
         for cs in self._update_groups(schedule.ready, had_state):
-            self._step_chunks(subset, cs, compute, loaded, had_state, timed)
+            self._step_chunks(subset, cs, compute, loaded, had_state, timed, scaling)
         for op in schedule.prologue:
             run(*op)
         for ops in schedule.per_chunk:
@@ -979,10 +1028,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         loaded: Mapping[int, bool],
         had_state: set[Tensor],
         timed: bool,
+        scaling: Mapping[str, Any],
     ) -> None:
         """Enqueue chunks `cs`'s update on `compute` in one call of the subset step (it
         updates each unit on its own: the same bits as one call a chunk), from their
-        staging slots (or resident homes)."""
+        staging slots (or resident homes), with GradScaler's `scaling` set on the wrapped
+        optimizer for the call, as `GradScaler.step` sets it for an unwrapped one's."""
         streams, state = self._streams, self.optimizer.state
         chunks = [self._chunks[c] for c in cs]
         for chunk, c in zip(chunks, cs, strict=True):
@@ -997,7 +1048,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     state[view.param][view.key] = view.staging_state
         params = [p for chunk in chunks for p in chunk.params]
         slices = [s for chunk in chunks for s in chunk.slices]
-        with streams.on(compute):
+        with streams.on(compute), _attributes_set(self.optimizer, scaling):
             if slices:
                 subset.step_slices(params, slices)
             else:
@@ -1190,12 +1241,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._plan is not None:
             if units_key != self._units_key:
                 raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
-            if not any(self._specs[index[p]].splittable for p in sparse):
+            # Planned anew for a sparse grad on a sliced param, and for state a step created
+            # after the first without a home (SGD's momentum_buffer, momentum turned on):
+            # it lives in the host slabs as any other from this step.
+            resplit = any(self._specs[index[p]].splittable for p in sparse)
+            if not resplit and not self._unhomed_state():
+                return
+        specs = self._specs_of(subset, layout)
+        if self._plan is not None:
+            if specs == self._specs:  # unhomed state the step does not keep (set by hand)
                 return
             self.wait_for_optimizer_step()  # the new homes copy the old ones
             self._drop_loaded_ahead()
             if self._host_room_for_all:  # one host layout: the old GPU state goes home first
                 self._give_back_gpu_state()
+        self._specs = specs
+        self._build(self._plan_for(units_key), units_key)
+
+    def _specs_of(
+        self, subset: SubsetStep, layout: Callable[[Tensor], StateLayout]
+    ) -> list[ParamSpec]:
+        """What planning needs of each param, from the state `layout` says it keeps."""
         splits = isinstance(subset, SlicingSubsetStep)
         specs = []
         for p in self._params:
@@ -1209,8 +1275,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 and all(s.shape == local.shape for s in state)
             )
             specs.append(ParamSpec(invariant_numel(p), state, splittable))
-        self._specs = specs
-        self._build(self._plan_for(units_key), units_key)
+        return specs
 
     def _plan_for(
         self, units_key: tuple[tuple[int, ...], ...], split: Split | None = None
@@ -1594,8 +1659,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     # -- serial path --------------------------------------------------------------------
 
-    def _serial_step(self, closure: Callable[[], float] | None) -> float | None:
-        """All state in, step (with the closure), all state out, on the current stream.
+    def _serial_step(
+        self, closure: Callable[[], float] | None, scaling: Mapping[str, Any]
+    ) -> float | None:
+        """All state in, step (with the closure, and GradScaler's `scaling` set on the
+        optimizer), all state out, on the current stream.
 
         Its layout is learned from the state the optimizer creates, so the slabs are
         (re)built after a step that created state for a param: the first step, and
@@ -1625,7 +1693,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 state[param][spec.key] = _as_state(param, s)
                 staged.append((param, spec.key, home))
         try:
-            loss = step_without_hooks(self.optimizer, closure)
+            with _attributes_set(self.optimizer, scaling):
+                loss = step_without_hooks(self.optimizer, closure)
         finally:  # interrupted too: the state goes home as the step left it, as plain torch's
             self._serial_write_back(staged)
         return loss

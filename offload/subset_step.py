@@ -18,8 +18,11 @@ through the GPU in chunks. The contract:
   (`zero_grad()`) gets their memory back chunk by chunk, not at the step's end.
 - `state_layout(param)` names the state tensors (ndim >= 1) the step keeps for
   `param`, with their local shapes and dtypes, before any step has run, so the
-  host slabs can be sized and allocated once. On the first step `step_params`
-  may create that state; afterwards it never creates state. The wrapper lays out
+  host slabs can be sized and allocated once; the wrapper plans from the layout it
+  gives after the first `begin_subset_step()` (options set since count). On the
+  first step `step_params` may create that state; afterwards it never creates state
+  (state a later step creates anyway, SGD's momentum turned on, is planned a home
+  at the next step). The wrapper lays out
   a state tensor shaped like the param as the param is laid out (as
   `zeros_like(p, memory_format=torch.preserve_format)` does).
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
@@ -169,11 +172,7 @@ class GroupStep:
         self._optimizer = optimizer
         # Tensor hyperparameters are copied: a scheduler updates them in place.
         self._groups = [
-            {
-                k: v.clone() if isinstance(v, Tensor) else v
-                for k, v in group.items()
-                if k != "params"
-            }
+            {k: _captured(v) for k, v in group.items() if k != "params"}
             for group in optimizer.param_groups
         ]
         self._group_of: dict[Tensor, int] = {}
@@ -219,17 +218,28 @@ class GroupStep:
             narrowed[index].append(t)
         saved_groups = [dict(group) for group in groups]
         try:
-            for index, (group, captured, chosen) in enumerate(
-                zip(groups, self._groups, narrowed, strict=True)
-            ):
-                group.update(captured)
-                group.update((options or {}).get(index, {}))
+            for index, (group, chosen) in enumerate(zip(groups, narrowed, strict=True)):
+                # A group added since the step began (add_param_group, while an overlapped
+                # step is pending) takes no part in it: it keeps its options and no params.
+                if index < len(self._groups):
+                    group.update(self._groups[index])
+                    group.update((options or {}).get(index, {}))
                 group["params"] = chosen
             step_without_hooks(self._optimizer)
         finally:
             for group, saved in zip(groups, saved_groups, strict=True):
                 group.clear()
                 group.update(saved)
+
+
+def _captured(option: Any) -> Any:
+    """A group option as the step reads it later: tensors copied, also inside a tuple or
+    list (`betas=(torch.tensor(0.9), ...)`), which a schedule may fill in place."""
+    if isinstance(option, Tensor):
+        return option.clone()
+    if type(option) in (tuple, list):
+        return type(option)(map(_captured, option))
+    return option
 
 
 class ElementwiseGroupStep(GroupStep):
@@ -375,12 +385,17 @@ class GroupSubsetStep:
         self._layouts: dict[tuple[int, torch.Size, torch.dtype], StateLayout] = {}
 
     def begin_subset_step(self) -> GroupStep:
+        # The layouts are this step's: options that choose the state (amsgrad, momentum,
+        # centered) may have changed since they were found, and torch takes that before
+        # the step that creates the state.
+        self._layouts.clear()
         if type(self.optimizer) in ELEMENTWISE_OPTIMIZERS:
             return ElementwiseGroupStep(self.optimizer)
         return GroupStep(self.optimizer)
 
     def state_layout(self, param: Tensor) -> StateLayout:
-        """State the optimizer will keep for `param`, found by a dry run on the meta device."""
+        """State the optimizer will keep for `param`, found by a dry run on the meta device
+        with its group's options as they are now (found again after `begin_subset_step`)."""
         group_index = self._group_of[param]
         local = local_tensor(param)
         key = (group_index, local.shape, local.dtype)

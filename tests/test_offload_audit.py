@@ -1,0 +1,240 @@
+"""What an audit of the offloaded step found: each case bit-equal to the same unwrapped
+optimizer (or refused by name where torch's own step would not go on)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from offload import CPUOffloadOptimizer
+
+CHUNK_BYTES = 4096  # small: several chunks stream, and the larger params are sliced
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Embedding(50, 32)]
+    for _ in range(4):
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    layers.append(nn.Linear(32, 50))
+    return nn.Sequential(*layers)
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(step))
+
+
+def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+    return model(batch(step)).square().mean()
+
+
+def wrapped(optimizer: torch.optim.Optimizer, model: nn.Module, overlap: bool):
+    return CPUOffloadOptimizer(
+        optimizer, chunk_bytes=CHUNK_BYTES, overlap_forward=model if overlap else None
+    )
+
+
+def assert_equal(plain_model, plain, model, opt) -> None:
+    """Params, and every state entry of every param, bitwise equal."""
+    if isinstance(opt, CPUOffloadOptimizer):
+        opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        ref, got = plain.state.get(a, {}), opt.state.get(b, {})
+        assert sorted(ref) == sorted(got)
+        for key, value in ref.items():
+            assert torch.equal(value, got[key]), key
+
+
+def assert_state_homed(opt: CPUOffloadOptimizer, model: nn.Module) -> None:
+    """Every state tensor (ndim >= 1) has a home in the plan (the host slabs)."""
+    kept = {
+        (i, key)
+        for i, p in enumerate(model.parameters())
+        for key, value in opt.state.get(p, {}).items()
+        if value.ndim >= 1
+    }
+    planned = {(v.param, v.spec.key) for chunk in opt.plan.chunks for v in chunk.views}
+    assert kept and kept == planned
+
+
+# -- GradScaler with an optimizer that unscales in its kernel --------------------------
+
+
+class SerialAdamW(torch.optim.AdamW):
+    """A subclass: no subset step is known for it, so it takes the serial path."""
+
+
+def _fused_adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def _fused_sgd(params):
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9, fused=True)
+
+
+# Steps whose grads hold an inf (GradScaler skips them). Not SGD's first: its fused step
+# leaves a new momentum_buffer uninitialized when it skips (`torch.empty_like` in torch
+# 2.13's `_fused_sgd`), so the runs would differ by that garbage.
+INF_STEPS = {_fused_sgd: (3,)}
+
+
+def _serial_fused_adamw(params):
+    return SerialAdamW(params, lr=1e-2, fused=True)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize(
+    "make", [_fused_adamw, _fused_sgd, _serial_fused_adamw], ids=["adamw", "sgd", "serial"]
+)
+def test_grad_scaler_with_a_fused_optimizer_is_bitwise_equal(make, overlap):
+    """GradScaler hands a fused optimizer its scale and inf flag (it unscales in its kernel
+    and, on inf, still creates state but skips the update): a scale that is not a power
+    of two, a skipped first step and a skipped later one, as unwrapped."""
+    if make is _serial_fused_adamw and overlap:
+        pytest.skip("the serial path takes no forward overlap")
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        inner = make(model.parameters())
+        opt = wrapped(inner, model, overlap) if wrap else inner
+        assert opt._step_supports_amp_scaling
+        scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=1)
+        hooks = []
+        inner.register_step_post_hook(lambda *_, hooks=hooks: hooks.append(1))
+        for step in range(5):
+            scaler.scale(loss_of(model, step)).backward()
+            if step in INF_STEPS.get(make, (0, 3)):  # skipped (state created all the same)
+                model[3].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if step == 0:
+                assert len(opt.state) == len(list(model.parameters()))
+        runs.append((model, inner if not wrap else opt, scaler.get_scale(), len(hooks)))
+        assert not hasattr(opt, "grad_scale") and not hasattr(inner, "grad_scale")
+    (plain_model, plain, plain_scale, plain_hooks), (model, opt, scale, hooks) = runs
+    assert_equal(plain_model, plain, model, opt)
+    skipped = len(INF_STEPS.get(make, (0, 3)))
+    assert (scale, hooks) == (plain_scale, plain_hooks) == (1000.0 * 2 ** (5 - 2 * skipped), 5)
+
+
+# -- tensor hyperparameters inside a tuple ------------------------------------------------
+
+
+def test_tensor_betas_filled_in_place_after_step_leave_the_pending_step_alone():
+    """`betas=(tensor, tensor)` filled in place after `step()` (a beta schedule): the
+    overlapped step's pending chunks read the betas the step began with."""
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        betas = (torch.tensor(0.9), torch.tensor(0.999))
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=betas)
+        opt = wrapped(inner, model, overlap=True) if wrap else inner
+        for step in range(3):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.param_groups[0]["betas"][0].fill_(0.9 - 0.2 * (step + 1))
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_equal(*runs[0], *runs[1])
+
+
+# -- a param group added while an overlapped step is pending -----------------------------
+
+
+def test_an_empty_group_added_while_a_step_is_pending_takes_no_part_in_it():
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = wrapped(inner, model, overlap=True) if wrap else inner
+        for step in range(4):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 1:  # the forward that runs the pending chunks comes next
+                inner.add_param_group({"params": [], "lr": 0.5})
+        runs.append((model, opt))
+    assert_equal(*runs[0], *runs[1])
+
+
+def test_a_group_with_params_added_while_a_step_is_pending_is_refused_at_the_next_step():
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = wrapped(torch.optim.AdamW(model.parameters(), lr=1e-2), model, overlap=True)
+    for m, o in ((plain_model, plain), (model, opt)):
+        loss_of(m, 0).backward()
+        o.step()
+        o.zero_grad()
+    opt.optimizer.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
+    loss = loss_of(model, 1)  # runs the pending step, which the new group takes no part in
+    assert_equal(plain_model, plain, model, opt)
+    loss.backward()
+    with pytest.raises(RuntimeError, match="params changed after wrapping"):
+        opt.step()
+
+
+# -- options that choose the state, set after wrapping -----------------------------------
+
+
+def _set(key: str, value: object) -> Callable[[dict], None]:
+    return lambda group: group.__setitem__(key, value)
+
+
+STATE_OPTIONS = {
+    "adamw-amsgrad-on": (lambda ps: torch.optim.AdamW(ps, lr=1e-2), _set("amsgrad", True)),
+    "adamw-amsgrad-off": (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+        _set("amsgrad", False),
+    ),
+    "rmsprop-centered": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2), _set("centered", True)),
+    "rmsprop-momentum": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2), _set("momentum", 0.9)),
+    "sgd-momentum-on": (lambda ps: torch.optim.SGD(ps, lr=1e-2), _set("momentum", 0.9)),
+}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("case", list(STATE_OPTIONS))
+def test_options_that_choose_the_state_set_before_the_first_step_step_as_torch(case, overlap):
+    """torch takes them while no state exists: the plan is of the state the first step
+    creates, and all of it lives in the host slabs."""
+    make, change = STATE_OPTIONS[case]
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        inner = make(model.parameters())
+        opt = wrapped(inner, model, overlap) if wrap else inner
+        for group in opt.param_groups:
+            change(group)
+        for step in range(3):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_equal(*runs[0], *runs[1])
+    assert_state_homed(runs[1][1], runs[1][0])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_sgd_momentum_turned_on_after_the_first_step_is_homed_at_the_next(overlap):
+    """SGD keeps no state without momentum, so torch takes it at any step: the
+    momentum_buffer it creates then moves to the host slabs at the next step."""
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=1e-2)
+        opt = wrapped(inner, model, overlap) if wrap else inner
+        for step in range(4):
+            if step == 2:
+                opt.param_groups[0]["momentum"] = 0.9
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_equal(*runs[0], *runs[1])
+    assert_state_homed(runs[1][1], runs[1][0])
