@@ -314,3 +314,39 @@ def test_cuda_serial_path_with_state_created_on_a_later_step():
         assert torch.equal(a, b)
     for entries in offloaded.state.values():
         assert entries["exp_avg"].device.type == "cpu" and entries["exp_avg"].is_pinned()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_grad_scaler_with_fused_adamw_is_bitwise_equal(overlap):
+    """GradScaler hands fused AdamW its scale and inf flag on the device; offloaded (its
+    chunks on the side stream, after `scaler.update()` with overlap) as unwrapped, a step
+    skipped on inf included."""
+    runs = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).cuda()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        opt = inner
+        if wrap:
+            opt = CPUOffloadOptimizer(
+                inner, chunk_bytes=MiB // 4, overlap_forward=model if overlap else None
+            )
+        scaler = torch.amp.GradScaler("cuda", init_scale=1000.0, growth_interval=1)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(5):
+            x = torch.randn(32, 256, device="cuda", generator=gen)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            if step == 2:
+                model[3].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if wrap:
+            opt.wait_for_optimizer_step()
+        runs.append((model, scaler.get_scale()))
+    (plain_model, plain_scale), (model, scale) = runs
+    assert scale == plain_scale == 1000.0 * 2**3
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
