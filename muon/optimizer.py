@@ -41,11 +41,11 @@ Newton-Schulz input.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -799,12 +799,13 @@ class MuonStep:
         self._max_inflight = optimizer.max_inflight
         self._collect_timings = optimizer.collect_timings
         self._ns_backend = newton_schulz.get_backend()
-        self._kernels = {g.device: _elementwise_for(g.device) for g in self._grads if g is not None}
+        devices = {g.device for g in self._grads if g is not None}
+        self._kernels = {device: _elementwise_for(device) for device in devices}
         self._metrics: list[BucketMetrics] = []
         optimizer.metrics = self._metrics
         # Autocast would round the step's matmuls below `ns_dtype`; lazily run offload chunks
         # run with it off, so every step does (for each device type the params live on).
-        self._device_types = sorted({_local(p).device.type for unit in self.units for p in unit})
+        self._device_types = sorted({device.type for device in devices})
 
     def _unit_params(self, kind: tuple[str, int]) -> list[Tensor]:
         what, index = kind
@@ -1052,13 +1053,14 @@ class MuonStep:
         )
 
 
-@contextmanager
-def _autocast_off(device_types: Iterable[str]) -> Iterator[None]:
-    """Autocast disabled for each of `device_types`, so `ns_dtype` decides the step's dtypes."""
-    with ExitStack() as stack:
-        for device_type in device_types:
+def _autocast_off(device_types: Iterable[str]) -> contextlib.AbstractContextManager[Any]:
+    """Autocast disabled for each of `device_types`, so `ns_dtype` decides the step's dtypes
+    (entered only where it is on: a step runs this once per chunk when offloaded)."""
+    stack = contextlib.ExitStack()
+    for device_type in device_types:
+        if torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
+    return stack
 
 
 def _add(a: float | None, b: float | None) -> float | None:
