@@ -197,10 +197,18 @@ def zeropower_along(
     if path.per_matrix and x.ndim == 3:
         # one 2-D matrix at a time: the same launches whatever the batch
         single = dataclasses.replace(path, per_matrix=False)
+        first = zeropower_along(x[0], schedule, eps, single, dtype)
         if x.size(0) == 1:  # no output to fill: the workspace of a batch of one
-            return zeropower_along(x[0], schedule, eps, single, dtype).unsqueeze(0)
-        out = torch.empty(x.shape, dtype=dtype, device=x.device)
-        for i in range(x.size(0)):
+            return first.unsqueeze(0)
+        # Each result laid out as a batch of one's (a tall matrix's is a transposed view):
+        # the CPU's bf16 `add_` of the update rounds differently by the update's layout.
+        transposed = not first.is_contiguous() and first.mT.is_contiguous()
+        shape = (x.size(0), x.size(-1), x.size(-2)) if transposed else x.shape
+        out = torch.empty(shape, dtype=dtype, device=x.device)
+        out = out.mT if transposed else out
+        out[0].copy_(first)
+        del first
+        for i in range(1, x.size(0)):
             out[i].copy_(zeropower_along(x[i], schedule, eps, single))
         return out
     if path.backend == "triton":

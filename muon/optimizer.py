@@ -408,6 +408,12 @@ class Muon(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             _set_group_defaults(group, self.defaults)
             _validate_group(group, index)
+        # Settings may be changed between steps (checked as the constructor checks them;
+        # a dtype's name becomes the dtype).
+        self.ns_dtype = ns_dtype_from(self.ns_dtype)
+        check_bucket_cap_bytes(self.bucket_cap_bytes)
+        check_max_inflight(self.max_inflight)
+        check_collect_timings(self.collect_timings)
         # Every group's grads before any group steps: a refused step changes nothing.
         for index, group in enumerate(self.param_groups):
             _check_grads(group, index)

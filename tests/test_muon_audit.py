@@ -1,4 +1,5 @@
-"""Audit fixes to `muon.Muon`: a pending overlapped step keeps the settings it began with, the
+"""Audit fixes to `muon.Muon`: a pending overlapped step keeps the settings it began with (checked
+as the constructor checks them), a bf16 update does not depend on its batch, the
 step ignores an enclosing autocast, and a scheduler cycling `momentum` into AdamW groups
 (which do not read it) is warned about once."""
 
@@ -193,3 +194,47 @@ def test_no_momentum_warning_without_cycling(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _scheduled_steps(make, cycle=False)
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24)], ids=["tall", "wide"])
+def test_bf16_matrices_update_alike_alone_or_batched(shape):
+    """A batch of one returned a tall matrix's result as a transposed view, a larger batch
+    as a contiguous copy, and the CPU's bf16 `add_` rounds by the update's layout: the
+    update depended on what else was in the batch."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(shape, generator=gen).bfloat16() for _ in range(3)]
+    grads = [[torch.randn(shape, generator=gen).bfloat16() for _ in init] for _ in range(3)]
+    runs = []
+    for cap in (None, 1):  # the default: one batch of three; 1: a bucket a matrix
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = Muon(params, lr=0.02, **({} if cap is None else {"bucket_cap_bytes": cap}))
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(params)
+    for batched, alone in zip(*runs, strict=True):
+        assert torch.equal(batched, alone)
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("ns_dtype", torch.float16, "ns_dtype should be"),
+        ("max_inflight", 0, "max_inflight should be >= 1"),
+        ("bucket_cap_bytes", -1, "bucket_cap_bytes should be >= 1"),
+    ],
+)
+def test_settings_changed_between_steps_are_checked_as_the_constructor_checks_them(
+    name, value, message
+):
+    # ns_dtype float16 and max_inflight 0 stepped silently; the name "float32" crashed
+    param = nn.Parameter(torch.randn(8, 4))
+    opt = Muon([param], lr=0.02)
+    param.grad = torch.randn(8, 4)
+    setattr(opt, name, value)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    opt.ns_dtype, opt.max_inflight, opt.bucket_cap_bytes = "float32", 1, 2**20
+    opt.step()
+    assert opt.ns_dtype is torch.float32
