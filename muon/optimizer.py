@@ -132,7 +132,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
         return lr
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
-    return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * (0.2 * math.sqrt(max(rows, cols)))  # torch's order: the same float
 
 
 @cache
@@ -575,9 +575,20 @@ def _validate_group(group: dict[str, Any], index: int) -> None:
         raise type(error)(f"param group {index}: {error}") from None
 
 
+# Settings of the whole optimizer (its constructor's keywords), which a group cannot set.
+_OPTIMIZER_SETTINGS = ("ns_dtype", "bucket_cap_bytes", "max_inflight", "collect_timings")
+
+
 def _check_group(group: dict[str, Any]) -> None:
     for key in _COMMON_KEYS:
         CHECKS[key](group[key], key)
+    for key in _OPTIMIZER_SETTINGS:
+        if key in group:
+            raise ValueError(
+                f"{key} is a setting of the whole optimizer, not of a group (the group's "
+                f"{key}={group[key]!r} would be unused); pass it to Muon(...), or set "
+                f"optimizer.{key} between steps"
+            )
     for key in _UNSUPPORTED_OPTIONS:
         if group.get(key) not in (None, False):
             raise ValueError(

@@ -238,3 +238,23 @@ def test_settings_changed_between_steps_are_checked_as_the_constructor_checks_th
     opt.ns_dtype, opt.max_inflight, opt.bucket_cap_bytes = "float32", 1, 2**20
     opt.step()
     assert opt.ns_dtype is torch.float32
+
+
+@pytest.mark.parametrize("key, value", [("ns_dtype", torch.float32), ("max_inflight", 1)])
+def test_an_optimizer_setting_in_a_group_is_refused(key, value):
+    # a group's ns_dtype gave the bf16 result, bit for bit, without a word
+    param = nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=rf"param group 0: {key} is a setting of the whole"):
+        Muon([{"params": [param], key: value}], lr=0.02)
+
+
+def test_match_rms_adamw_lr_is_torchs_float():
+    # lr * 0.2 * sqrt(n) was 1 ulp off torch's lr * (0.2 * sqrt(n)): float64 params differed
+    from torch.optim._muon import _adjust_lr
+
+    from muon.optimizer import adjusted_lr
+
+    for lr in (0.02, 0.01, 3e-4, 1e-3):
+        for shape in ((64, 512), (512, 64), (7, 3), (4096, 1024)):
+            expected = _adjust_lr(lr, "match_rms_adamw", torch.Size(shape))
+            assert adjusted_lr(lr, "match_rms_adamw", *shape) == expected, (lr, shape)
