@@ -618,6 +618,10 @@ def _check_group(group: dict[str, Any]) -> None:
     else:
         check_ns_steps(steps)
         group["ns_coefficients"] = tuple(coefficients)
+        try:  # what the step builds from them (a != 0, ...), refused here, named
+            _schedule(group["ns_coefficients"], steps)
+        except ValueError as error:
+            raise ValueError(f"ns_coefficients={group['ns_coefficients']!r}: {error}") from None
     row_blocks = group["row_blocks"]
     for k, p in enumerate(group["params"]):
         if p.ndim not in (2, 3):

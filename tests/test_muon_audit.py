@@ -258,3 +258,10 @@ def test_match_rms_adamw_lr_is_torchs_float():
         for shape in ((64, 512), (512, 64), (7, 3), (4096, 1024)):
             expected = _adjust_lr(lr, "match_rms_adamw", torch.Size(shape))
             assert adjusted_lr(lr, "match_rms_adamw", *shape) == expected, (lr, shape)
+
+
+def test_coefficients_the_step_cannot_use_are_refused_at_construction():
+    # a = 0 was accepted, then refused by step() (under overlap, inside the next forward)
+    param = nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"param group 0: ns_coefficients=\(0.0, .*a != 0"):
+        Muon([param], ns_coefficients=(0.0, -4.775, 2.0315))
