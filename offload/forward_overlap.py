@@ -143,6 +143,17 @@ def forward_prefetched(module: nn.Module) -> list[nn.Module]:
     return [m for state in states for m in getattr(state, "_modules", ())]
 
 
+def _fsdp_gathered(module: nn.Module) -> bool:
+    """Whether FSDP2 holds `module`'s params all-gathered, or is gathering them (an
+    explicit `FSDPModule.unshard()`, which no hook sees). Private API (`_get_fsdp_state()`,
+    `_fsdp_param_groups`, `FSDPParamGroup.is_unsharded`, `_all_gather_result`; torch 2.11
+    and 2.13)."""
+    if not is_fsdp_module(module):
+        return False
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return any(group.is_unsharded or group._all_gather_result is not None for group in groups)
+
+
 def _check_reads_are_seen(
     model: nn.Module, owners: list[tuple[nn.Module, list[Tensor]]], params: Sequence[Tensor]
 ) -> bool:
@@ -208,6 +219,8 @@ class ForwardOverlap:
         self._reading_owner = -1  # in a traced forward, the owner whose pre-hook ran last
         self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
+        names = {module: name for name, module in model.named_modules()}
+        self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
         self._module_chunk: list[int] = []
@@ -388,12 +401,21 @@ class ForwardOverlap:
                 watch.hooked += 1
         if not self._in_flight or not self._module_chunk:
             return
+        module = self.owners[index][0]
+        if self._module_chunk[index] > self._reads.landed and _fsdp_gathered(module):
+            name = self._owner_names[index]
+            raise RuntimeError(
+                f"module {name!r} ({type(module).__name__}) was all-gathered "
+                "(FSDPModule.unshard()) while the optimizer step that updates its params was "
+                "pending, so its forward would read the weights from before that step: call "
+                "optimizer.wait_for_optimizer_step() before unshard(), or prefetch with "
+                "set_modules_to_forward_prefetch (which waits)"
+            )
         indices = self._gathered_with(index)
         chunk = max(self._module_chunk[i] for i in indices)
         if chunk < 0:
             return
         self.advance(self._ahead_of[chunk])
-        module = self.owners[index][0]
         self._wait_for_chunk(chunk, max(self._module_needs[i] for i in indices), module)
 
     def _gathered_with(self, index: int) -> list[int]:

@@ -432,6 +432,15 @@ def _fsdp_worker(rank: int, world: int) -> None:
     assert _train(*pair[:2], data, **edits) == _train(*pair[2:], data, **edits)
     _assert_same_local(*pair)
 
+    # a unit all-gathered by hand (FSDPModule.unshard(), manual prefetch) while its chunk
+    # is pending gathered the shards from before the step: refused, naming the module
+    _, _, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
+    _train(model, overlapped, data[:1])
+    model.body[2].unshard()
+    with pytest.raises(RuntimeError, match=r"module 'body.2' \(FSDPLinear\) was all-gathered"):
+        model(data[1])
+    overlapped.close()
+
     # params whose all-gather the overlap cannot see: refused, naming the param
     torch.manual_seed(0)
     model = _fsdp(Outside(), mesh)
