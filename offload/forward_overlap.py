@@ -146,11 +146,15 @@ def forward_prefetched(module: nn.Module) -> list[nn.Module]:
 def _fsdp_gathered(module: nn.Module) -> bool:
     """Whether FSDP2 holds `module`'s params all-gathered, or is gathering them (an
     explicit `FSDPModule.unshard()`, which no hook sees). Private API (`_get_fsdp_state()`,
-    `_fsdp_param_groups`, `FSDPParamGroup.is_unsharded`, `_all_gather_result`; torch 2.11
-    and 2.13)."""
+    its `_fsdp_param_group` in torch 2.11 and `_fsdp_param_groups` in 2.13,
+    `FSDPParamGroup.is_unsharded` and `_all_gather_result` in both)."""
     if not is_fsdp_module(module):
         return False
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        groups = [] if group is None else [group]
     return any(group.is_unsharded or group._all_gather_result is not None for group in groups)
 
 
