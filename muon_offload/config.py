@@ -99,7 +99,8 @@ class OptimizerConfig:
     """With forward overlap: load the next step's first chunks during the backward: True
     one ring's worth, or a byte count (more holds extra staging slots from the backward
     to the next forward; with "auto", the most it may load); default: what the next
-    forward first waits for (the root unit's state), or "auto"'s choice; False: never
+    forward first waits for (the root unit's state), at least the ring's, or "auto"'s
+    choice; False: never
     (CPUOffloadOptimizer's `load_in_backward`)."""
     fused: bool | None = None
     """type="adamw": torch.optim.AdamW's `fused` kernel, one launch per group where
