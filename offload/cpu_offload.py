@@ -849,8 +849,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError(self._interrupted)
         self._run_wrapped_step_hooks(pre=True)
         self._check_step_inputs()
-        # Copied: GradScaler's update() changes its scale in place, and with overlap the
-        # chunks run after it.
+        # Copied, so nothing changed in place after step() reaches chunks that run later
+        # (a precaution: torch 2.11's and 2.13's GradScaler computes both afresh each step).
         scaling = {
             name: value.clone() if isinstance(value, Tensor) else value
             for name, value in vars(self).items()

@@ -346,8 +346,8 @@ class ForwardOverlap:
         grad mode, inference mode and torch.func transforms are switched off, autocast is
         as `step()` found it, and torch.compile never traces it (a read inside compiled
         code would compile the update): the update must not change with where it runs, and
-        equals the step run inside `step()`. One thread at a time (a
-        checkpointing thread may wait for the step while the trainer's forward advances it).
+        equals the step run inside `step()`. One thread at a time (a checkpointing thread
+        may wait for the step while the trainer's forward advances it).
         """
         if self._pending is None or self._enqueued > last:
             return

@@ -22,8 +22,8 @@ through the GPU in chunks. The contract:
   gives after the first `begin_subset_step()` (options set since count). On the
   first step `step_params` may create that state; afterwards it never creates state
   (state a later step creates anyway, SGD's momentum turned on, is planned a home
-  at the next step). The wrapper lays out
-  a state tensor shaped like the param as the param is laid out (as
+  at the next step). The wrapper lays out a state tensor shaped like the param as
+  the param is laid out (as
   `zeros_like(p, memory_format=torch.preserve_format)` does).
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
   declares it can update slices of one-param units (`SlicingSubsetStep`), so a

@@ -204,18 +204,13 @@ def test_options_that_choose_the_state_set_before_the_first_step_step_as_torch(c
     """torch takes them while no state exists: the plan is of the state the first step
     creates, and all of it lives in the host slabs."""
     make, change = STATE_OPTIONS[case]
-    runs = []
-    for wrap in (False, True):
-        model = make_model()
-        inner = make(model.parameters())
-        opt = wrapped(inner, model, overlap) if wrap else inner
-        for group in opt.param_groups:
-            change(group)
-        for step in range(3):
-            loss_of(model, step).backward()
-            opt.step()
-            opt.zero_grad()
-        runs.append((model, opt))
+
+    def change_first(opt, step):
+        if step == 0:
+            for group in opt.param_groups:
+                change(group)
+
+    runs = _plain_and_wrapped(make, overlap, steps=3, before_step=change_first)
     assert_equal(*runs[0], *runs[1])
     assert_state_homed(runs[1][1], runs[1][0])
 
@@ -224,17 +219,31 @@ def test_options_that_choose_the_state_set_before_the_first_step_step_as_torch(c
 def test_sgd_momentum_turned_on_after_the_first_step_is_homed_at_the_next(overlap):
     """SGD keeps no state without momentum, so torch takes it at any step: the
     momentum_buffer it creates then moves to the host slabs at the next step."""
+
+    def momentum_at_step_2(opt, step):
+        if step == 2:
+            opt.param_groups[0]["momentum"] = 0.9
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=1e-2)
+
+    runs = _plain_and_wrapped(sgd, overlap, steps=4, before_step=momentum_at_step_2)
+    assert_equal(*runs[0], *runs[1])
+    assert_state_homed(runs[1][1], runs[1][0])
+
+
+def _plain_and_wrapped(make, overlap, steps, before_step):
+    """(model, optimizer) trained `steps` steps unwrapped, then wrapped; `before_step(opt,
+    step)` runs before each step's forward."""
     runs = []
     for wrap in (False, True):
         model = make_model()
-        inner = torch.optim.SGD(model.parameters(), lr=1e-2)
+        inner = make(model.parameters())
         opt = wrapped(inner, model, overlap) if wrap else inner
-        for step in range(4):
-            if step == 2:
-                opt.param_groups[0]["momentum"] = 0.9
+        for step in range(steps):
+            before_step(opt, step)
             loss_of(model, step).backward()
             opt.step()
             opt.zero_grad()
         runs.append((model, opt))
-    assert_equal(*runs[0], *runs[1])
-    assert_state_homed(runs[1][1], runs[1][0])
+    return runs
