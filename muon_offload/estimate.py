@@ -24,9 +24,10 @@ Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
   moments); with offload only the GPU-resident state (`gpu_resident_bytes`,
   default none): the rest lives on the host, and the staging ring is allocated
   for the step and given back after it;
-- step transient: with offload the ring (`staging_slots` x the largest slot) and, with
-  `offload_backward_load_bytes`, an extra slot per chunk the backward loads beyond the
-  ring (held from the backward on), and on top of them the compute's peak over the
+- step transient: with offload the ring (`staging_slots` x the largest slot, fewer
+  slots when fewer chunks are left to it) and, with `offload_backward_load_bytes`, an
+  extra slot per chunk the backward loads (held from the backward on), and on top of
+  them the compute's peak over the
   chunks. The compute, following `launch_order`: each launch's send, receive and full
   buffers of exactly its `send_numel`, `recv_numel`, `full_numel` (in `ns_dtype`) from
   its start to its finish (a local launch holds only `full` and finishes as it
@@ -208,7 +209,7 @@ class StepSettings:
     offload_backward_load_bytes: int | None = 0
     """`CPUOffloadOptimizer`'s `load_in_backward` as a byte count (it implies
     `offload_overlap_forward`): the state the backward loads, whole chunks and at least
-    the ring's, in an extra slot per chunk beyond the ring. 0: no loads in the backward
+    the ring's, in an extra slot per chunk. 0: no loads in the backward
     (`load_in_backward=False`). None (the wrapper's default), with overlap: the chunks
     holding what the forward waits for first, at least the ring's; on CUDA the wrapper also
     loads more while they fit under the activations' peak, which this estimate cannot see
@@ -1098,7 +1099,7 @@ def _rank(
         return _larger(muon, adamw_transient(groups, settings.device))
 
     # As the wrapper plans: overlap orders the chunks and keeps the first units resident;
-    # loads in the backward fill the ring with whole chunks.
+    # loads in the backward take whole chunks, an extra slot each.
     load_bytes = settings.offload_backward_load_bytes
     overlap = settings.offload_overlap_forward or bool(load_bytes)
     first_wait = overlap and load_bytes is None

@@ -445,7 +445,7 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument(
         "--offload-backward-load-mib", type=_mib_size(positive=False), default=None,
         help="CPUOffloadOptimizer's load_in_backward as bytes (implies overlap_forward): state "
-        "loaded in the backward, an extra staging slot per chunk beyond the ring; 0: none; "
+        "loaded in the backward, an extra staging slot per chunk; 0: none; "
         "default: the wrapper's (with overlap, the chunks the forward waits for first; on "
         "CUDA it loads more where they fit under the activations' peak, not planned here)",
     )  # fmt: skip

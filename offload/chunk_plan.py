@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.step_schedule import ring_slots_taken
+
 # Offsets inside slabs and staging slots are rounded up to this many bytes so
 # every view starts on a boundary the vectorized copy and update kernels like.
 ALIGN_BYTES = 256
@@ -163,10 +165,10 @@ class OffloadPlan:
 
     def held_bytes(self, slots: Sequence[int], ring_slots: int) -> int:
         """GPU bytes for state a step of this plan holds at most, given each chunk's staging
-        slot (`step_schedule.StepSchedule.slots`): the resident state, the ring (when any
-        chunk is staged) and an extra slot, sized for its chunk, per chunk with a slot
-        beyond the ring (the backward's, held with the ring from the backward on)."""
-        ring = self.staging_bytes(ring_slots) if any(slot >= 0 for slot in slots) else 0
+        slot (`step_schedule.StepSchedule.slots`): the resident state, the ring's slots the
+        chunks take and an extra slot, sized for its chunk, per chunk with a slot beyond
+        the ring (the backward's, held with the ring from the step on)."""
+        ring = self.staging_bytes(ring_slots_taken(slots, ring_slots))
         extra = sum(
             n * dtype.itemsize
             for chunk, slot in zip(self.chunks, slots, strict=True)

@@ -339,12 +339,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             how much. False: never (the least GPU memory); True: the ring's
             `staging_slots` chunks (with "auto": at least those); a byte count: that much
             state (rank-invariant bytes, whole chunks, at least the ring's; with "auto": at
-            most that much). The ring is then held from the backward to the end of the
-            step instead of from `step()` on; more than the ring holds adds one staging
-            slot per further chunk (sized for it), allocated in the backward and given
-            back as soon as its chunk is written back (in the next forward): the
-            backward's idle copy engine then carries what the forward is too short to
-            hide. These slots are GPU memory from the backward to the next forward, after
+            most that much). Each chunk loaded takes a staging slot of its own (sized for
+            it), allocated in the backward and given back as soon as its chunk is written
+            back (late in the next forward: the ring's write-backs go first, so the
+            trainer's small copies early in the forward do not wait behind these); the
+            ring holds only the slots the other chunks take. The backward's idle copy
+            engine then carries what the forward is too short to hide. These slots are
+            GPU memory from the backward to the next forward, after
             the backward's peak (under gradient accumulation, from the first micro-batch's
             backward on). Nothing of the update starts before `step()` (grads may still
             change, e.g. clipping), and state edited in place after the backward (through
@@ -356,8 +357,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     GPU memory for state: the resident state, and during a step `staging_slots`
     chunks (the ring is given back to the caching allocator when the step is
-    done) plus the backward's extra slots (with overlap, by default the chunks the
-    forward first waits for beyond the ring; `load_in_backward`); on the first
+    done; fewer when fewer chunks are left to it) plus a slot per chunk the backward
+    loads (with overlap, by default the chunks the forward first waits for;
+    `load_in_backward`); on the first
     step, while the optimizer creates its state chunk by chunk, one more chunk.
 
     Host syncs: none inside `step()` (but the first step pins the host slabs and
@@ -1116,7 +1118,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for home, staging in chunk.copies:
                 home.copy_(staging, non_blocking=True)
             streams.record(streams.freed[chunk.slot], streams.d2h)
-        if chunk.slot >= self.staging_slots:  # the backward's: not needed again this step
+        if chunk.slot >= self.staging_slots and self._ring is not None:
+            # the backward's: not needed again this step (none held when nothing is staged)
             self._extra_slots[chunk.slot - self.staging_slots].release(
                 [streams.h2d, streams.d2h, compute]
             )
@@ -1367,7 +1370,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap is not None,
         )
         # The ring was held at the measured peak: it is the optimizer's to hold again.
-        ring = plan.staging_bytes(self.staging_slots)
+        ring = plan.staging_bytes(self._schedule.ring_slots_taken)
         split = auto.decide(
             shape,
             self._held_bytes,
@@ -1535,7 +1538,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
         }
-        staging_numel = {dtype: self.staging_slots * n for dtype, n in plan.slot_numel.items()}
         staged = [c for c in plan.chunks if not c.resident]
         loads = 0
         if ring and self._load_in_backward:
@@ -1550,6 +1552,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             loads,
             overlap=self._overlap is not None,
         )
+        staging_numel = {
+            dtype: schedule.ring_slots_taken * n for dtype, n in plan.slot_numel.items()
+        }
         self._streams.ensure_slots(self.staging_slots + schedule.extra_slots)
         if ring:
             self._ring = _StagingRing(staging_numel, self.device)
@@ -1621,7 +1626,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 [chunk.touched for chunk in chunks], self._unit_ends(units_key), schedule
             )
         if ring and not plan.slot_numel:
-            self._ring, self._extra_slots = None, []  # everything is resident: no staging
+            self._ring, self._extra_slots = None, []  # no state staged: no staging memory
         state = self.optimizer.state
         for (param, key), home in homes.items():
             entries = state.get(param)

@@ -6,9 +6,9 @@ chunk only updates. A staged chunk is loaded into a staging slot (host to GPU),
 updated there, and written back (GPU to host); the slot is loaded again once its
 write-back is done. The schedule says:
 
-- which slot each staged chunk takes: the ring's `ring_slots` in turn, except the
-  chunks the backward loads beyond what the ring holds, which take an extra slot each
-  (`staging_slot_order`);
+- which slot each staged chunk takes: the chunks the backward loads an extra slot each,
+  the others the ring's `ring_slots` in turn (`staging_slot_order`), so the ring is free
+  for the forward's loads when the step starts;
 - which leading chunks are ready when the step starts (resident, or loaded in the
   backward): their updates are enqueued first (`ready`), in as few optimizer calls as
   their params allow, so the host pays a few calls' overhead for them, not one a chunk;
@@ -22,21 +22,23 @@ write-back is done. The schedule says:
   chunk the forward needs, counted in chunks, ready ones too (what is left of theirs
   is copies).
 
-Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 4:
+Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
 
-    >>> s = plan_step([False, False] + [True] * 6, ring_slots=3, backward_loads=4, overlap=True)
+    >>> s = plan_step([False, False] + [True] * 6, ring_slots=3, backward_loads=3, overlap=True)
     >>> s.slots
-    (-1, -1, 3, 0, 1, 2, 0, 1)
+    (-1, -1, 3, 4, 5, 0, 1, 2)
     >>> s.ready
-    (0, 1, 2, 3, 4, 5)
-    >>> s.per_chunk[4]  # chunk 4's ops: the load 2 staged chunks ahead, its write-back
-    (('load', 6), ('write_back', 4))
-    >>> s.per_chunk[6]
-    (('step', 6), ('write_back', 6))
+    (0, 1, 2, 3, 4)
+    >>> s.per_chunk[3]  # chunk 3's ops: the load 2 staged chunks ahead (into the ring)
+    (('load', 5),)
+    >>> s.per_chunk[5]
+    (('load', 7), ('step', 5), ('write_back', 5))
+    >>> s.epilogue  # the backward's chunks write back last
+    (('write_back', 2), ('write_back', 3), ('write_back', 4))
     >>> s.describe()
-    '8 chunks: 2 resident, 6 staged in a ring of 3 slots and 1 extra; the backward loads 4'
-    >>> s.forward_load_bytes([100] * 8)  # chunks 6 and 7
-    200
+    '8 chunks: 2 resident, 6 staged in a ring of 3 slots and 3 extra; the backward loads 3'
+    >>> s.forward_load_bytes([100] * 8)  # chunks 5, 6 and 7
+    300
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: in
 
     `staged_bytes` are the staged (not resident) chunks' rank-invariant state bytes in
     step order. Without a `budget`, one per ring slot; with one, the most leading chunks
-    whose state fits in `budget` bytes, but never fewer than the ring holds (the ring is
-    allocated for the step anyway). The same on every rank.
+    whose state fits in `budget` bytes, but never fewer than the ring holds (what the
+    forward would otherwise wait for before its first update). The same on every rank.
     """
     count = min(ring_slots, len(staged_bytes))
     if budget is None:
@@ -104,11 +106,10 @@ def first_wait_load_count(
 def loads_within_room(least: int, most: int, held: Callable[[int], int], room: int) -> int:
     """From `least` chunks loaded in the backward, the most (at most `most`) whose step
     holds no more than `room` bytes (`held(loads)`: what the plan with that many holds
-    for state on the device, which grows with each chunk loaded)."""
-    loads = least
-    while loads < most and held(loads + 1) <= room:
-        loads += 1
-    return loads
+    for state on the device). Each chunk loaded adds its slot, but the ring shrinks once
+    fewer chunks than its slots are left to it, so `held` need not grow: every count is
+    tried."""
+    return next((loads for loads in range(most, least, -1) if held(loads) <= room), least)
 
 
 def chosen_backward_loads(
@@ -136,15 +137,26 @@ def chosen_backward_loads(
 def staging_slot_order(staged: int, ring_slots: int, backward_loads: int) -> list[int]:
     """Each staged chunk's staging slot, in step order.
 
-    Of the `backward_loads` chunks, all but the last `ring_slots` take one extra slot each
-    (slot `ring_slots + k`: loaded in the backward, given back once written back, and
-    nothing waits for that write-back, so it can wait for the forward); the chunks after
-    them take the ring's slots in turn.
+    The `backward_loads` chunks take one extra slot each (slot `ring_slots + k`: loaded in
+    the backward, given back once written back); the chunks after them take the ring's
+    slots in turn. Nothing waits for an extra slot's write-back, so it can wait for the
+    forward, and the ring's first loads wait for nothing: had the backward loaded into
+    the ring, its write-backs would come first, and a small copy the trainer reads back
+    early in the forward (transformers' mask creation makes one) would wait in the copy
+    engine behind them (`bench/measured/train_step_hf_b4_bwd_extra_h200.log`).
     """
     if ring_slots < 1:
         raise ValueError(f"ring_slots should be >= 1 but is: {ring_slots}")
-    extra = max(0, backward_loads - ring_slots)
-    return [ring_slots + k if k < extra else (k - extra) % ring_slots for k in range(staged)]
+    return [
+        ring_slots + k if k < backward_loads else (k - backward_loads) % ring_slots
+        for k in range(staged)
+    ]
+
+
+def ring_slots_taken(slots: Sequence[int], ring_slots: int) -> int:
+    """How many of the ring's `ring_slots` slots the chunks' `slots` take (the ring holds
+    no more: when the backward loads all but two staged chunks, a ring of two)."""
+    return len({slot for slot in slots if 0 <= slot < ring_slots})
 
 
 @dataclass(frozen=True)
@@ -185,6 +197,11 @@ class StepSchedule:
     def loaded_in_backward(self) -> tuple[int, ...]:
         """The chunks the backward loads: the first `backward_loads` staged ones."""
         return self.staged[: self.backward_loads]
+
+    @property
+    def ring_slots_taken(self) -> int:
+        """The ring's slots the staged chunks take (`ring_slots_taken`)."""
+        return ring_slots_taken(self.slots, self.ring_slots)
 
     @property
     def extra_slots(self) -> int:

@@ -379,7 +379,8 @@ def test_cli_lists_the_offloaded_chunks_the_estimate_plans(tmp_path, capsys):
     assert sorted(names) == sorted(model.param_names)  # each param once
     assert "model.embed_tokens.weight" in rows[0]["params"]  # the root unit: read first
     assert sum(r["backward"] for r in rows) == schedule.backward_loads >= 2  # the default's
-    assert [r["where"] for r in rows] == ["ring"] * len(rows)
+    loads = schedule.backward_loads
+    assert [r["where"] for r in rows] == ["extra"] * loads + ["ring"] * (len(rows) - loads)
     assert main([*flags, "--chunks"]) == 0
     assert "offloaded chunks of rank" in capsys.readouterr().out
 
@@ -600,10 +601,16 @@ def test_estimated_memory_within_10_percent_on_gpu(tmp_path, ns_backend):
             assert 0.9 <= row["ratio"] <= 1.1, row
 
 
-def test_backward_loads_add_an_extra_slot_per_chunk_beyond_the_ring():
-    """`offload_backward_load_bytes` (load_in_backward bytes): the step holds the ring and
-    a slot per chunk the backward loads beyond it, sized for its chunk, as the wrapper's
-    plan holds them (`OffloadPlan.held_bytes`, also what "auto" budgets with)."""
+def _staging_bytes(chunks) -> int:
+    """What slots sized for each of `chunks` hold."""
+    return sum(n * dtype.itemsize for chunk in chunks for dtype, n in chunk.staging_numel.items())
+
+
+def test_backward_loads_add_an_extra_slot_per_chunk():
+    """`offload_backward_load_bytes` (load_in_backward bytes): the step holds a slot per
+    chunk the backward loads, sized for its chunk, and the ring's slots the other chunks
+    take, as the wrapper's plan holds them (`OffloadPlan.held_bytes`, also what "auto"
+    budgets with)."""
     shapes = from_config(TINY_DENSE)
     settings = StepSettings(bucket_cap_bytes=CAP, offload_chunk_bytes=OFFLOAD_CHUNK)
     (none,) = estimate(shapes, MeshSpec(1), settings).ranks
@@ -615,14 +622,16 @@ def test_backward_loads_add_an_extra_slot_per_chunk_beyond_the_ring():
     (everything,) = estimate(shapes, MeshSpec(1), loaded).ranks
     schedule, slots = everything.offload_schedule, settings.offload_slots
     chunks = len(schedule.slots)
-    assert none.offload_schedule.backward_loads == 0
-    assert within.offload_schedule.backward_loads == slots
-    assert within.offload_schedule.extra_slots == 0
-    assert schedule.backward_loads == chunks > slots and schedule.extra_slots == chunks - slots
-    # the same chunks (not ramped up: the backward's fill the ring), plus the extra slots,
-    # each at most a ring slot
-    ring = within.offload.staging_bytes
-    assert ring < everything.offload.staging_bytes <= ring + schedule.extra_slots * ring // slots
+    assert none.offload_schedule.backward_loads == none.offload_schedule.extra_slots == 0
+    assert within.offload_schedule.backward_loads == within.offload_schedule.extra_slots == slots
+    assert schedule.backward_loads == schedule.extra_slots == chunks > slots
+    # each extra slot sized for its chunk; the ring holds the slots the other chunks take:
+    # none when the backward loads them all
+    plan = within.offload_plan
+    ring = plan.staging_bytes(min(slots, len(plan.chunks) - slots))
+    assert within.offload.staging_bytes == ring + _staging_bytes(plan.chunks[:slots])
+    assert schedule.ring_slots_taken == 0
+    assert everything.offload.staging_bytes == _staging_bytes(everything.offload_plan.chunks)
     # what the forward after a step loads: the rest of the staged chunks; nothing when the
     # backward loads them all, or without overlap (step() loads everything)
     sizes = [c.invariant_bytes for c in within.offload_plan.chunks]

@@ -257,7 +257,8 @@ def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
     plain_model, plain, model, opt = _sharded_auto(
         world,
         lambda opt: FakeStepTimer(stall_first=True, stall_last=rank == 1),
-        gpu_budget_bytes=2500,  # a ring of 1 kB and part of the ~2.5 kB of state
+        # the ring's 1 kB, the backward's 2 slots and part of the ~2.5 kB of state
+        gpu_budget_bytes=3500,
         load_in_backward=True,
     )
     steps = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 3
@@ -279,8 +280,7 @@ def _backward_loads_and_auto_worker(rank: int, world: int) -> None:
     assert chunks0 == chunks1  # one plan
     assert choice0.resident_bytes == choice1.resident_bytes > 0
     assert choice0.resident_bytes < choice0.state_bytes
-    held = opt.plan.resident_bytes + opt.plan.staging_bytes(opt.staging_slots)
-    assert held <= 2500
+    assert opt.plan.held_bytes(opt.schedule.slots, opt.staging_slots) <= 3500
     # the ranks measured different stalls (rank 1's needed more than rank 0's)
     assert choice0.measured_stall_ms < choice1.measured_stall_ms
 

@@ -23,7 +23,9 @@ from offload.step_schedule import (
     backward_load_count,
     chosen_backward_loads,
     first_wait_load_count,
+    loads_within_room,
     plan_step,
+    ring_slots_taken,
     staging_slot_order,
 )
 
@@ -325,12 +327,26 @@ def test_the_backward_load_rule_is_the_first_wait_with_it_else_the_budget():
     assert pick(first_wait=None, budget=10**9) == 4
 
 
-def test_extra_slots_follow_the_ring_then_the_ring_turns_again():
+def test_loads_within_room_tries_every_count_as_the_ring_shrinks():
+    """Held bytes per count of chunks loaded in the backward: each adds its extra slot,
+    and the ring drops a slot once fewer chunks are left to it, so more loads can hold
+    less; the most that fit is found past a count that does not."""
+    held = {3: 10, 4: 12, 5: 11, 6: 9, 7: 13}.__getitem__
+    assert loads_within_room(3, 7, held, room=11) == 6
+    assert loads_within_room(3, 7, held, room=13) == 7
+    assert loads_within_room(3, 7, held, room=8) == 3  # never fewer than the least
+    # 5 staged chunks, a ring of 2: the ring's slots taken as the backward loads 2 to 5
+    slots = {k: plan_step([True] * 5, 2, k, overlap=True).slots for k in range(2, 6)}
+    assert [ring_slots_taken(slots[k], 2) for k in range(2, 6)] == [2, 2, 1, 0]
+
+
+def test_the_backward_loads_take_extra_slots_and_the_rest_turn_the_ring():
     assert staging_slot_order(7, ring_slots=3, backward_loads=0) == [0, 1, 2, 0, 1, 2, 0]
-    assert staging_slot_order(7, ring_slots=3, backward_loads=3) == [0, 1, 2, 0, 1, 2, 0]
-    # chunks 0 and 1 take extra slots 3 and 4; chunk 5 reuses slot 0 once chunk 2 is back
-    assert staging_slot_order(7, ring_slots=3, backward_loads=5) == [3, 4, 0, 1, 2, 0, 1]
-    assert staging_slot_order(4, ring_slots=3, backward_loads=4) == [3, 0, 1, 2]
+    # the backward's chunks never take the ring's slots: the ring is free when the step
+    # starts, and its loads wait for none of their write-backs
+    assert staging_slot_order(7, ring_slots=3, backward_loads=2) == [3, 4, 0, 1, 2, 0, 1]
+    assert staging_slot_order(7, ring_slots=3, backward_loads=3) == [3, 4, 5, 0, 1, 2, 0]
+    assert staging_slot_order(4, ring_slots=3, backward_loads=4) == [3, 4, 5, 6]
     with pytest.raises(ValueError, match="ring_slots"):
         staging_slot_order(3, ring_slots=0, backward_loads=0)
 
@@ -360,20 +376,19 @@ def _issue_order(schedule) -> list[tuple[str, int]]:
 
 
 def test_plan_step_enqueues_loads_ahead_and_holds_back_the_extra_slots_write_backs():
-    # 1 resident chunk, then 5 staged, a ring of 3, the backward loading 4 (1 extra slot)
+    # 1 resident chunk, then 5 staged, a ring of 3, the backward loading 4 (extra slots)
     schedule = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=4, overlap=True)
-    assert schedule.slots == (-1, 3, 0, 1, 2, 0)
-    assert schedule.staged == (1, 2, 3, 4, 5) and schedule.extra_slots == 1
+    assert schedule.slots == (-1, 3, 4, 5, 6, 0)
+    assert schedule.staged == (1, 2, 3, 4, 5) and schedule.extra_slots == 4
     # the resident chunk and the backward's 4 are ready: they update first, together
     assert schedule.ready == (0, 1, 2, 3, 4)
     assert _issue_order(schedule) == [
         ("step", 0), ("step", 1), ("step", 2), ("step", 3), ("step", 4),
-        # 1's write-back (extra slot) is held to the end
-        ("write_back", 2),
-        ("load", 5), ("write_back", 3),  # ring_slots - 1 staged chunks ahead
-        ("write_back", 4),
+        ("load", 5),  # into the ring, waiting for no write-back
         ("step", 5), ("write_back", 5),
-        ("write_back", 1),
+        # the backward's write-backs are held to the end: a trainer's small copy early in
+        # the forward would wait behind them in the copy engine
+        ("write_back", 1), ("write_back", 2), ("write_back", 3), ("write_back", 4),
     ]  # fmt: skip
     # without the backward's loads: the loads ring_slots - 1 staged chunks ahead
     loading = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=0, overlap=True)
