@@ -1342,7 +1342,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if room is not None:
             held = functools.partial(self._held_with_loads, plan)
             staged = sum(not c.resident for c in plan.chunks)
-            loads = loads_within_room(loads, staged, held, room)
+            loads = loads_within_room(loads, staged, self.staging_slots, held, room)
         return loads
 
     def _default_backward_bytes(self) -> int:

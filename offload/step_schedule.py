@@ -103,13 +103,19 @@ def first_wait_load_count(
     return max(min(ring_slots, sum(staged)), through)
 
 
-def loads_within_room(least: int, most: int, held: Callable[[int], int], room: int) -> int:
-    """From `least` chunks loaded in the backward, the most (at most `most`) whose step
-    holds no more than `room` bytes (`held(loads)`: what the plan with that many holds
-    for state on the device). Each chunk loaded adds its slot, but the ring shrinks once
-    fewer chunks than its slots are left to it, so `held` need not grow: every count is
-    tried."""
-    return next((loads for loads in range(most, least, -1) if held(loads) <= room), least)
+def loads_within_room(
+    least: int, staged: int, ring_slots: int, held: Callable[[int], int], room: int
+) -> int:
+    """From `least` chunks loaded in the backward, the most (of the `staged` chunks) whose
+    step holds no more than `room` bytes (`held(loads)`: what the plan with that many
+    holds for state on the device). Each chunk loaded adds its slot while the ring keeps
+    its `ring_slots`; once fewer chunks than that are left to the ring it shrinks, and
+    more loaded can hold less, so those last counts are each tried."""
+    loads = least
+    while loads < staged - ring_slots and held(loads + 1) <= room:
+        loads += 1
+    shrinking = range(staged, max(loads, staged - ring_slots), -1)
+    return next((count for count in shrinking if held(count) <= room), loads)
 
 
 def chosen_backward_loads(

@@ -331,10 +331,16 @@ def test_loads_within_room_tries_every_count_as_the_ring_shrinks():
     """Held bytes per count of chunks loaded in the backward: each adds its extra slot,
     and the ring drops a slot once fewer chunks are left to it, so more loads can hold
     less; the most that fit is found past a count that does not."""
-    held = {3: 10, 4: 12, 5: 11, 6: 9, 7: 13}.__getitem__
-    assert loads_within_room(3, 7, held, room=11) == 6
-    assert loads_within_room(3, 7, held, room=13) == 7
-    assert loads_within_room(3, 7, held, room=8) == 3  # never fewer than the least
+    held = {3: 10, 4: 12, 5: 11, 6: 9, 7: 13}.__getitem__  # 7 staged, a ring of 3
+    assert loads_within_room(3, 7, 3, held, room=11) == 6
+    assert loads_within_room(3, 7, 3, held, room=13) == 7
+    assert loads_within_room(3, 7, 3, held, room=8) == 3  # never fewer than the least
+    # where the ring keeps its slots, held grows: the first count that does not fit ends
+    # the climb, and only the ring's shrinking counts are tried past it
+    asked = []
+    growing = {k: 10 + k for k in range(20)}
+    loads_within_room(2, 19, 3, lambda k: asked.append(k) or growing[k], room=15)
+    assert asked == [3, 4, 5, 6, 19, 18, 17]
     # 5 staged chunks, a ring of 2: the ring's slots taken as the backward loads 2 to 5
     slots = {k: plan_step([True] * 5, 2, k, overlap=True).slots for k in range(2, 6)}
     assert [ring_slots_taken(slots[k], 2) for k in range(2, 6)] == [2, 2, 1, 0]
