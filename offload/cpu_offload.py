@@ -1172,8 +1172,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             return
         streams = self._streams
         with torch.no_grad():
-            # Allocated on the backward's stream: the loads start after its work so far.
-            self._acquire_slots()
+            # Each chunk's own slot, allocated on the backward's stream (the loads start
+            # after its work so far) as its share comes; the ring waits for `step()`.
+            for chunk in staged[loaded:share]:
+                self._extra_slots[chunk.slot - self.staging_slots].acquire()
             streams.wait(streams.h2d, streams.mark(streams.current()))
             if not loaded:
                 self._loaded_ahead_versions = []

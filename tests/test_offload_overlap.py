@@ -658,6 +658,33 @@ def test_write_backs_of_the_backwards_chunks_go_after_the_rings():
     assert len(backs) == extra_slots + ring_slots
 
 
+def test_the_backward_takes_each_chunks_slot_as_its_share_comes_and_not_the_ring():
+    """The backward's loads go to slots of their own, each taken when its share is
+    enqueued: the ring is taken by `step()`, and memory the backward's loads do not use
+    is not held at its peak (the ring, taken there, raised the H200's batch-4 peak)."""
+    model, opt = _loading_in_the_backward(8 * 512)
+    data = batches(3)
+    run(model, opt, data[:2])
+    held = []
+    load_ahead = opt._load_ahead
+
+    def recording(passed, watched):
+        load_ahead(passed, watched)
+        slots = [opt._ring, *opt._extra_slots]
+        held.append([any(b.untyped_storage().nbytes() for b in s.buffers.values()) for s in slots])
+
+    opt._load_ahead = recording
+    model(data[2]).square().mean().backward()
+    loads = opt.schedule.backward_loads
+    assert loads == len(opt._extra_slots) > 2
+    assert not any(ring for ring, *_ in held)  # the ring: never in the backward
+    # each extra slot from its share on: more held as the backward passes its modules
+    taken = [sum(extra) for _, *extra in held]
+    assert taken == sorted(taken) and taken[0] < loads == taken[-1]
+    opt.step()
+    opt.wait_for_optimizer_step()
+
+
 def test_an_overlapped_step_lets_go_of_each_chunks_grads_as_the_forward_passes():
     model = make_model()
     opt = CPUOffloadOptimizer(
