@@ -36,7 +36,7 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
     >>> s.epilogue  # the backward's chunks write back last
     (('write_back', 2), ('write_back', 3), ('write_back', 4))
     >>> s.describe()
-    '8 chunks: 2 resident, 6 staged in a ring of 3 slots and 3 extra; the backward loads 3'
+    '8 chunks: 2 resident, 6 staged in a ring of 3 slots and 3 extra slots; the backward loads 3'
     >>> s.forward_load_bytes([100] * 8)  # chunks 5, 6 and 7
     300
 """
@@ -225,12 +225,12 @@ class StepSchedule:
 
     def describe(self) -> str:
         staged = len(self.staged)
-        text = (
-            f"{len(self.slots)} chunks: {len(self.slots) - staged} resident, {staged} staged "
-            f"in a ring of {self.ring_slots} slots"
-        )
+        text = f"{len(self.slots)} chunks: {len(self.slots) - staged} resident, {staged} staged"
+        places = [f"a ring of {self.ring_slots_taken} slots"] if self.ring_slots_taken else []
         if self.extra_slots:
-            text += f" and {self.extra_slots} extra"
+            places.append(f"{self.extra_slots} extra slots")
+        if places:
+            text += " in " + " and ".join(places)
         if self.backward_loads:
             text += f"; the backward loads {self.backward_loads}"
         return text

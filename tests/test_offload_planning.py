@@ -428,7 +428,11 @@ def test_plan_step_keeps_chunks_ahead_of_the_forward():
     assert schedule.ahead_of == (2, 3, 4, 5, 6, 7, 8, 9, 10, 10)
     resident = plan_step([False] * 3, ring_slots=2, backward_loads=0, overlap=True)
     assert resident.up_front == 3 and resident.slots == (-1, -1, -1)
-    assert resident.describe() == "3 chunks: 3 resident, 0 staged in a ring of 2 slots"
+    assert resident.describe() == "3 chunks: 3 resident, 0 staged"
+    loaded = plan_step([True] * 3, ring_slots=2, backward_loads=3, overlap=True)
+    assert (
+        loaded.describe() == "3 chunks: 0 resident, 3 staged in 3 extra slots; the backward loads 3"
+    )
 
 
 def test_the_step_schedule_example_runs():
