@@ -163,12 +163,31 @@ class OffloadPlan:
     def staging_bytes(self, slots: int) -> int:
         return slots * sum(n * dtype.itemsize for dtype, n in self.slot_numel.items())
 
+    def ring_slot_numel(self, slots: Sequence[int], ring_slots: int) -> dict[torch.dtype, int]:
+        """Elements of each dtype a ring slot holds, given each chunk's staging slot
+        (`step_schedule.StepSchedule.slots`): the most any chunk taking a ring slot needs
+        (the backward's chunks have slots of their own, sized for them)."""
+        numel: dict[torch.dtype, int] = {}
+        for chunk, slot in zip(self.chunks, slots, strict=True):
+            if 0 <= slot < ring_slots:
+                for dtype, n in chunk.staging_numel.items():
+                    numel[dtype] = max(numel.get(dtype, 0), n)
+        return numel
+
+    def ring_bytes(self, slots: Sequence[int], ring_slots: int) -> int:
+        """GPU bytes of the ring, given each chunk's staging slot: the slots the chunks
+        take, each of `ring_slot_numel`."""
+        per_slot = self.ring_slot_numel(slots, ring_slots)
+        return ring_slots_taken(slots, ring_slots) * sum(
+            n * dtype.itemsize for dtype, n in per_slot.items()
+        )
+
     def held_bytes(self, slots: Sequence[int], ring_slots: int) -> int:
         """GPU bytes for state a step of this plan holds at most, given each chunk's staging
-        slot (`step_schedule.StepSchedule.slots`): the resident state, the ring's slots the
-        chunks take and an extra slot, sized for its chunk, per chunk with a slot beyond
+        slot (`step_schedule.StepSchedule.slots`): the resident state, the ring
+        (`ring_bytes`) and an extra slot, sized for its chunk, per chunk with a slot beyond
         the ring (the backward's, held with the ring from the step on)."""
-        ring = self.staging_bytes(ring_slots_taken(slots, ring_slots))
+        ring = self.ring_bytes(slots, ring_slots)
         extra = sum(
             n * dtype.itemsize
             for chunk, slot in zip(self.chunks, slots, strict=True)

@@ -667,6 +667,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap = None
         for hook in self._inner_hooks:
             hook.remove()
+        # Given back, not only dropped: the chunks' views keep the slots' storage (the
+        # backward's loads may hold it between a backward and its step), and nothing in
+        # flight reads it (the step and those loads are done).
+        for slots in (self._ring, *self._extra_slots):
+            if slots is not None:
+                slots.release([])
         self._ring, self._extra_slots = None, []
         self._closed = True
         _WRAPPERS.pop(self.optimizer, None)
@@ -1303,7 +1309,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _held_bytes(self, split: Split) -> int:
         """GPU bytes for state the plan of `split` holds at most: its resident state, the
-        ring and the backward's extra slots (held together from the backward on)."""
+        ring and the backward's extra slots (held together from `step()` on)."""
         plan = self._plan_for(self._units_key, split)
         loads = 0
         if self._overlap is not None and (
@@ -1372,7 +1378,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap is not None,
         )
         # The ring was held at the measured peak: it is the optimizer's to hold again.
-        ring = plan.staging_bytes(self._schedule.ring_slots_taken)
+        ring = plan.ring_bytes(self._schedule.slots, self.staging_slots)
         split = auto.decide(
             shape,
             self._held_bytes,
@@ -1554,9 +1560,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             loads,
             overlap=self._overlap is not None,
         )
-        staging_numel = {
-            dtype: schedule.ring_slots_taken * n for dtype, n in plan.slot_numel.items()
-        }
+        ring_numel = plan.ring_slot_numel(schedule.slots, self.staging_slots)
+        staging_numel = {dtype: schedule.ring_slots_taken * n for dtype, n in ring_numel.items()}
         self._streams.ensure_slots(self.staging_slots + schedule.extra_slots)
         if ring:
             self._ring = _StagingRing(staging_numel, self.device)
@@ -1578,7 +1583,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             """A slot's staging memory for `dtype` (a slice of the ring, or an extra slot)."""
             if slot >= self.staging_slots:
                 return self._extra_slots[slot - self.staging_slots].buffers[dtype]
-            return staging_buffers[dtype][slot * plan.slot_numel[dtype] :][: plan.slot_numel[dtype]]
+            return staging_buffers[dtype][slot * ring_numel[dtype] :][: ring_numel[dtype]]
 
         homes: dict[tuple[Tensor, str], _Home] = {}
         chunks = []

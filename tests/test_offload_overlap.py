@@ -685,6 +685,57 @@ def test_the_backward_takes_each_chunks_slot_as_its_share_comes_and_not_the_ring
     opt.wait_for_optimizer_step()
 
 
+def test_the_ring_is_sized_for_the_chunks_it_takes_not_the_backwards():
+    """A large embedding read first: the backward loads its chunks into slots of their own,
+    and the ring, holding only the small chunks after them, is sized for those."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(20000, 16), *[torch.nn.Linear(16, 16) for _ in range(4)]
+    )
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()),
+        chunk_bytes=1 << 20,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randint(0, 20000, (3, 4))).sum().backward()
+        opt.step()
+    opt.wait_for_optimizer_step()
+    schedule, plan = opt.schedule, opt.plan
+
+    def own_bytes(chunk):
+        return sum(n * dtype.itemsize for dtype, n in chunk.staging_numel.items())
+
+    ring_chunks = [c for c, slot in zip(plan.chunks, schedule.slots, strict=True) if 0 <= slot < 2]
+    extra_chunks = [c for c, slot in zip(plan.chunks, schedule.slots, strict=True) if slot >= 2]
+    assert extra_chunks and ring_chunks
+    assert max(map(own_bytes, ring_chunks)) < min(map(own_bytes, extra_chunks))
+    ring = sum(opt._ring._nbytes.values())
+    assert ring == schedule.ring_slots_taken * max(map(own_bytes, ring_chunks))
+    extra = sum(sum(slot._nbytes.values()) for slot in opt._extra_slots)
+    assert (
+        plan.held_bytes(schedule.slots, 2)
+        == ring + extra
+        == plan.ring_bytes(schedule.slots, 2) + extra
+    )
+
+
+def test_close_after_a_backward_that_loaded_gives_the_slots_back():
+    """The backward's loads hold their slots until the step; close() in between gives that
+    memory back (the chunks' views kept it while the wrapper lived)."""
+    model, opt = _loading_in_the_backward(8 * 512)
+    data = batches(3)
+    run(model, opt, data[:2])
+    model(data[2]).square().mean().backward()
+    assert opt._loaded_ahead
+    chunks = opt._chunks
+    opt.close()
+    staging = [b for c in chunks for _, b in c.copies]
+    assert staging and all(b.untyped_storage().nbytes() == 0 for b in staging)
+
+
 def test_an_overlapped_step_lets_go_of_each_chunks_grads_as_the_forward_passes():
     model = make_model()
     opt = CPUOffloadOptimizer(
