@@ -24,7 +24,7 @@ Memory model of the step, per rank (GPU bytes; what `Muon.step` allocates):
   moments); with offload only the GPU-resident state (`gpu_resident_bytes`,
   default none): the rest lives on the host, and the staging ring is allocated
   for the step and given back after it;
-- step transient: with offload the ring (`staging_slots` x the largest slot, fewer
+- step transient: with offload the ring (`staging_slots` x the largest chunk it takes, fewer
   slots when fewer chunks are left to it) and, with `offload_backward_load_bytes`, an
   extra slot per chunk the backward loads (held from the backward on), and on top of
   them the compute's peak over the
