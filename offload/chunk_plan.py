@@ -144,6 +144,11 @@ class ChunkLayout:
             if runs
         }
 
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes this chunk takes of a staging slot (`staging_numel`): an extra slot's size."""
+        return _bytes(self.staging_numel)
+
 
 @dataclass(frozen=True)
 class OffloadPlan:
@@ -154,14 +159,14 @@ class OffloadPlan:
 
     @property
     def host_bytes(self) -> int:
-        return sum(n * dtype.itemsize for dtype, n in self.host_numel.items())
+        return _bytes(self.host_numel)
 
     @property
     def resident_bytes(self) -> int:
-        return sum(n * dtype.itemsize for dtype, n in self.resident_numel.items())
+        return _bytes(self.resident_numel)
 
     def staging_bytes(self, slots: int) -> int:
-        return slots * sum(n * dtype.itemsize for dtype, n in self.slot_numel.items())
+        return slots * _bytes(self.slot_numel)
 
     def ring_slot_numel(self, slots: Sequence[int], ring_slots: int) -> dict[torch.dtype, int]:
         """Elements of each dtype a ring slot holds, given each chunk's staging slot
@@ -177,10 +182,8 @@ class OffloadPlan:
     def ring_bytes(self, slots: Sequence[int], ring_slots: int) -> int:
         """GPU bytes of the ring, given each chunk's staging slot: the slots the chunks
         take, each of `ring_slot_numel`."""
-        per_slot = self.ring_slot_numel(slots, ring_slots)
-        return ring_slots_taken(slots, ring_slots) * sum(
-            n * dtype.itemsize for dtype, n in per_slot.items()
-        )
+        taken = ring_slots_taken(slots, ring_slots)
+        return taken * _bytes(self.ring_slot_numel(slots, ring_slots))
 
     def held_bytes(self, slots: Sequence[int], ring_slots: int) -> int:
         """GPU bytes for state a step of this plan holds at most, given each chunk's staging
@@ -189,12 +192,16 @@ class OffloadPlan:
         the ring (the backward's, held with the ring from the step on)."""
         ring = self.ring_bytes(slots, ring_slots)
         extra = sum(
-            n * dtype.itemsize
+            chunk.staging_bytes
             for chunk, slot in zip(self.chunks, slots, strict=True)
             if slot >= ring_slots
-            for dtype, n in chunk.staging_numel.items()
         )
         return self.resident_bytes + ring + extra
+
+
+def _bytes(numel: Mapping[torch.dtype, int]) -> int:
+    """Bytes of `numel` elements per dtype."""
+    return sum(n * dtype.itemsize for dtype, n in numel.items())
 
 
 def _greedy(

@@ -601,11 +601,6 @@ def test_estimated_memory_within_10_percent_on_gpu(tmp_path, ns_backend):
             assert 0.9 <= row["ratio"] <= 1.1, row
 
 
-def _staging_bytes(chunks) -> int:
-    """What slots sized for each of `chunks` hold."""
-    return sum(n * dtype.itemsize for chunk in chunks for dtype, n in chunk.staging_numel.items())
-
-
 def test_backward_loads_add_an_extra_slot_per_chunk():
     """`offload_backward_load_bytes` (load_in_backward bytes): the step holds a slot per
     chunk the backward loads, sized for its chunk, and the ring's slots the other chunks
@@ -625,13 +620,14 @@ def test_backward_loads_add_an_extra_slot_per_chunk():
     assert none.offload_schedule.backward_loads == none.offload_schedule.extra_slots == 0
     assert within.offload_schedule.backward_loads == within.offload_schedule.extra_slots == slots
     assert schedule.backward_loads == schedule.extra_slots == chunks > slots
-    # each extra slot sized for its chunk; the ring holds the slots the other chunks take:
-    # none when the backward loads them all
-    plan = within.offload_plan
-    ring = plan.staging_bytes(min(slots, len(plan.chunks) - slots))
-    assert within.offload.staging_bytes == ring + _staging_bytes(plan.chunks[:slots])
+    # each extra slot sized for its chunk; the ring holds the slots the other chunks take,
+    # each the largest of them: none when the backward loads them all
+    sizes = [c.staging_bytes for c in within.offload_plan.chunks]
+    ring = min(slots, len(sizes) - slots) * max(sizes[slots:])
+    assert within.offload.staging_bytes == ring + sum(sizes[:slots])
     assert schedule.ring_slots_taken == 0
-    assert everything.offload.staging_bytes == _staging_bytes(everything.offload_plan.chunks)
+    everything_sizes = [c.staging_bytes for c in everything.offload_plan.chunks]
+    assert everything.offload.staging_bytes == sum(everything_sizes)
     # what the forward after a step loads: the rest of the staged chunks; nothing when the
     # backward loads them all, or without overlap (step() loads everything)
     sizes = [c.invariant_bytes for c in within.offload_plan.chunks]
