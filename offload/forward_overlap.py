@@ -551,13 +551,20 @@ class _PendingReads(TorchFunctionMode):
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
         held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
         held += [(t, c) for p, c in overlap._param_chunk.items() for t in state_scalars.get(p, ())]
+        # A DTensor's `to_local()` / `full_tensor()` read its local tensor, not the DTensor.
+        held += [
+            (local, c)
+            for t, c in itertools.chain(overlap._param_chunk.items(), held)
+            if (local := _local_of(t)) is not None
+        ]
         self.chunk_of |= {id(t): c for t, c in held}
         self._held = {id(t): weakref.ref(t) for t, _ in held}
         # Past the last chunk: the whole step, home. The homes live as long as the
         # optimizer, so their ids are not checked (`_held`): torch 2.11's Dynamo, tracing
         # this mode in a compiled forward, fails to fake the slab views it would find there.
         written_back = len(overlap.chunk_done)
-        self.chunk_of |= {id(t): written_back for t in state_homes}
+        homes = [*state_homes, *(_local_of(t) for t in state_homes)]
+        self.chunk_of |= {id(t): written_back for t in homes if t is not None}
         self.step_pending, self.landed, self.active = True, -1, True
         modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
         torch._C._push_on_torch_function_stack(self)
@@ -644,6 +651,12 @@ def _latest_chunk(
             if chunk > latest and _is_it(held, value):
                 latest = chunk
     return latest
+
+
+def _local_of(t: Tensor) -> Tensor | None:
+    """A DTensor's local tensor (what its `to_local()` views), else None. Private API
+    (`DTensor._local_tensor`; `to_local()` makes a new view at each call; torch 2.11, 2.13)."""
+    return getattr(t, "_local_tensor", None)
 
 
 def _is_it(held: dict[int, weakref.ref[Tensor]], value: Any) -> bool:

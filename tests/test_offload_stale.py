@@ -404,6 +404,23 @@ def _fsdp_worker(rank: int, world: int) -> None:
             assert torch.equal(value, got[key]), key
     _assert_same_local(plain_model, plain, model, overlapped)
 
+    # a param's, grad's or state's local shard while a step is pending (`to_local()` and
+    # `full_tensor()` read it, not the DTensor: a logger's norms, an EMA), and an edit of
+    # a grad through it
+    def read_locals(m, o, into):
+        params = list(m.parameters())
+        into.append([t.clone() for p in params for t in (p.to_local(), p.full_tensor())])
+        into[-1] += [o.state[p]["exp_avg"].to_local().clone() for p in params]
+        for p in params:
+            p.grad.to_local().mul_(0.5)
+
+    pair, reads = _fsdp_pair(TiedEmbedFirst, mesh), ([], [])
+    for (m, o), into in zip((pair[:2], pair[2:]), reads, strict=True):
+        _train(m, o, data, after_step=lambda m, o, into=into: read_locals(m, o, into))
+    for ref, got in zip(*reads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    _assert_same_local(*pair)
+
     # in-place edits of the state between the backward (which loads chunks) and the step
     def reset_moments(m, o):
         for p in m.parameters():
