@@ -1518,6 +1518,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._chunks, self._homes, self._resident_slabs = [], {}, {}
         self._ring, self._extra_slots = None, []
 
+    # Normal tensors whatever mode `step()` runs in: the backward, outside it, loads them.
+    @torch.inference_mode(False)
     def _build(
         self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...], ring: bool = True
     ) -> None:

@@ -249,8 +249,10 @@ class ForwardOverlap:
         self._up_front = -1  # the last chunk enqueued when `start` returns
         self._ahead_of: Sequence[int] = ()  # per chunk: the last enqueued once it is needed
         self._advancing = threading.RLock()
-        # The autocast state `step()` was called in: its chunks run in it wherever they run.
+        # The autocast and inference mode `step()` was called in: its chunks run in them
+        # wherever they run.
         self._autocast: dict[str, Any] = {"enabled": False}
+        self._inference_mode = False
         self._reads = _PendingReads(weakref.ref(self))
         handles = _register_hooks(model, self.owners, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
@@ -327,6 +329,7 @@ class ForwardOverlap:
             "enabled": torch.is_autocast_enabled(device_type),
             "dtype": torch.get_autocast_dtype(device_type),
         }
+        self._inference_mode = torch.is_inference_mode_enabled()
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
             for grad in grads:
@@ -343,8 +346,8 @@ class ForwardOverlap:
         """Enqueue the pending step's chunks up to index `last`.
 
         Called from forward hooks and from reads inside a forward too, so the trainer's
-        grad mode, inference mode and torch.func transforms are switched off, autocast is
-        as `step()` found it, and torch.compile never traces it (a read inside compiled
+        grad mode and torch.func transforms are switched off, autocast and inference mode
+        are as `step()` found them, and torch.compile never traces it (a read inside compiled
         code would compile the update): the update must not change with where it runs, and
         equals the step run inside `step()`. One thread at a time (a checkpointing thread
         may wait for the step while the trainer's forward advances it).
@@ -353,7 +356,7 @@ class ForwardOverlap:
             return
         with (
             self._advancing,
-            torch.inference_mode(False),
+            torch.inference_mode(self._inference_mode),
             torch.no_grad(),
             torch.autocast(self._streams.device.type, **self._autocast),
             _outside_transforms(),

@@ -808,3 +808,16 @@ def test_chunks_run_in_the_autocast_state_step_was_called_in():
     overlapped.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_chunks_run_in_the_inference_mode_step_was_called_in():
+    # A step() called in inference mode creates its state as inference tensors; the lazy
+    # chunks ran outside it, where an in-place update of such a tensor raises.
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    for m, opt in ((plain_model, plain), (model, overlapped)):
+        for tokens in _tokens(3):
+            opt.zero_grad()
+            m(tokens).square().mean().backward()
+            with torch.inference_mode():
+                opt.step()
+    _assert_same(plain_model, plain, model, overlapped)
