@@ -492,8 +492,9 @@ class ForwardOverlap:
 class _PendingReads(TorchFunctionMode):
     """While a step is pending (pushed by `start`, popped by `finish`), torch calls on
     the trainer's thread that are given a param, a param's grad or a state tensor the step
-    updates in place (a held `step` counter), whose chunk has not landed on the trainer's
-    stream wait for that chunk first; given a home of the offloaded state (a held
+    updates in place (a held `step` counter), a DTensor's local tensor among those, or the
+    tensor such a view was taken of (a grad buffer), whose chunk has not landed on the
+    trainer's stream wait for that chunk first; given a home of the offloaded state (a held
     `exp_avg`), for the whole step to be written back.
 
     Every torch call pays the look-up while the mode is on the stack, so it is kept
@@ -560,7 +561,15 @@ class _PendingReads(TorchFunctionMode):
             for t, c in itertools.chain(overlap._param_chunk.items(), held)
             if (local := _local_of(t)) is not None
         ]
-        self.chunk_of |= {id(t): c for t, c in held}
+        # Grads that are views of one buffer (Megatron's, zeroed through it before the
+        # forward): a call given the buffer waits for the last chunk reading any of them.
+        bases: dict[Tensor, int] = {}
+        for t, c in itertools.chain(overlap._param_chunk.items(), held):
+            if t._base is not None:
+                bases[t._base] = max(c, bases.get(t._base, -1))
+        held += bases.items()
+        for t, c in held:
+            self.chunk_of[id(t)] = max(c, self.chunk_of.get(id(t), -1))
         self._held = {id(t): weakref.ref(t) for t, _ in held}
         # Past the last chunk: the whole step, home. The homes live as long as the
         # optimizer, so their ids are not checked (`_held`): torch 2.11's Dynamo, tracing

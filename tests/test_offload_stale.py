@@ -532,6 +532,30 @@ def test_grads_edited_in_place_after_step_wait_for_the_update():
     _assert_same(plain_model, plain, model, overlapped)
 
 
+def test_grads_in_one_buffer_zeroed_through_it_wait_for_the_update():
+    # Megatron's grad buffer: every grad a view of one flat tensor, zeroed through it before
+    # the forward; the pending chunks then read zeros
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    buffers = []
+    for m in (plain_model, model):
+        params = list(m.parameters())
+        buffers.append(torch.zeros(sum(p.numel() for p in params)))
+        for p, grad in zip(params, buffers[-1].split([p.numel() for p in params]), strict=True):
+            p.grad = grad.view_as(p)
+    runs = []
+    for (m, opt), buffer in zip(((plain_model, plain), (model, overlapped)), buffers, strict=True):
+        losses = []
+        for tokens in _tokens(4):
+            buffer.zero_()
+            loss = m(tokens).square().mean()
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+        runs.append(losses)
+    assert runs[0] == runs[1]
+    _assert_same(plain_model, plain, model, overlapped)
+
+
 def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
     # a checkpointing thread's state_dict() finished the step; the trainer's stack kept the
     # mode and gained one more at every step
