@@ -254,7 +254,10 @@ class ForwardOverlap:
         self._autocast: dict[str, Any] = {"enabled": False}
         self._inference_mode = False
         self._reads = _PendingReads(weakref.ref(self))
-        handles = _register_hooks(model, self.owners, weakref.ref(self))
+        fast_path = _fast_path_modules(model)
+        self._fast_path_params = [list(m.parameters()) for m in fast_path]
+        self._aside: list[int] = []  # fast-path modules running with the mode off the stack
+        handles = _register_hooks(model, self.owners, fast_path, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
 
@@ -431,6 +434,28 @@ class ForwardOverlap:
         prefetched = (self._owner_index.get(m) for m in forward_prefetched(self.owners[index][0]))
         return [index] + [i for i in prefetched if i is not None]
 
+    def _before_fast_path(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """torch's Transformer modules take their fused fast path only with no torch function
+        mode on the stack (`_FAST_PATH_MODULES`), and their forward reads only their own
+        params and inputs: those are waited for here, and the pending-read mode steps aside
+        until the forward ends (with it on the stack they ran their slow path: other bits)."""
+        reads = self._reads
+        if not reads.on_this_stack():
+            return
+        params = self._fast_path_params[index]
+        chunk = max((self._param_chunk.get(p, -1) for p in params), default=-1)
+        chunk = max(chunk, _latest_chunk(reads.chunk_of, reads._held, (*args, *kwargs.values())))
+        if chunk > reads.landed:
+            self._wait_for_read(chunk)
+        if reads.on_this_stack():  # still pending
+            reads.leave_stack()
+            self._aside.append(index)
+
+    def _after_fast_path(self, index: int, *_: Any) -> None:
+        if self._aside and self._aside[-1] == index:
+            self._aside.pop()
+            self._reads.return_to_stack()
+
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`, or
         (`chunk` past the last) a state home, which holds the update once written back."""
@@ -577,12 +602,25 @@ class _PendingReads(TorchFunctionMode):
         written_back = len(overlap.chunk_done)
         homes = [*state_homes, *(_local_of(t) for t in state_homes)]
         self.chunk_of |= {id(t): written_back for t in homes if t is not None}
-        self.step_pending, self.landed, self.active = True, -1, True
+        self.step_pending, self.landed = True, -1
+        self._push_at_bottom()
+
+    def _push_at_bottom(self) -> None:
+        self.active = True
         modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
         torch._C._push_on_torch_function_stack(self)
         for mode in modes:
             torch._C._push_on_torch_function_stack(mode)
         self._thread = threading.get_ident()
+
+    def on_this_stack(self) -> bool:
+        """On, and on the calling thread's stack."""
+        return self.active and self._thread == threading.get_ident()
+
+    def return_to_stack(self) -> None:
+        """Back on after `leave_stack`, while the step is still pending."""
+        if self.step_pending and self._thread is None:
+            self._push_at_bottom()
 
     def pop(self) -> None:
         """Off, the step landed; taken off the stack where this thread holds it."""
@@ -690,6 +728,32 @@ _METADATA = frozenset(
 """Tensor attributes and methods that read or set no param values."""
 
 
+_FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+"""torch's modules whose own forward takes a fused path only when `has_torch_function` finds
+no mode on the stack (torch 2.11, 2.13); a subclass overriding `forward` is not among them."""
+
+
+def _fast_path_modules(model: nn.Module) -> list[nn.Module]:
+    """`model`'s modules running the forward of one of `_FAST_PATH_MODULES`, but those in a
+    compiled module (`torch.compile(layer)`, as torchtitan compiles its blocks): a hook
+    there breaks the block's full graph. Private API (`torch._dynamo`'s `OptimizedModule`,
+    torch 2.11 and 2.13; where Dynamo was never imported, nothing is compiled)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    compiled = dynamo.eval_frame.OptimizedModule if dynamo is not None else ()
+    found, seen, todo = [], set(), [model]
+    while todo:
+        module = todo.pop()
+        if module in seen or isinstance(module, compiled):
+            continue
+        seen.add(module)
+        if isinstance(module, _FAST_PATH_MODULES) and any(
+            type(module).forward is cls.forward for cls in _FAST_PATH_MODULES
+        ):
+            found.append(module)
+        todo += reversed(list(module.children()))
+    return found
+
+
 # What runs a backward that adds into params' `.grad` (`torch.autograd.grad` returns its
 # grads instead).
 _BACKWARDS = (Tensor.backward, torch.autograd.backward)
@@ -780,19 +844,27 @@ class _InertHook:
 def _register_hooks(
     model: nn.Module,
     owners: list[tuple[nn.Module, list[Tensor]]],
+    fast_path: list[nn.Module],
     overlap: weakref.ref[ForwardOverlap],
 ) -> list[RemovableHandle]:
-    """A pre-hook on each owner module (prepended: before FSDP2's unshard), and a
-    pre-hook and a forward hook (also called when the forward raises) on the model,
-    calling into `overlap` while it lives."""
+    """A pre-hook on each owner module (prepended: before FSDP2's unshard), a pre-hook and
+    a forward hook (also called when the forward raises) on each `fast_path` module and on
+    the model, calling into `overlap` while it lives."""
     handles: list[RemovableHandle] = []
     hooked = [
         (module, _OverlapHook(overlap, "_before_module", i, with_inputs=True))
         for i, (module, _) in enumerate(owners)
     ]
+    hooked += [
+        (module, _OverlapHook(overlap, "_before_fast_path", i, with_inputs=True))
+        for i, module in enumerate(fast_path)
+    ]
     try:
         for module, hook in hooked:
             handles.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
+        for i, module in enumerate(fast_path):
+            after = _OverlapHook(overlap, "_after_fast_path", i, with_inputs=False)
+            handles.append(module.register_forward_hook(after, always_call=True))
         before = _OverlapHook(overlap, "_before_forward", with_inputs=False)
         after = _OverlapHook(overlap, "_after_forward", with_inputs=True)
         module = model

@@ -72,6 +72,15 @@ class BodyNormInRoot(FunctionalHead):
         return self.head(self.body(self.embed(tokens))) + 1e-3 * norm
 
 
+class BodyLocalNormInRoot(FunctionalHead):
+    """`BodyNormInRoot` over each rank's shards, read through `to_local()` (DTensor's own
+    method, which gives the mode the local tensor, not the param)."""
+
+    def forward(self, tokens):
+        norm = sum(_local(p).square().sum() for p in self.body.parameters())
+        return self.head(self.body(self.embed(tokens))) + 1e-3 * norm
+
+
 class HeadTermAfterSkippedLayer(nn.Module):
     """The root's forward adds a term over the head's weight after the body, whose last
     layer runs in every other forward only (LayerDrop; in the first forward after a step,
@@ -105,6 +114,11 @@ def _raise_bad_batch(*_):
 def _full(t: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(t, "full_tensor", None)
     return full_tensor() if full_tensor is not None else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _tokens(steps: int) -> list[torch.Tensor]:
@@ -331,7 +345,8 @@ def _fsdp_worker(rank: int, world: int) -> None:
     def snapshot(m, o, into):
         into.append({k: v.to_local().clone() for k, v in m.state_dict().items()})
 
-    for make_model in (TiedHeadFirst, TiedEmbedFirst, FunctionalHead, BodyNormInRoot):
+    models = (TiedHeadFirst, TiedEmbedFirst, FunctionalHead, BodyNormInRoot, BodyLocalNormInRoot)
+    for make_model in models:
         pair = _fsdp_pair(make_model, mesh)
         assert _train(*pair[:2], data) == _train(*pair[2:], data), make_model.__name__
         _assert_same_local(*pair)
@@ -554,6 +569,83 @@ def test_grads_in_one_buffer_zeroed_through_it_wait_for_the_update():
         runs.append(losses)
     assert runs[0] == runs[1]
     _assert_same(plain_model, plain, model, overlapped)
+
+
+class Encoder(nn.Module):
+    """torch's Transformer encoder, whose forward takes a fused fast path unless a torch
+    function mode is on the stack (in eval, or frozen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(16, 40)
+
+    def forward(self, tokens, mask=None):
+        # the head read functionally: after the encoder, the mode must be back on the stack
+        h = self.encoder(self.embed(tokens), src_key_padding_mask=mask)
+        return F.linear(h, self.head.weight, self.head.bias)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_torchs_fast_path_modules_take_it_while_a_step_is_pending():
+    # The pending-read mode made torch's Transformer modules take their slow path: a frozen
+    # encoder trained the head on other bits, and an evaluation after step() gave padded
+    # positions other values than without overlap (the nested-tensor path zeroes them).
+    def frozen_encoder() -> nn.Module:
+        model = Encoder()
+        model.embed.requires_grad_(False)
+        model.encoder.requires_grad_(False).eval()
+        return model
+
+    plain_model, plain, model, overlapped = _pair(frozen_encoder)
+    data = _tokens(4)
+    assert _train(plain_model, plain, data) == _train(model, overlapped, data)
+    _assert_same(plain_model, plain, model, overlapped)
+
+    plain_model, plain, model, overlapped = _pair(Encoder)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[:, 3:] = True
+    evaluations = []
+
+    def evaluate(m, o):
+        m.eval()
+        with torch.no_grad():
+            evaluations.append(m(data[0], mask))
+        m.train()
+
+    _train(plain_model, plain, data, after_step=evaluate)
+    _train(model, overlapped, data, after_step=evaluate)
+    for ref, got in zip(evaluations[:4], evaluations[4:], strict=True):
+        assert torch.equal(ref, got)
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+def _compiled_fast_path_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = Encoder()
+    layer = model.encoder.layers[0]
+    model.encoder.layers[0] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    fully_shard(model.encoder.layers[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), chunk_bytes=1, overlap_forward=model
+    )
+    _train(model, opt, _rank_tokens(rank, 2))
+    opt.close()
+
+
+def test_a_fast_path_module_inside_a_compiled_unit_keeps_its_full_graph():
+    # torchtitan's recipe (each block compiled whole, then sharded) with torch's Transformer
+    # layer as the block: a hook on the layer inside the compiled block broke its graph
+    from spawn_ranks import run_on_ranks
+
+    run_on_ranks(_compiled_fast_path_worker, 2)
 
 
 def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
