@@ -24,7 +24,7 @@ import math
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -466,6 +466,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._specs: list[ParamSpec] = []
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
+        self._state_loaded = False  # since the last plan: its options may keep other state
         self._chunks: list[_Chunk] = []
         self._homes: dict[tuple[Tensor, str], _Home] = {}
         self._host_slabs: dict[torch.dtype, Tensor] = {}
@@ -738,15 +739,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for key, value in entries.items()
             if isinstance(value, Tensor) and value.ndim >= 1
         }
-        kept = self._kept_shapes()
-        self._check_complete_state(state_dict["state"], param_of, kept)
-        for (index, key), value in offloaded.items():
-            expected = kept.get(param_of[index], {}).get(key)
-            if expected is not None:
-                _check_state_shape(
-                    index, key, value, expected, "load a state_dict saved for these params"
-                )
-        views = self._host_views()
         light = {
             "state": {
                 index: {k: v for k, v in entries.items() if (index, k) not in offloaded}
@@ -754,7 +746,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             },
             "param_groups": state_dict["param_groups"],
         }
+        # The saved groups' options choose the state (amsgrad, momentum): checked once
+        # they are loaded, and a refused load puts the old groups and state back.
+        before = {"state": self.optimizer.state, "param_groups": self.optimizer.param_groups}
         self.optimizer.load_state_dict(light)
+        try:
+            kept = self._kept_shapes()
+            self._check_complete_state(state_dict["state"], param_of, kept)
+            for (index, key), value in offloaded.items():
+                expected = kept.get(param_of[index], {}).get(key)
+                if expected is not None:
+                    _check_state_shape(
+                        index, key, value, expected, "load a state_dict saved for these params"
+                    )
+        except BaseException:
+            self.optimizer.__setstate__(before)
+            raise
+        self._state_loaded = True
+        views = self._host_views()
         for (index, key), value in offloaded.items():
             param = param_of[index]
             view = views.get((param, key))
@@ -793,18 +802,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{index}'s entry to start its state afresh"
                 )
 
+    def _kept(self, param: Tensor) -> Collection[str]:
+        """The state keys the step keeps for `param` with the groups' options as they are."""
+        if self._subset is None:
+            return [key for p, key in self._homes if p is param]
+        return self._subset.state_layout(param).keys()
+
     def _kept_shapes(self) -> dict[Tensor, dict[str, torch.Size]]:
-        """The local shape of each state tensor the step keeps, per param: its home's, else
-        (before the first step) the subset step's layout; on the serial path, only those a
-        step has created."""
+        """The local shape of each state tensor the step keeps, per param, with the groups'
+        options as they are now: the subset step's layout; on the serial path, the homes of
+        those a step has created."""
         kept: dict[Tensor, dict[str, torch.Size]] = {}
-        for (param, key), home in self._homes.items():
-            kept.setdefault(param, {})[key] = home.home.shape
         if self._subset is not None:
             for param in self._params:
-                if param not in kept:
-                    layout = self._subset.state_layout(param).items()
-                    kept[param] = {key: torch.Size(shape) for key, (shape, _) in layout}
+                layout = self._subset.state_layout(param).items()
+                kept[param] = {key: torch.Size(shape) for key, (shape, _) in layout}
+            return kept
+        for (param, key), home in self._homes.items():
+            kept.setdefault(param, {})[key] = home.home.shape
         return kept
 
     def _take_replaced_state(self) -> None:
@@ -816,8 +831,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """
         state = self.optimizer.state
         for param, key in self._homes:
-            # Staged from its home, a deleted state tensor would come back with old values.
-            if state.get(param) and key not in state[param]:
+            # Staged from its home, a deleted state tensor would come back with old values
+            # (unless the step no longer keeps it: a state_dict loaded with amsgrad off).
+            if state.get(param) and key not in state[param] and key in self._kept(param):
                 raise KeyError(
                     f"state {key!r} of param {_position(self._params, param)} was deleted, and the "
                     f"step reads it (the param's state has {sorted(state[param])}): assign it a "
@@ -1252,11 +1268,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._plan is not None:
             if units_key != self._units_key:
                 raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
-            # Planned anew for a sparse grad on a sliced param, and for state a step created
+            # Planned anew for a sparse grad on a sliced param, for state a step created
             # after the first without a home (SGD's momentum_buffer, momentum turned on):
-            # it lives in the host slabs as any other from this step.
+            # it lives in the host slabs as any other from this step, and after a loaded
+            # state_dict, whose options may keep other state (amsgrad off).
             resplit = any(self._specs[index[p]].splittable for p in sparse)
-            if not resplit and not self._unhomed_state():
+            loaded, self._state_loaded = self._state_loaded, False
+            if not resplit and not loaded and not self._unhomed_state():
                 return
         specs = self._specs_of(subset, layout)
         if self._plan is not None:

@@ -382,12 +382,11 @@ class GroupSubsetStep:
         self._group_of = {
             p: index for index, group in enumerate(optimizer.param_groups) for p in group["params"]
         }
-        self._layouts: dict[tuple[int, torch.Size, torch.dtype], StateLayout] = {}
+        self._layouts: dict[tuple[tuple, torch.Size, torch.dtype], StateLayout] = {}
 
     def begin_subset_step(self) -> GroupStep:
-        # The layouts are this step's: options that choose the state (amsgrad, momentum,
-        # centered) may have changed since they were found, and torch takes that before
-        # the step that creates the state.
+        # Layouts are keyed by every option's value (an lr too, which a schedule changes
+        # every step): kept for one step.
         self._layouts.clear()
         if type(self.optimizer) in ELEMENTWISE_OPTIMIZERS:
             return ElementwiseGroupStep(self.optimizer)
@@ -395,14 +394,13 @@ class GroupSubsetStep:
 
     def state_layout(self, param: Tensor) -> StateLayout:
         """State the optimizer will keep for `param`, found by a dry run on the meta device
-        with its group's options as they are now (found again after `begin_subset_step`)."""
-        group_index = self._group_of[param]
+        with its group's options as they are now (loaded from a state_dict, say)."""
+        group = self.optimizer.param_groups[self._group_of[param]]
         local = local_tensor(param)
-        key = (group_index, local.shape, local.dtype)
+        options = tuple((k, repr(v)) for k, v in group.items() if k != "params")
+        key = (options, local.shape, local.dtype)
         if key not in self._layouts:
-            self._layouts[key] = _meta_state_layout(
-                self.optimizer, self.optimizer.param_groups[group_index], local
-            )
+            self._layouts[key] = _meta_state_layout(self.optimizer, group, local)
         return self._layouts[key]
 
 

@@ -3,6 +3,8 @@ the param, key or argument and the fix; where the plain optimizer works, so does
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -38,8 +40,53 @@ def test_load_state_dict_with_a_missing_state_key_raises(stepped):
     if stepped:
         _backward(model)
         opt.step()
+    saved["param_groups"][0]["lr"] = 0.5
     with pytest.raises(KeyError, match=r"param 1 .*'exp_avg_sq'"):
         opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 1e-2  # a refused load changes nothing
+
+
+_STATE_OPTIONS = {
+    "adam_amsgrad": lambda params, on: torch.optim.Adam(params, lr=1e-2, amsgrad=on),
+    "rmsprop_centered": lambda params, on: torch.optim.RMSprop(params, lr=1e-2, centered=on),
+    "sgd_momentum": lambda params, on: torch.optim.SGD(params, lr=1e-2, momentum=0.9 * on),
+}
+
+
+@pytest.mark.parametrize("make", _STATE_OPTIONS.values(), ids=_STATE_OPTIONS.keys())
+@pytest.mark.parametrize("saved_with", [False, True], ids=["saved_without", "saved_with"])
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "after_a_step"])
+def test_a_state_dict_saved_with_other_state_options_loads_as_torch_loads_it(
+    make, saved_with, stepped
+):
+    # The saved groups' options choose the state (amsgrad, centered, momentum): the wrapper
+    # checked the state against its own options and refused a checkpoint torch loads.
+    source = _linear()
+    saving = make(source.parameters(), saved_with)
+    _backward(source)
+    saving.step()
+    saved = saving.state_dict()
+    runs = []
+    for wrap in (False, True):
+        model = _linear(1)
+        opt = make(model.parameters(), not saved_with)
+        opt = CPUOffloadOptimizer(opt, chunk_bytes=64) if wrap else opt
+        if stepped:
+            _backward(model)
+            opt.step()
+        opt.load_state_dict(copy.deepcopy(saved))  # torch's steps update what it loaded
+        for _ in range(2):
+            opt.zero_grad()
+            _backward(model)
+            opt.step()
+        runs.append((list(model.parameters()), opt.state_dict()))
+    (plain_params, plain_state), (params, state) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+    assert plain_state["param_groups"] == state["param_groups"]
+    for index, entries in plain_state["state"].items():
+        assert entries.keys() == state["state"][index].keys()
+        for key, value in entries.items():
+            assert torch.equal(value, state["state"][index][key]), (index, key)
 
 
 def test_a_staging_ring_that_cannot_fit_fails_at_construction():
