@@ -59,6 +59,7 @@ from offload.subset_step import (
     StateLayout,
     SubsetStep,
     local_tensor,
+    patched_step,
     record_step_for_lr_schedulers,
     step_without_hooks,
     subset_step_for,
@@ -454,6 +455,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "wrap the optimizer after model.to_empty(device=...) and the weights' init"
             )
         self._subset = subset_step_for(optimizer)
+        self._refuse_a_patched_step()
         if self._subset is None and (gpu_resident_bytes != 0 or gpu_budget_bytes is not None):
             raise ValueError(
                 f"gpu_resident_bytes and gpu_budget_bytes need an optimizer with a subset "
@@ -555,8 +557,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             "lower staging_slots (2 to 4 overlap the copies)",
         )
 
+    def _refuse_a_patched_step(self) -> None:
+        """A subset step never calls a `step` set on the wrapped optimizer itself (Muon's)
+        or calls it once per chunk, on that chunk's params (torch optimizers'): a patch that
+        clips by the global grad norm would clip each chunk on its own."""
+        if self._subset is None or patched_step(self.optimizer) is None:
+            return
+        name = type(self.optimizer).__name__
+        raise TypeError(
+            f"the wrapped {name}'s step is set on the instance (opt.step = ..., a patch or a "
+            f"compiled step): CPUOffloadOptimizer steps {name} a chunk of params at a time "
+            f"through its own step, so that patch would not run once a step on all params. "
+            "Patch, compile or wrap the CPUOffloadOptimizer's step instead (it runs once a "
+            "step), or remove the patch (del opt.step)"
+        )
+
     def _check_step_inputs(self) -> None:
         """Refuse, before anything changes, a step the wrapper cannot take exactly."""
+        self._refuse_a_patched_step()
         current = [p for group in self.optimizer.param_groups for p in group["params"]]
         if len(current) != len(self._params) or any(
             a is not b for a, b in zip(current, self._params, strict=True)

@@ -116,21 +116,33 @@ def step_without_hooks(optimizer: torch.optim.Optimizer, closure: Any = None) ->
     belong to the whole step (`CPUOffloadOptimizer` runs the optimizer's own once a step,
     and torch's global ones run for the wrapper).
 
-    A `step` set on the instance (a user's or a tool's patch) is called as it is, except
-    the one an LR scheduler built on the optimizer sets: it would run the hooks per chunk
-    (the wrapper records the step for the scheduler: `record_step_for_lr_schedulers`).
+    A `step` set on the instance (a user's or a tool's patch, `patched_step`) is called as
+    it is (by the serial path, once a step; `CPUOffloadOptimizer` refuses one where it
+    steps a subset at a time), except the one an LR scheduler built on the optimizer sets:
+    it would run the hooks per chunk (the wrapper records the step for the scheduler:
+    `record_step_for_lr_schedulers`).
     Private API (torch 2.11, 2.13): `Optimizer._patch_step_function` wraps a class's
     `step` (functools.wraps: `__wrapped__` is the class's own) in the function that runs
     the hooks, and marks it `hooked`.
     """
     args = () if closure is None else (closure,)  # a custom step may take no closure
     step = type(optimizer).step
-    own_step = vars(optimizer).get("step")
-    if own_step is not None and _is_lr_scheduler_patch(own_step, step):
-        own_step = None
-    if own_step is None and getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+    if (
+        patched_step(optimizer) is None
+        and getattr(step, "hooked", False)
+        and hasattr(step, "__wrapped__")
+    ):
         return step.__wrapped__(optimizer, *args)
     return optimizer.step(*args)
+
+
+def patched_step(optimizer: torch.optim.Optimizer) -> Any | None:
+    """A `step` set on `optimizer` itself (`opt.step = ...`, a user's or a tool's patch), but
+    the one an LR scheduler built on it sets; else None."""
+    own_step = vars(optimizer).get("step")
+    if own_step is None or _is_lr_scheduler_patch(own_step, type(optimizer).step):
+        return None
+    return own_step
 
 
 def record_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
@@ -139,7 +151,7 @@ def record_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
     offloaded step never calls that patch (`step_without_hooks`; Muon's subset step never
     calls `step`), so the wrapper records each of its steps here."""
     own_step = vars(optimizer).get("step")
-    if own_step is not None and _is_lr_scheduler_patch(own_step, type(optimizer).step):
+    if own_step is not None and patched_step(optimizer) is None:
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
 

@@ -234,3 +234,46 @@ def test_overlap_forward_holding_none_of_the_params_is_refused_naming_what_to_pa
         ValueError, match=r"overlap_forward \((Linear|Tanh)\) holds none of the 2 params.*reads"
     ):
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=other)
+
+
+def test_a_step_patched_on_the_wrapped_optimizer_is_refused_where_chunks_step():
+    # A patch clipping by the global grad norm ran once per chunk, on that chunk's params
+    def clipping(opt):
+        step = opt.step
+
+        def clipped(closure=None):
+            params = [p for group in opt.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, 0.01)
+            return step(closure)
+
+        opt.step = clipped
+        return opt
+
+    model = _linear()
+    with pytest.raises(TypeError, match=r"SGD's step is set on the instance .*del opt\.step"):
+        CPUOffloadOptimizer(clipping(torch.optim.SGD(model.parameters(), lr=0.1)), chunk_bytes=64)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(inner, 1)  # a scheduler's patch is the wrapper's to honour
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=64)
+    clipping(inner)  # patched after wrapping: refused at the step, before anything changes
+    _backward(model)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match="step is set on the instance"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    # the serial path (no subset step) calls the optimizer's step once a step: patch kept
+    calls = []
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    step = lbfgs.step
+    lbfgs.step = lambda closure: calls.append(1) or step(closure)
+    opt = CPUOffloadOptimizer(lbfgs)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.ones(2, 8)).square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert calls == [1]
