@@ -555,6 +555,9 @@ class _PendingReads(TorchFunctionMode):
             chunk = _latest_chunk(self.chunk_of, self._held, args)
             if kwargs:
                 chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, kwargs.values()))
+            if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
+                unwrapped = _unwrapped((*args, *kwargs.values()))
+                chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, unwrapped))
             if chunk > self.landed and _touches_data(func):
                 overlap = self._overlap()
                 if overlap is not None:
@@ -707,6 +710,23 @@ def _local_of(t: Tensor) -> Tensor | None:
     """A DTensor's local tensor (what its `to_local()` views), else None. Private API
     (`DTensor._local_tensor`; `to_local()` makes a new view at each call; torch 2.11, 2.13)."""
     return getattr(t, "_local_tensor", None)
+
+
+def _unwrapped(values: Iterable[Any]) -> list[Tensor]:
+    """The tensors torch.func's transforms wrapped among `values` (one level into lists),
+    unwrapped: `vmap(f)(param)` hands `f` a batched tensor around the param. Private API
+    (`torch._C._functorch`'s `is_functorch_wrapped_tensor`, `get_unwrapped`, and
+    `torch._C._are_functorch_transforms_active`; torch 2.11, 2.13)."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+
+    found = []
+    for value in values:
+        for item in value if type(value) in (list, tuple) else (value,):
+            if isinstance(item, Tensor) and is_functorch_wrapped_tensor(item):
+                while is_functorch_wrapped_tensor(item):
+                    item = get_unwrapped(item)
+                found.append(item)
+    return found
 
 
 def _is_it(held: dict[int, weakref.ref[Tensor]], value: Any) -> bool:
