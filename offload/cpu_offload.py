@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from offload.auto_residency import AutoResidency, StepShape
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
@@ -522,10 +523,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap.written_back = lambda: (waited() or _nothing)()
         # The wrapped optimizer's own state_dict() and load_state_dict() (a trainer that
         # checkpoints `.optimizer`) see the last step whole, as the wrapper's do.
-        self._inner_hooks = [
-            optimizer.register_state_dict_pre_hook(lambda _: (waited() or _nothing)()),
-            optimizer.register_load_state_dict_pre_hook(lambda *_: (waited() or _nothing)()),
-        ]
+        # Removed by close(), or once this wrapper is collected (the optimizer may outlive it).
+        self._remove_inner_hooks = weakref.finalize(
+            self,
+            _remove_handles,
+            [
+                optimizer.register_state_dict_pre_hook(lambda _: (waited() or _nothing)()),
+                optimizer.register_load_state_dict_pre_hook(lambda *_: (waited() or _nothing)()),
+            ],
+        )
+        self._remove_inner_hooks.atexit = False
         self.backward_load_bytes = backward_bytes
         """With loads in the backward: the state bytes it loads (None: the ring's chunks;
         by default, once planned, those the forward first waits for); under "auto", once
@@ -684,8 +691,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.close()
             self._overlap = None
-        for hook in self._inner_hooks:
-            hook.remove()
+        self._remove_inner_hooks()
         # Given back, not only dropped: the chunks' views keep the slots' storage (the
         # backward's loads may hold it between a backward and its step), and nothing in
         # flight reads it (the step and those loads are done).
@@ -1818,6 +1824,11 @@ def _state_versions(chunk: _Chunk) -> list[int]:
     local op runs below the counting). `Tensor._version` is private: the one place it is
     read (torch 2.11 and 2.13 checked)."""
     return [t._version for view in chunk.views for t in (view.home.home, view.home.home_state)]
+
+
+def _remove_handles(handles: Sequence[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _nothing(*args: Any) -> None:

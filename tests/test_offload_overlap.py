@@ -344,6 +344,20 @@ def test_a_dropped_optimizer_is_collected_with_its_slabs(overlap, close):
     assert all(torch.equal(a, b) for a, b in pairs) != lost
 
 
+def test_a_dropped_wrapper_leaves_no_hooks_on_the_optimizer_it_wrapped():
+    # the optimizer outlives its wrapper (wrapped anew): each wrapper left two hooks on it
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt = CPUOffloadOptimizer(inner, chunk_bytes=1, overlap_forward=model)
+        run(model, opt, batches(1))
+        opt.wait_for_optimizer_step()
+        del opt
+        gc.collect()
+        assert not inner._optimizer_state_dict_pre_hooks
+        assert not inner._optimizer_load_state_dict_pre_hooks
+
+
 def test_after_close_the_forward_no_longer_calls_the_optimizer(monkeypatch):
     from offload.forward_overlap import ForwardOverlap
 
