@@ -695,6 +695,9 @@ def _transient(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(numel, dtype=dtype, device=device)
 
 
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
 class _TorchElementwise:
     """The elementwise step in plain torch ops, in torch.optim.Muon's order."""
 
@@ -719,7 +722,14 @@ class _TorchElementwise:
             _local(step._params[param]).mul_(1 - hp["lr"] * hp["weight_decay"])
         for i, target, update in targets:
             m = plan.matrices[i]
-            target.add_(update.to(step._ns_dtype), alpha=-step._adjusted_lr(m))
+            update, alpha = update.to(step._ns_dtype), -step._adjusted_lr(m)
+            if target.device.type == "cpu" and target.dtype in _REDUCED:
+                # The CPU's bf16 / fp16 add_ rounds `alpha * update` by the operands' layout
+                # (vectorized or not), so a shard's bits would differ from the whole matrix's:
+                # in fp32, one rounding per op, then once to the param's dtype.
+                target.copy_(target.float().add_(update.float() * alpha))
+            else:
+                target.add_(update, alpha=alpha)
 
 
 class _FusedElementwise:

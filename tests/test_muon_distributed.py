@@ -51,6 +51,8 @@ CONFIGS = [
     dict(bucket_cap_bytes=300, max_inflight=2, nesterov=True),
     dict(bucket_cap_bytes=10**6, max_inflight=1, nesterov=False, adjust_lr_fn="match_rms_adamw"),
     dict(bucket_cap_bytes=500, max_inflight=3, ns_dtype=torch.float32),
+    # bf16 params: the CPU's bf16 add_ rounded by the operands' layout, a shard otherwise
+    dict(bucket_cap_bytes=400, max_inflight=2, param_dtype=torch.bfloat16),
 ]
 
 
@@ -87,8 +89,10 @@ def _check_case(mesh, specs, config, case: str) -> None:
     adamw_specs = [s for s in ADAMW if len(s[1]) == mesh.ndim] or [
         ((11,), (Replicate(),) * (mesh.ndim - 1) + (Shard(0),))
     ]
-    fulls = [_full(shape, i) for i, (shape, _, _) in enumerate(specs)]
-    adamw_fulls = [_full(shape, 100 + i) for i, (shape, _) in enumerate(adamw_specs)]
+    config = dict(config)
+    dtype = config.pop("param_dtype", torch.float32)
+    fulls = [_full(shape, i).to(dtype) for i, (shape, _, _) in enumerate(specs)]
+    adamw_fulls = [_full(shape, 100 + i).to(dtype) for i, (shape, _) in enumerate(adamw_specs)]
 
     def build(distributed: bool):
         params = [
@@ -113,7 +117,7 @@ def _check_case(mesh, specs, config, case: str) -> None:
             if step == 1 and i == 0:  # a param without a grad on one step
                 p.grad = q.grad = r.grad = None
                 continue
-            grad = _full(p.shape, 1000 * step + i)
+            grad = _full(p.shape, 1000 * step + i).to(dtype)
             p.grad = grad
             q.grad = _shard(grad, mesh, placements[i])
             r.grad = _shard(grad, mesh, placements[i])
