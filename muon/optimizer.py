@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adamw import adamw
@@ -361,7 +361,9 @@ class Muon(torch.optim.Optimizer):
         param's dtype, which for a bf16 param would round our fp32 momentum (and is what a
         torch.optim.Muon state holds). A schedule written by `state_dict()` becomes a
         `NewtonSchulzSchedule` again. State shaped unlike its param (a checkpoint of
-        another model) is refused, naming it, before anything is loaded."""
+        another model) is refused, naming it, before anything is loaded. A sharded
+        (DTensor) param's state given whole, as plain tensors (a single-process
+        checkpoint, every rank loading all of it), is cut to this rank's shard."""
         self._check_loaded_shapes(state_dict)
         super().load_state_dict(state_dict)
         for group in self.param_groups:
@@ -374,6 +376,20 @@ class Muon(torch.optim.Optimizer):
             buf = saved.get(i, {}).get("momentum_buffer")
             if buf is not None:
                 self.state[p]["momentum_buffer"] = buf.to(dtype=torch.float32, device=p.device)
+            if isinstance(p, DTensor):
+                # A full (plain) tensor, from a single-process checkpoint or torch.optim.Muon
+                # loaded on every rank: this rank's shard of it, placed as its param (as it
+                # was, it broadcast a shard's grad into the whole buffer).
+                entries = self.state.get(p, {})
+                for key, value in entries.items():
+                    if (
+                        isinstance(value, Tensor)
+                        and value.ndim >= 1
+                        and not isinstance(value, DTensor)
+                    ):
+                        entries[key] = distribute_tensor(
+                            value, p.device_mesh, p.placements, src_data_rank=None
+                        )
 
     def _check_loaded_shapes(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict.get("param_groups", [])

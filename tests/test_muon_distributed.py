@@ -9,6 +9,7 @@ the plain step.
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 import weakref
@@ -164,6 +165,43 @@ def _worker(rank: int, world: int) -> None:
         for config in CONFIGS:
             _check_case(mesh, specs, config, name)
     _check_fully_shard(init_device_mesh("cpu", (world,)))
+    _check_whole_state_loaded(init_device_mesh("cpu", (world,)))
+
+
+def _check_whole_state_loaded(mesh) -> None:
+    """A single-process checkpoint (plain full tensors, loaded on every rank) into Muon over
+    sharded params: each rank takes its shard of the state. Whole, a 1-row shard's grad
+    broadcast into the full momentum buffer, and the step went on silently wrong."""
+    specs = [((2, 64), (Shard(0),)), ((8, 16), (Shard(1),)), ((11,), (Shard(0),))]
+    fulls = [_full(shape, i) for i, (shape, _) in enumerate(specs)]
+
+    def groups(params):
+        return [{"params": params[:2]}, {"params": params[2:], "algorithm": "adamw"}]
+
+    whole = [torch.nn.Parameter(f.clone()) for f in fulls]
+    sharded = [
+        torch.nn.Parameter(_shard(f, mesh, pl)) for f, (_, pl) in zip(fulls, specs, strict=True)
+    ]
+    ref, opt = Muon(groups(whole), lr=0.02), Muon(groups(sharded), lr=0.02)
+    for step in range(4):
+        if step == 2:  # resume from the single process's params and state
+            with torch.no_grad():
+                for p, q, (_, placements) in zip(whole, sharded, specs, strict=True):
+                    q.to_local().copy_(_local(p, mesh, placements))
+            opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch's load keeps it
+        for i, (p, q) in enumerate(zip(whole, sharded, strict=True)):
+            grad = _full(p.shape, 1000 * step + i)
+            p.grad, q.grad = grad, _shard(grad, mesh, specs[i][1])
+        ref.step()
+        if step >= 2:
+            opt.step()
+    for p, q, (_, placements) in zip(whole, sharded, specs, strict=True):
+        assert torch.equal(q.to_local(), _local(p, mesh, placements)), tuple(p.shape)
+        for key, value in ref.state[p].items():
+            got = opt.state[q][key]
+            if value.ndim:
+                assert isinstance(got, DTensor) and got.placements == q.placements, key
+                assert torch.equal(got.to_local(), _local(value, mesh, placements)), key
 
 
 def _check_fully_shard(mesh) -> None:
