@@ -424,6 +424,13 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             "setup_optimizer(model, config) takes the model (an nn.Module) and an "
             f"OptimizerConfig, but got: {type(model).__name__}, {type(config).__name__}"
         )
+    config.__post_init__()  # fields set since construction are checked as there
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:  # to_empty() makes new params: the optimizer would step the old
+        raise ValueError(
+            f"param {meta!r} is on the meta device (a model not materialized yet): call "
+            "setup_optimizer after model.to_empty(device=...) and the weights' init"
+        )
     if config.type == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused

@@ -95,6 +95,33 @@ def test_setup_optimizer_names_its_arguments_when_given_something_else():
         setup_optimizer(model, {"type": "muon"})
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("type", "AdamW", "type should be one of"),
+        ("offload", "cpu", "offload should be one of"),
+        ("momentum", 0.5, "momentum"),
+        ("lr", "1e-3", "lr should be"),
+    ],
+)
+def test_fields_set_after_construction_are_checked_by_setup_optimizer(field, value, message):
+    # setup_optimizer trusted the fields: type "AdamW" built Muon, offload "cpu" offloaded
+    config = OptimizerConfig()
+    setattr(config, field, value)
+    with pytest.raises((TypeError, ValueError), match=message):
+        setup_optimizer(torch.nn.Linear(4, 4), config)
+
+
+@pytest.mark.parametrize("type_", ["adamw", "muon"])
+def test_a_model_on_the_meta_device_is_refused(type_):
+    # to_empty() after setup_optimizer left the optimizer stepping the meta params: the
+    # model's weights never changed
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"param '0.weight' is on the meta device.*to_empty"):
+        setup_optimizer(model, OptimizerConfig(type=type_))
+
+
 def test_muon_setup_groups_every_param_once():
     model = Net()
     opt = setup_optimizer(model, OptimizerConfig(type="muon", lr=0.02))
