@@ -81,6 +81,7 @@ from muon.planning import (
     held_numel,
     launch_order,
 )
+from muon_offload.config import model_row_blocks
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
 # (one source of truth); this module joins muon and offload, so it lives in muon_offload.
@@ -957,11 +958,16 @@ def estimate(
     step's chunks follow the forward's first use of each unit, as `CPUOffloadOptimizer`
     orders them, and that depends on the wrap.
 
+    `row_blocks`: as `muon_param_groups` takes them; by default, a live module's own
+    declarations (`model_row_blocks`, what `setup_optimizer` reads).
+
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
     deadline = _Deadline(mesh, time_limit_s)
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    if row_blocks is None and isinstance(shapes, nn.Module):
+        row_blocks = model_row_blocks(module)
     muon, adamw, params = _split(module, row_blocks)
     plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)

@@ -717,3 +717,28 @@ def test_fsdp_modules_of_each_wrap():
 def test_fsdp_modules_the_model_does_not_have_are_refused_by_name():
     with pytest.raises(ValueError, match=r"\['model.layer.0'\]"):
         estimate(from_config(TINY_DENSE), MeshSpec(1), fsdp_modules=("", "model.layer.0"))
+
+
+def test_estimate_of_a_live_module_reads_its_row_blocks_as_setup_optimizer_does():
+    # estimate(module) planned a fused param as one matrix where the module declared blocks
+    from muon_offload import OptimizerConfig, setup_optimizer
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up = torch.nn.Linear(16, 64, bias=False)
+            self.row_blocks = {"gate_up.weight": (32, 32)}
+            self.down = torch.nn.Linear(32, 16, bias=False)
+
+    model = torch.nn.Sequential(Block(), Block())
+    opt = setup_optimizer(model, OptimizerConfig(type="muon"))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+    def matrices(plan):
+        return [[(m.rows, m.cols) for m in bucket] for bucket in plan.matrices]
+
+    planned = estimate(model, MeshSpec(1), StepSettings(device="cpu")).plan(0)
+    assert matrices(planned) == matrices(opt._muon_plan())
+    assert (32, 16) in matrices(planned)[0]
