@@ -254,7 +254,9 @@ MEMORY_LINES = (
 )
 
 
-def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
+def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: bool) -> None:
+    """The report; the memory with offload only where `offloaded` (`--offload`): its
+    buckets are then capped as `setup_optimizer` caps them for the chunks."""
     mesh, settings = model.mesh, model.settings
     print(
         f"mesh: fsdp {mesh.fsdp} x replicate {mesh.replicate} (world {mesh.world}), ep {mesh.ep}, "
@@ -288,7 +290,7 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
         (f"busy (rank {model.busiest.rank})", model.busiest),
         (f"idle (rank {model.idlest.rank})", model.idlest),
     ]
-    for offload in (False, True):
+    for offload in (False, True) if offloaded else (False,):
         top = model.largest_peak(offload)
         loads = top.offload_forward_load_bytes
         title = (
@@ -307,6 +309,9 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]]) -> None:
                 f"{_gib(value(r.offload if offload else r.no_offload)):>20}" for _, r in columns
             )
             print(f"  {label:<22}{cells}")
+        print()
+    if not offloaded:
+        print("(with offload: --offload, which caps Muon's buckets as setup_optimizer does)")
         print()
     picked = "; ".join(f"{why}: rank {rank}" for why, rank in model.picked)
     print(
@@ -588,7 +593,12 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    parse = parser()
+    args = parse.parse_args(argv)
+    if args.budget_gib is not None and not args.sweep_fsdp:
+        parse.error("--budget-gib picks among --sweep-fsdp's sizes: give --sweep-fsdp too")
+    if args.chunks and not args.offload:
+        parse.error("--chunks lists the offloaded step's chunks: give --offload too")
     try:
         if args.sweep_fsdp:
             models = [estimate_from(args, size) for size in args.sweep_fsdp]
@@ -613,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out["offload_chunks"] = chunks
         print(json.dumps(out, indent=1))
     else:
-        print_plan(model, rows)
+        print_plan(model, rows, args.offload)
         print_chunks(chunks)
         if figures:
             print_replica_owners(model, figures)

@@ -339,7 +339,9 @@ def test_cli_json_sweep_config(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["sweep"]
     assert [r["fsdp"] for r in rows] == [1, 2, 4] and sum(r["best"] for r in rows) == 1
     assert main(["--config", str(config), "--fsdp", "3"]) == 0
-    assert "with offload" in capsys.readouterr().out
+    assert "GiB per rank, with offload" not in capsys.readouterr().out  # other buckets
+    assert main(["--config", str(config), "--fsdp", "3", "--offload"]) == 0
+    assert "GiB per rank, with offload" in capsys.readouterr().out
     assert main(["--preset", "qwen3-8b", "--fsdp", "6", "--ep", "4"]) == 2
     # a config that cannot be read: one line naming it, not a traceback
     (tmp_path / "broken.json").write_text('{"model_type": "llama"')

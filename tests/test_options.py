@@ -141,6 +141,23 @@ def test_ns_dtype_by_name_from_toml_and_the_cli(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
+        (["--budget-gib", "4"], "--budget-gib picks among --sweep-fsdp's sizes"),
+        (["--chunks"], "--chunks lists the offloaded step's chunks: give --offload"),
+    ],
+)
+def test_planner_flags_that_need_another_are_refused(flags, message, capsys):
+    # --budget-gib without a sweep exited 0 and never said it was ignored
+    from muon_offload.plan import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "qwen3-8b", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
         (["--budget-gib", "-1"], "argument --budget-gib: should be a number of GiB > 0"),
         (["--sweep-fsdp", "8,a"], "argument --sweep-fsdp: should be comma-separated sizes"),
         (["--sweep-fsdp", "8,0"], "argument --sweep-fsdp: should be comma-separated sizes"),
