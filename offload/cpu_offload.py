@@ -628,6 +628,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        # As torch's optimizers take it (accelerate's wrapper forwards a set); groups
+        # holding other params are refused at the next step (`_check_step_inputs`).
+        self.optimizer.param_groups = groups
+
     @property
     def state(self) -> dict[Tensor, dict[str, Any]]:  # type: ignore[override]
         """The wrapped optimizer's state, once the last step has written it back (an

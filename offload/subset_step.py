@@ -391,9 +391,8 @@ class GroupSubsetStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._group_of = {
-            p: index for index, group in enumerate(optimizer.param_groups) for p in group["params"]
-        }
+        self._grouped: tuple[int, tuple[int, ...]] | None = None  # the groups `_group_of` maps
+        self._group_of: dict[Tensor, int] = {}
         self._layouts: dict[tuple[tuple, torch.Size, torch.dtype], StateLayout] = {}
 
     def begin_subset_step(self) -> GroupStep:
@@ -407,13 +406,22 @@ class GroupSubsetStep:
     def state_layout(self, param: Tensor) -> StateLayout:
         """State the optimizer will keep for `param`, found by a dry run on the meta device
         with its group's options as they are now (loaded from a state_dict, say)."""
-        group = self.optimizer.param_groups[self._group_of[param]]
+        group = self._group(param)
         local = local_tensor(param)
         options = tuple((k, repr(v)) for k, v in group.items() if k != "params")
         key = (options, local.shape, local.dtype)
         if key not in self._layouts:
             self._layouts[key] = _meta_state_layout(self.optimizer, group, local)
         return self._layouts[key]
+
+    def _group(self, param: Tensor) -> dict[str, Any]:
+        """`param`'s group, as the groups are now (`opt.param_groups = ...` may regroup)."""
+        groups = self.optimizer.param_groups
+        grouped = (id(groups), tuple(len(g["params"]) for g in groups))
+        if grouped != self._grouped:
+            self._group_of = {p: i for i, g in enumerate(groups) for p in g["params"]}
+            self._grouped = grouped
+        return groups[self._group_of[param]]
 
 
 def _meta_state_layout(

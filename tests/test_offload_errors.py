@@ -277,3 +277,25 @@ def test_a_step_patched_on_the_wrapped_optimizer_is_refused_where_chunks_step():
 
     opt.step(closure)
     assert calls == [1]
+
+
+def test_param_groups_set_on_the_wrapper_are_the_wrapped_optimizers():
+    # the setter raised AttributeError; torch's optimizers take a set
+    model, plain_model = _linear(), _linear()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW([{"params": [p]} for p in model.parameters()], lr=1e-2), chunk_bytes=64
+    )
+    plain = torch.optim.AdamW([{"params": [p]} for p in plain_model.parameters()], lr=1e-2)
+    for m, o in ((model, opt), (plain_model, plain)):
+        _backward(m)
+        o.step()
+        # regrouped, two groups into one: each param's group is looked up anew
+        o.param_groups = [{**o.param_groups[0], "params": list(m.parameters()), "lr": 0.5}]
+        _backward(m)
+        o.step()
+    pairs = zip(plain_model.parameters(), model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    opt.load_state_dict(opt.state_dict())  # checked against each param's group's layout
+    opt.param_groups = [{**opt.param_groups[0], "params": [torch.nn.Parameter(torch.ones(3))]}]
+    with pytest.raises(RuntimeError, match="params changed after wrapping"):
+        opt.step()
