@@ -1314,8 +1314,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._drop_loaded_ahead()
             if self._host_room_for_all:  # one host layout: the old GPU state goes home first
                 self._give_back_gpu_state()
+        first_plan = self._plan is None
         self._specs = specs
         self._build(self._plan_for(units_key), units_key)
+        if first_plan and self._auto is None:
+            self._warn_if_nothing_resident(units_key)
+
+    def _warn_if_nothing_resident(self, units_key: tuple[tuple[int, ...], ...]) -> None:
+        """A `gpu_resident_bytes` too small for the first unit residency takes keeps nothing."""
+        if self._resident_budget == 0 or self._plan.resident_bytes > 0:
+            return
+        sizes = [u.bytes for u in unit_sizes(units_key, self._specs) if u.bytes > 0]
+        if not sizes:
+            return
+        first = sizes[0] if self._overlap is not None else sizes[-1]
+        which = "the forward needs first" if self._overlap is not None else "steps last"
+        warnings.warn(
+            f"gpu_resident_bytes={self._resident_budget} keeps no state on the GPU: residency "
+            f"takes whole units, from the one {which}, whose state is {first} bytes on its "
+            f"own. Give at least that, or 0",
+            stacklevel=_user_stacklevel(),
+        )
 
     def _specs_of(
         self, subset: SubsetStep, layout: Callable[[Tensor], StateLayout]

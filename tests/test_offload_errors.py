@@ -299,3 +299,23 @@ def test_param_groups_set_on_the_wrapper_are_the_wrapped_optimizers():
     opt.param_groups = [{**opt.param_groups[0], "params": [torch.nn.Parameter(torch.ones(3))]}]
     with pytest.raises(RuntimeError, match="params changed after wrapping"):
         opt.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_resident_budget_smaller_than_the_first_unit_warns_that_it_keeps_nothing(overlap):
+    # residency takes whole units from the front (overlap) or back: 30 KB of an embedding's
+    # 50 KB of AdamW state kept nothing on the GPU, silently
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 64))
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()),
+        gpu_resident_bytes=30_000,
+        overlap_forward=model if overlap else None,
+    )
+    model(torch.zeros(2, dtype=torch.long)).sum().backward()
+    if overlap:  # the embedding's exp_avg and exp_avg_sq, fp32
+        with pytest.warns(UserWarning, match=rf"keeps no state on the GPU.* {2 * 4 * 6400} bytes"):
+            opt.step()
+    else:  # the last unit (the Linear's bias) fits
+        opt.step()
+        assert opt.plan.resident_bytes > 0
+    opt.close()
