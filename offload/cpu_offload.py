@@ -798,9 +798,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             param = param_of[index]
             view = views.get((param, key))
             if view is None:  # no slab yet: held on the host until the first step adopts it
-                # in the dtype torch's load gives it: floating state takes the param's
-                cast = key != "step" and param.is_floating_point()
-                dtype = param.dtype if cast else value.dtype
+                # in the dtype the step keeps it in (Muon: fp32 momentum for bf16 params),
+                # else as torch's load gives it: floating state takes the param's
+                dtype = self._kept_dtype(param, key)
+                if dtype is None:
+                    cast = key != "step" and param.is_floating_point()
+                    dtype = param.dtype if cast else value.dtype
                 held = torch.empty_like(local_tensor(value), device="cpu", dtype=dtype)
                 held.copy_(local_tensor(value))
                 self.optimizer.state[param][key] = _as_state(param, held)
@@ -831,6 +834,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"for it): load a state_dict saved from the same optimizer, or drop param "
                     f"{index}'s entry to start its state afresh"
                 )
+
+    def _kept_dtype(self, param: Tensor, key: str) -> torch.dtype | None:
+        """The dtype the step keeps `param`'s state `key` in, where its layout says."""
+        if self._subset is None:
+            return None
+        layout = self._subset.state_layout(param).get(key)
+        return None if layout is None else layout[1]
 
     def _kept(self, param: Tensor) -> Collection[str]:
         """The state keys the step keeps for `param` with the groups' options as they are."""

@@ -763,6 +763,39 @@ def test_state_of_another_dtype_loaded_before_the_first_step_takes_the_params_dt
         assert torch.equal(a, b)
 
 
+def test_muons_fp32_momentum_of_bf16_params_loaded_before_the_first_step_stays_fp32():
+    # Loaded before the first step (no slab yet), the held copy took the param's dtype:
+    # bf16 params' fp32 momentum was rounded to bf16, and the resumed run went elsewhere
+    from muon import Muon
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        linears = (torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
+        return torch.nn.Sequential(*linears).bfloat16()
+
+    def train(m, opt, seeds) -> None:
+        for seed in seeds:
+            opt.zero_grad()
+            gen = torch.Generator().manual_seed(seed)
+            m(torch.randn(4, 8, generator=gen).bfloat16()).float().square().sum().backward()
+            opt.step()
+
+    source = model()
+    source_opt = CPUOffloadOptimizer(Muon(source.parameters(), lr=0.02), chunk_bytes=64)
+    train(source, source_opt, range(2))
+    saved = copy.deepcopy((source.state_dict(), source_opt.state_dict()))
+    train(source, source_opt, range(2, 4))  # uninterrupted
+    resumed = model()
+    resumed.load_state_dict(saved[0])
+    resumed_opt = CPUOffloadOptimizer(Muon(resumed.parameters(), lr=0.02), chunk_bytes=64)
+    resumed_opt.load_state_dict(saved[1])
+    for p in resumed.parameters():
+        assert resumed_opt.state[p]["momentum_buffer"].dtype == torch.float32
+    train(resumed, resumed_opt, range(2, 4))
+    for a, b in zip(source.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_saved_state_of_a_param_no_group_lists_is_refused_naming_it():
     # a bare KeyError: 99
     model = _two_linears()
