@@ -386,7 +386,7 @@ class ForwardOverlap:
         current = streams.current()
         before = timer.mark(current) if timer is not None else None
         streams.wait(current, done)
-        self._reads.landed = max(self._reads.landed, chunk)
+        self._reads.landed_through(chunk)
         if timer is not None:
             timer.waited(chunk, needs, before, timer.mark(current))
         if done is not None and module is not None:
@@ -542,6 +542,7 @@ class _PendingReads(TorchFunctionMode):
         # and a new tensor may take its id
         self._held: dict[int, weakref.ref[Tensor]] = {}
         self.landed = -1  # the last chunk the trainer's stream has waited for
+        self._landing: list[list[int]] = []  # per chunk: the ids its landing forgets
         self._thread: int | None = None  # the thread whose stack holds this mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -599,6 +600,11 @@ class _PendingReads(TorchFunctionMode):
         for t, c in held:
             self.chunk_of[id(t)] = max(c, self.chunk_of.get(id(t), -1))
         self._held = {id(t): weakref.ref(t) for t, _ in held}
+        # What each chunk's landing forgets: nothing waits for it any more, and a weak
+        # reference to a grad blocks `torch.utils.swap_tensors` (`model.to()` swapping).
+        self._landing: list[list[int]] = [[] for _ in overlap.chunk_done]
+        for i, c in self.chunk_of.items():
+            self._landing[c].append(i)
         # Past the last chunk: the whole step, home. The homes live as long as the
         # optimizer, so their ids are not checked (`_held`): torch 2.11's Dynamo, tracing
         # this mode in a compiled forward, fails to fake the slab views it would find there.
@@ -607,6 +613,14 @@ class _PendingReads(TorchFunctionMode):
         self.chunk_of |= {id(t): written_back for t in homes if t is not None}
         self.step_pending, self.landed = True, -1
         self._push_at_bottom()
+
+    def landed_through(self, chunk: int) -> None:
+        """The trainer's stream has waited for the chunks up to `chunk`."""
+        for c in range(self.landed + 1, chunk + 1):
+            for i in self._landing[c]:
+                self.chunk_of.pop(i, None)
+                self._held.pop(i, None)
+        self.landed = max(self.landed, chunk)
 
     def _push_at_bottom(self) -> None:
         self.active = True

@@ -648,6 +648,26 @@ def test_a_fast_path_module_inside_a_compiled_unit_keeps_its_full_graph():
     run_on_ranks(_compiled_fast_path_worker, 2)
 
 
+def test_model_to_with_swapped_params_while_pending_waits_and_swaps():
+    # torch.utils.swap_tensors refuses a tensor with weak references, and the mode held one
+    # to each grad until the step's end: "Couldn't swap Embedding.weight.grad"
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+
+        def round_trip(m, o):
+            m.double().float()
+
+        data = _tokens(3)
+        assert _train(plain_model, plain, data, after_step=round_trip) == _train(
+            model, overlapped, data, after_step=round_trip
+        )
+        _assert_same(plain_model, plain, model, overlapped)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
 def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
     # a checkpointing thread's state_dict() finished the step; the trainer's stack kept the
     # mode and gained one more at every step
