@@ -255,8 +255,9 @@ class ForwardOverlap:
         self._inference_mode = False
         self._reads = _PendingReads(weakref.ref(self))
         fast_path = _fast_path_modules(model)
-        self._fast_path_params = [list(m.parameters()) for m in fast_path]
-        self._aside: list[int] = []  # fast-path modules running with the mode off the stack
+        self._fast_path = fast_path
+        self._fast_path_names = [names.get(m, "") or "(the root)" for m in fast_path]
+        self._warned_slow_path = False
         handles = _register_hooks(model, self.owners, fast_path, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
@@ -434,27 +435,23 @@ class ForwardOverlap:
         prefetched = (self._owner_index.get(m) for m in forward_prefetched(self.owners[index][0]))
         return [index] + [i for i in prefetched if i is not None]
 
-    def _before_fast_path(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """torch's Transformer modules take their fused fast path only with no torch function
-        mode on the stack (`_FAST_PATH_MODULES`), and their forward reads only their own
-        params and inputs: those are waited for here, and the pending-read mode steps aside
-        until the forward ends (with it on the stack they ran their slow path: other bits)."""
-        reads = self._reads
-        if not reads.on_this_stack():
+    def _before_fast_path(self, index: int) -> None:
+        """torch's Transformer modules take their fused path only with no torch function
+        mode on the stack, and never in training: in eval, while the pending-read mode is
+        on, they run their slow path (the same math, other rounding; padded positions not
+        zeroed). Said once, not mended by stepping the mode aside in their forward: reads
+        in hooks around them would go unseen."""
+        module = self._fast_path[index]
+        if self._warned_slow_path or module.training or not self._reads.on_this_stack():
             return
-        params = self._fast_path_params[index]
-        chunk = max((self._param_chunk.get(p, -1) for p in params), default=-1)
-        chunk = max(chunk, _latest_chunk(reads.chunk_of, reads._held, (*args, *kwargs.values())))
-        if chunk > reads.landed:
-            self._wait_for_read(chunk)
-        if reads.on_this_stack():  # still pending
-            reads.leave_stack()
-            self._aside.append(index)
-
-    def _after_fast_path(self, index: int, *_: Any) -> None:
-        if self._aside and self._aside[-1] == index:
-            self._aside.pop()
-            self._reads.return_to_stack()
+        self._warned_slow_path = True
+        warnings.warn(
+            f"{self._fast_path_names[index]!r} ({type(module).__name__}) runs torch's slow "
+            "path while the optimizer step is pending (its fused path needs no torch "
+            "function mode on the stack): the same math, other rounding. For the fused "
+            "path's bits, call optimizer.wait_for_optimizer_step() before this forward",
+            stacklevel=2,
+        )
 
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`, or
@@ -611,8 +608,12 @@ class _PendingReads(TorchFunctionMode):
         written_back = len(overlap.chunk_done)
         homes = [*state_homes, *(_local_of(t) for t in state_homes)]
         self.chunk_of |= {id(t): written_back for t in homes if t is not None}
-        self.step_pending, self.landed = True, -1
-        self._push_at_bottom()
+        self.step_pending, self.landed, self.active = True, -1, True
+        modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
+        torch._C._push_on_torch_function_stack(self)
+        for mode in modes:
+            torch._C._push_on_torch_function_stack(mode)
+        self._thread = threading.get_ident()
 
     def landed_through(self, chunk: int) -> None:
         """The trainer's stream has waited for the chunks up to `chunk`."""
@@ -622,22 +623,9 @@ class _PendingReads(TorchFunctionMode):
                 self._held.pop(i, None)
         self.landed = max(self.landed, chunk)
 
-    def _push_at_bottom(self) -> None:
-        self.active = True
-        modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
-        torch._C._push_on_torch_function_stack(self)
-        for mode in modes:
-            torch._C._push_on_torch_function_stack(mode)
-        self._thread = threading.get_ident()
-
     def on_this_stack(self) -> bool:
         """On, and on the calling thread's stack."""
         return self.active and self._thread == threading.get_ident()
-
-    def return_to_stack(self) -> None:
-        """Back on after `leave_stack`, while the step is still pending."""
-        if self.step_pending and self._thread is None:
-            self._push_at_bottom()
 
     def pop(self) -> None:
         """Off, the step landed; taken off the stack where this thread holds it."""
@@ -881,24 +869,20 @@ def _register_hooks(
     fast_path: list[nn.Module],
     overlap: weakref.ref[ForwardOverlap],
 ) -> list[RemovableHandle]:
-    """A pre-hook on each owner module (prepended: before FSDP2's unshard), a pre-hook and
-    a forward hook (also called when the forward raises) on each `fast_path` module and on
-    the model, calling into `overlap` while it lives."""
+    """A pre-hook on each owner module (prepended: before FSDP2's unshard) and each
+    `fast_path` module, and a pre-hook and a forward hook (also called when the forward
+    raises) on the model, calling into `overlap` while it lives."""
     handles: list[RemovableHandle] = []
     hooked = [
         (module, _OverlapHook(overlap, "_before_module", i, with_inputs=True))
         for i, (module, _) in enumerate(owners)
     ]
-    hooked += [
-        (module, _OverlapHook(overlap, "_before_fast_path", i, with_inputs=True))
-        for i, module in enumerate(fast_path)
-    ]
     try:
         for module, hook in hooked:
             handles.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
         for i, module in enumerate(fast_path):
-            after = _OverlapHook(overlap, "_after_fast_path", i, with_inputs=False)
-            handles.append(module.register_forward_hook(after, always_call=True))
+            hook = _OverlapHook(overlap, "_before_fast_path", i, with_inputs=False)
+            handles.append(module.register_forward_pre_hook(hook))
         before = _OverlapHook(overlap, "_before_forward", with_inputs=False)
         after = _OverlapHook(overlap, "_after_forward", with_inputs=True)
         module = model

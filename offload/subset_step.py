@@ -396,8 +396,8 @@ class GroupSubsetStep:
         self._layouts: dict[tuple[tuple, torch.Size, torch.dtype], StateLayout] = {}
 
     def begin_subset_step(self) -> GroupStep:
-        # Layouts are keyed by every option's value (an lr too, which a schedule changes
-        # every step): kept for one step.
+        # Layouts are keyed by the options' values (a float lr too, which a schedule
+        # changes every step): kept for one step.
         self._layouts.clear()
         if type(self.optimizer) in ELEMENTWISE_OPTIMIZERS:
             return ElementwiseGroupStep(self.optimizer)
@@ -408,8 +408,7 @@ class GroupSubsetStep:
         with its group's options as they are now (loaded from a state_dict, say)."""
         group = self._group(param)
         local = local_tensor(param)
-        options = tuple((k, repr(v)) for k, v in group.items() if k != "params")
-        key = (options, local.shape, local.dtype)
+        key = (_state_options(group), local.shape, local.dtype)
         if key not in self._layouts:
             self._layouts[key] = _meta_state_layout(self.optimizer, group, local)
         return self._layouts[key]
@@ -422,6 +421,25 @@ class GroupSubsetStep:
             self._group_of = {p: i for i, g in enumerate(groups) for p in g["params"]}
             self._grouped = grouped
         return groups[self._group_of[param]]
+
+
+def _state_options(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A group's options that may choose its state: not its params or their names (one per
+    param: a key of them grew with the params squared), nor tensors (a scheduled lr; read
+    from a GPU, a sync)."""
+    return tuple(
+        (k, _hashable(v))
+        for k, v in group.items()
+        if k not in ("params", "param_names") and not isinstance(v, Tensor)
+    )
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:  # a list, or a tuple holding one
+        return repr(value)
+    return value
 
 
 def _meta_state_layout(
