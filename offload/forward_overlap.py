@@ -444,12 +444,15 @@ class ForwardOverlap:
         module = self._fast_path[index]
         if self._warned_slow_path or module.training or not self._reads.on_this_stack():
             return
+        if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+            return  # no fused path with grads to compute either
         self._warned_slow_path = True
         warnings.warn(
             f"{self._fast_path_names[index]!r} ({type(module).__name__}) runs torch's slow "
             "path while the optimizer step is pending (its fused path needs no torch "
-            "function mode on the stack): the same math, other rounding. For the fused "
-            "path's bits, call optimizer.wait_for_optimizer_step() before this forward",
+            "function mode on the stack): the same math, other rounding, padded positions "
+            "not zeroed. For the fused path's bits, call optimizer.wait_for_optimizer_step() "
+            "before this forward",
             stacklevel=2,
         )
 

@@ -424,17 +424,15 @@ class GroupSubsetStep:
 
 
 def _state_options(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A group's options that may choose its state: not its params or their names (one per
-    param: a key of them grew with the params squared), nor tensors (a scheduled lr; read
-    from a GPU, a sync)."""
-    return tuple(
-        (k, _hashable(v))
-        for k, v in group.items()
-        if k not in ("params", "param_names") and not isinstance(v, Tensor)
-    )
+    """A group's options, which may choose its state (a tensor `momentum` of 0 keeps no
+    buffer), but its params' names (one per param: a key of them grew with the params
+    squared)."""
+    return tuple((k, _hashable(v)) for k, v in group.items() if k not in ("params", "param_names"))
 
 
 def _hashable(value: Any) -> Any:
+    if isinstance(value, Tensor):  # by identity and version: its value, read off a GPU, syncs
+        return (id(value), value._version)
     try:
         hash(value)
     except TypeError:  # a list, or a tuple holding one

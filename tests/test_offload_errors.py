@@ -326,12 +326,32 @@ def test_the_layout_cache_keys_on_the_options_that_may_choose_state():
     # for every param: loading 12000 params took 11 s; a tensor lr on a GPU would sync
     from offload.subset_step import _state_options
 
+    lr = torch.tensor(0.1)
     group = {
         "params": [torch.ones(1)] * 3,
         "param_names": ["a", "b", "c"],
-        "lr": torch.tensor(0.1),
+        "lr": lr,
         "betas": (0.9, 0.99),
         "amsgrad": True,
         "extra": [1, 2],
     }
-    assert _state_options(group) == (("betas", (0.9, 0.99)), ("amsgrad", True), ("extra", "[1, 2]"))
+    options = (("betas", (0.9, 0.99)), ("amsgrad", True), ("extra", "[1, 2]"))
+    assert _state_options(group) == (("lr", (id(lr), lr._version)), *options)
+    lr.fill_(0.2)  # a scheduler's in-place update: another key, without reading the value
+    assert _state_options(group)[0] == ("lr", (id(lr), lr._version))
+
+
+def test_groups_whose_tensor_options_choose_other_state_get_their_own_layouts():
+    # keyed without tensor options, SGD's groups with momentum tensor(0.9) and tensor(0.0)
+    # shared whichever layout came first: a momentum buffer never homed, or homes for none
+    first, second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    groups = [
+        {"params": first.parameters(), "momentum": torch.tensor(0.0)},
+        {"params": second.parameters(), "momentum": torch.tensor(0.9)},
+    ]
+    opt = CPUOffloadOptimizer(torch.optim.SGD(groups, lr=0.1), chunk_bytes=64)
+    for model in (first, second):
+        _backward(model)
+    opt.step()
+    homed = {key for _, key in opt._homes}
+    assert homed == {"momentum_buffer"} and len(opt._homes) == 2  # the second group's

@@ -605,7 +605,14 @@ def test_torchs_fast_path_modules_in_eval_say_they_run_the_slow_path_while_pendi
     model.train()
     _train(model, overlapped, data[:1])
     model.eval()
-    with pytest.warns(UserWarning, match=r"'encoder' \(TransformerEncoder\) runs torch's slow"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(data[0])  # grads to compute: no fused path either
+    _train(model, overlapped, data[:1])
+    with (
+        pytest.warns(UserWarning, match=r"'encoder' \(TransformerEncoder\) runs torch's slow"),
+        torch.no_grad(),
+    ):
         model(data[0])
     model.train()
     _train(model, overlapped, data[1:])
