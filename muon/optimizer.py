@@ -365,7 +365,15 @@ class Muon(torch.optim.Optimizer):
         (DTensor) param's state given whole, as plain tensors (a single-process
         checkpoint, every rank loading all of it), is cut to this rank's shard."""
         self._check_loaded_shapes(state_dict)
+        before = {"state": self.state, "param_groups": self.param_groups}
         super().load_state_dict(state_dict)
+        try:
+            self._finish_load(state_dict)
+        except BaseException:  # a bad schedule string, say: nothing loaded
+            self.__setstate__(before)
+            raise
+
+    def _finish_load(self, state_dict: dict[str, Any]) -> None:
         for group in self.param_groups:
             if isinstance(group.get("ns_coefficients"), str):
                 group["ns_coefficients"] = NewtonSchulzSchedule.from_json(group["ns_coefficients"])

@@ -265,3 +265,19 @@ def test_coefficients_the_step_cannot_use_are_refused_at_construction():
     param = nn.Parameter(torch.randn(8, 4))
     with pytest.raises(ValueError, match=r"param group 0: ns_coefficients=\(0.0, .*a != 0"):
         Muon([param], ns_coefficients=(0.0, -4.775, 2.0315))
+
+
+def test_a_load_refused_after_torchs_load_leaves_the_groups_and_state_as_they_were():
+    # a bad schedule string raised after torch's load had replaced the groups and state
+    param = nn.Parameter(torch.randn(8, 4))
+    opt = Muon([param], lr=0.02)
+    param.grad = torch.randn(8, 4)
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5
+    saved["param_groups"][0]["ns_coefficients"] = "{not json"
+    momentum = opt.state[param]["momentum_buffer"]
+    with pytest.raises(ValueError):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.02
+    assert opt.state[param]["momentum_buffer"] is momentum
