@@ -179,6 +179,9 @@ def main() -> None:
     layer = len(QWEN3_8B_LAYER)
     kept: dict[str, list[torch.Tensor]] = {}
     for arm, pair in arms.items():
+        if device.type == "cuda":  # each arm's peak from its own params on, not the last's
+            torch.cuda.reset_peak_memory_stats(device)
+            results["peak_per_arm"] = True
         params = params_with_grads(shapes, device)
         if pair is None:
             opt = torch.optim.Muon(params, lr=0.02)
@@ -196,7 +199,6 @@ def main() -> None:
         results[f"{arm}_all_ms"] = [1e3 * t for t in times]
         if device.type == "cuda":
             results[f"{arm}_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.reset_peak_memory_stats(device)
         if args.profile and arm == list(arms)[-1]:
             step = opt.step if pair is None else lambda o=opt, b=pair: _with_backends(*b, o.step)
             results["profile"] = _profile(step, device)
