@@ -24,7 +24,7 @@ import math
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -800,8 +800,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if view is None:  # no slab yet: held on the host until the first step adopts it
                 # in the dtype the step keeps it in (Muon: fp32 momentum for bf16 params),
                 # else as torch's load gives it: floating state takes the param's
-                dtype = self._kept_dtype(param, key)
-                if dtype is None:
+                layout = self._layout(param)
+                if layout is not None and key in layout:
+                    dtype = layout[key][1]
+                else:
                     cast = key != "step" and param.is_floating_point()
                     dtype = param.dtype if cast else value.dtype
                 held = torch.empty_like(local_tensor(value), device="cpu", dtype=dtype)
@@ -835,18 +837,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{index}'s entry to start its state afresh"
                 )
 
-    def _kept_dtype(self, param: Tensor, key: str) -> torch.dtype | None:
-        """The dtype the step keeps `param`'s state `key` in, where its layout says."""
-        if self._subset is None:
-            return None
-        layout = self._subset.state_layout(param).get(key)
-        return None if layout is None else layout[1]
-
-    def _kept(self, param: Tensor) -> Collection[str]:
-        """The state keys the step keeps for `param` with the groups' options as they are."""
-        if self._subset is None:
-            return [key for p, key in self._homes if p is param]
-        return self._subset.state_layout(param).keys()
+    def _layout(self, param: Tensor) -> StateLayout | None:
+        """The state the step keeps for `param` with the groups' options as they are now
+        (None on the serial path, which keeps what its step creates)."""
+        return None if self._subset is None else self._subset.state_layout(param)
 
     def _kept_shapes(self) -> dict[Tensor, dict[str, torch.Size]]:
         """The local shape of each state tensor the step keeps, per param, with the groups'
@@ -855,7 +849,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         kept: dict[Tensor, dict[str, torch.Size]] = {}
         if self._subset is not None:
             for param in self._params:
-                layout = self._subset.state_layout(param).items()
+                layout = self._layout(param).items()
                 kept[param] = {key: torch.Size(shape) for key, (shape, _) in layout}
             return kept
         for (param, key), home in self._homes.items():
@@ -871,9 +865,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """
         state = self.optimizer.state
         for param, key in self._homes:
+            if not state.get(param) or key in state[param]:
+                continue
             # Staged from its home, a deleted state tensor would come back with old values
             # (unless the step no longer keeps it: a state_dict loaded with amsgrad off).
-            if state.get(param) and key not in state[param] and key in self._kept(param):
+            layout = self._layout(param)
+            if layout is None or key in layout:
                 raise KeyError(
                     f"state {key!r} of param {_position(self._params, param)} was deleted, and the "
                     f"step reads it (the param's state has {sorted(state[param])}): assign it a "

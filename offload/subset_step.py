@@ -151,7 +151,7 @@ def record_step_for_lr_schedulers(optimizer: torch.optim.Optimizer) -> None:
     offloaded step never calls that patch (`step_without_hooks`; Muon's subset step never
     calls `step`), so the wrapper records each of its steps here."""
     own_step = vars(optimizer).get("step")
-    if own_step is not None and patched_step(optimizer) is None:
+    if own_step is not None and _is_lr_scheduler_patch(own_step, type(optimizer).step):
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
