@@ -85,7 +85,7 @@ from muon_offload.config import model_row_blocks
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
 # (one source of truth); this module joins muon and offload, so it lives in muon_offload.
-from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload
+from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS
 from offload.forward_overlap import (
     in_forward_order,
@@ -94,11 +94,8 @@ from offload.forward_overlap import (
     waited_params,
 )
 from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
-from offload.step_schedule import (
-    StepSchedule,
-    chosen_backward_loads,
-    plan_step,
-)
+from offload.step_plan import BackwardLoads, plan_offloaded_step
+from offload.step_schedule import StepSchedule
 
 EXPERT_SHARDS = ("auto", "experts", "rows")
 DEVICES = ("cuda", "cpu")
@@ -1043,7 +1040,7 @@ def _forward_use(
 
 
 # Ranks with the same shard shapes get the same chunks; 64 ranks plan in well under a second.
-_plan_offload = lru_cache(maxsize=16)(plan_offload)
+_plan_offloaded_step = lru_cache(maxsize=16)(plan_offloaded_step)
 
 
 def _rank(
@@ -1104,32 +1101,24 @@ def _rank(
                 groups.setdefault(adamw[k][0], []).append(adamw_local[k] * moment)
         return _larger(muon, adamw_transient(groups, settings.device))
 
-    # As the wrapper plans: overlap orders the chunks and keeps the first units resident;
-    # loads in the backward take whole chunks, an extra slot each.
+    # As the wrapper plans (`step_plan`): overlap orders the units as the forward reads them.
     load_bytes = settings.offload_backward_load_bytes
     overlap = settings.offload_overlap_forward or bool(load_bytes)
-    first_wait = overlap and load_bytes is None
-    backward = first_wait or bool(load_bytes)
-    offload = _plan_offload(
+    backward = None
+    if overlap and load_bytes is None:
+        backward = BackwardLoads(first_wait=forward_use.first_wait)
+    elif load_bytes:
+        backward = BackwardLoads(budget=load_bytes)
+    step = _plan_offloaded_step(
         forward_use.order(units) if overlap else units,
         tuple(specs),
-        settings.offload_chunk_bytes,
-        settings.offload_resident_bytes,
-        resident_first=overlap,
-        ramp_first=not backward,
+        chunk_bytes=settings.offload_chunk_bytes,
+        staging_slots=settings.offload_slots,
+        resident_bytes=settings.offload_resident_bytes,
+        overlap=overlap,
+        backward=backward,
     )
-    staged = [not chunk.resident for chunk in offload.chunks]
-    backward_loads = 0
-    if backward:
-        backward_loads = chosen_backward_loads(
-            [chunk.params for chunk in offload.chunks],  # Muon's step does not slice
-            [chunk.invariant_bytes for chunk in offload.chunks],
-            staged,
-            settings.offload_slots,
-            first_wait=forward_use.first_wait if first_wait else None,
-            budget=load_bytes,
-        )
-    schedule = plan_step(staged, settings.offload_slots, backward_loads, overlap=overlap)
+    offload, schedule = step.plan, step.schedule
     unit_of = {param: u for u, unit in enumerate(units) for param in unit}
     offload_transient = Transient()
     for chunk in offload.chunks:
@@ -1144,7 +1133,7 @@ def _rank(
         no_offload=StepMemory(muon_state + adamw_state, 0, step_transient(range(len(units)))),
         offload=StepMemory(
             offload.resident_bytes,
-            offload.held_bytes(schedule.slots, settings.offload_slots) - offload.resident_bytes,
+            step.held_bytes - offload.resident_bytes,
             offload_transient,
         ),
         offload_plan=offload,

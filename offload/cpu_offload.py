@@ -1,22 +1,14 @@
 """CPUOffloadOptimizer: optimizer state in host memory, streamed through the GPU.
 
-Each step cuts the optimizer's units into chunks (`chunk_plan`), and runs a
-three-stage pipeline over a ring of GPU staging slots (allocated for the step
-from the caching allocator and given back when the step is done):
-
-    H2D stream      load c+2       load c+3       ...
-    compute stream  step c+1       step c+2       ...
-    D2H stream      write back c   write back c+1 ...
-
-ordered by events only, so the copies each way and the update math overlap
-and the host never waits inside `step()`. Chunks whose state is GPU-resident
-(`gpu_resident_bytes`) step in place, with no copies. Forward overlap (running
-the chunks as the next forward reaches them) is `forward_overlap.ForwardOverlap`.
+The optimizer's surface (torch's `Optimizer` API, checks, checkpoints) and its choices:
+each step's plan (`step_plan`: chunks, residency, the backward's loads, the schedule),
+built once and re-planned only when "auto" decides or the state changes. Running a plan
+(slabs, the staging ring, copies and updates on side streams) is `executor.StepExecutor`;
+running the chunks as the next forward reaches them is `forward_overlap.ForwardOverlap`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -25,7 +17,6 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -35,9 +26,9 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.auto_residency import AutoResidency, StepShape
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
+from offload.executor import StepExecutor, as_state, attributes_set
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import (
-    allocate_host_slabs,
     check_device_memory,
     check_host_memory,
     device_headroom_bytes,
@@ -46,16 +37,10 @@ from offload.host_memory import (
 from offload.options import check_offload_options
 from offload.residency import ResidencyChoice, Split, StepTimer
 from offload.state_estimate import dry_run_state_bytes
-from offload.step_schedule import (
-    StepSchedule,
-    backward_load_share,
-    chosen_backward_loads,
-    loads_within_room,
-    plan_step,
-)
+from offload.step_plan import BackwardLoads, OffloadedStep, plan_offloaded_step
+from offload.step_schedule import StepSchedule
 from offload.streams import CopyStreams
 from offload.subset_step import (
-    ParamSlice,
     SlicingSubsetStep,
     StateLayout,
     SubsetStep,
@@ -85,55 +70,6 @@ def _shard_count(param: Tensor) -> int:
 def invariant_numel(param: Tensor) -> int:
     """Global numel / number of shards: a size every rank computes the same."""
     return param.numel() // _shard_count(param) if hasattr(param, "placements") else param.numel()
-
-
-def _as_state(param: Tensor, local: Tensor) -> Tensor:
-    """`local` shaped as the optimizer keeps it: a DTensor like `param`, or itself.
-
-    The DTensor wraps `local` where it lies: `DTensor.from_local` would copy a
-    host view to the mesh's device, leaving a stale GPU copy in the state.
-
-    Its wrapper is built with storage offset 0, as `DTensor.from_local` of an
-    unsliced tensor gives. torch 2.13's `DTensor.__new__` copies the local
-    tensor's offset onto the storage-less wrapper, so a slab view's DTensor has
-    a nonzero `data_ptr()`, and DCP's async stager then copies the wrapper's
-    null storage ("copy_() on an invalid python storage"). Private API (the
-    wrapper `DTensor.__new__` builds), checked on torch 2.13; the GPU tests run
-    it on 2.11.
-    """
-    if not hasattr(param, "placements") or local.shape != local_tensor(param).shape:
-        return local
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    meta = TensorMeta(param.shape, param.stride(), local.dtype)
-    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
-    state = torch.Tensor._make_wrapper_subclass(
-        DTensor,
-        meta.shape,
-        strides=meta.stride,
-        storage_offset=0,
-        dtype=local.dtype,
-        device=local.device,
-        layout=local.layout,
-        requires_grad=False,
-    )
-    state._spec, state._local_tensor = spec, local
-    return state
-
-
-def _carve(flat: Tensor, shape: torch.Size, param: Tensor) -> Tensor:
-    """`flat` (contiguous, `shape`'s numel) as a state tensor of `shape` for `param`.
-
-    State shaped like the param's local shard takes the param's memory layout, as torch
-    optimizers create it (`zeros_like(p, memory_format=torch.preserve_format)`): fused
-    kernels pair a param's elements with its state's by memory, not by index, so a
-    contiguous state for a transposed or channels_last param would be updated wrongly.
-    """
-    local = local_tensor(param)
-    if shape != local.shape:
-        return flat.view(shape)
-    return flat.as_strided(shape, torch.empty_like(local, device="meta").stride())
 
 
 def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size, fix: str) -> None:
@@ -170,108 +106,11 @@ def _check_each_param_once(optimizer: torch.optim.Optimizer) -> None:
             seen[param] = (g, k)
 
 
-@dataclass
-class _Home:
-    """Where one state tensor lives between steps: a host slab view, or a GPU-resident one."""
-
-    home: Tensor  # local shape
-    home_state: Tensor  # as the optimizer keeps it (a DTensor like the param, or `home`)
-
-
-@dataclass
-class _View:
-    """The part of one state tensor a chunk steps, built once."""
-
-    param: Tensor
-    key: str
-    home: _Home
-    staging: Tensor  # a view of the staging ring (of the home, in a resident chunk)
-    staging_state: Tensor  # as the step reads it (a flat tensor for a slice)
-
-
-@dataclass
-class _Chunk:
-    """A chunk's runtime handles, built once from its `ChunkLayout`."""
-
-    params: list[Tensor]  # updated whole
-    slices: list[ParamSlice]  # updated in slices
-    slot: int  # staging slot; -1 when resident
-    invariant_bytes: int  # rank-invariant state bytes ("auto" times its loads by them)
-    copies: list[tuple[Tensor, Tensor]]  # (home slab range, staging slot range)
-    views: list[_View]
-
-    @property
-    def touched(self) -> list[Tensor]:
-        return self.params + [s.param for s in self.slices]
-
-
-class _StagingRing:
-    """The staging slots, one buffer per dtype, holding memory only during a step.
-
-    The views into it are built once; between steps the buffers' storage is
-    resized to zero, so the caching allocator can hand the memory to the forward
-    and backward (FSDP2 frees its unsharded params the same way).
-    """
-
-    def __init__(self, numel: dict[torch.dtype, int], device: torch.device) -> None:
-        self.buffers = {d: torch.empty(n, dtype=d, device=device) for d, n in numel.items()}
-        self._nbytes = {d: t.untyped_storage().nbytes() for d, t in self.buffers.items()}
-
-    def acquire(self) -> None:
-        """Allocate on the current stream (streams that use it must wait on it after)."""
-        for dtype, buffer in self.buffers.items():
-            storage = buffer.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(self._nbytes[dtype])
-
-    def release(self, users: Sequence[torch.Stream | None]) -> None:
-        """Give the memory back once the work queued on `users` is done with it."""
-        for buffer in self.buffers.values():
-            if buffer.untyped_storage().nbytes() == 0:  # given back already
-                continue
-            for stream in users:
-                if stream is not None:
-                    buffer.record_stream(stream)
-            buffer.untyped_storage().resize_(0)
-
-
-COPY_PIECE_BYTES = 32 << 20
-"""Largest single copy between a host slab and the ring, in bytes. A copy the trainer
-enqueues (FSDP2's in each post-backward; `.item()` reads one back) queues in the copy
-engine behind ours, in the order they were enqueued, pieces or not, so what bounds its
-wait is how much is enqueued ahead of it (`_load_ahead` spreads the backward's loads).
-Chosen with `bench/train_step.py --trace` and `bench/trace_summary.py`, which show the
-trainer's copies waiting behind whole chunks."""
-
-
-def _copy_pieces(home: Tensor, staging: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """(home, staging) cut into aligned pieces of at most `COPY_PIECE_BYTES`."""
-    step = max(1, COPY_PIECE_BYTES // home.element_size())
-    return [(home[i : i + step], staging[i : i + step]) for i in range(0, home.numel(), step)]
-
-
 AMP_SCALING_ATTRIBUTES = ("grad_scale", "found_inf")
 """What `torch.amp.GradScaler.step` sets on an optimizer with `_step_supports_amp_scaling`
 (fused Adam, AdamW, SGD, Adagrad) for its `step()` call and deletes after: its step reads
 them (`getattr(self, "grad_scale", None)`), unscales the grads in its kernel and skips the
 update on inf (torch 2.11, 2.13)."""
-
-
-@contextlib.contextmanager
-def _attributes_set(obj: object, values: Mapping[str, Any]) -> Iterator[None]:
-    """`values` set as attributes of `obj` inside the block; after it, removed (or what
-    `obj` held before restored)."""
-    held = {name: vars(obj)[name] for name in values if name in vars(obj)}
-    for name, value in values.items():
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for name in values:
-            if name in held:
-                setattr(obj, name, held[name])
-            else:
-                delattr(obj, name)
 
 
 OVERSIZED_UNIT_WARN_BYTES = 64 << 20
@@ -465,20 +304,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         self._check_ring_fits()
         self._streams = CopyStreams(self.device, staging_slots)
-        self._plan: OffloadPlan | None = None
+        self._executor = StepExecutor(optimizer, self._params, self._streams, staging_slots)
         self._specs: list[ParamSpec] = []
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
         self._state_loaded = False  # since the last plan: its options may keep other state
-        self._chunks: list[_Chunk] = []
-        self._homes: dict[tuple[Tensor, str], _Home] = {}
-        self._host_slabs: dict[torch.dtype, Tensor] = {}
-        self._resident_slabs: dict[torch.dtype, Tensor] = {}
-        self._ring: _StagingRing | None = None
-        self._extra_slots: list[_StagingRing] = []  # the backward's, slots staging_slots + i
-        self._schedule: StepSchedule | None = None  # how the step runs its chunks
-        self._step_done: torch.Event | None = None
-        self._steps = 0
         self._auto: AutoResidency | None = None
         self._host_room_for_all = gpu_resident_bytes == "auto"
         # A byte count for the backward's loads, or None (the ring's chunks, or "auto"'s).
@@ -537,11 +367,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """With loads in the backward: the state bytes it loads (None: the ring's chunks;
         by default, once planned, those the forward first waits for); under "auto", once
         settled, what it chose."""
-        self._loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
-        self._loaded_ahead_done: torch.Event | None = None
-        self._loaded_ahead_versions: list[int] = []  # of their state, once the backward loaded
-        self.chunks_loaded_in_backward = 0
-        """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _check_ring_fits(self) -> None:
@@ -642,7 +467,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         their state in place (so may one holding a state tensor from an earlier step,
         through torch ops: `load_in_backward`)."""
         self.wait_for_optimizer_step()
-        self._drop_loaded_ahead()
+        self._executor.drop_loaded_ahead()
         return self.optimizer.state
 
     @property
@@ -656,12 +481,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     @property
     def plan(self) -> OffloadPlan | None:
         """The chunk plan, built on the first step (None before)."""
-        return self._plan
+        return self._executor.plan
 
     @property
     def schedule(self) -> StepSchedule | None:
         """How the step runs the plan's chunks (`offload.step_schedule`), built with it."""
-        return self._schedule
+        return self._executor.schedule
+
+    @property
+    def chunks_loaded_in_backward(self) -> int:
+        """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
+        return self._executor.chunks_loaded_in_backward
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none and self._overlap is not None:
@@ -682,8 +512,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """
         if self._overlap is not None:
             self._overlap.finish()
-        if self._step_done is not None:
-            self._step_done.synchronize()
+        self._executor.wait()
 
     def close(self) -> None:
         """Finish the last step, remove the forward hooks and give back the staging ring.
@@ -693,7 +522,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self.wait_for_optimizer_step()
-        self._drop_loaded_ahead()
+        self._executor.drop_loaded_ahead()
         if self._overlap is not None:
             self._overlap.close()
             self._overlap = None
@@ -701,10 +530,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # Given back, not only dropped: the chunks' views keep the slots' storage (the
         # backward's loads may hold it between a backward and its step), and nothing in
         # flight reads it (the step and those loads are done).
-        for slots in (self._ring, *self._extra_slots):
-            if slots is not None:
-                slots.release([])
-        self._ring, self._extra_slots = None, []
+        self._executor.release_staging()
+        self._executor.ring, self._executor.extra_slots = None, []
         self._closed = True
         _WRAPPERS.pop(self.optimizer, None)
 
@@ -737,7 +564,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         them: the pre hooks get a shallow copy of `state_dict` and may return a new one.
         """
         self.wait_for_optimizer_step()
-        self._drop_loaded_ahead()
+        self._executor.drop_loaded_ahead()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             hook_result = pre_hook(self, state_dict)
@@ -793,7 +620,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.optimizer.__setstate__(before)
             raise
         self._state_loaded = True
-        views = self._host_views()
+        views = self._executor.homes
         for (index, key), value in offloaded.items():
             param = param_of[index]
             view = views.get((param, key))
@@ -808,7 +635,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     dtype = param.dtype if cast else value.dtype
                 held = torch.empty_like(local_tensor(value), device="cpu", dtype=dtype)
                 held.copy_(local_tensor(value))
-                self.optimizer.state[param][key] = _as_state(param, held)
+                self.optimizer.state[param][key] = as_state(param, held)
             else:
                 view.home.copy_(local_tensor(value))
                 self.optimizer.state[param][key] = view.home_state
@@ -852,7 +679,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 layout = self._layout(param).items()
                 kept[param] = {key: torch.Size(shape) for key, (shape, _) in layout}
             return kept
-        for (param, key), home in self._homes.items():
+        for (param, key), home in self._executor.homes.items():
             kept.setdefault(param, {})[key] = home.home.shape
         return kept
 
@@ -864,7 +691,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         the backward's loads (they staged the old values).
         """
         state = self.optimizer.state
-        for param, key in self._homes:
+        for param, key in self._executor.homes:
             if not state.get(param) or key in state[param]:
                 continue
             # Staged from its home, a deleted state tensor would come back with old values
@@ -878,13 +705,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 )
         replaced = [
             (param, key, home)
-            for (param, key), home in self._homes.items()
+            for (param, key), home in self._executor.homes.items()
             if key in state.get(param, ()) and state[param][key] is not home.home_state
         ]
         if not replaced:
             return
         self.wait_for_optimizer_step()
-        self._drop_loaded_ahead()
+        self._executor.drop_loaded_ahead()
         for param, key, home in replaced:
             value, index = state[param][key], _position(self._params, param)
             fix = "assign a tensor like the one it replaces, or edit that one in place"
@@ -955,37 +782,37 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
         self._take_replaced_state()
-        if self._loaded_ahead and self._edited_since_loaded_ahead():
+        executor = self._executor
+        if executor.loaded_ahead and executor.edited_since_loaded_ahead():
             # A state tensor held from an earlier step was edited in place after the
             # backward's loads (an edit through `state` has dropped them already).
-            self._drop_loaded_ahead()
-        if auto is not None and self._plan is not None:
+            executor.drop_loaded_ahead()
+        if auto is not None and executor.plan is not None:
             self._run_auto(auto)
         subset = self._subset.begin_subset_step()
         self._ensure_plan(subset, self._subset.state_layout)
-        timed = self._auto is not None and self._auto.measuring
-        if timed:
-            self._auto.timer.step_started(streams.current())
+        timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
+        if timer is not None:
+            timer.step_started(streams.current())
         if self._overlap is not None:  # the next forward's waits: timed in measured steps only
-            self._overlap.timer = self._auto.timer if timed else None
-        self._steps += 1
-        if self._ring is not None:
+            self._overlap.timer = timer
+        if executor.ring is not None:
             # Allocated on the trainer's stream: the copy streams start after its work so far.
-            self._acquire_slots()
+            executor.acquire_slots()
             ready = streams.mark(streams.current())
             streams.wait(streams.h2d, ready)
             streams.wait(streams.d2h, ready)
         if self._overlap is None:
             # The trainer's stream runs the whole step: all of it is exposed.
-            timer = self._auto.timer if timed else None
-            before = timer.mark(streams.current()) if timed else None
-            chunks = self._enqueue_chunks(subset, streams.current(), timed, scaling)
+            compute = streams.current()
+            before = timer.mark(compute) if timer is not None else None
+            chunks = executor.enqueue(subset, compute, scaling, timer, None)
             for _ in self._interruptible(chunks):
                 pass
-            if timed:
-                everything = sum(c.invariant_bytes for c in self._plan.chunks)
-                after = timer.mark(streams.current())
-                timer.waited(len(self._chunks) - 1, everything, before, after)
+            if timer is not None:
+                everything = sum(c.invariant_bytes for c in executor.plan.chunks)
+                after = timer.mark(compute)
+                timer.waited(len(executor.chunks) - 1, everything, before, after)
             return loss
         grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
         grads += [v for v in scaling.values() if isinstance(v, Tensor)]  # read as grads are
@@ -995,7 +822,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             p: [
                 v
                 for k, v in state[p].items()
-                if isinstance(v, Tensor) and (p, k) not in self._homes
+                if isinstance(v, Tensor) and (p, k) not in executor.homes
             ]
             for p in self._params
             if state.get(p)
@@ -1005,127 +832,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # trainer's stack, its pinned slabs) alive until the cycle collector ran.
         this = weakref.proxy(self)
         side = self._overlap.side_stream
-        chunks = CPUOffloadOptimizer._enqueue_chunks(this, subset, side, timed, scaling)
-        homes = [home.home_state for home in self._homes.values()]
+        chunks = executor.enqueue(subset, side, scaling, timer, self._overlap.chunk_done)
+        homes = [home.home_state for home in executor.homes.values()]
         pending = CPUOffloadOptimizer._interruptible(this, chunks, side)
         self._overlap.start(pending, grads, scalars, homes)
         return loss
-
-    def _enqueue_chunks(
-        self,
-        subset: SubsetStep,
-        compute: torch.Stream | None,
-        timed: bool,
-        scaling: Mapping[str, Any],
-    ) -> Iterator[None]:
-        """Enqueue the step as its schedule says (`step_schedule`), yielding after each
-        chunk's operations (lazily, when overlapped); each update sees `scaling`
-        (`AMP_SCALING_ATTRIBUTES`) set on the wrapped optimizer."""
-        streams, schedule = self._streams, self._schedule
-        state = self.optimizer.state
-        had_state = {p for p in self._params if state.get(p)}
-        position = {c: k for k, c in enumerate(schedule.staged)}
-        loaded: dict[int, bool] = {}  # chunk -> its state was copied in
-        loaded_ahead, self._loaded_ahead = self._loaded_ahead, {}
-        self._loaded_ahead_done = None
-        self.chunks_loaded_in_backward = len(loaded_ahead)
-
-        def run(op: str, c: int) -> None:
-            chunk = self._chunks[c]
-            if op == "load":
-                done = loaded_ahead.get(position[c])
-                loaded[c] = self._load(chunk, had_state, timed) if done is None else done
-            elif op == "write_back":
-                self._write_back(chunk, compute)
-            else:
-                self._step_chunks(subset, [c], compute, loaded, had_state, timed, scaling)
-
-        # The chunks ready at the start (resident, or loaded in the backward; loaded here
-        # if it did not, e.g. on the first step) update first, a few calls for all of them.
-        for c in schedule.ready:
-            if self._chunks[c].slot >= 0:
-                run("load", c)
-        for cs in self._update_groups(schedule.ready, had_state):
-            self._step_chunks(subset, cs, compute, loaded, had_state, timed, scaling)
-        for op in schedule.prologue:
-            run(*op)
-        for ops in schedule.per_chunk:
-            for op in ops:
-                run(*op)
-            yield
-        for op in schedule.epilogue:
-            run(*op)
-        # Done: every update and write-back. The ring goes back to the allocator once
-        # the streams that used it are past it.
-        streams.wait(streams.d2h, streams.mark(compute))
-        self._step_done = streams.mark(streams.d2h)
-        if self._ring is not None:
-            self._ring.release([streams.h2d, streams.d2h, compute])
-
-    def _update_groups(self, cs: Sequence[int], had_state: set[Tensor]) -> list[list[int]]:
-        """Chunks `cs` (in order) cut into runs that can update in one call: a param's
-        state is staged one chunk at a time (its entry points at that chunk's slice), so a
-        run holds each param once; and while the step creates state, one chunk a run (a
-        sliced param's slices each create their own, adopted after their call)."""
-        groups: list[list[int]] = []
-        seen: set[Tensor] = set()
-        closed = True  # the last run takes no more chunks
-        for c in cs:
-            touched = self._chunks[c].touched
-            creates = not all(p in had_state for p in touched)
-            if closed or creates or any(p in seen for p in touched):
-                groups.append([])
-                seen = set()
-            groups[-1].append(c)
-            seen.update(touched)
-            closed = creates
-        return groups
-
-    def _step_chunks(
-        self,
-        subset: SubsetStep,
-        cs: Sequence[int],
-        compute: torch.Stream | None,
-        loaded: Mapping[int, bool],
-        had_state: set[Tensor],
-        timed: bool,
-        scaling: Mapping[str, Any],
-    ) -> None:
-        """Enqueue chunks `cs`'s update on `compute` in one call of the subset step (it
-        updates each unit on its own: the same bits as one call a chunk), from their
-        staging slots (or resident homes), with GradScaler's `scaling` set on the wrapped
-        optimizer for the call, as `GradScaler.step` sets it for an unwrapped one's."""
-        streams, state = self._streams, self.optimizer.state
-        chunks = [self._chunks[c] for c in cs]
-        for chunk, c in zip(chunks, cs, strict=True):
-            if chunk.slot >= 0:
-                # A loaded slot was freed before its load; an unloaded one (state not
-                # created yet) must still wait for its last write-back before the step
-                # creates state into it.
-                ready = streams.loaded if loaded.get(c, False) else streams.freed
-                streams.wait(compute, ready[chunk.slot])
-            for view in chunk.views:
-                if view.param in had_state:
-                    state[view.param][view.key] = view.staging_state
-        params = [p for chunk in chunks for p in chunk.params]
-        slices = [s for chunk in chunks for s in chunk.slices]
-        with streams.on(compute), _attributes_set(self.optimizer, scaling):
-            if slices:
-                subset.step_slices(params, slices)
-            else:
-                subset.step_params(params)
-            for chunk in chunks:
-                self._adopt_new_state(chunk, had_state)
-        for chunk, c in zip(chunks, cs, strict=True):
-            if self._overlap is not None:
-                streams.record(self._overlap.chunk_done[c], compute)
-            if timed:
-                self._auto.timer.chunk_done(compute)
-            if chunk.slot >= 0:
-                streams.record(streams.stepped[chunk.slot], compute)
-            for view in chunk.views:
-                if state.get(view.param):
-                    state[view.param][view.key] = view.home.home_state
 
     def _interruptible(
         self, chunks: Iterator[None], compute: torch.Stream | None = None
@@ -1146,148 +857,29 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _abandon_step(
         self, stepped: int, error: BaseException, compute: torch.Stream | None
     ) -> None:
-        """After a chunk raised: every state entry back in its home (the chunk's point into
-        the staging ring), and the next `step()` refused: the step is partly applied, which
-        cannot be finished exactly (the chunk that raised may have updated some of its
-        params). The ring keeps its memory until a step ends or the optimizer goes: the
-        error's traceback holds views of it, which a debugger or a test report reads (given
-        back, they pointed at freed memory)."""
-        state, streams = self.optimizer.state, self._streams
-        for (param, key), home in self._homes.items():
-            if key in state.get(param, ()):
-                state[param][key] = home.home_state
-        compute = compute if compute is not None else streams.current()
-        streams.wait(streams.d2h, streams.mark(compute))
-        self._step_done = streams.mark(streams.d2h)  # what reads the homes waits for this
+        """After a chunk raised: the state back home (`StepExecutor.abandon`), and the next
+        `step()` refused: the step is partly applied, which cannot be finished exactly (the
+        chunk that raised may have updated some of its params)."""
+        self._executor.abandon(compute)
         self._interrupted = (
             f"the last step() was interrupted by {type(error).__name__} after {stepped} of "
-            f"{len(self._chunks)} chunks had stepped: their params and state are updated (and "
-            "perhaps some of the later chunks'), the others' not, and that cannot be finished "
-            "exactly. Restore the model and this optimizer from a checkpoint (load_state_dict "
-            "clears this), or, to go on from here, close() this optimizer and wrap the inner "
-            "one anew"
+            f"{len(self._executor.chunks)} chunks had stepped: their params and state are "
+            "updated (and perhaps some of the later chunks'), the others' not, and that cannot "
+            "be finished exactly. Restore the model and this optimizer from a checkpoint "
+            "(load_state_dict clears this), or, to go on from here, close() this optimizer and "
+            "wrap the inner one anew"
         )
-
-    def _write_back(self, chunk: _Chunk, compute: torch.Stream | None) -> None:
-        """Enqueue the D2H copy of a stepped chunk's state; an extra slot goes back to the
-        allocator once it is done."""
-        streams = self._streams
-        with streams.on(streams.d2h):
-            streams.wait(streams.d2h, streams.stepped[chunk.slot])
-            for home, staging in chunk.copies:
-                home.copy_(staging, non_blocking=True)
-            streams.record(streams.freed[chunk.slot], streams.d2h)
-        if chunk.slot >= self.staging_slots and self._ring is not None:
-            # the backward's: not needed again this step (none held when nothing is staged)
-            self._extra_slots[chunk.slot - self.staging_slots].release(
-                [streams.h2d, streams.d2h, compute]
-            )
-
-    def _acquire_slots(self) -> None:
-        """Allocate the ring and the backward's extra slots (those not held yet)."""
-        self._ring.acquire()
-        for slot in self._extra_slots:
-            slot.acquire()
 
     def _backward_reached(self, passed: int, watched: int) -> None:
         """The backward passed the `passed`-th of `watched` owner modules (see
-        `ForwardOverlap.backward_reached`)."""
+        `ForwardOverlap.backward_reached`): with `load_in_backward`, load its share of the
+        next step's first chunks (`StepExecutor.load_ahead`). Not while "auto" measures
+        (everything offloaded, nothing loaded ahead), nor while chunks of the last step
+        are pending (the loads would overwrite slots they have not written back)."""
         if self._auto is not None and self._auto.measuring:
             self._auto.timer.backward_started(self._streams.current())
-        self._load_ahead(passed, watched)
-
-    def _load_ahead(self, passed: int, watched: int) -> None:
-        """From the backward (`load_in_backward`), as it passes the `passed`-th of the
-        `watched` owner modules: load the state of the step's first staged chunks
-        (`backward_load_bytes`), in step order, spread evenly over the modules before the
-        last; the step then skips those loads.
-
-        Spread, and each share started only once the device's backward gets there: copies
-        the trainer makes (FSDP2 copies a small tensor to the GPU in each module's
-        post-backward) queue in the copy engine behind ours, and loads enqueued all at once
-        stalled the backward for as long as they took (`bench/trace_summary.py` shows it).
-
-        Not while "auto" measures (everything offloaded, nothing loaded ahead) or before
-        state exists.
-        """
-        if (
-            self._ring is None
-            or not self._load_in_backward
-            or self._closed
-            or self._overlap.pending_chunks
-        ):
-            return
-        schedule = self._schedule
-        staged = [self._chunks[c] for c in schedule.loaded_in_backward]
-        loaded = len(self._loaded_ahead)
-        share = backward_load_share(len(staged), passed, watched)
-        if share <= loaded:
-            return
-        # Only this share's params: called once per module the backward passes, a look-up
-        # of every param here made the backward's host time grow with params x modules.
-        state = self.optimizer.state
-        had_state = {p for c in staged[loaded:share] for p in c.touched if state.get(p)}
-        if not had_state and not self._loaded_ahead:  # no state yet (the first step)
-            return
-        streams = self._streams
-        with torch.no_grad():
-            # Each chunk's own slot, allocated on the backward's stream (the loads start
-            # after its work so far) as its share comes; the ring waits for `step()`.
-            for chunk in staged[loaded:share]:
-                self._extra_slots[chunk.slot - self.staging_slots].acquire()
-            streams.wait(streams.h2d, streams.mark(streams.current()))
-            if not loaded:
-                self._loaded_ahead_versions = []
-            for index in range(loaded, share):
-                self._loaded_ahead[index] = self._load(staged[index], had_state)
-                self._loaded_ahead_versions += _state_versions(staged[index])
-        self._loaded_ahead_done = streams.mark(streams.h2d)
-
-    def _edited_since_loaded_ahead(self) -> bool:
-        """Whether state the backward loaded was edited in place since (by torch ops)."""
-        staged = self._schedule.loaded_in_backward
-        now = [v for i in self._loaded_ahead for v in _state_versions(self._chunks[staged[i]])]
-        return now != self._loaded_ahead_versions
-
-    def _drop_loaded_ahead(self) -> None:
-        """Forget chunks loaded in the backward (their homes are about to change)."""
-        if self._loaded_ahead_done is not None:
-            self._loaded_ahead_done.synchronize()
-        self._loaded_ahead, self._loaded_ahead_done = {}, None
-
-    def _load(self, chunk: _Chunk, had_state: set[Tensor], timed: bool = False) -> bool:
-        """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""
-        if not any(p in had_state for p in chunk.touched):
-            return False
-        streams = self._streams
-        with streams.on(streams.h2d):
-            # The slot's previous chunk must be written back before it is overwritten.
-            streams.wait(streams.h2d, streams.freed[chunk.slot])
-            timer = self._auto.timer if timed else None
-            before = timer.mark(streams.h2d) if timed else None
-            for home, staging in chunk.copies:
-                staging.copy_(home, non_blocking=True)
-            if timed:
-                timer.loaded(chunk.invariant_bytes, before, timer.mark(streams.h2d))
-            streams.record(streams.loaded[chunk.slot], streams.h2d)
-        return True
-
-    def _adopt_new_state(self, chunk: _Chunk, had_state: set[Tensor]) -> None:
-        """State the step just created goes into the chunk's staging slot, then home."""
-        state = self.optimizer.state
-        for view in chunk.views:
-            param, key = view.param, view.key
-            if param in had_state or not state.get(param):
-                continue
-            created = local_tensor(state[param][key])
-            if created.shape != view.staging.shape or created.dtype != view.staging.dtype:
-                raise RuntimeError(
-                    f"{type(self.optimizer).__name__} created state {key!r} as "
-                    f"{tuple(created.shape)} {created.dtype}, but its state_layout promised "
-                    f"{tuple(view.staging.shape)} {view.staging.dtype}"
-                )
-            view.staging.copy_(created)
-            state[param][key] = view.staging_state
+        if self._load_in_backward and not self._closed and not self._overlap.pending_chunks:
+            self._executor.load_ahead(passed, watched)
 
     # -- planning and allocation --------------------------------------------------------
 
@@ -1302,7 +894,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # from the first step it shows one on (re-planned then, once: it stays whole).
         sparse = {p for p in self._params if p.grad is not None and p.grad.is_sparse}
         self._stepped_whole |= sparse
-        if self._plan is not None:
+        if self._executor.plan is not None:
             if units_key != self._units_key:
                 raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
             # Planned anew for a sparse grad on a sliced param, for state a step created
@@ -1314,22 +906,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if not resplit and not loaded and not self._unhomed_state():
                 return
         specs = self._specs_of(subset, layout)
-        if self._plan is not None:
+        if self._executor.plan is not None:
             if specs == self._specs:  # unhomed state the step does not keep (set by hand)
                 return
             self.wait_for_optimizer_step()  # the new homes copy the old ones
-            self._drop_loaded_ahead()
+            self._executor.drop_loaded_ahead()
             if self._host_room_for_all:  # one host layout: the old GPU state goes home first
                 self._give_back_gpu_state()
-        first_plan = self._plan is None
+        first_plan = self._executor.plan is None
         self._specs = specs
-        self._build(self._plan_for(units_key), units_key)
+        self._units_key = units_key
+        self._build(self._planned_now())
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
 
     def _warn_if_nothing_resident(self, units_key: tuple[tuple[int, ...], ...]) -> None:
         """A `gpu_resident_bytes` too small for the first unit residency takes keeps nothing."""
-        if self._resident_budget == 0 or self._plan.resident_bytes > 0:
+        if self._resident_budget == 0 or self._executor.plan.resident_bytes > 0:
             return
         sizes = [u.bytes for u in unit_sizes(units_key, self._specs) if u.bytes > 0]
         if not sizes:
@@ -1362,77 +955,57 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             specs.append(ParamSpec(invariant_numel(p), state, splittable))
         return specs
 
-    def _plan_for(
-        self, units_key: tuple[tuple[int, ...], ...], split: Split | None = None
-    ) -> OffloadPlan:
-        """The plan of the current budget, or of `split`'s (as `_replan` would run it)."""
-        resident, backward = self._resident_budget, self._load_in_backward
-        if split is not None:
-            resident = split.resident_bytes
-            backward = split.backward_load_bytes > 0 or self._insist_on_backward_loads
-        return plan_offload(
-            units_key,
+    def _step_plan(self, resident_bytes: int, backward: BackwardLoads | None) -> OffloadedStep:
+        """The step's plan (`step_plan`) with `resident_bytes` resident and `backward`'s loads."""
+        return plan_offloaded_step(
+            self._units_key,
             self._specs,
-            self.chunk_bytes,
-            resident_bytes=resident,
-            resident_first=self._overlap is not None,
-            # The first chunks load in the backward: full ones fill the ring.
-            ramp_first=not backward,
+            chunk_bytes=self.chunk_bytes,
+            staging_slots=self.staging_slots,
+            resident_bytes=resident_bytes,
+            overlap=self._overlap is not None,
+            backward=backward,
             host_room_for_all=self._host_room_for_all,
         )
+
+    def _planned_now(self) -> OffloadedStep:
+        """The step's plan with the options as they are now (a byte budget, or what "auto"
+        runs)."""
+        backward = None
+        if self._load_in_backward:
+            backward = (
+                self._first_wait_loads()
+                if self._load_first_wait
+                else BackwardLoads(budget=self.backward_load_bytes)
+            )
+        return self._step_plan(self._resident_budget, backward)
+
+    def _planned_with(self, split: Split) -> OffloadedStep:
+        """The step's plan with `split` (as `_replan` runs it)."""
+        backward = None
+        if self._overlap is not None and (
+            split.backward_load_bytes > 0 or self._insist_on_backward_loads
+        ):
+            backward = BackwardLoads(budget=split.backward_load_bytes or None)
+        return self._step_plan(split.resident_bytes, backward)
 
     def _held_bytes(self, split: Split) -> int:
         """GPU bytes for state the plan of `split` holds at most: its resident state, the
         ring and the backward's extra slots (held together from `step()` on)."""
-        plan = self._plan_for(self._units_key, split)
-        loads = 0
-        if self._overlap is not None and (
-            split.backward_load_bytes > 0 or self._insist_on_backward_loads
-        ):
-            loads = self._backward_loads(plan, None, split.backward_load_bytes or None)  # bytes
-        return self._held_with_loads(plan, loads)
+        return self._planned_with(split).held_bytes
 
-    def _held_with_loads(self, plan: OffloadPlan, loads: int) -> int:
-        """GPU bytes for state `plan` holds at most with `loads` chunks loaded in the
-        backward (its schedule's resident state, ring and extra slots)."""
-        staged = [not c.resident for c in plan.chunks]
-        schedule = plan_step(staged, self.staging_slots, loads, overlap=self._overlap is not None)
-        return plan.held_bytes(schedule.slots, self.staging_slots)
-
-    def _backward_loads(
-        self, plan: OffloadPlan, first_wait: Sequence[int] | None, budget: int | None
-    ) -> int:
-        """How many of `plan`'s first staged chunks the backward loads (`chosen_backward_loads`:
-        the chunks holding `first_wait`, or `budget` bytes of them)."""
-        return chosen_backward_loads(
-            [(*c.params, *(s.param for s in c.slices)) for c in plan.chunks],
-            [c.invariant_bytes for c in plan.chunks],
-            [not c.resident for c in plan.chunks],
-            self.staging_slots,
-            first_wait=first_wait,
-            budget=budget,
-        )
-
-    def _first_wait_loads(self, plan: OffloadPlan) -> int:
-        """How many of `plan`'s first staged chunks the default backward loads (forward
-        overlap without "auto"): those holding what the forward first waits for, and more
-        while the step holds no more than its share of the room under the measured peak."""
+    def _first_wait_loads(self) -> BackwardLoads:
+        """What the default backward loads (forward overlap without "auto"): the chunks
+        holding what the forward first waits for, and more while the step holds no more
+        than its share of the room under the measured peak."""
         index = {p: i for i, p in enumerate(self._params)}
-        first = [index[p] for p in self._overlap.first_wait(index)]
-        loads = self._backward_loads(plan, first, None)
-        room = self._room_for_state()
-        if room is not None:
-            held = functools.partial(self._held_with_loads, plan)
-            staged = sum(not c.resident for c in plan.chunks)
-            loads = loads_within_room(loads, staged, self.staging_slots, held, room)
-        return loads
+        first = tuple(index[p] for p in self._overlap.first_wait(index))
+        return BackwardLoads(first_wait=first, room=self._room_for_state())
 
     def _default_backward_bytes(self) -> int:
         """What the backward loads without "auto" (`_first_wait_loads`, of the plan with
         nothing resident, the room under the peak measured now), for "auto" to try."""
-        plan = self._plan_for(self._units_key, Split(0, 1))  # any bytes: it loads
-        staged = [c for c in plan.chunks if not c.resident]
-        return sum(c.invariant_bytes for c in staged[: self._first_wait_loads(plan)])
+        return self._step_plan(0, self._first_wait_loads()).backward_load_bytes
 
     def _room_for_state(self) -> int | None:
         """What the step's state may hold on the device without raising its peak: the
@@ -1445,14 +1018,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """ "auto"'s decision at this step: re-plan with the split it returns (the host
         waits here for the last step, as for a checkpoint); once it has settled, say
         what it chose."""
-        plan = self._plan
+        plan = self._executor.plan
         shape = StepShape(
             tuple(c.invariant_bytes for c in plan.chunks),
             tuple(u.bytes for u in unit_sizes(self._units_key, self._specs)),
             self._overlap is not None,
         )
         # The ring was held at the measured peak: it is the optimizer's to hold again.
-        ring = plan.ring_bytes(self._schedule.slots, self.staging_slots)
+        ring = plan.ring_bytes(self._executor.schedule.slots, self.staging_slots)
         split = auto.decide(
             shape,
             self._held_bytes,
@@ -1527,7 +1100,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         homes, planned anew at the next step) and raises, so no rank steps alone (its peers
         would wait for it in the next collective, or step params it did not)."""
         self.wait_for_optimizer_step()
-        self._drop_loaded_ahead()
+        self._executor.drop_loaded_ahead()
         self._give_back_gpu_state()
         ran = (self._resident_budget, self._load_in_backward, self.backward_load_bytes)
         self._resident_budget = split.resident_bytes
@@ -1537,7 +1110,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.backward_load_bytes = backward if backward > 0 else None
         error: Exception | None = None
         try:
-            self._build(self._plan_for(self._units_key, split), self._units_key)
+            self._build(self._planned_with(split))
         except Exception as err:
             error = err
         except BaseException:  # an interrupt: no agreeing with peers, which stop too
@@ -1563,46 +1136,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         homes: the options that ran before, planned anew at the next step, and what the
         failed plan allocated goes now."""
         self._resident_budget, self._load_in_backward, self.backward_load_bytes = ran
-        self._plan, self._resident_slabs = None, {}
-        self._ring, self._extra_slots = None, []
+        self._executor.forget()
 
     def _give_back_gpu_state(self) -> None:
         """Before a re-plan within one host layout: resident state to its room in the host
-        slabs, and the ring and the backward's slots dropped, so the new plan's GPU memory
-        is not allocated beside the old's (the budget holds one plan, not two)."""
-        state = self.optimizer.state
-        resident = {(v.param, v.key) for c in self._chunks if c.slot < 0 for v in c.views}
-        everything_home = plan_offload(
-            self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True
+        slabs, and the staging slots dropped (`StepExecutor.give_back_gpu_state`)."""
+        self._executor.give_back_gpu_state(
+            plan_offload(self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True)
         )
-        for layout in everything_home.chunks:
-            for view in layout.views:
-                param, spec = self._params[view.param], view.spec
-                entries = state.get(param)
-                if (param, spec.key) not in resident or not entries or spec.key not in entries:
-                    continue
-                resident.discard((param, spec.key))  # a sliced tensor has a view per chunk
-                slab = self._host_slabs[spec.dtype][view.home_offset :][: spec.numel]
-                host = _carve(slab, spec.shape, param)
-                host.copy_(local_tensor(entries[spec.key]))
-                entries[spec.key] = _as_state(param, host)
-        for slots in (self._ring, *self._extra_slots):
-            if slots is not None:
-                slots.release([])
-        self._chunks, self._homes, self._resident_slabs = [], {}, {}
-        self._ring, self._extra_slots = None, []
 
-    # Normal tensors whatever mode `step()` runs in: the backward, outside it, loads them.
-    @torch.inference_mode(False)
-    def _build(
-        self, plan: OffloadPlan, units_key: tuple[tuple[int, ...], ...], ring: bool = True
-    ) -> None:
-        """Allocate slabs and the ring, carve views, and move any existing state home.
-
-        The serial path stages all state per step instead of through the ring, so
-        without `ring` the staging buffers live on the meta device and take no memory.
-        """
-        slot_bytes = plan.staging_bytes(1)
+    def _build(self, step: OffloadedStep, ring: bool = True) -> None:
+        """Allocate and lay out `step`'s plan (`StepExecutor.build`), moving any existing
+        state home; the serial path builds without the `ring` (it stages all state)."""
+        slot_bytes = step.plan.staging_bytes(1)
         if ring and slot_bytes > max(2 * self.chunk_bytes, OVERSIZED_UNIT_WARN_BYTES):
             mib = 2**20
             warnings.warn(
@@ -1614,113 +1160,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"chunk_bytes.",
                 stacklevel=_user_stacklevel(),
             )
-        kept = {dtype: slab.numel() for dtype, slab in self._host_slabs.items()}
-        if not (self._host_room_for_all and kept == dict(plan.host_numel)):
-            # (with room for all, every plan has one host layout: the slabs stay)
-            self._host_slabs = allocate_host_slabs(plan.host_numel, self.device)
-        self._resident_slabs = {
-            dtype: torch.zeros(n, dtype=dtype, device=self.device)
-            for dtype, n in plan.resident_numel.items()
-        }
-        staged = [c for c in plan.chunks if not c.resident]
-        loads = 0
-        if ring and self._load_in_backward:
-            if self._load_first_wait:
-                loads = self._first_wait_loads(plan)
-                self.backward_load_bytes = sum(c.invariant_bytes for c in staged[:loads])
-            else:
-                loads = self._backward_loads(plan, None, self.backward_load_bytes)
-        schedule = plan_step(
-            [not c.resident for c in plan.chunks],
-            self.staging_slots,
-            loads,
-            overlap=self._overlap is not None,
-        )
-        ring_numel = plan.ring_slot_numel(schedule.slots, self.staging_slots)
-        staging_numel = {dtype: schedule.ring_slots_taken * n for dtype, n in ring_numel.items()}
-        self._streams.ensure_slots(self.staging_slots + schedule.extra_slots)
-        if ring:
-            self._ring = _StagingRing(staging_numel, self.device)
-            # An extra slot holds one chunk: sized for it, not for the largest.
-            self._extra_slots = [
-                _StagingRing(chunk.staging_numel, self.device)
-                for chunk, slot in zip(plan.chunks, schedule.slots, strict=True)
-                if slot >= self.staging_slots
-            ]
-            staging_buffers = self._ring.buffers
-        else:
-            staging_buffers = {
-                dtype: torch.empty(n, dtype=dtype, device="meta")
-                for dtype, n in staging_numel.items()
-            }
-        self._schedule = schedule
-
-        def slot_buffer(dtype: torch.dtype, slot: int) -> Tensor:
-            """A slot's staging memory for `dtype` (a slice of the ring, or an extra slot)."""
-            if slot >= self.staging_slots:
-                return self._extra_slots[slot - self.staging_slots].buffers[dtype]
-            return staging_buffers[dtype][slot * ring_numel[dtype] :][: ring_numel[dtype]]
-
-        homes: dict[tuple[Tensor, str], _Home] = {}
-        chunks = []
-        for layout, slot in zip(plan.chunks, schedule.slots, strict=True):
-            slabs = self._resident_slabs if layout.resident else self._host_slabs
-            copies = [
-                piece
-                for dtype, runs in layout.copies.items()
-                for run in runs
-                for piece in _copy_pieces(
-                    slabs[dtype][run.home_start :][: run.numel],
-                    slot_buffer(dtype, slot)[run.staging_start :][: run.numel],
-                )
-            ]
-            views = []
-            for view in layout.views:
-                spec, param = view.spec, self._params[view.param]
-                home = homes.get((param, spec.key))
-                if home is None:
-                    h = _carve(
-                        slabs[spec.dtype][view.home_offset :][: spec.numel], spec.shape, param
-                    )
-                    home = homes[param, spec.key] = _Home(h, _as_state(param, h))
-                if layout.resident:
-                    staging = home.home if not view.sliced else home.home.view(-1)
-                    staging = staging[view.start : view.stop] if view.sliced else staging
-                elif view.stop == view.start:  # nothing of it on this rank: no slot space
-                    staging = torch.empty(view.shape, dtype=spec.dtype, device=self.device)
-                else:
-                    staging = slot_buffer(spec.dtype, slot)[view.staging_offset :]
-                    staging = _carve(staging[: view.stop - view.start], view.shape, param)
-                staging_state = staging if view.sliced else _as_state(param, staging)
-                views.append(_View(param, spec.key, home, staging, staging_state))
-            chunks.append(
-                _Chunk(
-                    [self._params[i] for i in layout.params],
-                    [ParamSlice(self._params[s.param], s.start, s.stop) for s in layout.slices],
-                    slot,
-                    layout.invariant_bytes,
-                    copies,
-                    views,
-                )
-            )
-        self._plan, self._units_key, self._chunks, self._homes = plan, units_key, chunks, homes
+        # With room for all, every plan has one host layout: the slabs stay.
+        self._executor.build(step, ring=ring, keep_host_slabs=self._host_room_for_all)
+        if self._load_first_wait and ring:
+            self.backward_load_bytes = step.backward_load_bytes
         if self._overlap is not None:
             self._overlap.set_chunks(
-                [chunk.touched for chunk in chunks], self._unit_ends(units_key), schedule
+                [chunk.touched for chunk in self._executor.chunks],
+                self._unit_ends(self._units_key),
+                step.schedule,
             )
-        if ring and not plan.slot_numel:
-            self._ring, self._extra_slots = None, []  # no state staged: no staging memory
-        state = self.optimizer.state
-        for (param, key), home in homes.items():
-            entries = state.get(param)
-            if entries and key in entries:
-                current = local_tensor(entries[key])
-                if current.data_ptr() != home.home.data_ptr() or current.device != home.home.device:
-                    home.home.copy_(current)
-                entries[key] = home.home_state
-        if self._ring is not None:
-            for slots in (self._ring, *self._extra_slots):
-                slots.release([])  # acquired again at the start of each step
 
     def _unit_ends(self, units_key: tuple[tuple[int, ...], ...]) -> dict[Tensor, int]:
         """Where each param's unit ends in the step: its state bytes and all before it."""
@@ -1742,9 +1191,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             room = int(least.item())
         return room
 
-    def _host_views(self) -> dict[tuple[Tensor, str], _Home]:
-        return self._homes
-
     # -- serial path --------------------------------------------------------------------
 
     def _serial_step(
@@ -1758,54 +1204,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         any step where a param gets its first grad. The host's memory for them is
         checked before that step, from a dry run, where the optimizer allows one.
         """
-        if self._plan is None and self._unhomed_state():  # loaded before the first step
+        executor = self._executor
+        if executor.plan is None and self._unhomed_state():  # loaded before the first step
             self._build_serial_plan()
         self._take_replaced_state()
         self._check_host_memory_for_new_state()
-        state = self.optimizer.state
-        staged = []
-        if self._plan is not None:
-            (layout,) = self._plan.chunks
-            staging = {
-                dtype: torch.empty(n, dtype=dtype, device=self.device)
-                for dtype, n in self._plan.slot_numel.items()
-            }
-            for view in layout.views:
-                spec, param = view.spec, self._params[view.param]
-                if not state.get(param):  # its state started afresh (`del opt.state[p]`)
-                    continue
-                s = staging[spec.dtype][view.staging_offset :][: spec.numel]
-                s = _carve(s, spec.shape, param)
-                home = self._homes[param, spec.key]
-                s.copy_(home.home, non_blocking=True)
-                state[param][spec.key] = _as_state(param, s)
-                staged.append((param, spec.key, home))
+        staged = executor.stage_all()
         try:
-            with _attributes_set(self.optimizer, scaling):
+            with attributes_set(self.optimizer, scaling):
                 loss = step_without_hooks(self.optimizer, closure)
         finally:  # interrupted too: the state goes home as the step left it, as plain torch's
-            self._serial_write_back(staged)
+            executor.write_back_staged(staged)
+            if self._unhomed_state():  # created on the device by this step: move it home
+                executor.wait()  # the new slabs copy the old homes, once written back
+                self._build_serial_plan()
         return loss
-
-    def _serial_write_back(self, staged: list[tuple[Tensor, str, _Home]]) -> None:
-        """Copy the staged state home, and move home state the step created on the device."""
-        state = self.optimizer.state
-        for param, key, home in staged:
-            # The step may have replaced the tensor rather than updated it (LBFGS's "d").
-            h = home.home
-            now = local_tensor(state[param][key])
-            if now.shape != h.shape or now.dtype != h.dtype:
-                raise RuntimeError(
-                    f"{type(self.optimizer).__name__} changed state {key!r} of param "
-                    f"{_position(self._params, param)} from {tuple(h.shape)} {h.dtype} to "
-                    f"{tuple(now.shape)} {now.dtype}; its state cannot live in fixed host slabs"
-                )
-            h.copy_(now, non_blocking=True)
-            state[param][key] = home.home_state
-        if self._unhomed_state():  # created on the device by this step: move it home
-            self._build_serial_plan()
-        if self._streams.async_copies:
-            self._step_done = self._streams.mark(self._streams.current())
 
     def _check_host_memory_for_new_state(self) -> None:
         """If this step will create state, check the host holds all state after it."""
@@ -1825,7 +1238,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         check_host_memory(held + new_bytes)
 
     def _unhomed_state(self) -> bool:
-        homed = self._host_views()
+        homed = self._executor.homes
         return any(
             (p, k) not in homed
             for p in self._params
@@ -1847,15 +1260,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for p in self._params
         ]
         units = tuple((i,) for i in range(len(self._params)))
-        self._build(plan_offload(units, specs, chunk_bytes=2**62), units, ring=False)
-
-
-def _state_versions(chunk: _Chunk) -> list[int]:
-    """The version counters of `chunk`'s state at home. An in-place torch op on a home bumps
-    its slab's (shared by the slab's views); one on a DTensor state only the wrapper's (its
-    local op runs below the counting). `Tensor._version` is private: the one place it is
-    read (torch 2.11 and 2.13 checked)."""
-    return [t._version for view in chunk.views for t in (view.home.home, view.home.home_state)]
+        step = plan_offloaded_step(
+            units,
+            specs,
+            chunk_bytes=2**62,  # one chunk: all state staged at once
+            staging_slots=self.staging_slots,
+            resident_bytes=0,
+            overlap=False,
+            backward=None,
+        )
+        self._build(step, ring=False)
 
 
 def _remove_handles(handles: Sequence[RemovableHandle]) -> None:

@@ -90,7 +90,7 @@ def train(
             for name, p in model.named_parameters()
             if not name.startswith("model.layers.") and name not in own
         ]
-        chunks = optimizer._chunks
+        chunks = optimizer._executor.chunks
         last = max(
             c for c, chunk in enumerate(chunks) if any(p is q for p in root for q in chunk.touched)
         )

@@ -122,7 +122,7 @@ def test_custom_optimizer_takes_serial_path_and_is_exact():
         assert torch.equal(a, b)
     assert_same_state(plain, offloaded)
     # state ended up in the host slab, not in tensors of its own
-    slab = offloaded._host_slabs[torch.float32]
+    slab = offloaded._executor.host_slabs[torch.float32]
     for entries in offloaded.state.values():
         assert entries["trace"].untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
 
@@ -156,9 +156,9 @@ def test_state_dict_round_trip_resumes_bitwise():
         assert torch.equal(a, b)
     assert_same_state(ref, resumed)
     # and loading after the slabs exist copies into them in place
-    slab_ptr = resumed._host_slabs[torch.float32].data_ptr()
+    slab_ptr = resumed._executor.host_slabs[torch.float32].data_ptr()
     resumed.load_state_dict(saved_state)
-    assert resumed._host_slabs[torch.float32].data_ptr() == slab_ptr
+    assert resumed._executor.host_slabs[torch.float32].data_ptr() == slab_ptr
     assert torch.equal(
         resumed.state_dict()["state"][1]["exp_avg"], saved_state["state"][1]["exp_avg"]
     )
@@ -206,7 +206,7 @@ def test_host_memory_check_names_bytes(monkeypatch):
     model(torch.zeros(1, 2, dtype=torch.long)).sum().backward()
     with pytest.raises(HostMemoryError, match=r"needs \d+ bytes .* only 1000 bytes"):
         opt.step()
-    assert not opt._host_slabs
+    assert not opt._executor.host_slabs
 
 
 def test_invalid_arguments():
@@ -243,7 +243,7 @@ def test_serial_path_homes_state_created_on_later_steps_and_loaded_state():
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
-    slab = opt._host_slabs[torch.float32].untyped_storage().data_ptr()
+    slab = opt._executor.host_slabs[torch.float32].untyped_storage().data_ptr()
     for entries in opt.state.values():
         assert entries["trace"].untyped_storage().data_ptr() == slab
     # loaded before the first serial step: adopted into the slabs, then stepped
@@ -341,9 +341,9 @@ def test_gpu_resident_budget_is_bitwise_equal(budget, chunk_bytes, overlap):
     assert 0 < plan.resident_bytes <= resident + padding or resident == 0
     assert (plan.host_bytes == 0) == (budget == "all")
     # resident state lives in the resident slab, the rest in the host slab
-    resident_params = {p for c in opt._chunks if c.slot < 0 for p in c.touched}
+    resident_params = {p for c in opt._executor.chunks if c.slot < 0 for p in c.touched}
     for p, entries in opt.state.items():
-        slab = opt._resident_slabs if p in resident_params else opt._host_slabs
+        slab = opt._executor.resident_slabs if p in resident_params else opt._executor.host_slabs
         storage = slab[torch.float32].untyped_storage().data_ptr()
         assert entries["exp_avg"].untyped_storage().data_ptr() == storage
 
@@ -419,7 +419,7 @@ def test_gpu_resident_bytes_auto_keeps_what_the_stalls_need_bitwise(case, caplog
         assert opt.residency.budget_bytes == budget
         assert opt.plan.resident_bytes + opt.plan.staging_bytes(opt.staging_slots) <= budget
     assert f"gpu_resident_bytes='auto' chose {expected} bytes" in caplog.text
-    resident = {p for c in opt._chunks if c.slot < 0 for p in c.touched}
+    resident = {p for c in opt._executor.chunks if c.slot < 0 for p in c.touched}
     if case == "overlap_first_wait":
         assert resident == {model[0].weight} and opt.residency.resident_units == 1
         assert opt.residency.measured_stall_ms > 0 and opt.residency.predicted_stall_ms == 0
@@ -463,7 +463,7 @@ def test_a_sliced_param_without_a_grad_keeps_its_state_and_step(name):
     opt = CPUOffloadOptimizer(OPTIMIZERS[name](model.parameters()), chunk_bytes=1000)
     run(plain_model, plain)
     run(model, opt)
-    assert any(s.param is model[1].weight for c in opt._chunks for s in c.slices)
+    assert any(s.param is model[1].weight for c in opt._executor.chunks for s in c.slices)
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
@@ -554,7 +554,8 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
             # Each eighth of the state kept saves 10 ms, down to 60 ms at half of it.
             lambda opt: max(60.0, 100.0 - 80.0 * _kept(opt) / STATE_BYTES),
             lambda opt, built: (
-                built and slabs.append({d: t.data_ptr() for d, t in opt._host_slabs.items()})
+                built
+                and slabs.append({d: t.data_ptr() for d, t in opt._executor.host_slabs.items()})
             ),
         )
     choice = opt.residency
@@ -670,7 +671,9 @@ def test_auto_never_settles_on_a_split_over_its_budget():
         if not built:
             return
         extra = sum(
-            b.numel() * b.element_size() for slot in opt._extra_slots for b in slot.buffers.values()
+            b.numel() * b.element_size()
+            for slot in opt._executor.extra_slots
+            for b in slot.buffers.values()
         )
         held.append(opt.plan.resident_bytes + opt.plan.staging_bytes(opt.staging_slots) + extra)
 
@@ -695,9 +698,9 @@ def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates()
             gc.collect()
             alive_at_build.append(sum(ref() is not None for ref in old))
             return
-        old[:] = [weakref.ref(t) for t in opt._resident_slabs.values()]
-        if opt._ring is not None:
-            old.extend(weakref.ref(b) for b in opt._ring.buffers.values())
+        old[:] = [weakref.ref(t) for t in opt._executor.resident_slabs.values()]
+        if opt._executor.ring is not None:
+            old.extend(weakref.ref(b) for b in opt._executor.ring.buffers.values())
 
     _search_auto(lambda opt: max(60.0, 100.0 - 80.0 * opt._resident_budget / STATE_BYTES), record)
     assert len(alive_at_build) >= 3
@@ -763,7 +766,7 @@ def test_a_sparse_grad_replan_after_auto_gives_back_the_old_gpu_state_first():
                 gc.collect()
                 alive_at_build.append(sum(ref() is not None for ref in old))
                 real_build(*args, **kwargs)
-                old[:] = [weakref.ref(t) for t in opt._resident_slabs.values()]
+                old[:] = [weakref.ref(t) for t in opt._executor.resident_slabs.values()]
 
             opt._build = build
         for step in range(steps):
@@ -882,12 +885,12 @@ def test_auto_checks_the_settled_split_when_it_was_also_the_fastest(slower_after
 def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
     """A re-plan that fails at the backward's extra slot, after the new resident slabs and
     ring were allocated: those go with the failure, not held beside the next plan."""
-    import offload.cpu_offload as cpu_offload
+    import offload.executor as executor
 
     model = make_model()
     opt = _overlapped_auto(model, lambda opt: 100.0, load_in_backward=3000)
     made, failing = [], [False]
-    ring = cpu_offload._StagingRing
+    ring = executor._StagingRing
 
     class FailingSecondRing(ring):
         def __init__(self, *args, **kwargs):
@@ -897,7 +900,7 @@ def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
             if failing[0]:
                 made.append(self)
 
-    monkeypatch.setattr(cpu_offload, "_StagingRing", FailingSecondRing)
+    monkeypatch.setattr(executor, "_StagingRing", FailingSecondRing)
     fails = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
     gen = torch.Generator().manual_seed(1)
     for step in range(fails + 2):
@@ -912,7 +915,7 @@ def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
             made.clear()
             gc.collect()
             assert left and all(ref() is None for ref in left)
-            assert opt.plan is None and not opt._resident_slabs
+            assert opt.plan is None and not opt._executor.resident_slabs
             continue
         opt.step()
     opt.wait_for_optimizer_step()

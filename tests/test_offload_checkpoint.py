@@ -109,11 +109,11 @@ def _worker(rank: int, world: int, ckpt_root: str) -> None:
                 model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
             )
-            slabs = {d: t.data_ptr() for d, t in ropt._host_slabs.items()}
+            slabs = {d: t.data_ptr() for d, t in ropt._executor.host_slabs.items()}
             _train(resumed, ropt, rank, range(RESUME_AT, STEPS))
             if not _same(reference, _locals(resumed)):
                 failures.append(f"{name}: resumed run differs from uninterrupted")
-            if {d: t.data_ptr() for d, t in ropt._host_slabs.items()} != slabs:
+            if {d: t.data_ptr() for d, t in ropt._executor.host_slabs.items()} != slabs:
                 failures.append(f"{name}: host slabs were reallocated")
     assert not failures, failures
 

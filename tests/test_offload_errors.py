@@ -353,5 +353,5 @@ def test_groups_whose_tensor_options_choose_other_state_get_their_own_layouts():
     for model in (first, second):
         _backward(model)
     opt.step()
-    homed = {key for _, key in opt._homes}
-    assert homed == {"momentum_buffer"} and len(opt._homes) == 2  # the second group's
+    homed = {key for _, key in opt._executor.homes}
+    assert homed == {"momentum_buffer"} and len(opt._executor.homes) == 2  # the second group's

@@ -131,7 +131,7 @@ def test_ring_is_staging_slots_x_chunk_bytes_and_lives_only_in_the_step():
         bound = ring + chunk_bytes + (chunk_bytes if step == 0 else 0) + 8 * MiB
         assert ring <= peak <= bound, (step, peak, ring, bound)
         assert torch.cuda.memory_allocated() == base  # the ring went back to the allocator
-        now = {d: t.data_ptr() for d, t in opt._host_slabs.items()}
+        now = {d: t.data_ptr() for d, t in opt._executor.host_slabs.items()}
         assert slabs is None or now == slabs
         slabs = now
     for entries in opt.state.values():

@@ -263,7 +263,7 @@ def test_non_contiguous_grads_on_a_sliced_param_step_exactly(kind, overlap):
             for p in m.parameters():
                 p.grad = _odd_grad(p, kind, step)
             o.step()
-    assert any(chunk.slices for chunk in opt._chunks)
+    assert any(chunk.slices for chunk in opt._executor.chunks)
     opt.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -289,7 +289,7 @@ def test_sparse_grads_on_a_param_larger_than_a_chunk_step_it_whole(first_sparse_
         return model, opt
 
     (plain_model, plain), (model, opt) = run(False), run(True)
-    sliced = [s.param for chunk in opt._chunks for s in chunk.slices]
+    sliced = [s.param for chunk in opt._executor.chunks for s in chunk.slices]
     assert all(p is not model[0].weight for p in sliced)
     assert any(p is model[1].weight for p in sliced)  # the dense Linear's still is
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
@@ -356,21 +356,21 @@ def test_a_step_interrupted_mid_chunk_leaves_state_home_and_the_next_step_refuse
     opt.step()
     opt.wait_for_optimizer_step()  # model.state_dict() reads params outside a forward
     checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    assert len(opt._chunks) == 6  # one weight or bias a chunk (the ring's ramp included)
+    assert len(opt._executor.chunks) == 6  # one weight or bias a chunk (the ring's ramp included)
     # With overlap, the 5th chunk runs in the next forward: the interrupt comes out of it.
     interrupted_chunk = 5 if overlap else 2
     # The 2 chunks loaded in the backward update in one call: the 5th chunk is the 4th call.
     _interrupt_chunk_call(monkeypatch, inner, interrupted_chunk - (load_in_backward is None))
     model(torch.ones(1, 8)).sum().backward()
     if load_in_backward is None:
-        assert len(opt._loaded_ahead) == 2
+        assert len(opt._executor.loaded_ahead) == 2
     with pytest.raises(KeyboardInterrupt):
         opt.step()
         model(torch.ones(1, 8))
     monkeypatch.undo()
 
     # The state is whole and at home: every state tensor in a host slab, no stray entries.
-    slabs = {slab.untyped_storage().data_ptr() for slab in opt._host_slabs.values()}
+    slabs = {slab.untyped_storage().data_ptr() for slab in opt._executor.host_slabs.values()}
     state = opt.state
     assert len(state) == len(list(model.parameters()))
     for entries in state.values():
@@ -434,7 +434,7 @@ def test_an_interrupted_serial_step_leaves_the_state_at_home_as_plain_torch_leav
         with pytest.raises(KeyboardInterrupt):
             opt.step()
         del inner.step
-    homes = {id(home.home_state) for home in twin.opt._homes.values()}
+    homes = {id(home.home_state) for home in twin.opt._executor.homes.values()}
     assert all(id(v) in homes for e in twin.opt.state.values() for v in e.values() if v.ndim)
     twin.step(2)
     twin.assert_equal()

@@ -105,7 +105,7 @@ def test_chunks_follow_forward_order():
     owners = param_owners(model)
     assert [m for m, _ in owners] == [m for m in model if any(True for _ in m.parameters())]
     module_of = {id(p): i for i, (_, ps) in enumerate(owners) for p in ps}
-    order = [module_of[id(p)] for chunk in opt._chunks for p in chunk.touched]
+    order = [module_of[id(p)] for chunk in opt._executor.chunks for p in chunk.touched]
     assert order == sorted(order) and set(order) == set(module_of.values())
 
 
@@ -196,7 +196,9 @@ def test_overlapped_chunks_ignore_the_forwards_autocast():
             loss.backward()
             opt.step()
         opt.wait_for_optimizer_step()
-    assert len(opts[1]._chunks) > 2 * opts[1].staging_slots  # some chunks ran inside forward
+    assert (
+        len(opts[1]._executor.chunks) > 2 * opts[1].staging_slots
+    )  # some chunks ran inside forward
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -324,7 +326,7 @@ def test_a_dropped_optimizer_is_collected_with_its_slabs(overlap, close):
     if close:
         opt.close()
         assert _hooks(model) == 0
-    collected = [weakref.ref(opt), weakref.ref(opt._host_slabs[torch.float32])]
+    collected = [weakref.ref(opt), weakref.ref(opt._executor.host_slabs[torch.float32])]
     lost = overlap and not close  # dropped with its last step pending: said loudly
     gc.disable()  # freed when the last reference goes: no cycle keeps it (and its mode) alive
     try:
@@ -432,14 +434,14 @@ def test_loads_in_the_backward_are_what_the_step_would_load_and_bitwise(case, bu
                 m(tokens).square().mean().backward()
                 if o is opt and step > 0:
                     # loaded in the first backward after a step (state exists from step 1 on)
-                    staged = [c for c in opt._chunks if c.slot >= 0]
+                    staged = [c for c in opt._executor.chunks if c.slot >= 0]
                     sizes = itertools.accumulate(c.invariant_bytes for c in opt.plan.chunks)
                     fits = sum(size <= (budget or 0) for size in sizes)
                     loads = slots if budget is None else max(slots, fits)
                     assert budget != 5 * 2048 + 100 or slots < loads < len(staged)
-                    assert len(opt._loaded_ahead) == loads
-                    assert len(opt._extra_slots) == loads
-                    for index in opt._loaded_ahead:
+                    assert len(opt._executor.loaded_ahead) == loads
+                    assert len(opt._executor.extra_slots) == loads
+                    for index in opt._executor.loaded_ahead:
                         for home, staging in staged[index].copies:
                             # bits: a copy spans alignment padding (uninitialized, maybe NaN)
                             assert torch.equal(home.view(torch.uint8), staging.view(torch.uint8))
@@ -471,13 +473,17 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
     run(plain_model, plain, batches(4))
     run(model, opt, batches(4))
     embedding = model[0].weight
-    first = [c for c, chunk in enumerate(opt._chunks) if any(p is embedding for p in chunk.touched)]
+    first = [
+        c
+        for c, chunk in enumerate(opt._executor.chunks)
+        if any(p is embedding for p in chunk.touched)
+    ]
     if load_in_backward is None:  # full chunks (the ring's ramp is for loads in the step)
         assert first == [0, 1, 2] and opt.chunks_loaded_in_backward == 3
-        assert len(opt._extra_slots) == 3
+        assert len(opt._executor.extra_slots) == 3
         assert opt.backward_load_bytes == sum(c.invariant_bytes for c in opt.plan.chunks[:3])
     else:
-        assert opt.chunks_loaded_in_backward == 0 and not opt._extra_slots
+        assert opt.chunks_loaded_in_backward == 0 and not opt._executor.extra_slots
     opt.wait_for_optimizer_step()
     assert_params_and_state_equal(plain_model, plain, model, opt)
 
@@ -510,7 +516,7 @@ def test_by_default_the_backward_also_loads_what_fits_under_the_devices_peak(
     run(plain_model, plain, batches(4))
     run(model, opt, batches(4))
     assert opt.chunks_loaded_in_backward == opt.schedule.backward_loads == wanted
-    assert len(opt._extra_slots) == wanted
+    assert len(opt._executor.extra_slots) == wanted
     assert opt.backward_load_bytes == sum(c.invariant_bytes for c in opt.plan.chunks[:wanted])
     opt.wait_for_optimizer_step()
     assert_params_and_state_equal(plain_model, plain, model, opt)
@@ -602,7 +608,7 @@ def test_the_backwards_loads_look_up_state_once_per_param_not_per_module():
     loss = model(x).sum()
     _CountedState.gets = 0
     loss.backward()
-    assert len(opt._loaded_ahead) == opt.schedule.backward_loads > 0
+    assert len(opt._executor.loaded_ahead) == opt.schedule.backward_loads > 0
     assert _CountedState.gets <= 2 * len(list(model.parameters()))
 
 
@@ -632,17 +638,17 @@ def test_the_backward_spreads_its_loads_over_the_modules_it_passes():
     owner module the backward passes enqueues its share, the last one's nothing more."""
     model, opt = _loading_in_the_backward(2**40)
     calls = []
-    load_ahead = opt._load_ahead
+    load_ahead = opt._executor.load_ahead
 
     def recording(passed, watched):
         load_ahead(passed, watched)
-        calls.append((passed, watched, len(opt._loaded_ahead)))
+        calls.append((passed, watched, len(opt._executor.loaded_ahead)))
 
     opt._overlap.backward_reached = recording
     data = batches(2)
     run(model, opt, data[:1])
     model(data[1]).square().mean().backward()
-    staged = len([c for c in opt._chunks if c.slot >= 0])
+    staged = len([c for c in opt._executor.chunks if c.slot >= 0])
     assert staged >= 8
     # five Linear layers take inputs that need grads (the Embedding's are token ids)
     shares = [min(staged, -(-staged * passed // 4)) for passed in range(1, 6)]
@@ -656,8 +662,11 @@ def test_write_backs_of_the_backwards_chunks_go_after_the_rings():
     write-back, so those go last."""
     model, opt = _loading_in_the_backward(8 * 512)
     events = []
-    write_back = opt._write_back
-    opt._write_back = lambda chunk, *a: events.append(("back", chunk.slot)) or write_back(chunk, *a)
+    executor = opt._executor
+    write_back = executor._write_back
+    executor._write_back = lambda chunk, *a: (
+        events.append(("back", chunk.slot)) or write_back(chunk, *a)
+    )
     for index, module in enumerate(model):
         module.register_forward_pre_hook(lambda *_, i=index: events.append(("module", i)))
     data = batches(3)
@@ -665,8 +674,8 @@ def test_write_backs_of_the_backwards_chunks_go_after_the_rings():
     events.clear()
     model(data[2])
     backs = [slot for kind, slot in events if kind == "back"]
-    extra_slots = sum(c.slot >= 2 for c in opt._chunks)  # (a chunk's repr reads freed slots)
-    ring_slots = sum(0 <= c.slot < 2 for c in opt._chunks)
+    extra_slots = sum(c.slot >= 2 for c in executor.chunks)  # (a chunk's repr reads freed slots)
+    ring_slots = sum(0 <= c.slot < 2 for c in executor.chunks)
     assert extra_slots > 0 and ring_slots > 0
     assert backs == [s for s in backs if s < 2] + [s for s in backs if s >= 2]
     assert len(backs) == extra_slots + ring_slots
@@ -680,17 +689,17 @@ def test_the_backward_takes_each_chunks_slot_as_its_share_comes_and_not_the_ring
     data = batches(3)
     run(model, opt, data[:2])
     held = []
-    load_ahead = opt._load_ahead
+    load_ahead = opt._executor.load_ahead
 
     def recording(passed, watched):
         load_ahead(passed, watched)
-        slots = [opt._ring, *opt._extra_slots]
+        slots = [opt._executor.ring, *opt._executor.extra_slots]
         held.append([any(b.untyped_storage().nbytes() for b in s.buffers.values()) for s in slots])
 
-    opt._load_ahead = recording
+    opt._executor.load_ahead = recording
     model(data[2]).square().mean().backward()
     loads = opt.schedule.backward_loads
-    assert loads == len(opt._extra_slots) > 2
+    assert loads == len(opt._executor.extra_slots) > 2
     assert not any(ring for ring, *_ in held)  # the ring: never in the backward
     # each extra slot from its share on: more held as the backward passes its modules
     taken = [sum(extra) for _, *extra in held]
@@ -723,9 +732,9 @@ def test_the_ring_is_sized_for_the_chunks_it_takes_not_the_backwards():
     extra_sizes = [n for n, slot in zip(sizes, schedule.slots, strict=True) if slot >= 2]
     assert extra_sizes and ring_sizes
     assert max(ring_sizes) < min(extra_sizes)
-    ring = sum(opt._ring._nbytes.values())
+    ring = sum(opt._executor.ring._nbytes.values())
     assert ring == schedule.ring_slots_taken * max(ring_sizes)
-    extra = sum(sum(slot._nbytes.values()) for slot in opt._extra_slots)
+    extra = sum(sum(slot._nbytes.values()) for slot in opt._executor.extra_slots)
     assert (
         plan.held_bytes(schedule.slots, 2)
         == ring + extra
@@ -740,8 +749,8 @@ def test_close_after_a_backward_that_loaded_gives_the_slots_back():
     data = batches(3)
     run(model, opt, data[:2])
     model(data[2]).square().mean().backward()
-    assert opt._loaded_ahead
-    chunks = opt._chunks
+    assert opt._executor.loaded_ahead
+    chunks = opt._executor.chunks
     opt.close()
     staging = [b for c in chunks for _, b in c.copies]
     assert staging and all(b.untyped_storage().nbytes() == 0 for b in staging)
@@ -784,12 +793,12 @@ def test_an_extra_staging_slot_is_sized_for_its_chunk():
     model, opt = _loading_in_the_backward(2**40)
     run(model, opt, batches(1))
     layouts = [c for c in opt.plan.chunks if not c.resident]
-    staged = [c for c in opt._chunks if c.slot >= 0]
+    staged = [c for c in opt._executor.chunks if c.slot >= 0]
     extra = [layout for layout, c in zip(layouts, staged, strict=True) if c.slot >= 2]
-    assert len(extra) == len(opt._extra_slots) > 0
+    assert len(extra) == len(opt._executor.extra_slots) > 0
     sizes = {tuple(sorted(layout.staging_numel.values())) for layout in extra}
     assert len(sizes) > 1  # chunks of several sizes (the ramp, the layers' shapes)
-    for layout, slot in zip(extra, opt._extra_slots, strict=True):
+    for layout, slot in zip(extra, opt._executor.extra_slots, strict=True):
         assert layout.staging_numel == {d: b.numel() for d, b in slot.buffers.items()}
 
 
@@ -801,11 +810,13 @@ def test_the_step_is_all_enqueued_and_its_slots_given_back_before_the_forwards_l
     model, opt = _loading_in_the_backward(8 * 512)
     data = batches(3)
     run(model, opt, data[:2])
-    assert opt._extra_slots and opt._ring is not None
+    assert opt._executor.extra_slots and opt._executor.ring is not None
     seen = []
 
     def check(module, args):
-        buffers = [b for s in (opt._ring, *opt._extra_slots) for b in s.buffers.values()]
+        buffers = [
+            b for s in (opt._executor.ring, *opt._executor.extra_slots) for b in s.buffers.values()
+        ]
         seen.append(all(b.untyped_storage().nbytes() == 0 for b in buffers))
 
     handle = model[-1].register_forward_pre_hook(check)  # after the overlap's own hook

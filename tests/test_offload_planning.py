@@ -276,11 +276,11 @@ def test_bind_sets_affinity_from_fake_sysfs(tmp_path):
 
 
 def test_copy_pieces_cover_a_run_in_order_and_cap_each_piece(monkeypatch):
-    from offload import cpu_offload
+    from offload import executor
 
-    monkeypatch.setattr(cpu_offload, "COPY_PIECE_BYTES", 40)  # 10 float32 elements
+    monkeypatch.setattr(executor, "COPY_PIECE_BYTES", 40)  # 10 float32 elements
     home, staging = torch.arange(23.0), torch.zeros(23)
-    pieces = cpu_offload._copy_pieces(home, staging)
+    pieces = executor._copy_pieces(home, staging)
     assert [h.numel() for h, _ in pieces] == [10, 10, 3]
     for h, st in pieces:
         st.copy_(h)
@@ -435,12 +435,13 @@ def test_plan_step_keeps_chunks_ahead_of_the_forward():
     )
 
 
-def test_the_step_schedule_example_runs():
+@pytest.mark.parametrize("module", ["step_schedule", "step_plan"])
+def test_the_planning_modules_examples_run(module):
     import doctest
+    import importlib
 
-    import offload.step_schedule
-
-    assert doctest.testmod(offload.step_schedule).failed == 0
+    tests = doctest.testmod(importlib.import_module(f"offload.{module}"))
+    assert tests.attempted > 0 and tests.failed == 0
 
 
 def test_the_backward_spreads_its_loads_over_the_modules_before_the_last():

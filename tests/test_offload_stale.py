@@ -809,7 +809,7 @@ def test_a_held_step_counter_reads_each_update(chunk_bytes):
         seen.append([t.item() for t in held])
 
     _train(model, opt, _tokens(3), after_step=read_held)
-    assert len(opt._chunks) > 2  # the step is cut, and its later chunks run lazily
+    assert len(opt._executor.chunks) > 2  # the step is cut, and its later chunks run lazily
     assert seen == [[float(k)] * len(held) for k in (1, 2, 3)]
     opt.close()
 
