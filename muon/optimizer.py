@@ -309,6 +309,8 @@ class Muon(torch.optim.Optimizer):
         # cycling it in AdamW groups, which do not read it (`_warn_adamw_momentum`).
         self._momentum_when_added: list[Any] = []
         self._warned_adamw_momentum = False
+        # id(param) -> (group index, index in the group), checked at each use (`_group_of`)
+        self._positions: dict[int, tuple[int, int]] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -332,6 +334,7 @@ class Muon(torch.optim.Optimizer):
             "_momentum_when_added", [g.get("momentum") for g in self.param_groups]
         )
         self.__dict__.setdefault("_warned_adamw_momentum", False)
+        self.__dict__.setdefault("_positions", {})
         for group in self.param_groups:
             _set_group_defaults(group, self.defaults)
             if group["algorithm"] != "adamw":
@@ -419,12 +422,33 @@ class Muon(torch.optim.Optimizer):
 
     def state_layout(self, param: Tensor) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """State tensors (ndim >= 1) the step keeps for `param`: local shard shape and dtype."""
-        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        group = self._group_of(param)
         local = _local(param)
         if group["algorithm"] == "adamw":
             keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 3 if group.get("amsgrad") else 2]
             return {key: (local.shape, local.dtype) for key in keys}
         return {"momentum_buffer": (local.shape, torch.float32)}
+
+    def _group_of(self, param: Tensor) -> dict[str, Any]:
+        """`param`'s group as the groups are now, in O(1) amortized: the offload wrapper asks
+        for every param. A cached position is used only if the live groups still hold `param`
+        there, so a group added, loaded (torch's load replaces the group dicts) or edited by
+        hand is never answered from the old groups; a miss rebuilds the map, O(params)."""
+        groups = self.param_groups
+        position = self._positions.get(id(param))
+        if position is None or not _holds(groups, position, param):
+            self._positions = {
+                id(p): (g, k)
+                for g, group in enumerate(groups)
+                for k, p in enumerate(group["params"])
+            }
+            position = self._positions.get(id(param))
+            if position is None:
+                raise ValueError(
+                    f"a param of shape {tuple(param.shape)} is not in this optimizer's param "
+                    "groups; pass it to the optimizer (or add_param_group) first"
+                )
+        return groups[position[0]]
 
     def begin_subset_step(self) -> MuonStep:
         """Validate the groups, capture hyperparameters and gradients for one step; see
@@ -540,6 +564,12 @@ class Muon(torch.optim.Optimizer):
             self._plan_params = params
             self._plan_key = key
         return self._plan
+
+
+def _holds(groups: list[dict[str, Any]], position: tuple[int, int], param: Tensor) -> bool:
+    """Whether `param` is at (group index, index in the group) of `groups`."""
+    g, k = position
+    return g < len(groups) and k < len(groups[g]["params"]) and groups[g]["params"][k] is param
 
 
 def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None:

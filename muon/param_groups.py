@@ -26,7 +26,9 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 # Names of params that usually hold several logical matrices (q|k|v, gate|up): Phi3's
 # qkv_proj and gate_up_proj, MoE expert stacks' gate_up_proj, GPT-NeoX's query_key_value,
 # GPT-2's c_attn, Baichuan's W_pack, MPT's Wqkv, nn.MultiheadAttention's in_proj_weight.
-# Without `row_blocks` Muon orthogonalizes each as one matrix, so they are warned about.
+# Without `row_blocks` Muon orthogonalizes each as one matrix, so they are warned about,
+# as are recurrent gate weights (`_gate_row_blocks`), found by module since nn.RNN's
+# unfused weights have the same names.
 FUSED_PATTERNS: tuple[str, ...] = (
     r"(^|\.)(qkv|qkv_proj|in_proj_qkv|Wqkv|W_pack|query_key_value|c_attn|gate_up_proj)\.weight$",
     r"(^|\.)(gate_up_proj|in_proj_weight)$",
@@ -59,6 +61,21 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+def _gate_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Row blocks of recurrent gate weights, by param name: nn.LSTM's and nn.GRU's
+    `weight_ih_l*` / `weight_hh_l*` (their cells': `weight_ih` / `weight_hh`) stack 4 / 3
+    gates of `hidden_size` rows each (nn.RNN's hold one gate: not listed)."""
+    blocks: dict[str, tuple[int, ...]] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
+            continue
+        hidden = module.hidden_size
+        for name, p in module.named_parameters(recurse=False):
+            if name.startswith(("weight_ih", "weight_hh")) and p.shape[0] > hidden:
+                blocks[f"{prefix}.{name}" if prefix else name] = (hidden,) * (p.shape[0] // hidden)
+    return blocks
+
+
 def muon_param_groups(
     model: nn.Module,
     *,
@@ -82,10 +99,11 @@ def muon_param_groups(
     (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
     and must match at least one Muon param. A Muon param named like a fused one
     (`FUSED_PATTERNS`: qkv_proj, gate_up_proj, query_key_value, c_attn, in_proj_weight,
-    ...) that no `row_blocks` pattern matches is orthogonalized as one matrix, with one
-    warning per call listing them. `adamw_options` (lr, betas, eps,
-    weight_decay) go into the AdamW group. Every trainable param lands in
-    exactly one group; empty groups are left out.
+    ...) or an nn.LSTM / nn.GRU gate weight (weight_ih*, weight_hh*; their cells' too)
+    that no `row_blocks` pattern matches is orthogonalized as one matrix, with one
+    warning per call listing them (for gate weights, with the row_blocks to pass).
+    `adamw_options` (lr, betas, eps, weight_decay) go into the AdamW group. Every
+    trainable param lands in exactly one group; empty groups are left out.
     """
     if not isinstance(model, nn.Module):  # the names choose the groups
         raise TypeError(
@@ -103,6 +121,7 @@ def muon_param_groups(
     head = _output_embeddings(model)
     if head is not None:
         by_module |= {id(p) for p in head.parameters()}
+    gates = _gate_row_blocks(model)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -118,13 +137,16 @@ def muon_param_groups(
         if len(matches) > 1:
             raise ValueError(f"param {name} matches several row_blocks patterns: {matches}")
         (fused[matches[0]] if matches else plain).append(p)
-        if not matches and any(re.search(pattern, name) for pattern in FUSED_PATTERNS):
+        if not matches and (
+            name in gates or any(re.search(pattern, name) for pattern in FUSED_PATTERNS)
+        ):
             unsplit_fused.append(name)
     for pattern, params in fused.items():
         if not params:
             raise ValueError(f"row_blocks pattern {pattern!r} matches no Muon param")
     if unsplit_fused:
-        warnings.warn(_unsplit_fused_warning(unsplit_fused), stacklevel=2)
+        unsplit_gates = {name: gates[name] for name in unsplit_fused if name in gates}
+        warnings.warn(_unsplit_fused_warning(unsplit_fused, unsplit_gates), stacklevel=2)
     groups: list[dict[str, Any]] = []
     if plain:
         groups.append({"params": plain})
@@ -140,8 +162,10 @@ def muon_param_groups(
     return groups
 
 
-def _unsplit_fused_warning(names: Sequence[str]) -> str:
-    return (
+def _unsplit_fused_warning(names: Sequence[str], gates: Mapping[str, tuple[int, ...]]) -> str:
+    """The warning for fused-looking `names`; `gates`: the row blocks of those that are
+    recurrent gate weights, given as the `row_blocks` that declares them."""
+    text = (
         f"muon_param_groups: {list(names)} look fused (q|k|v or gate|up in one param) and no "
         "row_blocks pattern matches them: Muon orthogonalizes each as one matrix. Where the "
         "blocks are rows (nn.Linear(in, q + k + v); experts stored (E, gate + up, in), as "
@@ -151,3 +175,10 @@ def _unsplit_fused_warning(names: Sequence[str]) -> str:
         "in columns (GPT-2's Conv1D c_attn, experts stored (E, in, gate + up)) or interleaved "
         "per head (GPT-NeoX's query_key_value) cannot be declared."
     )
+    if gates:
+        declared = {f"^{re.escape(name)}$": blocks for name, blocks in gates.items()}
+        text += (
+            " nn.LSTM's and nn.GRU's weight_ih / weight_hh stack their gates in rows "
+            f"(i|f|g|o, r|z|n; hidden_size each): row_blocks={declared}"
+        )
+    return text

@@ -119,11 +119,19 @@ class ParamLayout:
                 f"mesh_shape {self.mesh_shape}, shard_dims {self.shard_dims} and coord "
                 f"{self.coord} must have one entry per mesh axis"
             )
-        matrix_dims = [d for d in self.shard_dims if d is not None and d >= self.ndim - 2]
-        if len(matrix_dims) > 1:
+        # An axis of size 1 shards nothing (its one index holds whole dims), whatever its
+        # placement: only the others can cut a matrix.
+        cutting = [
+            axis
+            for axis, dim in enumerate(self.shard_dims)
+            if dim is not None and dim >= self.ndim - 2 and self.mesh_shape[axis] > 1
+        ]
+        if len(cutting) > 1:
             raise ValueError(
-                f"matrix dims of shape {self.shape} sharded by more than one mesh axis "
-                f"({self.shard_dims}); only one axis may shard a matrix dim"
+                f"matrix dims of shape {self.shape} sharded by more than one mesh axis of "
+                f"size > 1 (tensor dims {self.shard_dims} on mesh {self.mesh_shape}); only "
+                "one axis may shard a matrix dim: shard it over one axis (flatten those axes "
+                "into one), or put it in an algorithm='adamw' group"
             )
 
     @property
@@ -164,8 +172,9 @@ class ParamLayout:
 
     def holders(self, axis: int, dim: int, start: int, stop: int) -> range:
         """Indices on mesh `axis` whose part of matrix dim `dim` meets [start, stop), by
-        torch.chunk's arithmetic (for `plan_exchange`'s receive side). Only one axis
-        shards a matrix dim, so `axis` cuts the whole dim."""
+        torch.chunk's arithmetic (for `plan_exchange`'s receive side). Only one axis of
+        size > 1 shards a matrix dim (one of size 1 keeps it whole), so `axis` cuts the
+        whole dim."""
         if self.shard_dims[axis] != dim:
             return range(self.mesh_shape[axis])
         stop = min(stop, self.shape[dim])

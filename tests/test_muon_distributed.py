@@ -2,9 +2,9 @@
 
 One spawn per world size runs every case: 1-D meshes with Shard(0) / Shard(1)
 (uneven and empty shards, tall and wide, fused QKV, 3-D expert stacks, a param
-without a grad), FSDP2 `fully_shard` params, and at world size 4 HSDP 2x2 and
-EP x FSDP 2x2. Each case also checks the subset step, unit by unit, against
-the plain step.
+without a grad), FSDP2 `fully_shard` params, at world size 2 meshes 1x2 and 2x1
+(a size-1 axis sharding a matrix dim), and at world size 4 HSDP 2x2 and EP x FSDP
+2x2. Each case also checks the subset step, unit by unit, against the plain step.
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ EP_FSDP = [
     ((4, 5, 7), (Shard(0), Shard(0)), None),  # both on the expert dim: local
     ((5, 7, 3), (Shard(0), Replicate()), None),
     ((10, 12), (Replicate(), Shard(0)), None),
+]
+# On a (1, 2) or (2, 1) mesh: the size-1 axis shards nothing, whatever its placement.
+SIZE_ONE_AXIS = [
+    ((10, 12), (Shard(1), Shard(1)), None),
+    ((13, 6), (Shard(0), Shard(0)), None),
+    ((16, 12), (Shard(0), Shard(1)), (8, 4, 4)),
+    ((2, 9, 6), (Shard(2), Shard(1)), None),
+    ((3, 7, 10), (Shard(0), Shard(0)), None),
 ]
 ADAMW = [((11,), (Shard(0),)), ((3, 5), (Shard(0),))]
 CONFIGS = [
@@ -158,6 +166,9 @@ def _worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     cases = [("1d", init_device_mesh("cpu", (world,)), ONE_D)]
+    if world == 2:
+        cases.append(("1x2", init_device_mesh("cpu", (1, 2)), SIZE_ONE_AXIS))
+        cases.append(("2x1", init_device_mesh("cpu", (2, 1)), SIZE_ONE_AXIS))
     if world == 4:
         cases.append(("hsdp", init_device_mesh("cpu", (2, 2)), HSDP))
         cases.append(("ep_fsdp", init_device_mesh("cpu", (2, 2)), EP_FSDP))

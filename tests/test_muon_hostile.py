@@ -3,6 +3,7 @@ refused by name before anything steps."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 import warnings
@@ -235,6 +236,43 @@ def test_fused_params_without_row_blocks_are_warned_about_once_per_call():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         muon_param_groups(model, row_blocks={**declared, "gate_up_proj$": (6, 6)})
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 5, num_layers=2, bidirectional=True, proj_size=3)
+        self.cell = nn.GRUCell(6, 4)
+        self.rnn = nn.RNN(6, 5)  # one gate: nothing fused
+        self.mlp = nn.Linear(6, 6, bias=False)
+
+
+def test_lstm_and_gru_gate_weights_without_row_blocks_are_warned_about():
+    # nn.LSTM's / nn.GRU's weight_ih and weight_hh stack 4 / 3 gates in rows: Muon
+    # orthogonalized each whole without a word, where qkv_proj and the like are warned about
+    model = _Recurrent()
+    with pytest.warns(UserWarning) as record:
+        muon_param_groups(model)
+    assert len(record) == 1
+    message = str(record[0].message)
+    gates = [
+        f"lstm.weight_{kind}_l{layer}{reverse}"
+        for layer in range(2)
+        for reverse in ("", "_reverse")
+        for kind in ("ih", "hh")
+    ] + ["cell.weight_ih", "cell.weight_hh"]
+    assert message.startswith(f"muon_param_groups: {gates} look fused")
+    # the warning's own declaration splits each gate weight into its gates and silences it
+    declared = ast.literal_eval(re.search(r"row_blocks=(\{'\^[^}]*\})", message).group(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = muon_param_groups(model, row_blocks=declared)
+    blocks = {id(p): g.get("row_blocks") for g in groups for p in g["params"]}
+    params = dict(model.named_parameters())
+    for name in gates:
+        assert blocks[id(params[name])] == ((5,) * 4 if name.startswith("lstm") else (4,) * 3)
+    for name in ("lstm.weight_hr_l0", "rnn.weight_ih_l0", "rnn.weight_hh_l0", "mlp.weight"):
+        assert blocks[id(params[name])] is None, name
 
 
 @pytest.mark.parametrize("wrap", [False, True], ids=["plain", "offloaded"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -190,6 +191,32 @@ def test_ep_fsdp_layouts():
     assert local.exchange_axis is None and local.local_shape() == (1, 9, 6)
     with pytest.raises(ValueError, match="more than one mesh axis"):
         layout((0, 0), (1, 2))
+
+
+def test_a_size_one_axis_sharding_a_matrix_dim_shards_nothing():
+    # (Shard(1), Shard(1)) on a (1, 2) mesh was refused as a matrix dim sharded by two axes;
+    # the size-1 axis holds whole dims, so the layout is Shard(1) over the other axis alone
+    cases = [
+        ((1, 2), (1, 1), 1),
+        ((2, 1), (1, 1), 0),
+        ((1, 2), (0, 1), 1),
+        ((2, 1), (0, 1), 0),
+    ]
+    for mesh_shape, dims, axis in cases:
+        plans = []
+        for rank in range(2):
+            coord = (0, rank) if axis == 1 else (rank, 0)
+            layout = ParamLayout((10, 12), (), mesh_shape, dims, coord, mesh_key="m")
+            alone = ParamLayout((10, 12), (), (2,), (dims[axis],), (rank,), mesh_key="m")
+            assert layout.exchange_axis == axis and layout.replica_axis is None
+            assert layout.local_shape() == alone.local_shape()
+            plan = MuonPlan.build([layout]).exchange(0, frozenset({0}))
+            plans.append(plan)
+            expected = MuonPlan.build([alone]).exchange(0, frozenset({0}))
+            assert dataclasses.replace(plan, axis=0) == expected, (mesh_shape, dims, rank)
+        assert sum(p.owned for p in plans) == 1
+    with pytest.raises(ValueError, match="more than one mesh axis of size > 1"):
+        ParamLayout((10, 12), (), (2, 2), (1, 1), (0, 0), mesh_key="m")
 
 
 def test_an_hsdp_matrix_and_an_expert_stack_on_one_mesh_get_buckets_of_their_own():

@@ -181,6 +181,61 @@ def test_subset_step_units_hyperparameters_and_params_without_grads():
     assert [len(unit) for unit in units] == [1] * len(params)  # local matrices: a unit each
 
 
+class _CountingList(list):
+    """A group's params that count the params an iteration over them visits (indexing is
+    not counted)."""
+
+    visits = 0
+
+    def __iter__(self):
+        for p in super().__iter__():
+            _CountingList.visits += 1
+            yield p
+
+
+def test_state_layout_of_every_param_visits_each_param_once():
+    # state_layout scanned the groups for each param: called for every param (as the
+    # offload wrapper sizes its slabs and checks a load), the visits grew as params squared
+    n = 200
+    params = _params([(3, 2)] * n)
+    opt = Muon([{"params": params[: n // 2]}, {"params": params[n // 2 :], "algorithm": "adamw"}])
+    for group in opt.param_groups:
+        group["params"] = _CountingList(group["params"])
+    _CountingList.visits = 0
+    for _ in range(2):
+        for p in params:
+            opt.state_layout(p)
+    assert _CountingList.visits <= n
+
+
+def test_state_layout_follows_groups_added_loaded_and_edited():
+    a, b, c = _params([(4, 3), (4, 3), (5,)])
+    opt = Muon([{"params": [a]}, {"params": [b], "algorithm": "adamw"}])
+    muon = {"momentum_buffer": (torch.Size([4, 3]), torch.float32)}
+    adamw = ("exp_avg", "exp_avg_sq")
+    amsgrad = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    assert opt.state_layout(a) == muon and tuple(opt.state_layout(b)) == adamw
+    opt.add_param_group({"params": [c], "algorithm": "adamw", "amsgrad": True})
+    assert opt.state_layout(c) == {key: (torch.Size([5]), torch.float32) for key in amsgrad}
+    # a load takes the saved groups' options: amsgrad in group 1 now
+    x, y, z = _params([(4, 3), (4, 3), (5,)])
+    saved = Muon(
+        [
+            {"params": [x]},
+            {"params": [y], "algorithm": "adamw", "amsgrad": True},
+            {"params": [z], "algorithm": "adamw"},
+        ]
+    ).state_dict()
+    opt.load_state_dict(saved)
+    assert tuple(opt.state_layout(b)) == amsgrad and tuple(opt.state_layout(c)) == adamw
+    # params traded between groups of one length each, by hand
+    first, second = opt.param_groups[0], opt.param_groups[1]
+    first["params"], second["params"] = second["params"], first["params"]
+    assert tuple(opt.state_layout(a)) == amsgrad and opt.state_layout(b) == muon
+    with pytest.raises(ValueError, match="not in this optimizer's param groups"):
+        opt.state_layout(torch.nn.Parameter(torch.zeros(2, 2)))
+
+
 def test_metrics_and_timings():
     params = _params(SHAPES)
     opt = Muon(params, bucket_cap_bytes=3000, collect_timings=True)
