@@ -391,8 +391,8 @@ class GroupSubsetStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._grouped: tuple[int, tuple[int, ...]] | None = None  # the groups `_group_of` maps
-        self._group_of: dict[Tensor, int] = {}
+        # param -> (group index, index in the group), checked at each use (`_group`)
+        self._positions: dict[Tensor, tuple[int, int]] = {}
         self._layouts: dict[tuple[tuple, torch.Size, torch.dtype], StateLayout] = {}
 
     def begin_subset_step(self) -> GroupStep:
@@ -414,13 +414,24 @@ class GroupSubsetStep:
         return self._layouts[key]
 
     def _group(self, param: Tensor) -> dict[str, Any]:
-        """`param`'s group, as the groups are now (`opt.param_groups = ...` may regroup)."""
+        """`param`'s group, as the groups are now (`opt.param_groups = ...` may regroup, a
+        hand may trade params between groups): a cached position is used only where the
+        live groups still hold `param`; a miss maps every param anew (the wrapper asks for
+        each param, so a scan per call would be quadratic)."""
         groups = self.optimizer.param_groups
-        grouped = (id(groups), tuple(len(g["params"]) for g in groups))
-        if grouped != self._grouped:
-            self._group_of = {p: i for i, g in enumerate(groups) for p in g["params"]}
-            self._grouped = grouped
-        return groups[self._group_of[param]]
+        position = self._positions.get(param)
+        if position is None or not _holds(groups, position, param):
+            self._positions = {
+                p: (g, k) for g, group in enumerate(groups) for k, p in enumerate(group["params"])
+            }
+            position = self._positions[param]
+        return groups[position[0]]
+
+
+def _holds(groups: list[dict[str, Any]], position: tuple[int, int], param: Tensor) -> bool:
+    """Whether `param` is at (group index, index in the group) of `groups`."""
+    g, k = position
+    return g < len(groups) and k < len(groups[g]["params"]) and groups[g]["params"][k] is param
 
 
 def _state_options(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from offload import CPUOffloadOptimizer
+from offload import CPUOffloadOptimizer, subset_step_for
 
 
 def _linear(seed: int = 0) -> torch.nn.Linear:
@@ -299,6 +299,19 @@ def test_param_groups_set_on_the_wrapper_are_the_wrapped_optimizers():
     opt.param_groups = [{**opt.param_groups[0], "params": [torch.nn.Parameter(torch.ones(3))]}]
     with pytest.raises(RuntimeError, match="params changed after wrapping"):
         opt.step()
+
+
+def test_the_adapters_layout_follows_params_traded_between_groups_of_equal_length():
+    # its param -> group cache was keyed on the groups' lengths only: traded by hand
+    # between two one-param groups, each param kept its old group's state layout
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([{"params": [a], "amsgrad": True}, {"params": [b]}])
+    adapter = subset_step_for(opt)
+    assert "max_exp_avg_sq" in adapter.state_layout(a)
+    first, second = opt.param_groups
+    first["params"], second["params"] = second["params"], first["params"]
+    assert "max_exp_avg_sq" not in adapter.state_layout(a)
+    assert "max_exp_avg_sq" in adapter.state_layout(b)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
