@@ -503,7 +503,6 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) ->
     write_json(
         args.out,
         {
-            "torch": torch.__version__,
             "backend": args.backend,
             "world": world,
             "args": vars(args),

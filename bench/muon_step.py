@@ -7,16 +7,19 @@ torch/triton, fused/triton (`muon.elementwise`, `muon.newton_schulz`), and, wher
 muon.Muon takes `ns_algorithm`, the default backends with ns_algorithm standard, gram
 and auto (Gram Newton-Schulz, chosen per matrix shape under auto). Each arm
 runs warmup steps, then timed steps (CUDA events, median). NS-only times the
-batched Newton-Schulz alone per backend and algorithm; the step minus it is the elementwise and
-exchange overhead. NS TFLOP/s uses REFERENCE.md's dense cost (4 m^2 n + 2 m^3 per
-iteration) against a bf16 8192^3 matmul measured in the same run, in a burst and
-sustained (back to back for ~0.6 s, where the GPU sits at its power-limited clock as
-during a step); the floor is the symmetric kernels' FLOPs (3 m^2 n + m^3 per
-iteration) at the sustained rate; the step floor adds the momentum and apply passes' bytes
-(24 per fp32 param) at a device-to-device copy rate measured in the same run. Parity: the
-first layer's params and momentum after the timed steps, fused/triton vs
-torch/triton (same inputs, same NS). Prints a table, writes JSON. Runs in well
-under 2 minutes.
+batched Newton-Schulz alone per backend and algorithm; the step minus the NS-only arm of
+its backend and algorithm is the elementwise and exchange overhead. NS TFLOP/s counts the
+FLOPs each arm's paths compute (`bench.ns_flops`: the symmetric kernels half of each
+symmetric product, Gram fewer products), held against a bf16 8192^3 matmul measured in
+the same run; dense-eq TFLOP/s counts REFERENCE.md's dense cost (4 m^2 n + 2 m^3 per
+iteration) for every arm: a rate of the algorithm, which can pass the GPU's peak. The
+matmul is timed in a burst and sustained (back to back for ~0.6 s, where the GPU sits at
+its power-limited clock as during a step); the floor is the symmetric kernels' FLOPs
+(3 m^2 n + m^3 per iteration) at the sustained rate; the step floor adds the momentum and
+apply passes' bytes (24 per fp32 param) at a device-to-device copy rate measured in the
+same run. Parity: the first layer's params and momentum after the timed steps,
+fused/triton vs torch/triton (same inputs, same NS). Prints a table, writes JSON. Runs in
+well under 2 minutes.
 
     python -m bench.muon_step --out bench/results/muon_step.json
     python -m bench.muon_step --profile   # also: device time per kernel of one step
@@ -31,6 +34,7 @@ import statistics
 
 import torch
 
+from bench.ns_flops import arm_flops
 from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER, params_with_grads
 from bench.timing import (
@@ -41,13 +45,7 @@ from bench.timing import (
     time_calls,
 )
 from muon import KELLER_JORDAN, Muon, elementwise, zeropower
-from muon.newton_schulz import (
-    gram_flops_symmetric,
-    ns_flops,
-    ns_flops_symmetric,
-    ns_path,
-    set_backend,
-)
+from muon.newton_schulz import ns_flops, ns_flops_symmetric, set_backend
 
 
 def _with_backends(elementwise_backend: str, ns_backend: str, fn):
@@ -78,13 +76,9 @@ def _profile(step, device: torch.device) -> list[dict[str, object]]:
     return sorted((r for r in rows if r["ms"] > 0), key=lambda r: -r["ms"])
 
 
-def default_path_flops(rows: int, cols: int, device: torch.device) -> int:
-    """FLOPs of the Newton-Schulz products the default path runs for one bf16 matrix here."""
-    capability = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
-    path = ns_path(rows, cols, torch.bfloat16, device.type, capability)
-    if path.algorithm == "gram":
-        return gram_flops_symmetric(rows, cols, KELLER_JORDAN)
-    return ns_flops_symmetric(rows, cols, KELLER_JORDAN.steps)
+def ns_key(backend: str, algorithm: str) -> str:
+    """The results' name of the NS-only arm of `backend` and `algorithm`."""
+    return backend if algorithm == "standard" else f"{backend}_{algorithm}"
 
 
 def main() -> None:
@@ -105,7 +99,12 @@ def main() -> None:
     shapes = [(r // args.divisor, c // args.divisor) for r, c in QWEN3_8B_LAYER] * args.layers
     flops = sum(ns_flops(r, c, KELLER_JORDAN.steps) for r, c in shapes)
     sym_flops = sum(ns_flops_symmetric(r, c, KELLER_JORDAN.steps) for r, c in shapes)
-    default_flops = sum(default_path_flops(r, c, device) for r, c in shapes)
+    capability = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+    def computed_flops(backend: str, algorithm: str) -> int:
+        return arm_flops(shapes, backend, algorithm, device.type, capability)
+
+    default_flops = computed_flops("auto", "auto")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"torch {torch.__version__}, {name}, {len(shapes)} matrices, "
@@ -121,7 +120,6 @@ def main() -> None:
     numel = sum(r * c for r, c in shapes)
     elementwise_bytes = numel * ((4 + 4 + 4 + 2) + (2 + 4 + 4))
     results: dict[str, object] = {
-        "torch": torch.__version__,
         "device": name,
         "matrices": len(shapes),
         "ns_tflop_per_step": flops / 1e12,
@@ -156,9 +154,11 @@ def main() -> None:
                 args.repeats,
             )
         )
-        key = backend if algorithm == "standard" else f"{backend}_{algorithm}"
+        key = ns_key(backend, algorithm)
         results[f"ns_{key}_ms"] = 1e3 * ns_s
-        results[f"ns_{key}_tflops"] = flops / ns_s / 1e12
+        results[f"ns_{key}_tflop"] = computed_flops(backend, algorithm) / 1e12
+        results[f"ns_{key}_computed_tflops"] = results[f"ns_{key}_tflop"] / ns_s
+        results[f"ns_{key}_dense_equiv_tflops"] = flops / ns_s / 1e12
     del stacks
 
     cap = {} if args.bucket_cap_mib is None else {"bucket_cap_bytes": args.bucket_cap_mib << 20}
@@ -169,7 +169,8 @@ def main() -> None:
         arms["muon.Muon fused/triton"] = ("triton", "triton")
     # ns_algorithm arms: default backends ("auto": fused elementwise and, per shape, Triton)
     algorithms: dict[str, str] = {}
-    if "ns_algorithm" in inspect.signature(Muon).parameters:
+    takes_algorithm = "ns_algorithm" in inspect.signature(Muon).parameters
+    if takes_algorithm:
         for algorithm in ("standard", "gram", "auto"):
             arm = f"muon.Muon auto/auto {algorithm}"
             arms[arm] = ("auto", "auto")
@@ -213,25 +214,42 @@ def main() -> None:
     best = list(arms)[-1]
     speedup = results["torch.optim.Muon_ms"] / results[f"{best}_ms"]
     results["speedup"] = speedup
-    ns_last = results[f"ns_{ns_backends[-1]}_ms"]
-    print(f"{'arm':<32} {'step ms':>9} {'NS TFLOP/s':>11} {'step - NS ms':>13}")
+    ns_last = ns_key(ns_backends[-1], "standard")
+    print(
+        f"{'arm':<32} {'step ms':>9} {'NS TFLOP/s':>11} {'dense-eq TFLOP/s':>17} "
+        f"{'step - NS ms':>13}"
+    )
     for arm, pair in arms.items():
         ms = results[f"{arm}_ms"]
-        ns_key = None if pair is None else pair[1]
-        if arm in algorithms and algorithms[arm] != "standard":
-            ns_key = f"{pair[1]}_{algorithms[arm]}"
-        ns_ms = None if ns_key is None else results.get(f"ns_{ns_key}_ms")  # none for "auto"
-        overhead = "" if ns_ms is None else f"{ms - ns_ms:>13.1f}"
-        print(f"{arm:<32} {ms:>9.1f} {flops / (ms / 1e3) / 1e12:>11.1f} {overhead}")
+        if pair is None:  # torch.optim.Muon: the dense iteration, one matrix at a time
+            arm_ns_flops, overhead = flops, ""
+        else:
+            # muon.Muon's ns_algorithm is "auto" unless the arm sets it
+            algorithm = algorithms.get(arm, "auto" if takes_algorithm else "standard")
+            arm_ns_flops = computed_flops(pair[1], algorithm)
+            ns_ms = results.get(f"ns_{ns_key(pair[1], algorithm)}_ms")  # no (auto, standard)
+            overhead = "" if ns_ms is None else f"{ms - ns_ms:>13.1f}"
+        print(
+            f"{arm:<32} {ms:>9.1f} {arm_ns_flops / (ms / 1e3) / 1e12:>11.1f} "
+            f"{flops / (ms / 1e3) / 1e12:>17.1f} {overhead}"
+        )
     for backend, algorithm in ns_arms:
-        key = backend if algorithm == "standard" else f"{backend}_{algorithm}"
+        key = ns_key(backend, algorithm)
         label = f"NS only ({backend}, {algorithm})"
-        ms, tflops = results[f"ns_{key}_ms"], results[f"ns_{key}_tflops"]
-        print(f"{label:<32} {ms:>9.1f} {tflops:>11.1f}")
+        ms, computed = results[f"ns_{key}_ms"], results[f"ns_{key}_computed_tflops"]
+        print(
+            f"{label:<32} {ms:>9.1f} {computed:>11.1f} "
+            f"{results[f'ns_{key}_dense_equiv_tflops']:>17.1f}"
+        )
     print(
         f"bf16 matmul peak {8192 // args.divisor}^3: {peak:.1f} TFLOP/s; "
-        f"NS at {100 * flops / (ns_last / 1e3) / 1e12 / peak:.0f}% of it; "
+        f"NS only ({ns_backends[-1]}, standard) at "
+        f"{100 * results[f'ns_{ns_last}_computed_tflops'] / peak:.0f}% of it; "
         f"speedup {best} vs torch.optim.Muon {speedup:.2f}x"
+    )
+    print(
+        "NS TFLOP/s: the FLOPs the arm's paths compute (step rows: over the whole step); "
+        "dense-eq: the dense iteration's FLOPs, whatever the path computes"
     )
     floor = results["ns_floor_sustained_ms"]
     print(
@@ -243,7 +261,7 @@ def main() -> None:
     default_floor = results["ns_default_floor_sustained_ms"]
     print(
         f"the default path's products (Gram where `ns_path` takes it, as computed: "
-        f"`gram_flops_symmetric`) are {default_flops / 1e12:.1f} TFLOP: floor "
+        f"`bench.ns_flops`) are {default_flops / 1e12:.1f} TFLOP: floor "
         f"{default_floor:.1f} ms at the sustained rate; {best} at "
         f"{results[f'{best}_ms'] / default_floor:.2f}x that floor"
     )

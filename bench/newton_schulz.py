@@ -3,10 +3,12 @@
 Per shape: `zeropower(backend="torch")` (the plain path), `muon.ns_triton` under every
 fixed configuration in `ns_triton.CONFIGS` (first-call compile cost reported, cold
 Triton cache unless --warm-cache), and torch.optim._muon._zeropower_via_newtonschulz
-(one matrix at a time; it takes no batch). TFLOP/s counts full-GEMM FLOPs
-(REFERENCE.md: 4 m^2 n + 2 m^3 per iteration, m <= n), so the symmetric saving shows as
-more than the plain rate; `peak` is a bf16 8192^3 matmul measured in the same run. The
-step section also prints the floor: the symmetric kernels' FLOPs (3 m^2 n + m^3 per
+(one matrix at a time; it takes no batch). TFLOP/s counts the FLOPs each arm's path
+computes (`bench.ns_flops`: the Triton kernels half of each symmetric product, Gram fewer
+products); dense-eq TFLOP/s counts the dense iteration's (REFERENCE.md: 4 m^2 n + 2 m^3
+per iteration, m <= n) for every arm, a rate of the algorithm that can pass the GPU's
+peak; `peak` is a bf16 8192^3 matmul measured in the same run. The step section also
+prints the floor: the symmetric kernels' FLOPs (3 m^2 n + m^3 per
 iteration) at the sustained matmul rate (back to back for ~0.6 s, the power-limited
 clock a step runs at).
 Then the whole Muon step for 12 Qwen3-8B layers (84 matrices): torch.optim.Muon,
@@ -39,12 +41,14 @@ if "--warm-cache" not in sys.argv:  # before anything imports triton
 
 import torch
 
+from bench.ns_flops import arm_flops, path_flops
 from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER, params_with_grads
 from bench.timing import matmul_tflops, sustained_matmul_tflops, sync, time_calls
 from muon import KELLER_JORDAN, Muon
 from muon.newton_schulz import (
     GRAM_MIN_ASPECT,
+    NewtonSchulzPath,
     ns_flops,
     ns_flops_symmetric,
     path_for,
@@ -165,7 +169,7 @@ def main() -> None:
     d = args.divisor
     schedule = KELLER_JORDAN
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    results: dict[str, object] = {"torch": torch.__version__, "device": name}
+    results: dict[str, object] = {"device": name}
     ns_triton = None
     if not args.skip_triton:
         from muon import ns_triton
@@ -178,8 +182,10 @@ def main() -> None:
 
             results["triton"] = triton.__version__
     print(f"torch {torch.__version__}, triton {results.get('triton')}, {name}")
+    capability = None
     if device.type == "cuda":
         results["capability"] = list(torch.cuda.get_device_capability(device))
+        capability = results["capability"][0]
 
     if args.aspect_sweep:
         backends = ["torch"] if ns_triton is None else ["torch", "triton"]
@@ -209,19 +215,24 @@ def main() -> None:
         key = f"{batch}x{rows}x{cols}" if batch > 1 else f"{rows}x{cols}"
         shape = (batch, rows, cols) if batch > 1 else (rows, cols)
         x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
-        flops = batch * ns_flops(rows, cols, schedule.steps)
-        entry: dict[str, object] = {"flops": flops, "m": min(rows, cols)}
-        arms = {"plain": lambda x=x: zeropower(x, schedule, backend="torch")}
+        dense = batch * ns_flops(rows, cols, schedule.steps)
+        entry: dict[str, object] = {"dense_flops": dense, "m": min(rows, cols)}
+        plain = batch * path_flops(rows, cols, path_for(x, "torch"), schedule)
+        arms = {"plain": (lambda x=x: zeropower(x, schedule, backend="torch"), plain)}
         if torch_ns is not None:
             mats = list(x.reshape(-1, rows, cols).unbind(0))
-            arms["torch._zeropower"] = lambda mats=mats: [
-                torch_ns(m, (a_, b_, c_), schedule.steps, 1e-7) for m in mats
-            ]
-        for cfg in configs:
-            arms[f"triton:{cfg.name}"] = lambda x=x, cfg=cfg: ns_triton.zeropower_triton(
-                x, schedule, 1e-7, config=cfg
+            arms["torch._zeropower"] = (  # torch's dense iteration
+                lambda mats=mats: [torch_ns(m, (a_, b_, c_), schedule.steps, 1e-7) for m in mats],
+                dense,
             )
-        for arm, fn in arms.items():
+        symmetric = NewtonSchulzPath("standard", "triton", torch.float16)
+        triton_flops = batch * path_flops(rows, cols, symmetric, schedule)
+        for cfg in configs:
+            arms[f"triton:{cfg.name}"] = (
+                lambda x=x, cfg=cfg: ns_triton.zeropower_triton(x, schedule, 1e-7, config=cfg),
+                triton_flops,
+            )
+        for arm, (fn, flops) in arms.items():
             try:
                 first = _first_call(fn, device)
                 seconds = statistics.median(time_calls(fn, device, args.warmup - 1, args.repeats))
@@ -232,11 +243,16 @@ def main() -> None:
             tflops = flops / seconds / 1e12
             entry[arm] = {
                 "ms": 1e3 * seconds,
-                "tflops": tflops,
+                "flops": flops,
+                "computed_tflops": tflops,
                 "pct_peak": 100 * tflops / peak,
+                "dense_equiv_tflops": dense / seconds / 1e12,
                 "first_call_s": first,
             }
-            rows_out.append((key, arm, 1e3 * seconds, tflops, 100 * tflops / peak, first))
+            rows_out.append(
+                (key, arm, 1e3 * seconds, tflops, 100 * tflops / peak, dense / seconds / 1e12)
+                + (first,)
+            )
         tri = {k: v for k, v in entry.items() if k.startswith("triton:") and "ms" in v}
         if tri:
             best = min(tri, key=lambda k: tri[k]["ms"])
@@ -253,9 +269,18 @@ def main() -> None:
             torch.cuda.empty_cache()
     results["shapes"] = per_shape
 
-    print(f"\n{'shape':<16} {'arm':<24} {'ms':>9} {'TFLOP/s':>9} {'%peak':>6} {'first s':>8}")
-    for key, arm, ms, tf, pct, first in rows_out:
-        print(f"{key:<16} {arm:<24} {ms:>9.3f} {tf:>9.1f} {pct:>6.0f} {first:>8.2f}")
+    print(
+        f"\n{'shape':<16} {'arm':<24} {'ms':>9} {'TFLOP/s':>9} {'%peak':>6} "
+        f"{'dense-eq TFLOP/s':>17} {'first s':>8}"
+    )
+    for key, arm, ms, tf, pct, dense_tf, first in rows_out:
+        print(
+            f"{key:<16} {arm:<24} {ms:>9.3f} {tf:>9.1f} {pct:>6.0f} {dense_tf:>17.1f} {first:>8.2f}"
+        )
+    print(
+        "TFLOP/s and %peak: the FLOPs the arm's path computes; dense-eq: the dense "
+        "iteration's FLOPs, whatever the path computes"
+    )
     for key, entry in per_shape.items():
         if "best_triton" in entry:
             default = entry.get("default_vs_plain", float("nan"))
@@ -312,10 +337,17 @@ def main() -> None:
                 set_backend(previous)
                 if saved is not None:
                     ns_triton.LARGE_CONFIG = saved
+            # muon.Muon's ns_algorithm is "auto"; torch.optim.Muon runs the dense iteration
+            computed = (
+                step_flops
+                if arm == "torch.optim.Muon"
+                else arm_flops(shapes, backend, "auto", device.type, capability)
+            )
             step[arm] = {
                 "ms": 1e3 * statistics.median(times),
                 "all_ms": [1e3 * t for t in times],
                 "first_step_s": first,
+                "ns_tflop": computed / 1e12,
             }
             if device.type == "cuda":
                 step[arm]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -330,11 +362,21 @@ def main() -> None:
         step["ns_floor_sustained_ms"] = floor = 1e3 * sym_flops / (sustained * 1e12)
         results["muon_step"] = step
         print(f"\nMuon step, {len(shapes)} matrices, NS {step_flops / 1e12:.1f} TFLOP (dense)")
-        print(f"{'arm':<34} {'step ms':>9} {'NS-equiv TFLOP/s':>17} {'first step s':>13}")
+        print(
+            f"{'arm':<34} {'step ms':>9} {'NS TFLOP/s':>11} {'dense-eq TFLOP/s':>17} "
+            f"{'first step s':>13}"
+        )
         for arm, v in step.items():
             if isinstance(v, dict) and "ms" in v:
-                tf = step_flops / (v["ms"] / 1e3) / 1e12
-                print(f"{arm:<34} {v['ms']:>9.1f} {tf:>17.1f} {v['first_step_s']:>13.2f}")
+                seconds = v["ms"] / 1e3
+                print(
+                    f"{arm:<34} {v['ms']:>9.1f} {v['ns_tflop'] / seconds:>11.1f} "
+                    f"{step_flops / seconds / 1e12:>17.1f} {v['first_step_s']:>13.2f}"
+                )
+        print(
+            "NS TFLOP/s: the FLOPs the arm's paths compute, over the whole step; dense-eq: "
+            "the dense iteration's FLOPs"
+        )
         print(
             f"symmetric NS is {sym_flops / 1e12:.1f} TFLOP: {floor:.1f} ms at the sustained "
             f"bf16 matmul rate ({sustained:.1f} TFLOP/s back to back for ~0.6 s), "

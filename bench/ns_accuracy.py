@@ -124,7 +124,7 @@ def main() -> None:
     for r in worse:
         print(f"  {r['shape']} {r['schedule']}: {r['default_rel_err']:.2e} > "
               f"{r['std:torch_rel_err']:.2e}")  # fmt: skip
-    write_json(args.out, {"torch": torch.__version__, "device": name, "rows": rows})
+    write_json(args.out, {"device": name, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -8,9 +8,13 @@ AdamW with 8 bytes of state per param. Arms, all in one run:
   without subset-step support takes);
 - chunked offload at several chunk sizes;
 - the copy floor: the state's bytes H2D and D2H at once, on two streams, from
-  and to pinned host memory, measured here.
+  and to pinned host memory, measured here (after a warmup copy each way).
 
-Prints a table and writes JSON. GPU only, except the smoke mode of `--plot`.
+Every arm runs once a round, `--rounds` rounds (A B C A B C: a machine that drifts moves
+every arm alike), each arm built afresh in its round. An arm's step ms is the median of
+its rounds; a ratio is the median of the rounds' ratios, each within one round, printed
+with the rounds' min-max. Prints a table and writes JSON. GPU only, except the smoke
+mode of `--plot`.
 
 `--plot PATH` also draws one step of the default chunked arm as a timeline PNG
 (matplotlib: the `plot` extra): one lane each for H2D, update and D2H, a box per
@@ -27,20 +31,23 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from bench.report import write_json
 from bench.shapes import QWEN3_8B_LAYER
+from bench.timing import in_rounds, synced_seconds
 from offload import CPUOffloadOptimizer
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES
 from offload.host_memory import allocate_host_slabs
 
 GiB = 2**30
 MiB = 2**20
+FLOOR_ARM = "copy floor (H2D + D2H at once)"
+SERIAL_ARM = "serial offload"
 
 
 class SerialAdamW(torch.optim.AdamW):
@@ -81,23 +88,19 @@ def time_steps(step, steps: int, warmup: int) -> tuple[float, float, float]:
     return statistics.median(times), statistics.median(host), torch.cuda.max_memory_allocated()
 
 
-def copy_floor(nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Seconds to move `nbytes` each way between pinned host and GPU: one way, and both at once."""
-    host = allocate_host_slabs({torch.uint8: 2 * nbytes}, torch.device("cuda"))[torch.uint8]
+def copy_floor(nbytes: int, repeats: int = 5, host: torch.Tensor | None = None) -> dict[str, float]:
+    """Median seconds to move `nbytes` each way between pinned host and GPU: one way, and
+    both at once, each after a warmup copy. `host`: pinned uint8 of 2 * `nbytes` to copy
+    from and to (allocated here without; pinning costs seconds a round would repeat)."""
+    if host is None:
+        host = allocate_host_slabs({torch.uint8: 2 * nbytes}, torch.device("cuda"))[torch.uint8]
     host_in, host_out = host[:nbytes], host[nbytes:]
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
 
-    def timed(run) -> float:
-        samples = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            run()
-            torch.cuda.synchronize()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+    def timed(run: Callable[[], object]) -> float:
+        return statistics.median(synced_seconds(run, torch.device("cuda"), 1, repeats))
 
     def both() -> None:
         with torch.cuda.stream(h2d):
@@ -105,12 +108,50 @@ def copy_floor(nbytes: int, repeats: int = 5) -> dict[str, float]:
         with torch.cuda.stream(d2h):
             host_out.copy_(dev_out, non_blocking=True)
 
-    result = {
+    return {
         "h2d_s": timed(lambda: dev_in.copy_(host_in, non_blocking=True)),
         "d2h_s": timed(lambda: host_out.copy_(dev_out, non_blocking=True)),
         "both_s": timed(both),
     }
-    return result
+
+
+def _ratios(numerators: list[float], denominators: list[float]) -> list[float]:
+    return [n / d for n, d in zip(numerators, denominators, strict=True)]
+
+
+def offload_rows(floor_s: list[float], arms: dict[str, list[dict]]) -> list[dict]:
+    """The table's rows, the floor's first, from each round's floor seconds (both ways at
+    once) and each arm's rounds ({"step_s", "host_s", "peak_gib"} a round): step and host
+    seconds the median of the rounds, peak the most; `vs_floor` and `serial_speedup` the
+    median of the rounds' ratios, each to the floor or `SERIAL_ARM` of its own round, every
+    round's kept (`<field>_rounds`)."""
+    serial_s = [r["step_s"] for r in arms[SERIAL_ARM]]
+    floor = {"arm": FLOOR_ARM, "step_s_rounds": floor_s, "host_s": None, "peak_gib": None}
+    rows = [floor]
+    for name, rounds in arms.items():
+        peaks = [r["peak_gib"] for r in rounds]
+        rows.append(
+            {
+                "arm": name,
+                "step_s_rounds": [r["step_s"] for r in rounds],
+                "host_s": statistics.median(r["host_s"] for r in rounds),
+                "peak_gib": max(peaks),
+                "peak_gib_rounds": peaks,
+            }
+        )
+    for row in rows:
+        steps = row["step_s_rounds"]
+        row["step_s"] = statistics.median(steps)
+        row["vs_floor_rounds"] = _ratios(steps, floor_s)
+        row["vs_floor"] = statistics.median(row["vs_floor_rounds"])
+        row["serial_speedup_rounds"] = _ratios(serial_s, steps)
+        row["serial_speedup"] = statistics.median(row["serial_speedup_rounds"])
+    return rows
+
+
+def spread_text(values: list[float], digits: int, scale: float = 1.0) -> str:
+    """ "min-max" of `values` (times `scale`)."""
+    return f"{min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f}"
 
 
 def plot_step_timeline(params, chunk_bytes: int, floor_s: float, path: str, title: str) -> None:
@@ -155,10 +196,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--slots", type=int, nargs="+", default=[3])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per arm and round")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every arm, round-robin")
     parser.add_argument("--out", default="bench/results/offload_step.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds should be >= 1 but is: {args.rounds}")
     if args.device == "cpu":
         if not args.plot:
             raise SystemExit("--device cpu is the smoke mode of --plot: give --plot PATH")
@@ -172,87 +216,94 @@ def main() -> None:
     state_bytes = 2 * param_bytes  # exp_avg + exp_avg_sq, fp32
     print(
         f"{len(params)} matrices, {param_bytes / GiB:.2f} GiB params, "
-        f"{state_bytes / GiB:.2f} GiB AdamW state"
+        f"{state_bytes / GiB:.2f} GiB AdamW state, {args.rounds} rounds"
     )
+    host = allocate_host_slabs({torch.uint8: 2 * state_bytes}, torch.device("cuda"))[torch.uint8]
 
-    floor = copy_floor(state_bytes)
-    gc.collect()
-    torch.cuda.empty_cache()
-    rows = [
-        {
-            "arm": "copy floor (H2D + D2H at once)",
-            "step_s": floor["both_s"],
-            "host_s": None,
-            "peak_gib": None,
-        }
-    ]
+    def floor() -> dict[str, float]:
+        measured = copy_floor(state_bytes, host=host)
+        torch.cuda.empty_cache()  # its device buffers are not the next arm's peak
+        print(f"  {FLOOR_ARM}: {measured['both_s'] * 1e3:.1f} ms")
+        return measured
 
-    def run_arm(name: str, optimizer) -> None:
-        seconds, host, peak = time_steps(optimizer.step, args.steps, args.warmup)
-        rows.append({"arm": name, "step_s": seconds, "host_s": host, "peak_gib": peak / GiB})
-        print(f"  {name}: {seconds * 1e3:.1f} ms (host {host * 1e3:.1f} ms)")
-
-    run_arm("no offload", torch.optim.AdamW(params, lr=1e-4, foreach=True))
-    gc.collect()
-    torch.cuda.empty_cache()
-    run_arm("serial offload", CPUOffloadOptimizer(SerialAdamW(params, lr=1e-4, foreach=True)))
-    gc.collect()
-    torch.cuda.empty_cache()
-    for mib in args.chunk_mib:
-        for slots in args.slots:
-            opt = CPUOffloadOptimizer(
-                torch.optim.AdamW(params, lr=1e-4, foreach=True),
-                chunk_bytes=mib * MiB,
-                staging_slots=slots,
-            )
-            run_arm(f"chunked {mib} MiB x {slots} slots", opt)
-            del opt
+    def arm(name: str, build: Callable[[], torch.optim.Optimizer]) -> Callable[[], dict]:
+        def run() -> dict[str, float]:
+            optimizer = build()
+            seconds, host_s, peak = time_steps(optimizer.step, args.steps, args.warmup)
+            getattr(optimizer, "close", lambda: None)()
+            del optimizer
             gc.collect()
             torch.cuda.empty_cache()
+            print(f"  {name}: {seconds * 1e3:.1f} ms (host {host_s * 1e3:.1f} ms)")
+            return {"step_s": seconds, "host_s": host_s, "peak_gib": peak / GiB}
 
-    serial = next(r["step_s"] for r in rows if r["arm"] == "serial offload")
-    for row in rows:
-        row["vs_floor"] = row["step_s"] / floor["both_s"]
-        row["serial_speedup"] = serial / row["step_s"]
-    env = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "host_cpus": os.cpu_count(),
+        return run
+
+    def chunked(mib: int, slots: int) -> Callable[[], torch.optim.Optimizer]:
+        return lambda: CPUOffloadOptimizer(
+            torch.optim.AdamW(params, lr=1e-4, foreach=True),
+            chunk_bytes=mib * MiB,
+            staging_slots=slots,
+        )
+
+    arms = {
+        FLOOR_ARM: floor,
+        "no offload": arm("no offload", lambda: torch.optim.AdamW(params, lr=1e-4, foreach=True)),
+        SERIAL_ARM: arm(
+            SERIAL_ARM,
+            lambda: CPUOffloadOptimizer(SerialAdamW(params, lr=1e-4, foreach=True)),
+        ),
     }
+    for mib in args.chunk_mib:
+        for slots in args.slots:
+            name = f"chunked {mib} MiB x {slots} slots"
+            arms[name] = arm(name, chunked(mib, slots))
+    measured = in_rounds(arms, args.rounds)
+    floors = measured.pop(FLOOR_ARM)
+    rows = offload_rows([f["both_s"] for f in floors], measured)
+    floor_s = {way: statistics.median(f[way] for f in floors) for way in ("h2d_s", "d2h_s")}
+    floor_s["both_s"] = rows[0]["step_s"]
+    env = {"gpu": torch.cuda.get_device_name(), "host_cpus": os.cpu_count()}
     bandwidth = {
-        "h2d_gib_s": state_bytes / GiB / floor["h2d_s"],
-        "d2h_gib_s": state_bytes / GiB / floor["d2h_s"],
-        "both_total_gib_s": 2 * state_bytes / GiB / floor["both_s"],
+        "h2d_gib_s": state_bytes / GiB / floor_s["h2d_s"],
+        "d2h_gib_s": state_bytes / GiB / floor_s["d2h_s"],
+        "both_total_gib_s": 2 * state_bytes / GiB / floor_s["both_s"],
     }
     print(
-        f"\n{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; pinned H2D "
-        f"{bandwidth['h2d_gib_s']:.1f} GiB/s, D2H {bandwidth['d2h_gib_s']:.1f} GiB/s, "
-        f"both at once {bandwidth['both_total_gib_s']:.1f} GiB/s total"
+        f"\n{env['gpu']}; pinned H2D {bandwidth['h2d_gib_s']:.1f} GiB/s, D2H "
+        f"{bandwidth['d2h_gib_s']:.1f} GiB/s, both at once {bandwidth['both_total_gib_s']:.1f} "
+        f"GiB/s total (medians of {args.rounds} rounds)"
     )
     print(
-        f"{'arm':34} {'step ms':>9} {'host ms':>8} {'x floor':>8} {'x faster than serial':>21} "
-        f"{'peak GiB':>9}"
+        f"{'arm':34} {'step ms':>9} {'rounds':>13} {'host ms':>8} {'x floor':>8} {'rounds':>11} "
+        f"{'x faster than serial':>21} {'rounds':>11} {'peak GiB':>9}"
     )
     for row in rows:
         peak = f"{row['peak_gib']:.2f}" if row["peak_gib"] is not None else "-"
-        host = f"{row['host_s'] * 1e3:.1f}" if row["host_s"] is not None else "-"
+        host_ms = f"{row['host_s'] * 1e3:.1f}" if row["host_s"] is not None else "-"
         print(
-            f"{row['arm']:34} {row['step_s'] * 1e3:9.1f} {host:>8} {row['vs_floor']:8.2f} "
-            f"{row['serial_speedup']:21.2f} {peak:>9}"
+            f"{row['arm']:34} {row['step_s'] * 1e3:9.1f} "
+            f"{spread_text(row['step_s_rounds'], 1, 1e3):>13} {host_ms:>8} "
+            f"{row['vs_floor']:8.2f} {spread_text(row['vs_floor_rounds'], 2):>11} "
+            f"{row['serial_speedup']:21.2f} {spread_text(row['serial_speedup_rounds'], 2):>11} "
+            f"{peak:>9}"
         )
+    print(
+        "step ms: median of the rounds; ratios: median of the rounds' ratios, each within "
+        "one round; rounds: min-max; peak: the most of the rounds"
+    )
     if args.plot:
         title = f"{state_bytes / GiB:.2f} GiB AdamW state, {DEFAULT_CHUNK_BYTES // MiB} MiB chunks"
-        plot_step_timeline(params, DEFAULT_CHUNK_BYTES, floor["both_s"], args.plot, title)
+        plot_step_timeline(params, DEFAULT_CHUNK_BYTES, floor_s["both_s"], args.plot, title)
     write_json(
         args.out,
         {
             "env": env,
+            "rounds": args.rounds,
             "state_bytes": state_bytes,
             "param_bytes": param_bytes,
             "bandwidth": bandwidth,
-            "floor": floor,
+            "floor": {**floor_s, "rounds": floors},
             "rows": rows,
         },
     )

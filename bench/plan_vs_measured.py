@@ -180,7 +180,6 @@ def run(
             (f"{arm}: step transient", expected.step_bytes, transient),
         ]
     return {
-        "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": layers,
         "scale": scale,

@@ -5,14 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
+ROOT = Path(__file__).resolve().parents[1]
 CODE_PATHS = ("offload", "muon", "muon_offload", "bench", "pyproject.toml")
 """What a run's code fingerprint covers (`code_id`); results (bench/measured) are not code."""
 RESULTS = "bench/measured/"
@@ -20,29 +24,55 @@ RESULTS = "bench/measured/"
 
 def write_json(path: str | Path, payload: Any) -> None:
     """Write `payload` to `path` (creating its folder) and say where. A dict gets a `run`
-    entry (`run_info`), which `bench.report_measured` reads."""
+    entry (`run_info`: versions, commit, date), which `bench.report_measured` reads; the
+    versions are printed beside the path."""
     if isinstance(payload, dict):
-        payload = {**payload, "run": run_info()}
+        run = run_info()
+        payload = {**payload, "run": run}
+        print(
+            f"torch {run['torch']}, CUDA {run['cuda']}, driver {run['driver']}, "
+            f"Python {run['python']}, commit {run['commit']}"
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}")
 
 
-def run_info() -> dict[str, str]:
-    """This run's commit (short hash, "+dirty" with uncommitted changes to tracked files;
-    "unknown" outside a git checkout), the fingerprint of the code that ran (`code_id`)
-    and its UTC time."""
-    root = Path(__file__).resolve().parents[1]
+def driver_version() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi gives it; None without a CUDA device or
+    nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if not torch.cuda.is_available() or smi is None:
+        return None
+    query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
+    out = subprocess.run(query, capture_output=True, text=True)
+    lines = out.stdout.split()
+    return lines[0] if out.returncode == 0 and lines else None
+
+
+def run_info() -> dict[str, str | None]:
+    """What ran this bench, the one place every bench records it: torch's version, the
+    CUDA it was built with (None on a CPU build), the NVIDIA driver (`driver_version`),
+    Python's version; the commit (short hash, "+dirty" with uncommitted changes to
+    tracked files; None outside a git checkout), the fingerprint of the code that ran
+    (`code_id`, in a checkout) and the UTC time."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
 
-    commit = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no").strip():
+    commit = git("rev-parse", "--short", "HEAD").strip() or None
+    if commit is not None and git("status", "--porcelain", "--untracked-files=no").strip():
         commit += "+dirty"
-    info = {"commit": commit, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    code = code_id(root) if commit != "unknown" else None
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "driver": driver_version(),
+        "python": platform.python_version(),
+        "commit": commit,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    code = code_id(ROOT) if commit is not None else None
     return info if code is None else {**info, "code": code}
 
 

@@ -6,8 +6,9 @@
 Every JSON result belongs to a bench (by its file name's start, `BENCHES`) and a
 configuration (e.g. a train_step batch). Per (bench, configuration) the files of the
 newest run are current and get a table each; older files are listed by name. A file's
-commit and date are its own `run` entry (`bench.report.write_json` writes one) or else
-the commit that added it to the repository; where the entry names the code that ran
+commit and date are its own `run` entry (`bench.report.write_json` writes one, with the
+versions that ran it) or else (no entry, or a run outside a git checkout) the commit that
+added it to the repository; where the entry names the code that ran
 (`code`), the earliest commit on this branch holding that code is its commit (a machine
 the tree was synced onto may report a stale HEAD). Ratios are taken within one file (one run):
 runs of the same arm on different days differ by more than most effects measured here.
@@ -54,24 +55,44 @@ def _ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.3f}x" if value and base else ""
 
 
+def _with_range(value: float, rounds: list[float] | None, digits: int, unit: str = "") -> str:
+    """`value` and, where the run had rounds, their min-max: "1.04x (1.02-1.09)"."""
+    text = f"{value:.{digits}f}{unit}"
+    return text if not rounds else f"{text} ({min(rounds):.{digits}f}-{max(rounds):.{digits}f})"
+
+
 def _offload_step(d: dict[str, Any]) -> Table:
-    rows = [
-        [r["arm"], _fmt(r["step_s"] * 1e3), _fmt(r.get("vs_floor"), 2)]
-        + [_fmt(r.get("serial_speedup"), 2), _fmt(r.get("peak_gib"), 2)]
-        for r in d["rows"]
-    ]
-    return ["arm", "step ms", "x copy floor", "x faster than serial", "peak GiB"], rows
+    rows = []
+    for r in d["rows"]:
+        step_ms = [1e3 * t for t in r.get("step_s_rounds", ())]
+        rows.append(
+            [r["arm"], _with_range(r["step_s"] * 1e3, step_ms, 1)]
+            + [_with_range(r["vs_floor"], r.get("vs_floor_rounds"), 2)]
+            + [_with_range(r["serial_speedup"], r.get("serial_speedup_rounds"), 2)]
+            + [_fmt(r.get("peak_gib"), 2)]
+        )
+    rounds = " (median; rounds' min-max)" if "rounds" in d else ""
+    peak = "peak GiB (most of the rounds)" if rounds else "peak GiB"
+    headers = ["arm", f"step ms{rounds}", f"x copy floor{rounds}"]
+    return headers + [f"x faster than serial{rounds}", peak], rows
 
 
 def _muon_offload_step(d: dict[str, Any]) -> Table:
-    headers = ["matrix set", "momentum GiB", "unwrapped ms", "offloaded ms", "copy floor ms"]
-    headers += ["offloaded / unwrapped", "offloaded / max(floor, unwrapped)"]
-    headers += ["peak GiB unwrapped / offloaded"]
+    rounds = " (median; rounds' min-max)" if "rounds" in d else ""
+    headers = ["matrix set", "momentum GiB"]
+    headers += [f"{name}{rounds}" for name in ("unwrapped ms", "offloaded ms", "copy floor ms")]
+    headers += [f"offloaded / unwrapped{rounds}", f"offloaded / max(floor, unwrapped){rounds}"]
+    headers += ["peak GiB unwrapped / offloaded" + (" (most of the rounds)" if rounds else "")]
     headers += ["bitwise equal"]
     rows = [
-        [name, _fmt(r["state_gib"], 2), _fmt(r["unwrapped_ms"]), _fmt(r["offloaded_ms"])]
-        + [_fmt(r["copy_floor_ms"]), f"{r['offloaded_vs_unwrapped']:.3f}x"]
-        + [f"{r['offloaded_vs_floor']:.3f}x"]
+        [name, _fmt(r["state_gib"], 2)]
+        + [
+            _with_range(r[f"{t}_ms"], r.get(f"{t}_ms_rounds"), 1)
+            for t in ("unwrapped", "offloaded")
+        ]
+        + [_with_range(r["copy_floor_ms"], r.get("copy_floor_ms_rounds"), 1)]
+        + [_with_range(r["offloaded_vs_unwrapped"], r.get("offloaded_vs_unwrapped_rounds"), 3, "x")]
+        + [_with_range(r["offloaded_vs_floor"], r.get("offloaded_vs_floor_rounds"), 3, "x")]
         + [f"{r['unwrapped_peak_gib']:.2f} / {r['offloaded_peak_gib']:.2f}"]
         + [_fmt(r["bitwise_equal"])]
         for name, r in d.items()
@@ -197,8 +218,13 @@ def _train_step(d: dict[str, Any]) -> Table:
             + [_fmt(r["peak_gib"], 2), _fmt(r.get("kept_mib"), 2)]
             + [", ".join(_fmt(t) for t in r.get("step_ms_runs", ()))]
         )
+    # Runs before `peak_gib_runs` gave an arm that ran several times its first run's peak.
+    peak = "peak GiB"
+    if any("step_ms_runs" in r for r in results):
+        merged = any("peak_gib_runs" in r for r in results)
+        peak += " (most of an arm's runs)" if merged else " (first of an arm's runs)"
     return ["arm", "median step ms", "vs none", "window ms/step", "window vs none",
-            "peak GiB", "kept MiB", "step ms of each run"], rows  # fmt: skip
+            peak, "kept MiB", "step ms of each run"], rows  # fmt: skip
 
 
 def _writeback_paths(d: dict[str, Any]) -> Table:
@@ -305,7 +331,7 @@ def load_results(folder: Path = MEASURED) -> list[Result]:
     results = []
     for path, data in runs.items():
         run = data.get("run") or {}
-        if "commit" in run:
+        if run.get("commit"):  # None: run outside a git checkout
             commit = by_code.get(run.get("code"), run["commit"])
             date = datetime.fromisoformat(run["date"])
         elif path.name in added:
@@ -328,6 +354,17 @@ def _experiment(result: Result) -> str:
 def _device(d: dict[str, Any]) -> str:
     device = d.get("device") or d.get("gpu") or d.get("env", {}).get("gpu")
     return device or f"CPU ({d.get('backend', 'no backend')}, world {d.get('world', 1)})"
+
+
+def _versions(d: dict[str, Any]) -> str:
+    """ "torch X, CUDA Y, driver Z, Python W" from the run entry (`bench.report.run_info`),
+    or the torch version older runs recorded themselves."""
+    run = d.get("run") or {}
+    if "torch" not in run:
+        return f"torch {d.get('torch') or d['env']['torch']}"
+    return (
+        f"torch {run['torch']}, CUDA {run['cuda']}, driver {run['driver']}, Python {run['python']}"
+    )
 
 
 def _markdown(table: Table) -> list[str]:
@@ -364,8 +401,7 @@ def render(results: list[Result]) -> str:
                 if result.date != newest:
                     continue
                 d = result.data
-                torch_version = d.get("torch") or d["env"]["torch"]
-                lines += ["", f"`{result.path.name}`: {_device(d)}, torch {torch_version}, "
+                lines += ["", f"`{result.path.name}`: {_device(d)}, {_versions(d)}, "
                           f"commit {result.commit}, {result.date.date()}", ""]  # fmt: skip
                 lines += _markdown(bench.table(d))
             older = sorted(r.path.name for r in members if r.date != newest)

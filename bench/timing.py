@@ -5,8 +5,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def sync(device: torch.device) -> None:
@@ -35,6 +38,34 @@ def time_calls(
             fn()
             times.append(time.perf_counter() - start_s)
     return times
+
+
+def synced_seconds(
+    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
+) -> list[float]:
+    """Wall seconds per call after `warmup` untimed calls, the device synchronized before
+    and after each call: for work on several streams, which events on one stream miss."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def in_rounds(arms: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+    """Each arm's results over `rounds` rounds, every round running every arm once in the
+    given order (A B C A B C): a machine that drifts moves every arm alike, a ratio can
+    pair two arms of one round, and the rounds show how far each figure moves."""
+    results: dict[str, list[T]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, arm in arms.items():
+            results[name].append(arm())
+    return results
 
 
 def matmul_tflops(device: torch.device, n: int, warmup: int, repeats: int) -> float:

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import platform
 import signal
 import socket
 import sys
@@ -537,8 +536,6 @@ def run(rank: int, world: int, args: argparse.Namespace, device: torch.device) -
             print_summary(result)
     status = 0
     payload: dict[str, Any] = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world": world,
         "model": args.model,

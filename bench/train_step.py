@@ -53,15 +53,15 @@ Each arm runs in its own process (a fresh model, optimizer and allocator, and it
 own peak memory): warmup steps, then a window of `--steps` steps with the device
 synchronized only at its ends; step ms is the median over the window's steps
 (CUDA events recorded between steps), and how long `step()` takes to return on
-the host. Peak memory is `max_memory_allocated` over the window. The "none" arms
-(the baselines) run `--baseline-runs` times, spread evenly among the other arms (first
-and last with 2): their row is the median of their runs, and the table gives each run
-and the spread, since the baseline moves between runs as much as the arms differ;
-`--rounds N` runs every other arm N times, round-robin, merged alike. Each arm's
-process first records the machine as it finds it (`bench.machine`: a fixed Python
-loop's ms, the host link's copy rates), printed beside its step ms: machines, and
-cores of one machine, differ in both. Prints a table with ratios against the same
-optimizer's "none" arm in this run and writes JSON.
+the host. Every arm times as many steps. Peak memory is `max_memory_allocated` over the
+window. The "none" arms (the baselines) run `--baseline-runs` times, spread evenly among
+the other arms (first and last with 2): their row has the median of their runs' times and
+the most of their memory, and the table gives each run and the spread, since the baseline
+moves between runs as much as the arms differ; `--rounds N` runs every other arm N times,
+round-robin, merged alike. Each arm's process first records the machine as it finds it
+(`bench.machine`: a fixed Python loop's ms, the host link's copy rates), printed beside
+its step ms: machines, and cores of one machine, differ in both. Prints a table with
+ratios against the same optimizer's "none" arm in this run and writes JSON.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import math
 import multiprocessing
 import os
 import queue
@@ -110,6 +109,8 @@ PLAIN_ARMS = ("none", "offload+overlap", "offload+overlap+bwd", "torchao")
 GiB = 2**30
 UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 RESIDENT_FIELD = "offload_gpu_resident_bytes"
+ARM_EXIT_WAIT_S = 600.0
+"""Seconds to wait for an arm's process to exit once it has reported (its teardown)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation")
     parser.add_argument("--seq", type=int, help="default: the model preset's")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per arm")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps, every arm")
     parser.add_argument(
         "--baseline-runs",
         type=int,
@@ -260,12 +261,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="runs of each other arm, round-robin (A B A B), merged like the none arm's",
     )
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument(
-        "--arm-budget-s",
-        type=float,
-        default=60.0,
-        help="cap on an arm's timed seconds: slow arms time fewer steps (at least 1)",
-    )
     parser.add_argument(
         "--resident-sweep",
         default="",
@@ -311,6 +306,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--baseline-runs should be >= 1 but is: {args.baseline_runs}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds should be >= 1 but is: {args.rounds}")
+    if args.steps < 1:
+        raise SystemExit(f"--steps should be >= 1 but is: {args.steps}")
     if args.phases and args.micro_batches != 1:
         raise SystemExit("--phases times one micro-batch a step: drop --micro-batches")
     args.sweep = [parse_bytes(v) for v in args.resident_sweep.split(",") if v.strip()]
@@ -459,15 +456,13 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         timed_window(step, 1, device)  # the first step with the settled choice, synced
         search_steps += 1
         search_s = time.perf_counter() - started
-    # Warmup builds plans, allocates state and host slabs; a slow arm stops early.
+    # Warmup builds plans, allocates state and host slabs.
     warm_s: list[float] = []
     for _ in range(args.warmup):
         started = time.perf_counter()
         timed_window(step, 1, device)
         warm_s.append(time.perf_counter() - started)
-        if sum(warm_s) > args.arm_budget_s / 2:
-            break
-    steps = max(1, min(args.steps, math.floor(args.arm_budget_s / max(warm_s[-1], 1e-9))))
+    steps = args.steps  # every arm: the medians a ratio compares are over as many steps
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     retries_window = alloc_retries(device)
@@ -698,7 +693,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         process.terminate()
         raise
     finally:
-        process.join(timeout=5 * args.arm_budget_s + 600)
+        process.join(timeout=ARM_EXIT_WAIT_S)
     if process.exitcode not in (0, None) and not result:
         result = {"error": f"arm process exited with {process.exitcode}"}
     return {**base, **result}
@@ -751,10 +746,18 @@ def run_order(arms: Sequence[Arm], baseline_runs: int, rounds: int = 1) -> list[
     return order
 
 
+MERGED_MEDIAN = ("step_ms", "window_ms_per_step", "step_returns_ms", "first_30_mean_ms")
+"""Times merged as the median of an arm's runs."""
+MERGED_MOST = ("peak_gib", "reserved_gib", "kept_mib")
+"""Memory merged as the most any run took: what a run of the arm needs."""
+
+
 def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per arm, first appearance's order: an arm that ran several times has the
-    median of its runs' step ms, each run's (`step_ms_runs`) and the spread
-    (max / min - 1), its other fields from its first run."""
+    median of its runs' times (`MERGED_MEDIAN`), the most of their memory (`MERGED_MOST`;
+    None where not measured), each run's value (`<field>_runs`), the step ms spread
+    (max / min - 1), and its other fields (schedule, phases, host profile) from its first
+    run."""
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         runs.setdefault(r["arm"], []).append(r)
@@ -764,17 +767,18 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if len(rows) == 1 or not ok:
             merged.append(rows[0])
             continue
-        times = [r["step_ms"] for r in ok]
-        merged.append(
-            {
-                **ok[0],
-                "step_ms": statistics.median(times),
-                "step_ms_runs": times,
-                "spread": max(times) / min(times) - 1,
-                "window_ms_per_step": statistics.median(r["window_ms_per_step"] for r in ok),
-                "peak_gib": ok[0]["peak_gib"],
-            }
-        )
+        row = dict(ok[0])
+        for field, combine in [
+            *((f, statistics.median) for f in MERGED_MEDIAN),
+            *((f, max) for f in MERGED_MOST),
+        ]:
+            if field not in row:
+                continue
+            values = [r[field] for r in ok]
+            row[f"{field}_runs"] = values
+            row[field] = None if None in values else combine(values)
+        row["spread"] = max(row["step_ms_runs"]) / min(row["step_ms_runs"]) - 1
+        merged.append(row)
     return merged
 
 
@@ -845,16 +849,19 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for r in results:
         if "step_ms_runs" in r:
             runs = ", ".join(f"{t:.1f}" for t in r["step_ms_runs"])
+            peaks = ", ".join(gib(p) for p in r["peak_gib_runs"])
             print(
                 f"{r['arm']} ran {len(r['step_ms_runs'])} times: {runs} ms "
-                f"(spread {100 * r['spread']:.1f}%, ratios use the median)"
+                f"(spread {100 * r['spread']:.1f}%, ratios use the median); peak {peaks} GiB "
+                "(the table: the most)"
             )
     print("\nthe first 30 steps' mean (auto's search and the warmup included):")
     for r in results:
         if "first_30_mean_ms" in r:
+            runs = ", ".join(f"{t:.1f}" for t in r.get("first_30_mean_ms_runs", ()))
             print(
                 f"{r['arm']:<{width}} {r['first_30_mean_ms']:>8.1f} ms "
-                f"{ratio(r, 'first_30_mean_ms'):>8}"
+                f"{ratio(r, 'first_30_mean_ms'):>8}" + (f"  (median of {runs})" if runs else "")
             )
     _print_phases(results, width)
     _print_host_profiles(results)
@@ -929,7 +936,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     results = merge_runs(runs)
     print_table(results)
     out = {
-        "torch": torch.__version__,
         "device": gpu,
         "model": args.model,
         "wrap": args.wrap,

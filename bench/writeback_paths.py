@@ -129,7 +129,6 @@ def main() -> None:
         args.json,
         {
             "device": device,
-            "torch": torch.__version__,
             "gib": args.gib,
             "exact": exact,
             "rows": rows,

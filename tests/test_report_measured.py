@@ -131,3 +131,67 @@ def test_a_run_names_the_earliest_commit_holding_its_code_not_its_stale_head(tmp
     (measured / "train_step_synced.json").write_text(json.dumps(run))
     (result,) = load_results(measured)
     assert result.commit == first
+
+
+def test_a_train_step_table_says_whose_peak_it_shows():
+    """Before merged rows kept each run's peak (`peak_gib_runs`), an arm that ran several
+    times showed its first run's peak: the header says so for those runs, and for newer
+    ones that the peak is the most of an arm's runs."""
+    old = _train_step("train_step_old.json", 1, {"adamw/none": 100.0, "adamw/offload": 120.0})
+    old.data["results"][0]["step_ms_runs"] = [100.0, 101.0]
+    assert "| peak GiB (first of an arm's runs) |" in render([old])
+    new = _train_step("train_step_new.json", 1, {"adamw/none": 100.0, "adamw/offload": 120.0})
+    new.data["results"][0].update(step_ms_runs=[100.0, 101.0], peak_gib_runs=[1.0, 1.0])
+    assert "| peak GiB (most of an arm's runs) |" in render([new])
+    single = _train_step("train_step_one.json", 1, {"adamw/none": 100.0})
+    assert "| peak GiB |" in render([single])
+
+
+def _result(name: str, data: dict) -> Result:
+    return Result(Path(name), data, "c1", datetime(2026, 1, 1, tzinfo=timezone.utc))
+
+
+def test_offload_tables_give_the_rounds_range_beside_each_ratio():
+    row = {"arm": "chunked", "step_s": 0.2, "vs_floor": 1.005, "serial_speedup": 1.8}
+    rounds = {"step_s_rounds": [0.21, 0.19], "vs_floor_rounds": [1.05, 0.96]}
+    rounds["serial_speedup_rounds"] = [1.7, 1.9]
+    data = {"device": "GPU", "torch": "2.13.0", "rows": [{**row, "peak_gib": 9.5, **rounds}]}
+    text = render([_result("offload_step_new.json", data)])
+    assert "| chunked | 200.0 (190.0-210.0) | 1.00 (0.96-1.05) | 1.80 (1.70-1.90) | 9.50 |" in text
+    old = {"device": "GPU", "torch": "2.13.0", "rows": [{**row, "peak_gib": 9.5}]}
+    assert "| chunked | 200.0 | 1.00 | 1.80 | 9.50 |" in render([_result("offload_step.json", old)])
+    muon = {"state_gib": 8.6, "unwrapped_ms": 250.0, "offloaded_ms": 260.0}
+    muon |= {"copy_floor_ms": 200.0, "offloaded_vs_unwrapped": 1.04, "offloaded_vs_floor": 1.04}
+    muon |= {"unwrapped_peak_gib": 27.2, "offloaded_peak_gib": 18.9, "bitwise_equal": True}
+    muon |= {"unwrapped_ms_rounds": [250.0, 240.0], "offloaded_ms_rounds": [260.0, 262.0]}
+    muon |= {"copy_floor_ms_rounds": [200.0, 210.0]}
+    muon |= {
+        "offloaded_vs_unwrapped_rounds": [1.04, 1.09],
+        "offloaded_vs_floor_rounds": [1.04, 1.09],
+    }
+    text = render(
+        [_result("muon_offload_step_new.json", {"device": "GPU", "torch": "2", "q": muon})]
+    )
+    cells = "| q | 8.60 | 250.0 (240.0-250.0) | 260.0 (260.0-262.0) | 200.0 (200.0-210.0) | "
+    assert cells + "1.040x (1.040-1.090) | 1.040x (1.040-1.090) | 27.20 / 18.90 | yes |" in text
+
+
+def test_the_table_line_gives_the_runs_versions():
+    run = {"commit": "c1", "date": "2026-01-01T00:00:00+00:00", "torch": "2.13.0"}
+    run |= {"cuda": "13.0", "driver": "570.124.06", "python": "3.12.3"}
+    data = {"device": "GPU", "run": run, "rows": []}
+    text = render([_result("offload_step_new.json", data)])
+    assert "GPU, torch 2.13.0, CUDA 13.0, driver 570.124.06, Python 3.12.3, commit c1" in text
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="commits come from git")
+def test_a_run_without_a_commit_takes_the_commit_that_added_it(tmp_path):
+    _git(tmp_path, "init", "-q")
+    measured = tmp_path / "bench" / "measured"
+    measured.mkdir(parents=True)
+    run = _train_step("train_step_x.json", 1, {"adamw/none": 1.0}).data
+    run["run"] = {"commit": None, "date": "2026-01-01T00:00:00+00:00"}
+    (measured / "train_step_x.json").write_text(json.dumps(run))
+    added = _commit_all(tmp_path, "a run made outside a checkout")
+    (result,) = load_results(measured)
+    assert result.commit == added

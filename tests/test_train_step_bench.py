@@ -190,3 +190,70 @@ def test_an_arm_whose_process_dies_before_it_runs_is_an_error_not_a_hang(tmp_pat
     )
     (run,) = json.loads(out.read_text())["runs"]
     assert run["error"] == "arm process exited with 1"
+
+
+def test_an_arm_run_several_times_takes_every_figure_from_all_its_runs():
+    """A first run is often cold (train_step_hf_b4_muon_d214643_h200.json: muon/none's first
+    30 steps averaged 1005.5 ms in its first run, 333.0 in its second): times are the
+    median of the runs, memory the most any run took, each run's value kept beside."""
+    from bench.train_step import merge_runs
+
+    def run(step, returns, first_30, peak, reserved, kept):
+        return {
+            "arm": "adamw/none",
+            "step_ms": step,
+            "window_ms_per_step": step + 1,
+            "step_returns_ms": returns,
+            "first_30_mean_ms": first_30,
+            "peak_gib": peak,
+            "reserved_gib": reserved,
+            "kept_mib": kept,
+        }
+
+    runs = [
+        run(200.0, 9.0, 1005.5, 1.0, 2.0, 5.0),
+        run(180.0, 7.0, 333.0, 1.5, 2.5, 4.0),
+        run(190.0, 8.0, 350.0, 1.2, 2.2, 6.0),
+    ]
+    (merged,) = merge_runs(runs)
+    assert merged["first_30_mean_ms"] == 350.0
+    assert merged["first_30_mean_ms_runs"] == [1005.5, 333.0, 350.0]
+    assert merged["step_returns_ms"] == 8.0 and merged["step_returns_ms_runs"] == [9.0, 7.0, 8.0]
+    assert merged["peak_gib"] == 1.5 and merged["peak_gib_runs"] == [1.0, 1.5, 1.2]
+    assert merged["reserved_gib"] == 2.5 and merged["kept_mib"] == 6.0
+    # on the CPU no memory is measured: None stays None, an absent field absent
+    cpu = [{**r, "peak_gib": None, "reserved_gib": None} for r in runs]
+    for r in cpu:
+        del r["kept_mib"]
+    (merged,) = merge_runs(cpu)
+    assert merged["peak_gib"] is None and merged["reserved_gib"] is None
+    assert "kept_mib" not in merged
+
+
+def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
+    """Each arm times --steps steps however long its warmup took, so the medians a ratio
+    compares are over as many steps (a time budget gave a slow arm fewer)."""
+    import itertools
+    import types
+
+    import torch.distributed as dist
+
+    from bench import train_step
+    from bench.train import free_port
+
+    clock = itertools.count(step=100.0)  # every reading 100 s after the last: a slow arm
+    monkeypatch.setattr(train_step, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    args = train_step.parse_args(
+        ["--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "8"]
+        + ["--steps", "3", "--warmup", "2"]
+    )
+    (arm,) = selected_arms("plain/none", [], "")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        result = train_step.measure(arm, args, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert result["timed_steps"] == 3 and len(result["step_ms_all"]) == 3
+    assert result["warmup_steps"] == 2
