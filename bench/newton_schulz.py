@@ -321,6 +321,8 @@ def main() -> None:
             try:
                 if large is not None:
                     ns_triton.LARGE_CONFIG = large
+                if device.type == "cuda":  # the peak of this arm alone (its params included)
+                    torch.cuda.reset_peak_memory_stats(device)
                 params = params_with_grads(shapes, device)
                 opt = (
                     torch.optim.Muon(params, lr=0.02)
@@ -351,7 +353,6 @@ def main() -> None:
             }
             if device.type == "cuda":
                 step[arm]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                torch.cuda.reset_peak_memory_stats(device)
             del opt, params
             if device.type == "cuda":
                 torch.cuda.empty_cache()
