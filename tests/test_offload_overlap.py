@@ -488,6 +488,39 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
     assert_params_and_state_equal(plain_model, plain, model, opt)
 
 
+def test_the_room_under_the_peak_is_measured_before_the_plan_holds_resident_state(monkeypatch):
+    """The plan's held bytes count its resident state; measured after the resident slabs
+    were allocated, the room lacked them too, and the backward loaded fewer chunks than
+    fit (resident state counted twice)."""
+    from offload import cpu_offload
+
+    events = []
+    zeros = torch.zeros
+
+    def allocating(*args, **kwargs):  # the resident slabs are the device's zeros
+        if "device" in kwargs:
+            events.append("resident state allocated")
+        return zeros(*args, **kwargs)
+
+    def room(device):
+        events.append("room measured")
+        return 2**30
+
+    monkeypatch.setattr(torch, "zeros", allocating)
+    monkeypatch.setattr(cpu_offload, "room_under_peak_bytes", room)
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=2048,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes=6000,  # the embedding's 5120 bytes of state
+    )
+    run(model, opt, batches(1))
+    assert opt.plan.resident_bytes > 0
+    assert events.index("room measured") < events.index("resident state allocated")
+
+
 @pytest.mark.parametrize("extra_chunks", [0, 2, 100], ids=["none", "two", "all"])
 def test_by_default_the_backward_also_loads_what_fits_under_the_devices_peak(
     extra_chunks, monkeypatch
@@ -594,7 +627,7 @@ class _CountedState(collections.defaultdict):
 
 
 def test_the_backwards_loads_look_up_state_once_per_param_not_per_module():
-    """`_load_ahead` runs as the backward passes each module: looking up every param's
+    """`load_ahead` runs as the backward passes each module: looking up every param's
     state there made the backward's host time grow with params x modules."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(32)))
