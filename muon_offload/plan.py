@@ -303,12 +303,13 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: 
         )
         columns = [*shown, (f"top peak (rank {top.rank})", top)]
         print(f"GiB per rank, {title}")
-        print(f"  {'':<22}" + "".join(f"{c:>20}" for c, _ in columns))
+        width = max(len(label) for label, _ in MEMORY_LINES)
+        print(f"  {'':<{width}}" + "".join(f"{c:>20}" for c, _ in columns))
         for label, value in MEMORY_LINES:
             cells = "".join(
                 f"{_gib(value(r.offload if offload else r.no_offload)):>20}" for _, r in columns
             )
-            print(f"  {label:<22}{cells}")
+            print(f"  {label:<{width}}{cells}")
         print()
     if not offloaded:
         print("(with offload: --offload, which caps Muon's buckets as setup_optimizer does)")
