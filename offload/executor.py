@@ -30,7 +30,7 @@ from offload.residency import StepTimer
 from offload.step_plan import OffloadedStep
 from offload.step_schedule import StepSchedule, backward_load_share
 from offload.streams import CopyStreams
-from offload.subset_step import ParamSlice, SubsetStep, local_tensor
+from offload.subset_step import ParamSlice, SubsetStep, local_tensor, version
 
 
 def as_state(param: Tensor, local: Tensor) -> Tensor:
@@ -182,9 +182,8 @@ def _copy_pieces(home: Tensor, staging: Tensor) -> list[tuple[Tensor, Tensor]]:
 def _state_versions(chunk: _Chunk) -> list[int]:
     """The version counters of `chunk`'s state at home. An in-place torch op on a home bumps
     its slab's (shared by the slab's views); one on a DTensor state only the wrapper's (its
-    local op runs below the counting). `Tensor._version` is private: the one place it is
-    read (torch 2.11 and 2.13 checked)."""
-    return [t._version for view in chunk.views for t in (view.home.home, view.home.home_state)]
+    local op runs below the counting)."""
+    return [version(t) for view in chunk.views for t in (view.home.home, view.home.home_state)]
 
 
 class StepExecutor:

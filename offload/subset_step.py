@@ -177,6 +177,13 @@ def local_tensor(t: Tensor) -> Tensor:
     return to_local() if to_local is not None else t
 
 
+def version(t: Tensor) -> int:
+    """`t`'s version counter, which each in-place torch op on it (or on a view sharing it)
+    bumps. `Tensor._version` is private: the one place it is read (torch 2.11 and 2.13
+    checked)."""
+    return t._version
+
+
 class GroupStep:
     """One step of a `GroupSubsetStep`: hyperparameters and grads captured at its start."""
 
@@ -443,7 +450,7 @@ def _state_options(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def _hashable(value: Any) -> Any:
     if isinstance(value, Tensor):  # by identity and version: its value, read off a GPU, syncs
-        return (id(value), value._version)
+        return (id(value), version(value))
     try:
         hash(value)
     except TypeError:  # a list, or a tuple holding one
