@@ -27,6 +27,7 @@ with `--plot PREFIX` a timeline PNG per set, matplotlib). GPU only.
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 from collections.abc import Callable
@@ -123,6 +124,7 @@ def run_set(name: str, steps: int, warmup: int, rounds: int, plot: str | None) -
                 else:
                     opt.close()
             del opt, params, state, final
+            gc.collect()  # a cycle would keep this arm's buffers in the next arm's peak
             torch.cuda.empty_cache()
             return {"step_s": seconds, "host_s": host_s, "peak_gib": peak / GiB}
 

@@ -334,6 +334,7 @@ def main() -> None:
             except Exception as e:
                 print(f"step {arm}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 step[arm] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                opt = params = None  # not in the next arm's peak
                 continue
             finally:
                 set_backend(previous)

@@ -46,7 +46,10 @@ def driver_version() -> str | None:
     if not torch.cuda.is_available() or smi is None:
         return None
     query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
-    out = subprocess.run(query, capture_output=True, text=True)
+    try:  # a hung nvidia-smi must not hold up writing the results
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return None
     lines = out.stdout.split()
     return lines[0] if out.returncode == 0 and lines else None
 

@@ -115,15 +115,21 @@ def _muon_step(d: dict[str, Any]) -> Table:
             peak], rows  # fmt: skip
 
 
+def _failed(entry: dict[str, Any]) -> str:
+    """The cell of an arm or config the bench recorded as failed (`{"error": ...}`)."""
+    return f"failed: {entry['error']}"
+
+
 def _newton_schulz(d: dict[str, Any]) -> Table:
     rows = []
     for shape, entry in d["shapes"].items():
-        triton = {k: v["ms"] for k, v in entry.items() if k.startswith("triton:")}
+        triton = {k: v["ms"] for k, v in entry.items() if k.startswith("triton:") and "ms" in v}
         best = min(triton, key=triton.__getitem__) if triton else None
-        plain = entry["plain"]["ms"]
+        plain = entry["plain"].get("ms")
+        plain_cell = _fmt(plain, 3) if plain is not None else _failed(entry["plain"])
         rows.append(
-            [shape, _fmt(plain, 3), best or "", _fmt(triton.get(best), 3) if best else ""]
-            + [_ratio(plain, triton[best]) if best else ""]
+            [shape, plain_cell, best or "", _fmt(triton.get(best), 3) if best else ""]
+            + [_ratio(plain, triton[best]) if best and plain is not None else ""]
         )
     return ["shape", "plain torch ms", "fastest Triton config", "its ms", "speed vs plain"], rows
 
@@ -131,7 +137,8 @@ def _newton_schulz(d: dict[str, Any]) -> Table:
 def _ns_aspect(d: dict[str, Any]) -> Table:
     rows = [
         ["x".join(map(str, e["shape"])), _fmt(e["aspect"])]
-        + [_fmt(e["standard:torch"]["ms"], 2), _fmt(e["gram:torch"]["ms"], 2)]
+        + [_fmt(e.get("standard:torch", {}).get("ms"), 2)]
+        + [_fmt(e.get("gram:torch", {}).get("ms"), 2)]
         + [_fmt(e.get("standard:triton", {}).get("ms"), 2)]
         + [_fmt(e.get("gram:triton", {}).get("ms"), 2)]
         for e in d["aspect_sweep"]["entries"]
@@ -206,9 +213,14 @@ def _train_step(d: dict[str, Any]) -> Table:
     def family(r: dict[str, Any]) -> str:  # the arms one "none" arm is the baseline of
         return r["arm"].rsplit("/", 1)[0] if "/" in r["arm"] else r["optimizer"]
 
-    base = {family(r): r for r in results if r["arm"].rsplit("/", 1)[-1] == "none"}
+    base = {
+        family(r): r for r in results if r["arm"].rsplit("/", 1)[-1] == "none" and "error" not in r
+    }
     rows = []
     for r in results:
+        if "error" in r:
+            rows.append([r["arm"], _failed(r)] + [""] * 6)
+            continue
         b = base.get(family(r), {})
         window = r.get("window_ms_per_step")
         rows.append(

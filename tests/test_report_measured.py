@@ -195,3 +195,27 @@ def test_a_run_without_a_commit_takes_the_commit_that_added_it(tmp_path):
     added = _commit_all(tmp_path, "a run made outside a checkout")
     (result,) = load_results(measured)
     assert result.commit == added
+
+
+def test_a_failed_arm_or_config_is_shown_as_failed_not_a_crash():
+    # the benches record an arm that raised as {"error": ...}; rendering read its times
+    failed = {"optimizer": "adamw", "arm": "adamw/offload", "error": "OutOfMemoryError: x"}
+    run = _train_step("train_step_failed.json", 1, {"adamw/none": 100.0})
+    run.data["results"].append(failed)
+    ns = {
+        "torch": "2.11.0",
+        "device": "GPU",
+        "shapes": {
+            "4096x4096": {
+                "plain": {"ms": 2.0},
+                "triton:a": {"ms": 1.0},
+                "triton:b": {"error": "CompilationError: y"},
+            },
+            "512x512": {"plain": {"error": "OutOfMemoryError: z"}, "triton:a": {"ms": 1.0}},
+        },
+    }
+    when = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    text = render([run, Result(Path("newton_schulz_failed.json"), ns, "c2", when)])
+    assert "| adamw/offload | failed: OutOfMemoryError: x |" in text
+    assert "| 4096x4096 | 2.000 | triton:a | 1.000 | 2.000x |" in text
+    assert "| 512x512 | failed: OutOfMemoryError: z | triton:a | 1.000 |  |" in text
