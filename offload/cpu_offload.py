@@ -874,11 +874,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The backward passed the `passed`-th of `watched` owner modules (see
         `ForwardOverlap.backward_reached`): with `load_in_backward`, load its share of the
         next step's first chunks (`StepExecutor.load_ahead`). Not while "auto" measures
-        (everything offloaded, nothing loaded ahead), nor while chunks of the last step
-        are pending (the loads would overwrite slots they have not written back)."""
+        (everything offloaded, nothing loaded ahead), nor while any of the last step is
+        still to be enqueued (a backward over a graph retained from before it): the loads
+        would read homes its write-backs have not reached, and fill slots they still
+        read; the next step loads those chunks itself."""
         if self._auto is not None and self._auto.measuring:
             self._auto.timer.backward_started(self._streams.current())
-        if self._load_in_backward and not self._closed and not self._overlap.pending_chunks:
+        if self._load_in_backward and not self._closed and self._overlap.step_enqueued:
             self._executor.load_ahead(passed, watched)
 
     # -- planning and allocation --------------------------------------------------------

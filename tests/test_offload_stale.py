@@ -267,6 +267,65 @@ def test_edit_through_a_state_tensor_held_from_an_earlier_step_is_kept(load_in_b
     _assert_same(plain_model, plain, model, overlapped)
 
 
+class _AddBias(nn.Module):
+    """Its backward saves no param: a graph retained from before a step survives it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(width) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.bias)
+
+
+@pytest.mark.parametrize("second_pass", ["backward", "autograd_grad"])
+def test_a_second_pass_over_a_retained_graph_while_a_step_is_pending_loses_nothing(
+    second_pass,
+):
+    # its backward hooks loaded the next step's first chunks while the pending step had not
+    # written the backward's chunks back: their stale homes were loaded, then written home
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(40, 32), _AddBias(32))
+
+    def train(model, opt, data):
+        for tokens in data[:2]:
+            opt.zero_grad()
+            model(tokens).square().mean().backward()
+            opt.step()
+        out = model(data[2])
+        first, second = out.square().mean(), out.sin().mean()
+        first.backward(retain_graph=True)
+        opt.step()  # pending: every chunk enqueued but the backward's chunks' write-backs
+        if second_pass == "backward":
+            opt.zero_grad()
+            second.backward()
+        else:
+            torch.autograd.grad(second, [model[0].weight])
+        opt.step()
+        opt.zero_grad()
+        model(data[3]).square().mean().backward()
+        opt.step()
+
+    plain_model, model = make(), make()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    overlapped = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=4096,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    data = _tokens(4)
+    train(plain_model, plain, data)
+    train(model, overlapped, data)
+    overlapped.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        for key, value in plain.state[a].items():
+            assert torch.equal(value, overlapped.state[b][key]), key
+
+
 # -- FSDP2 on gloo ---------------------------------------------------------------------
 
 
