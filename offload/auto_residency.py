@@ -149,10 +149,10 @@ class AutoResidency:
         `room_bytes()`: what a split may hold without raising the run's peak (None:
         unknown); each asked at most once."""
         step = self._steps - 1
-        decide_at = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
-        if step < decide_at:
+        if step < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
             return None
-        if step == decide_at:
+        if self._base is None:  # at the step after the measured ones, or the first to get
+            # here (the user may have mended a step refused before it asked)
             return self._first_choice(
                 step, shape, held, headroom_bytes, default_backward_bytes, room_bytes
             )
@@ -197,7 +197,11 @@ class AutoResidency:
             )
         elif isinstance(self.backward, int):
             backward = self.backward
-        measured = self._probe(Split(0, 0), self.timer.iterations_ms(AUTO_WARMUP_STEPS, step))
+        # the measured steps' iterations (each to the next step's start)
+        measured_end = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+        measured = self._probe(
+            Split(0, 0), self.timer.iterations_ms(AUTO_WARMUP_STEPS, measured_end)
+        )
         # Ranks agree (each holds its own shards): the least budget and backward, the
         # slowest step; the least of their largest totals that fit; then which splits fit
         # every rank (what a split holds need not grow with its total), the largest model

@@ -13,7 +13,13 @@ import torch
 from fake_step_timer import FakeStepTimer
 
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
-from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS, Split, settled_split
+from offload.residency import (
+    AUTO_MEASURED_STEPS,
+    AUTO_WARMUP_STEPS,
+    PROBE_STEPS,
+    Split,
+    settled_split,
+)
 from offload.subset_step import GroupStep, ParamSlice
 
 OPTIMIZERS = {
@@ -371,6 +377,40 @@ def test_state_dict_round_trip_with_resident_state():
     assert_same_state(ref, resumed)
     resumed.load_state_dict(saved)  # into the homes in place, resident ones too
     assert_same_state_dicts(saved, resumed.state_dict())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_auto_decides_after_a_step_refused_where_it_was_to_decide(overlap):
+    # a step refused (a state tensor replaced by the wrong shape) at the step "auto" makes
+    # its first choice at left it without one: every later step raised from inside "auto"
+    decide_at = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model if overlap else None,
+        gpu_resident_bytes="auto",
+    )
+    gen = torch.Generator().manual_seed(1)
+    for step in range(decide_at + 3 * PROBE_STEPS):
+        tokens = torch.randint(0, 50, (4, 6), generator=gen)
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            if o is opt and step == decide_at:
+                weight = model[0].weight
+                good = opt.state[weight]["exp_avg"]
+                opt.state[weight]["exp_avg"] = torch.zeros(3)
+                with pytest.raises(ValueError, match="has shape"):
+                    opt.step()
+                opt.state[weight]["exp_avg"] = good
+            o.step()
+    opt.wait_for_optimizer_step()
+    assert opt.residency is not None
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(
