@@ -230,25 +230,23 @@ class GroupStep:
     def _step_narrowed(
         self, tensors: Sequence[tuple[Tensor, int]], options: Mapping[int, dict] | None = None
     ) -> None:
-        """One `optimizer.step()` with each group narrowed to its (tensor, group) entries."""
-        groups = self._optimizer.param_groups
-        narrowed: list[list[Tensor]] = [[] for _ in groups]
+        """One `optimizer.step()` over the groups as this step began, each narrowed to its
+        (tensor, group) entries (`options`: more per group). The live groups are set aside
+        for the call: regrouped while an overlapped step is pending (fewer groups, or
+        other params in them), the step still runs as it began, as it would have in
+        `step()`; a group added since takes no part in it."""
+        narrowed = [{**group, "params": []} for group in self._groups]
         for t, index in tensors:
-            narrowed[index].append(t)
-        saved_groups = [dict(group) for group in groups]
+            narrowed[index]["params"].append(t)
+        for index, extra in (options or {}).items():
+            narrowed[index].update(extra)
+        optimizer = self._optimizer
+        live = optimizer.param_groups
+        optimizer.param_groups = narrowed
         try:
-            for index, (group, chosen) in enumerate(zip(groups, narrowed, strict=True)):
-                # A group added since the step began (add_param_group, while an overlapped
-                # step is pending) takes no part in it: it keeps its options and no params.
-                if index < len(self._groups):
-                    group.update(self._groups[index])
-                    group.update((options or {}).get(index, {}))
-                group["params"] = chosen
-            step_without_hooks(self._optimizer)
+            step_without_hooks(optimizer)
         finally:
-            for group, saved in zip(groups, saved_groups, strict=True):
-                group.clear()
-                group.update(saved)
+            optimizer.param_groups = live
 
 
 def _captured(option: Any) -> Any:

@@ -488,6 +488,37 @@ def test_by_default_the_backward_loads_what_the_forward_first_waits_for(load_in_
     assert_params_and_state_equal(plain_model, plain, model, opt)
 
 
+@pytest.mark.parametrize("regroup", ["merged", "split"])
+def test_groups_regrouped_while_a_step_is_pending_leave_it_as_it_began(regroup):
+    # the pending chunks stepped the live groups by the old group numbers: merged into
+    # fewer groups, IndexError inside the next forward, and the step left interrupted
+    def build(model):
+        params = list(model.parameters())
+        groups = [{"params": params[:5]}, {"params": params[5:], "lr": 1e-3}]
+        return torch.optim.AdamW(groups, lr=1e-2)
+
+    def regrouped(opt, model):
+        params = list(model.parameters())
+        first = opt.param_groups[0]
+        if regroup == "merged":
+            return [{**first, "params": params, "lr": 5e-3}]
+        return [{**first, "params": params[:2]}, {**first, "params": params[2:], "lr": 5e-3}]
+
+    plain_model, model = make_model(), make_model()
+    plain = build(plain_model)
+    opt = CPUOffloadOptimizer(build(model), chunk_bytes=128, staging_slots=2, overlap_forward=model)
+    data = batches(4)
+    for m, o in ((plain_model, plain), (model, opt)):
+        for step, tokens in enumerate(data):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            o.step()
+            if step == 1:
+                o.param_groups = regrouped(o, m)
+    opt.wait_for_optimizer_step()
+    assert_params_and_state_equal(plain_model, plain, model, opt)
+
+
 def test_the_room_under_the_peak_is_measured_before_the_plan_holds_resident_state(monkeypatch):
     """The plan's held bytes count its resident state; measured after the resident slabs
     were allocated, the room lacked them too, and the backward loaded fewer chunks than
