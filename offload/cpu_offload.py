@@ -620,6 +620,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.optimizer.__setstate__(before)
             raise
         self._state_loaded = True
+        try:
+            self._copy_loaded_state(offloaded, param_of)
+        except BaseException as error:  # the homes hold part of it: neither state is whole
+            self._interrupted = (
+                f"load_state_dict was interrupted by {type(error).__name__} while copying the "
+                "state into its homes: the state is part loaded, part as it was. Load the "
+                "state_dict again (a whole load clears this)"
+            )
+            raise
+
+    def _copy_loaded_state(
+        self, offloaded: Mapping[tuple[Any, str], Tensor], param_of: Mapping[Any, Tensor]
+    ) -> None:
+        """The loaded state tensors into their homes (in place), or held on the host until
+        the first step homes them."""
         views = self._executor.homes
         for (index, key), value in offloaded.items():
             param = param_of[index]

@@ -368,3 +368,35 @@ def test_groups_whose_tensor_options_choose_other_state_get_their_own_layouts():
     opt.step()
     homed = {key for _, key in opt._executor.homes}
     assert homed == {"momentum_buffer"} and len(opt._executor.homes) == 2  # the second group's
+
+
+def test_a_load_state_dict_interrupted_while_copying_says_so_at_the_next_step(monkeypatch):
+    # the next step said a state tensor "was deleted" and advised `del opt.state[param]`,
+    # which would throw state away: the load had stopped half way
+    from offload import cpu_offload
+
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _backward(model)
+    opt.step()
+    saved = opt.state_dict()
+    target = saved["state"][1]["exp_avg"]
+    seen = []
+    real = cpu_offload.local_tensor
+
+    def interrupting(t):
+        if t is target:
+            seen.append(t)
+            if len(seen) == 2:  # its shape checked, then its copy home
+                raise KeyboardInterrupt
+        return real(t)
+
+    monkeypatch.setattr(cpu_offload, "local_tensor", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        opt.load_state_dict(saved)
+    monkeypatch.setattr(cpu_offload, "local_tensor", real)
+    _backward(model)
+    with pytest.raises(RuntimeError, match="load_state_dict was interrupted"):
+        opt.step()
+    opt.load_state_dict(saved)  # loaded whole: steps again
+    opt.step()
