@@ -756,8 +756,8 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per arm, first appearance's order: an arm that ran several times has the
     median of its runs' times (`MERGED_MEDIAN`), the most of their memory (`MERGED_MOST`;
     None where not measured), each run's value (`<field>_runs`), the step ms spread
-    (max / min - 1), and its other fields (schedule, phases, host profile) from its first
-    run."""
+    (max / min - 1), the errors of runs that failed (`failed_runs`), and its other
+    fields (schedule, phases, host profile) from its first run."""
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         runs.setdefault(r["arm"], []).append(r)
@@ -778,6 +778,8 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{field}_runs"] = values
             row[field] = None if None in values else combine(values)
         row["spread"] = max(row["step_ms_runs"]) / min(row["step_ms_runs"]) - 1
+        if len(ok) < len(rows):  # the runs above are those that did not fail
+            row["failed_runs"] = [r["error"] for r in rows if "error" in r]
         merged.append(row)
     return merged
 
@@ -850,10 +852,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
         if "step_ms_runs" in r:
             runs = ", ".join(f"{t:.1f}" for t in r["step_ms_runs"])
             peaks = ", ".join(gib(p) for p in r["peak_gib_runs"])
+            failed = len(r.get("failed_runs", ()))
             print(
-                f"{r['arm']} ran {len(r['step_ms_runs'])} times: {runs} ms "
-                f"(spread {100 * r['spread']:.1f}%, ratios use the median); peak {peaks} GiB "
-                "(the table: the most)"
+                f"{r['arm']} ran {len(r['step_ms_runs'])} times"
+                + (f" ({failed} more failed)" if failed else "")
+                + f": {runs} ms (spread {100 * r['spread']:.1f}%, ratios use the median); "
+                f"peak {peaks} GiB (the table: the most)"
             )
     print("\nthe first 30 steps' mean (auto's search and the warmup included):")
     for r in results:

@@ -228,6 +228,10 @@ def test_an_arm_run_several_times_takes_every_figure_from_all_its_runs():
     (merged,) = merge_runs(cpu)
     assert merged["peak_gib"] is None and merged["reserved_gib"] is None
     assert "kept_mib" not in merged
+    # a run that failed is counted, not silently dropped (it printed "ran 2 times")
+    (merged,) = merge_runs([*runs[:2], {"arm": "adamw/none", "error": "OutOfMemoryError"}])
+    assert merged["step_ms_runs"] == [200.0, 180.0]
+    assert merged["failed_runs"] == ["OutOfMemoryError"]
 
 
 def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
