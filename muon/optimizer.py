@@ -95,6 +95,7 @@ from muon.planning import (
     MuonPlan,
     ParamLayout,
     SpreadModel,
+    check_matrix_sharding,
     launch_order,
 )
 
@@ -179,13 +180,17 @@ def _zeros_like_local(p: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
+def _shard_dims(p: DTensor) -> tuple[int | None, ...]:
+    """Per mesh axis, the tensor dim `p` is sharded on, or None (`_check_placements` lets
+    only Shard and Replicate through)."""
+    return tuple(q.dim % p.ndim if isinstance(q, Shard) else None for q in p.placements)
+
+
 def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLayout:
     blocks = tuple(row_blocks or ())
     if not isinstance(p, DTensor):
         return ParamLayout(tuple(p.shape), blocks, group=group)
     mesh = p.device_mesh
-    # `_check_placements` let only Shard and Replicate through
-    shard_dims = [q.dim % p.ndim if isinstance(q, Shard) else None for q in p.placements]
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError(f"this rank is not in the mesh of a param of shape {tuple(p.shape)}")
@@ -193,7 +198,7 @@ def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLay
         tuple(p.shape),
         blocks,
         tuple(mesh.shape),
-        tuple(shard_dims),
+        _shard_dims(p),
         tuple(coord),
         mesh_key=(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape)),
         group=group,
@@ -324,6 +329,7 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._momentum_when_added.append(self.param_groups[-1].get("momentum"))
         _validate_group(self.param_groups[-1], index)
+        _check_sharded_matrices(self.param_groups[-1], index)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # As torch's optimizers do for keys added after a checkpoint was written: a
@@ -708,6 +714,21 @@ def _check_placements(p: Tensor, k: int) -> None:
             f"param {k} (shape {tuple(p.shape)}) has placements {tuple(p.placements)}: {why}; "
             "shard it with FSDP2 alone, or put it in an algorithm='adamw' group"
         )
+
+
+def _check_sharded_matrices(group: dict[str, Any], index: int) -> None:
+    """When a group is added: a Muon param's matrices cut by the mesh as the step's planning
+    can cut them (`check_matrix_sharding`; planning refuses the rest too, but by shape
+    only, and at the first step). Not at each step: a host cost per param."""
+    if group["algorithm"] != "muon":
+        return
+    for k, p in enumerate(group["params"]):
+        if isinstance(p, DTensor):
+            try:
+                check_matrix_sharding(p.shape, p.device_mesh.shape, _shard_dims(p))
+            except ValueError as error:
+                where = f"param group {index}: param {k} (shape {tuple(p.shape)})"
+                raise ValueError(f"{where}: {error}") from None
 
 
 def _placements_text(t: Tensor) -> str:

@@ -90,6 +90,27 @@ class SpreadModel:
 DEFAULT_SPREAD_MODEL = SpreadModel()
 
 
+def check_matrix_sharding(
+    shape: Sequence[int], mesh_shape: Sequence[int], shard_dims: Sequence[int | None]
+) -> None:
+    """Refuse a param whose matrix dims (its last two) more than one mesh axis of size > 1
+    shards (`shard_dims`: per mesh axis, the tensor dim it shards, or None): the planner
+    cuts a matrix along one axis. An axis of size 1 shards nothing (its one index holds
+    whole dims), whatever its placement."""
+    cutting = [
+        axis
+        for axis, dim in enumerate(shard_dims)
+        if dim is not None and dim >= len(shape) - 2 and mesh_shape[axis] > 1
+    ]
+    if len(cutting) > 1:
+        raise ValueError(
+            f"matrix dims of shape {tuple(shape)} sharded by more than one mesh axis of "
+            f"size > 1 (tensor dims {tuple(shard_dims)} on mesh {tuple(mesh_shape)}); only "
+            "one axis may shard a matrix dim: shard it over one axis (flatten those axes "
+            "into one), or put it in an algorithm='adamw' group"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ParamLayout:
     """One param as one rank sees it: global shape and how a mesh shards it."""
@@ -119,20 +140,7 @@ class ParamLayout:
                 f"mesh_shape {self.mesh_shape}, shard_dims {self.shard_dims} and coord "
                 f"{self.coord} must have one entry per mesh axis"
             )
-        # An axis of size 1 shards nothing (its one index holds whole dims), whatever its
-        # placement: only the others can cut a matrix.
-        cutting = [
-            axis
-            for axis, dim in enumerate(self.shard_dims)
-            if dim is not None and dim >= self.ndim - 2 and self.mesh_shape[axis] > 1
-        ]
-        if len(cutting) > 1:
-            raise ValueError(
-                f"matrix dims of shape {self.shape} sharded by more than one mesh axis of "
-                f"size > 1 (tensor dims {self.shard_dims} on mesh {self.mesh_shape}); only "
-                "one axis may shard a matrix dim: shard it over one axis (flatten those axes "
-                "into one), or put it in an algorithm='adamw' group"
-            )
+        check_matrix_sharding(self.shape, self.mesh_shape, self.shard_dims)
 
     @property
     def ndim(self) -> int:

@@ -122,6 +122,20 @@ def test_fsdp_over_tensor_parallel_is_refused_naming_the_param():
             Muon(model.parameters())
 
 
+def test_a_matrix_sharded_by_two_mesh_axes_is_refused_at_construction_naming_the_param():
+    # refused only at the first step, naming neither the param nor its group
+    with _fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+        plain = nn.Parameter(DTensor.from_local(_randn(4, 4), mesh, [Shard(0), Replicate()]))
+        both = nn.Parameter(DTensor.from_local(_randn(4, 4), mesh, [Shard(0), Shard(1)]))
+        with pytest.raises(
+            ValueError,
+            match=r"param group 0: param 1 \(shape \(8, 8\)\): matrix dims of shape \(8, 8\) "
+            r"sharded by more than one mesh axis",
+        ):
+            Muon([plain, both])
+
+
 def _adamw_names(model: nn.Module) -> list[str]:
     *_, adamw = muon_param_groups(model)
     names = {id(p): name for name, p in model.named_parameters()}
