@@ -395,14 +395,9 @@ class ForwardOverlap:
                 stream.wait_event(done)
 
     @property
-    def pending_chunks(self) -> int:
-        """Chunks of the pending step not enqueued yet (0 when none is pending)."""
-        return 0 if self._pending is None else len(self.chunk_done) - self._enqueued
-
-    @property
     def step_enqueued(self) -> bool:
         """Whether all of the last step is enqueued, the write-backs after its last chunk
-        too (`pending_chunks` is 0 before those are)."""
+        too (they are enqueued after it)."""
         return self._pending is None
 
     def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
