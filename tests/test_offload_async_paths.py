@@ -1,0 +1,131 @@
+"""The offloaded step's asynchronous branches (`CopyStreams.async_copies`, taken on CUDA)
+run on the CPU with Python stand-ins for streams and events: CI runs the code a GPU runs
+(its stream contexts, event records and waits, `record_stream` calls), bitwise equal to
+the plain optimizer, and checks that each wait the order relies on (an update on its
+chunk's load, the forward on its chunk's update) waits for an event already recorded:
+on CUDA, waiting for an event never recorded waits for nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import offload.streams
+from offload import CPUOffloadOptimizer
+
+
+class _Stream:
+    def __init__(self, device: torch.device | None = None) -> None:
+        pass
+
+    def wait_event(self, event: _Event) -> None:
+        assert isinstance(event, _Event), event
+        if not event.recorded:
+            _WAITS_ON_UNRECORDED.append(event)
+
+
+class _Event:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.recorded = False
+
+    def record(self, stream: _Stream) -> None:
+        assert isinstance(stream, _Stream), stream
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_WAITS_ON_UNRECORDED: list[_Event] = []
+
+
+@pytest.fixture
+def async_branches(monkeypatch):
+    """Streams and events as `_Stream` and `_Event`, and the copy pipeline taking its
+    asynchronous branches on the CPU."""
+    current = threading.local()
+    default = _Stream()
+    real_init = offload.streams.CopyStreams.__init__
+
+    def init(self, device: torch.device, slots: int) -> None:
+        real_init(self, device, 0)
+        self.async_copies = True
+        self.h2d, self.d2h = self.new_stream(), self.new_stream()
+        self.ensure_slots(slots)
+
+    def set_stream(stream: _Stream) -> None:
+        assert isinstance(stream, _Stream), stream
+        current.stream = stream
+
+    def record_stream(tensor: torch.Tensor, stream: _Stream) -> None:
+        assert isinstance(stream, _Stream), stream
+
+    monkeypatch.setattr(offload.streams.CopyStreams, "__init__", init)
+    monkeypatch.setattr(torch, "Stream", _Stream)
+    monkeypatch.setattr(torch, "Event", _Event)
+    monkeypatch.setattr(
+        torch.accelerator, "current_stream", lambda device=None: getattr(current, "stream", default)
+    )
+    monkeypatch.setattr(torch.accelerator, "set_stream", set_stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    _WAITS_ON_UNRECORDED.clear()
+    yield lambda: getattr(current, "stream", default) is default
+    _WAITS_ON_UNRECORDED.clear()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Embedding(40, 16)]
+    for _ in range(4):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 5))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"overlap": True},
+        {"overlap": True, "load_in_backward": True},
+        {"overlap": True, "gpu_resident_bytes": 6000},
+        {"gpu_resident_bytes": "auto"},
+        {"overlap": True, "gpu_resident_bytes": "auto"},
+    ],
+    ids=["plain", "overlap", "backward_loads", "resident", "auto", "overlap_auto"],
+)
+def test_the_asynchronous_branches_are_bitwise_equal_and_wait_for_recorded_events(
+    options, async_branches
+):
+    options = dict(options)
+    plain_model, model = _model(), _model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    overlap = options.pop("overlap", False)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model if overlap else None,
+        **options,
+    )
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(8):
+        tokens = torch.randint(0, 40, (3, 4), generator=gen)
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            o.step()
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        for key, value in plain.state[a].items():
+            assert torch.equal(value, opt.state[b][key]), key
+    # The waits on events never recorded are a slot's first (no write-back to wait for).
+    ordered = {id(e) for e in opt._streams.loaded}
+    if overlap:
+        ordered |= {id(e) for e in opt._overlap.chunk_done}
+    assert not [e for e in _WAITS_ON_UNRECORDED if id(e) in ordered]
+    assert async_branches()  # the trainer's stream is current again
+    opt.close()
