@@ -2,7 +2,8 @@
 
 On the host (CPU-only torch) there is one synchronous queue: streams and
 events become no-ops and the pipeline runs in program order, so CI exercises
-the same chunk logic as a GPU run.
+the same chunk logic as a GPU run (and `tests/test_offload_async_paths.py` the
+asynchronous branches, with stand-in streams and events).
 """
 
 from __future__ import annotations
