@@ -792,8 +792,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         streams = self._streams
         auto = self._auto
-        if auto is not None:
-            auto.step_started(streams.current())
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
         self._take_replaced_state()
@@ -802,8 +800,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # A state tensor held from an earlier step was edited in place after the
             # backward's loads (an edit through `state` has dropped them already).
             executor.drop_loaded_ahead()
-        if auto is not None and executor.plan is not None:
-            self._run_auto(auto)
+        if auto is not None:
+            # Counted once nothing can refuse it: a refused step is no step of "auto"'s (on
+            # every rank alike: a rank counting one its peers took would decide before them).
+            auto.step_started(streams.current())
+            if executor.plan is not None:
+                self._run_auto(auto)
         subset = self._subset.begin_subset_step()
         self._ensure_plan(subset, self._subset.state_layout)
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None

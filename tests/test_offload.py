@@ -379,6 +379,30 @@ def test_state_dict_round_trip_with_resident_state():
     assert_same_state_dicts(saved, resumed.state_dict())
 
 
+def test_a_refused_step_is_not_one_of_the_steps_auto_measures():
+    # counted, it left a measured iteration of nothing, and a rank that refused a step its
+    # peers took decided a step before them (their collectives then did not match)
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=512, gpu_resident_bytes="auto"
+    )
+    gen = torch.Generator().manual_seed(1)
+    stepped = 0
+    while opt.residency is None:
+        opt.zero_grad()
+        model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+        if stepped == AUTO_WARMUP_STEPS:  # refused at a measured step, then mended
+            weight = model[0].weight
+            good = opt.state[weight]["exp_avg"]
+            opt.state[weight]["exp_avg"] = torch.zeros(3)
+            with pytest.raises(ValueError, match="has shape"):
+                opt.step()
+            opt.state[weight]["exp_avg"] = good
+        opt.step()
+        stepped += 1
+    assert stepped == AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 1  # it decides at the next
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_auto_decides_after_a_step_refused_where_it_was_to_decide(overlap):
     # a step refused (a state tensor replaced by the wrong shape) at the step "auto" makes
