@@ -379,6 +379,15 @@ def test_state_dict_round_trip_with_resident_state():
     assert_same_state_dicts(saved, resumed.state_dict())
 
 
+def _refuse_a_step(opt: CPUOffloadOptimizer, param: torch.nn.Parameter) -> None:
+    """A `step()` refused (a state tensor replaced by one of the wrong shape), then mended."""
+    good = opt.state[param]["exp_avg"]
+    opt.state[param]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="has shape"):
+        opt.step()
+    opt.state[param]["exp_avg"] = good
+
+
 def test_a_refused_step_is_not_one_of_the_steps_auto_measures():
     # counted, it left a measured iteration of nothing, and a rank that refused a step its
     # peers took decided a step before them (their collectives then did not match)
@@ -392,12 +401,7 @@ def test_a_refused_step_is_not_one_of_the_steps_auto_measures():
         opt.zero_grad()
         model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
         if stepped == AUTO_WARMUP_STEPS:  # refused at a measured step, then mended
-            weight = model[0].weight
-            good = opt.state[weight]["exp_avg"]
-            opt.state[weight]["exp_avg"] = torch.zeros(3)
-            with pytest.raises(ValueError, match="has shape"):
-                opt.step()
-            opt.state[weight]["exp_avg"] = good
+            _refuse_a_step(opt, model[0].weight)
         opt.step()
         stepped += 1
     assert stepped == AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 1  # it decides at the next
@@ -424,12 +428,7 @@ def test_auto_decides_after_a_step_refused_where_it_was_to_decide(overlap):
             o.zero_grad()
             m(tokens).square().mean().backward()
             if o is opt and step == decide_at:
-                weight = model[0].weight
-                good = opt.state[weight]["exp_avg"]
-                opt.state[weight]["exp_avg"] = torch.zeros(3)
-                with pytest.raises(ValueError, match="has shape"):
-                    opt.step()
-                opt.state[weight]["exp_avg"] = good
+                _refuse_a_step(opt, model[0].weight)
             o.step()
     opt.wait_for_optimizer_step()
     assert opt.residency is not None
