@@ -500,6 +500,7 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     # the search's steps are timed together, so each counts as their mean.
     first = [*[search_s / max(search_steps, 1)] * search_steps, *warm_s, *per_step][:30]
     result["first_30_mean_ms"] = 1e3 * sum(first) / len(first)
+    result["first_30_steps"] = len(first)  # fewer than 30 in a short run
     if isinstance(optimizer, CPUOffloadOptimizer):
         result["resident_mib"] = optimizer.plan.resident_bytes / 2**20
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
@@ -863,9 +864,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for r in results:
         if "first_30_mean_ms" in r:
             runs = ", ".join(f"{t:.1f}" for t in r.get("first_30_mean_ms_runs", ()))
+            steps = r.get("first_30_steps", 30)
             print(
                 f"{r['arm']:<{width}} {r['first_30_mean_ms']:>8.1f} ms "
-                f"{ratio(r, 'first_30_mean_ms'):>8}" + (f"  (median of {runs})" if runs else "")
+                f"{ratio(r, 'first_30_mean_ms'):>8}"
+                + (f"  (over its first {steps} steps)" if steps < 30 else "")
+                + (f"  (median of {runs})" if runs else "")
             )
     _print_phases(results, width)
     _print_host_profiles(results)

@@ -261,3 +261,4 @@ def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
         dist.destroy_process_group()
     assert result["timed_steps"] == 3 and len(result["step_ms_all"]) == 3
     assert result["warmup_steps"] == 2
+    assert result["first_30_steps"] == 5  # the "first 30 steps' mean" says over how many
