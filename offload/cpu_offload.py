@@ -800,13 +800,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # A state tensor held from an earlier step was edited in place after the
             # backward's loads (an edit through `state` has dropped them already).
             executor.drop_loaded_ahead()
+        # The wrapped optimizer's checks (Muon's groups and grads) may refuse the step too.
+        subset = self._subset.begin_subset_step()
         if auto is not None:
-            # Counted once nothing can refuse it: a refused step is no step of "auto"'s (on
+            # Counted once the checks have passed: a refused step is no step of "auto"'s (on
             # every rank alike: a rank counting one its peers took would decide before them).
             auto.step_started(streams.current())
             if executor.plan is not None:
                 self._run_auto(auto)
-        subset = self._subset.begin_subset_step()
         self._ensure_plan(subset, self._subset.state_layout)
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
         if timer is not None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from fake_step_timer import FakeStepTimer
 
+from muon import Muon, muon_param_groups
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
 from offload.residency import (
     AUTO_MEASURED_STEPS,
@@ -388,20 +389,36 @@ def _refuse_a_step(opt: CPUOffloadOptimizer, param: torch.nn.Parameter) -> None:
     opt.state[param]["exp_avg"] = good
 
 
-def test_a_refused_step_is_not_one_of_the_steps_auto_measures():
+def _refuse_a_muon_step(opt: CPUOffloadOptimizer) -> None:
+    """A `step()` Muon's own checks refuse (a negative lr), then mended."""
+    group = opt.param_groups[0]
+    lr, group["lr"] = group["lr"], -1.0
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    group["lr"] = lr
+
+
+@pytest.mark.parametrize("refused_by", ["wrapper", "muon"])
+def test_a_refused_step_is_not_one_of_the_steps_auto_measures(refused_by):
     # counted, it left a measured iteration of nothing, and a rank that refused a step its
     # peers took decided a step before them (their collectives then did not match)
     model = make_model()
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=512, gpu_resident_bytes="auto"
+    inner = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if refused_by == "wrapper"
+        else Muon(muon_param_groups(model))
     )
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=512, gpu_resident_bytes="auto")
     gen = torch.Generator().manual_seed(1)
     stepped = 0
     while opt.residency is None:
         opt.zero_grad()
         model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
         if stepped == AUTO_WARMUP_STEPS:  # refused at a measured step, then mended
-            _refuse_a_step(opt, model[0].weight)
+            if refused_by == "wrapper":
+                _refuse_a_step(opt, model[0].weight)
+            else:
+                _refuse_a_muon_step(opt)
         opt.step()
         stepped += 1
     assert stepped == AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 1  # it decides at the next
