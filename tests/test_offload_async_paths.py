@@ -1,19 +1,35 @@
 """The offloaded step's asynchronous branches (`CopyStreams.async_copies`, taken on CUDA)
 run on the CPU with Python stand-ins for streams and events: CI runs the code a GPU runs
 (its stream contexts, event records and waits, `record_stream` calls), bitwise equal to
-the plain optimizer, and checks that each wait the order relies on (an update on its
-chunk's load, the forward on its chunk's update) waits for an event already recorded:
-on CUDA, waiting for an event never recorded waits for nothing."""
+the plain optimizer, and checks that each wait the order relies on waits for the record it
+needs. On CUDA a wait sees an event's latest record: one never recorded waits for nothing,
+and one whose record was skipped waits for an earlier step's work. So an update must wait
+for a load record no other update waited for, a write-back for an update record no other
+write-back waited for, and the forward for an update recorded by the step now pending."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import offload.streams
 from offload import CPUOffloadOptimizer
+from offload.forward_overlap import ForwardOverlap
+
+
+@dataclass
+class _Wait:
+    event: _Event
+    record: int  # the event's records so far
+    record_step: int  # the overlapped step its latest record was made in
+    step: int  # the overlapped step pending at the wait
+
+
+_STEPS = [0]  # overlapped steps started
+_WAITS: list[_Wait] = []
 
 
 class _Stream:
@@ -22,23 +38,21 @@ class _Stream:
 
     def wait_event(self, event: _Event) -> None:
         assert isinstance(event, _Event), event
-        if not event.recorded:
-            _WAITS_ON_UNRECORDED.append(event)
+        _WAITS.append(_Wait(event, event.records, event.step, _STEPS[0]))
 
 
 class _Event:
     def __init__(self, device: torch.device | None = None) -> None:
-        self.recorded = False
+        self.records = 0
+        self.step = -1
 
     def record(self, stream: _Stream) -> None:
         assert isinstance(stream, _Stream), stream
-        self.recorded = True
+        self.records += 1
+        self.step = _STEPS[0]
 
     def synchronize(self) -> None:
         pass
-
-
-_WAITS_ON_UNRECORDED: list[_Event] = []
 
 
 @pytest.fixture
@@ -69,10 +83,17 @@ def async_branches(monkeypatch):
         torch.accelerator, "current_stream", lambda device=None: getattr(current, "stream", default)
     )
     monkeypatch.setattr(torch.accelerator, "set_stream", set_stream)
+    real_start = ForwardOverlap.start
+
+    def start(self, *args, **kwargs) -> None:
+        _STEPS[0] += 1
+        real_start(self, *args, **kwargs)
+
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
-    _WAITS_ON_UNRECORDED.clear()
+    monkeypatch.setattr(ForwardOverlap, "start", start)
+    _WAITS.clear()
     yield lambda: getattr(current, "stream", default) is default
-    _WAITS_ON_UNRECORDED.clear()
+    _WAITS.clear()
 
 
 def _model() -> torch.nn.Module:
@@ -122,10 +143,14 @@ def test_the_asynchronous_branches_are_bitwise_equal_and_wait_for_recorded_event
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         for key, value in plain.state[a].items():
             assert torch.equal(value, opt.state[b][key]), key
-    # The waits on events never recorded are a slot's first (no write-back to wait for).
-    ordered = {id(e) for e in opt._streams.loaded}
+    streams = opt._streams
+    consumed = {id(e) for e in [*streams.loaded, *streams.stepped]}  # one wait per record
+    waits = [w for w in _WAITS if id(w.event) in consumed]
+    assert waits and all(w.record > 0 for w in waits)
+    assert len({(id(w.event), w.record) for w in waits}) == len(waits)
     if overlap:
-        ordered |= {id(e) for e in opt._overlap.chunk_done}
-    assert not [e for e in _WAITS_ON_UNRECORDED if id(e) in ordered]
+        done = {id(e) for e in opt._overlap.chunk_done}
+        waits = [w for w in _WAITS if id(w.event) in done]
+        assert waits and all(w.record > 0 and w.record_step == w.step for w in waits)
     assert async_branches()  # the trainer's stream is current again
     opt.close()
