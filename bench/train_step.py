@@ -797,6 +797,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         b = plain_base if r["arm"].startswith("plain/") else base.get(r["optimizer"])
         if b is None or r[key] is None or b[key] is None:
             return "-"
+        if key == "first_30_mean_ms" and r.get("first_30_steps") != b.get("first_30_steps"):
+            return "-"  # means over other step counts: one-off costs spread unlike
         return f"{r[key] / b[key]:.3f}x"
 
     def gib(value: float | None) -> str:

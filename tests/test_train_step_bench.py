@@ -262,3 +262,23 @@ def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
     assert result["timed_steps"] == 3 and len(result["step_ms_all"]) == 3
     assert result["warmup_steps"] == 2
     assert result["first_30_steps"] == 5  # the "first 30 steps' mean" says over how many
+
+
+def test_first_steps_means_over_other_step_counts_get_no_ratio(capsys):
+    # an "auto" arm's first 30 steps against a baseline that ran 9: one-off costs (warmup,
+    # the search) spread over other counts made the ratio say nothing
+    from bench.train_step import print_table
+
+    def row(arm, mean, steps):
+        return {"optimizer": "adamw", "arm": arm, "step_ms": 100.0, "window_ms_per_step": 100.0,
+                "step_returns_ms": 1.0, "peak_gib": None, "reserved_gib": None,
+                "timed_steps": 6, "first_30_mean_ms": mean, "first_30_steps": steps}  # fmt: skip
+
+    print_table(
+        [row("adamw/none", 120.0, 9), row("adamw/offload", 150.0, 9), row("adamw/auto", 130.0, 30)]
+    )
+    lines = capsys.readouterr().out.split("the first 30 steps' mean")[1].splitlines()
+    offload = next(line for line in lines if line.startswith("adamw/offload"))
+    auto = next(line for line in lines if line.startswith("adamw/auto"))
+    assert "1.250x" in offload
+    assert "x" not in auto.split("ms")[1].split("(")[0] and "over its first" not in auto
