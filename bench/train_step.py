@@ -766,7 +766,8 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for rows in runs.values():
         ok = [r for r in rows if "error" not in r]
         if len(rows) == 1 or not ok:
-            merged.append(rows[0])
+            failed = [r["error"] for r in rows if "error" in r]
+            merged.append({**rows[0], "failed_runs": failed} if len(failed) > 1 else rows[0])
             continue
         row = dict(ok[0])
         for field, combine in [
@@ -813,7 +814,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
         if "error" in r:
-            print(f"{r['arm']:<{width}} {r['error']}")
+            errors = r.get("failed_runs", [r["error"]])
+            runs = f" (all {len(errors)} runs failed)" if len(errors) > 1 else ""
+            print(f"{r['arm']:<{width}} {'; '.join(dict.fromkeys(errors))}{runs}")
             continue
         print(
             f"{r['arm']:<{width}} {r['step_ms']:>8.1f} {ratio(r, 'step_ms'):>8} "

@@ -232,6 +232,9 @@ def test_an_arm_run_several_times_takes_every_figure_from_all_its_runs():
     (merged,) = merge_runs([*runs[:2], {"arm": "adamw/none", "error": "OutOfMemoryError"}])
     assert merged["step_ms_runs"] == [200.0, 180.0]
     assert merged["failed_runs"] == ["OutOfMemoryError"]
+    failing = [{"arm": "adamw/none", "error": error} for error in ("OutOfMemoryError", "Timeout")]
+    (merged,) = merge_runs(failing)
+    assert merged["failed_runs"] == ["OutOfMemoryError", "Timeout"]
 
 
 def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
