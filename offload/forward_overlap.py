@@ -696,19 +696,24 @@ def _latest_chunk(
     chunk_of: dict[int, int], held: dict[int, weakref.ref[Tensor]], values: Iterable[Any]
 ) -> int:
     """The latest chunk among the params, grads and state tensors in `values` (one level
-    into lists), else -1. A hit on a grad's or state tensor's id is checked to be that
-    tensor (ids of freed tensors are reused)."""
+    into lists), or views of them (made before the step and held across it), else -1. A
+    hit on a grad's or state tensor's id is checked to be that tensor (ids of freed
+    tensors are reused). On the trainer's path for each torch call: kept lean."""
     latest = -1
     for value in values:
         if type(value) in (list, tuple):
-            for item in value:
-                chunk = chunk_of.get(id(item), -1)
-                if chunk > latest and _is_it(held, item):
-                    latest = chunk
-        else:
-            chunk = chunk_of.get(id(value), -1)
-            if chunk > latest and _is_it(held, value):
+            chunk = _latest_chunk(chunk_of, held, value)
+            if chunk > latest:
                 latest = chunk
+            continue
+        chunk = chunk_of.get(id(value), -1)
+        if chunk < 0:
+            base = getattr(value, "_base", None)
+            if base is None:
+                continue
+            value, chunk = base, chunk_of.get(id(base), -1)
+        if chunk > latest and _is_it(held, value):
+            latest = chunk
     return latest
 
 

@@ -184,6 +184,25 @@ def test_readers_the_hooks_do_not_know_see_the_update(make_model, overlap_of):
     _assert_same(plain_model, plain, model, overlapped)
 
 
+def test_a_view_of_a_param_held_across_steps_reads_the_update():
+    # a view made before the steps (a logger's flat view of a weight) was not among the
+    # tensors the pending-read mode knew: read after step(), it held the old weights
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    logged: dict[nn.Module, list[float]] = {plain_model: [], model: []}
+    with torch.no_grad():
+        flat = {m: m.body[2].weight.view(-1) for m in logged}  # its chunk runs last
+
+    def log_norm(m, o):
+        with torch.no_grad():
+            logged[m].append(flat[m].norm().item())
+
+    data = _tokens(3)
+    _train(plain_model, plain, data, after_step=log_norm)
+    _train(model, overlapped, data, after_step=log_norm)
+    assert logged[model] == logged[plain_model]
+    _assert_same(plain_model, plain, model, overlapped)
+
+
 def test_model_state_dict_while_pending_holds_the_update():
     plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
     saved = []
