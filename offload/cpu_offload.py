@@ -852,6 +852,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         side = self._overlap.side_stream
         chunks = executor.enqueue(subset, side, scaling, timer, self._overlap.chunk_done)
         homes = [home.home_state for home in executor.homes.values()]
+        # the slabs too: what views of the homes (a held `exp_avg.view(-1)`) are views of
+        homes += [*executor.host_slabs.values(), *executor.resident_slabs.values()]
         pending = CPUOffloadOptimizer._interruptible(this, chunks, side)
         self._overlap.start(pending, grads, scalars, homes)
         return loss

@@ -326,7 +326,8 @@ class ForwardOverlap:
         chunk lands, torch calls on its params, their grads or their state tensors that the
         step updates in place (`state_scalars`: per param, `step` and the like) wait for it;
         torch calls on the offloaded state's homes (`state_homes`: what `state` hands out
-        between steps, and a logger may hold) wait for the whole step to be written back."""
+        between steps, and a logger may hold, and the slabs they are views of) wait for the
+        whole step to be written back."""
         streams, side = self._streams, self.side_stream
         device_type = streams.device.type
         self._autocast = {
@@ -696,24 +697,32 @@ def _latest_chunk(
     chunk_of: dict[int, int], held: dict[int, weakref.ref[Tensor]], values: Iterable[Any]
 ) -> int:
     """The latest chunk among the params, grads and state tensors in `values` (one level
-    into lists), or views of them (made before the step and held across it), else -1. A
-    hit on a grad's or state tensor's id is checked to be that tensor (ids of freed
-    tensors are reused). On the trainer's path for each torch call: kept lean."""
+    into lists and tuples, their subclasses too), or views of them (made before the step
+    and held across it), else -1. A hit on a grad's or state tensor's id is checked to be
+    that tensor (ids of freed tensors are reused). On the trainer's path for each torch
+    call, a list of numbers too (`torch.tensor(batch)`): written out for both shapes of
+    argument, without nested lists (8 x 4096 token ids: 0.5 us, not 0.9)."""
     latest = -1
     for value in values:
-        if type(value) in (list, tuple):
-            chunk = _latest_chunk(chunk_of, held, value)
-            if chunk > latest:
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                chunk = chunk_of.get(id(item), -1)
+                if chunk < 0:
+                    base = getattr(item, "_base", None)
+                    if base is None:
+                        continue
+                    item, chunk = base, chunk_of.get(id(base), -1)
+                if chunk > latest and _is_it(held, item):
+                    latest = chunk
+        else:
+            chunk = chunk_of.get(id(value), -1)
+            if chunk < 0:
+                base = getattr(value, "_base", None)
+                if base is None:
+                    continue
+                value, chunk = base, chunk_of.get(id(base), -1)
+            if chunk > latest and _is_it(held, value):
                 latest = chunk
-            continue
-        chunk = chunk_of.get(id(value), -1)
-        if chunk < 0:
-            base = getattr(value, "_base", None)
-            if base is None:
-                continue
-            value, chunk = base, chunk_of.get(id(base), -1)
-        if chunk > latest and _is_it(held, value):
-            latest = chunk
     return latest
 
 
