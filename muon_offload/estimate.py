@@ -6,10 +6,11 @@ the DTensors of the mesh `MeshSpec` describes; `MuonPlan.build` (or `seen_from`
 for a rank with the same exchanged matrices) assigns buckets and owners; the
 step's launches are `MuonPlan.exchange` (exchanged buckets) and
 `MuonPlan.local_exchanges` (local params, re-bucketed as `MuonStep` does), walked
-in `launch_order`; with offload, `offload.chunk_plan.plan_offload` cuts the units
-exactly as `MuonStep` makes them (each exchanged bucket, each param of a local
-bucket, each AdamW param; none sliced: `MuonStep` has no `step_slices`) into the
-chunks `CPUOffloadOptimizer` streams.
+in `launch_order`; with offload, `offload.step_plan.plan_offloaded_step` plans the
+step `CPUOffloadOptimizer` runs (its chunks, residency, the backward's loads and
+schedule) over the units exactly as `MuonStep` makes them (each exchanged bucket,
+each param of a local bucket, each AdamW param; none sliced: `MuonStep` has no
+`step_slices`).
 
 Which ranks: every rank of one replica (of the whole mesh when a bucket spreads its
 owners over the HSDP replicas) is screened (`screen_ranks`: shard
@@ -1072,7 +1073,7 @@ def _rank(
         else (len(layouts) + i,)
         for what, i in kinds
     )
-    # As `CPUOffloadOptimizer._ensure_plan` describes a param to `plan_offload`: Muon's
+    # As `CPUOffloadOptimizer._specs_of` describes a param to the step's plan: Muon's
     # step cannot slice, so no unit is splittable.
     specs = [
         ParamSpec(
