@@ -290,6 +290,7 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: 
         (f"busy (rank {model.busiest.rank})", model.busiest),
         (f"idle (rank {model.idlest.rank})", model.idlest),
     ]
+    width = max(len(label) for label, _ in MEMORY_LINES)
     for offload in (False, True) if offloaded else (False,):
         top = model.largest_peak(offload)
         loads = top.offload_forward_load_bytes
@@ -303,7 +304,6 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: 
         )
         columns = [*shown, (f"top peak (rank {top.rank})", top)]
         print(f"GiB per rank, {title}")
-        width = max(len(label) for label, _ in MEMORY_LINES)
         print(f"  {'':<{width}}" + "".join(f"{c:>20}" for c, _ in columns))
         for label, value in MEMORY_LINES:
             cells = "".join(

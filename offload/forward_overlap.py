@@ -733,15 +733,16 @@ def _local_of(t: Tensor) -> Tensor | None:
 
 
 def _unwrapped(values: Iterable[Any]) -> list[Tensor]:
-    """The tensors torch.func's transforms wrapped among `values` (one level into lists),
-    unwrapped: `vmap(f)(param)` hands `f` a batched tensor around the param. Private API
+    """The tensors torch.func's transforms wrapped among `values` (one level into lists and
+    tuples, as `_latest_chunk` looks), unwrapped: `vmap(f)(param)` hands `f` a batched
+    tensor around the param. Private API
     (`torch._C._functorch`'s `is_functorch_wrapped_tensor`, `get_unwrapped`, and
     `torch._C._are_functorch_transforms_active`; torch 2.11, 2.13)."""
     from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
 
     found = []
     for value in values:
-        for item in value if type(value) in (list, tuple) else (value,):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, Tensor) and is_functorch_wrapped_tensor(item):
                 while is_functorch_wrapped_tensor(item):
                     item = get_unwrapped(item)
