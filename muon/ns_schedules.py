@@ -48,6 +48,11 @@ class NewtonSchulzSchedule:
     matrix is recomputed from it. Indices at or past the last iteration do nothing."""
 
     def __post_init__(self) -> None:
+        # Held as tuples whatever sequences were given: the step caches by the schedule
+        # (a list inside made its first step raise halfway, unhashable).
+        coefficients = tuple(tuple(triple) for triple in self.coefficients)
+        object.__setattr__(self, "coefficients", coefficients)
+        object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
         if not self.coefficients:
             raise ValueError("a Newton-Schulz schedule needs at least one iteration")
         for triple in self.coefficients:

@@ -186,6 +186,10 @@ def _shard_dims(p: DTensor) -> tuple[int | None, ...]:
     return tuple(q.dim % p.ndim if isinstance(q, Shard) else None for q in p.placements)
 
 
+def _blocks(row_blocks: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if row_blocks is None else tuple(row_blocks)
+
+
 def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLayout:
     blocks = tuple(row_blocks or ())
     if not isinstance(p, DTensor):
@@ -541,7 +545,8 @@ class Muon(torch.optim.Optimizer):
         # the plain path on CPU launches per matrix (`ns_path`): its workspace is smaller
         ns_per_matrix = any(every_matrix_alone(p.device.type) for p in params)
         key = (
-            tuple((g, self.param_groups[g]["row_blocks"]) for _, g in entries),
+            # a copy: a list edited in place must not equal the key it was stored in
+            tuple((g, _blocks(self.param_groups[g]["row_blocks"])) for _, g in entries),
             # a param's data may be replaced (p.data = ...): the layouts follow these
             tuple((p.shape, p.dtype, p.device, getattr(p, "placements", None)) for p in params),
             ns_per_matrix,

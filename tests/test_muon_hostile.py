@@ -320,3 +320,39 @@ def test_adamw_step_counters_saved_as_numbers_resume_as_torchs_adamw_does(wrap):
         step(resumed, resumed_opt, seed)
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_schedule_given_as_lists_steps_as_one_given_as_tuples():
+    """A schedule is cached by value: built from lists, its first step raised halfway
+    (unhashable), after the momentum buffer had moved."""
+    from muon import NewtonSchulzSchedule
+
+    triple = (3.4445, -4.775, 2.0315)
+    results = []
+    for coefficients in ([list(triple)] * 5, (triple,) * 5):
+        p = nn.Parameter(_randn(6, 4))
+        opt = Muon([p], ns_coefficients=NewtonSchulzSchedule(coefficients))
+        p.grad = _randn(6, 4, seed=1)
+        opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_row_blocks_edited_in_place_between_steps_split_the_next_step():
+    """The plan is rebuilt when a group's row_blocks change; a list edited in place
+    compared equal to the key that held it, and the old split stayed."""
+    grads = [_randn(6, 4, seed=s) for s in (1, 2)]
+    finals = []
+    for edit in ("in place", "replaced"):
+        p = nn.Parameter(_randn(6, 4))
+        opt = Muon([{"params": [p], "row_blocks": [3, 3]}])
+        p.grad = grads[0]
+        opt.step()
+        if edit == "in place":
+            opt.param_groups[0]["row_blocks"][:] = [2, 4]
+        else:
+            opt.param_groups[0]["row_blocks"] = [2, 4]
+        p.grad = grads[1]
+        opt.step()
+        finals.append(p.detach().clone())
+    assert torch.equal(finals[0], finals[1])
