@@ -145,6 +145,22 @@ def _schedule(coefficients: Any, steps: int | None) -> NewtonSchulzSchedule:
     )
 
 
+def _placed_as(value: Tensor, p: Tensor) -> Tensor:
+    """A loaded state tensor placed as its param, which the step reads shard by shard: a
+    full tensor (a single-process checkpoint, torch.optim.Muon's, loaded on every rank)
+    cut to this rank's shard; a DTensor placed otherwise (the model sharded another way
+    since the save) redistributed; a DTensor given a plain param gathered whole. As
+    they were, a shard's grad was broadcast into a whole buffer, or shapes clashed at
+    the step. (A DTensor on another mesh is refused before the load.)"""
+    if not isinstance(p, DTensor):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    if not isinstance(value, DTensor):
+        return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+    if value.placements != p.placements:
+        return value.redistribute(p.device_mesh, p.placements)
+    return value
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -397,20 +413,10 @@ class Muon(torch.optim.Optimizer):
             buf = saved.get(i, {}).get("momentum_buffer")
             if buf is not None:
                 self.state[p]["momentum_buffer"] = buf.to(dtype=torch.float32, device=p.device)
-            if isinstance(p, DTensor):
-                # A full (plain) tensor, from a single-process checkpoint or torch.optim.Muon
-                # loaded on every rank: this rank's shard of it, placed as its param (as it
-                # was, it broadcast a shard's grad into the whole buffer).
-                entries = self.state.get(p, {})
-                for key, value in entries.items():
-                    if (
-                        isinstance(value, Tensor)
-                        and value.ndim >= 1
-                        and not isinstance(value, DTensor)
-                    ):
-                        entries[key] = distribute_tensor(
-                            value, p.device_mesh, p.placements, src_data_rank=None
-                        )
+            entries = self.state.get(p, {})
+            for key, value in entries.items():
+                if isinstance(value, Tensor) and value.ndim >= 1:
+                    entries[key] = _placed_as(value, p)
 
     def _check_loaded_shapes(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict.get("param_groups", [])
@@ -426,6 +432,16 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(
                         f"state {key!r} of param {index} has shape {tuple(value.shape)}, "
                         f"expected {tuple(p.shape)} (load a state_dict saved for these params)"
+                    )
+                if (
+                    isinstance(value, DTensor)
+                    and isinstance(p, DTensor)
+                    and value.device_mesh != p.device_mesh
+                ):
+                    raise ValueError(
+                        f"state {key!r} of param {index} is a DTensor on {value.device_mesh} "
+                        f"but the param is on {p.device_mesh}; load a full (unsharded) state "
+                        "dict, or save and load with torch.distributed.checkpoint, which reshards"
                     )
 
     # -- subset-step protocol ------------------------------------------------------------------

@@ -177,6 +177,7 @@ def _worker(rank: int, world: int) -> None:
             _check_case(mesh, specs, config, name)
     _check_fully_shard(init_device_mesh("cpu", (world,)))
     _check_whole_state_loaded(init_device_mesh("cpu", (world,)))
+    _check_state_placed_otherwise_loaded(init_device_mesh("cpu", (world,)))
 
 
 def _check_whole_state_loaded(mesh) -> None:
@@ -213,6 +214,60 @@ def _check_whole_state_loaded(mesh) -> None:
             if value.ndim:
                 assert isinstance(got, DTensor) and got.placements == q.placements, key
                 assert torch.equal(got.to_local(), _local(value, mesh, placements)), key
+
+
+def _check_state_placed_otherwise_loaded(mesh) -> None:
+    """A sharded checkpoint (`opt.state_dict()`, DTensor state) loaded where the params
+    are placed otherwise (the model sharded another way since the save) or are plain: the
+    state is placed as its param. Before, Replicate state given a Shard(0) param
+    broadcast its shard's grad into the whole buffer (silently wrong), and the others
+    failed inside the step on clashing shapes."""
+    specs = [(4, 6), (6,)]  # a Muon matrix, an AdamW vector
+    fulls = [_full(shape, i) for i, shape in enumerate(specs)]
+    saved_as = [(Replicate(),), (Replicate(),)], [(Shard(0),), (Shard(0),)]
+    loaded_as = [(Shard(0),), (Shard(0),)], [(Shard(1),), (Replicate(),)], None
+
+    def groups(params):
+        return [{"params": params[:1]}, {"params": params[1:], "algorithm": "adamw"}]
+
+    def params_as(values, placements):
+        return [
+            torch.nn.Parameter(v.clone() if pl is None else _shard(v, mesh, pl))
+            for v, pl in zip(values, placements or (None, None), strict=True)
+        ]
+
+    def grads(step):
+        return [_full(shape, 1000 * step + i) for i, shape in enumerate(specs)]
+
+    whole = params_as(fulls, None)
+    ref = Muon(groups(whole), lr=0.02)
+    for step in range(2):
+        for p, g in zip(whole, grads(step), strict=True):
+            p.grad = g
+        ref.step()
+    for before in saved_as:
+        saving = params_as(fulls, before)
+        saver = Muon(groups(saving), lr=0.02)
+        for p, g, pl in zip(saving, grads(0), before, strict=True):
+            p.grad = _shard(g, mesh, pl)
+        saver.step()
+        checkpoint = saver.state_dict()
+        for after in loaded_as:
+            resumed = params_as([p.full_tensor() for p in saving], after)
+            opt = Muon(groups(resumed), lr=0.02)
+            opt.load_state_dict(copy.deepcopy(checkpoint))
+            for i, (p, g) in enumerate(zip(resumed, grads(1), strict=True)):
+                p.grad = g if after is None else _shard(g, mesh, after[i])
+            opt.step()
+            for p, q in zip(whole, resumed, strict=True):
+                got = q.full_tensor() if after is not None else q.detach()
+                assert torch.equal(got, p.detach()), (before, after, tuple(p.shape))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    other_mesh = init_device_mesh("cpu", (1, mesh.size()))
+    elsewhere = [torch.nn.Parameter(_shard(f, other_mesh, (Replicate(), Shard(0)))) for f in fulls]
+    with pytest.raises(ValueError, match="state 'momentum_buffer' of param 0 is a DTensor on"):
+        Muon(groups(elsewhere), lr=0.02).load_state_dict(copy.deepcopy(checkpoint))
 
 
 def _check_fully_shard(mesh) -> None:
