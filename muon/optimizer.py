@@ -705,18 +705,22 @@ def _check_group(group: dict[str, Any]) -> None:
             raise ValueError(f"ns_coefficients={group['ns_coefficients']!r}: {error}") from None
     row_blocks = group["row_blocks"]
     for k, p in enumerate(group["params"]):
+        where = f"param {k} (shape {tuple(p.shape)})"
         if p.ndim not in (2, 3):
             raise ValueError(
-                f"Muon supports 2-D and 3-D params but got shape: {tuple(p.shape)}; put it in "
+                f"{where}: Muon supports 2-D and 3-D params; put it in "
                 "an algorithm='adamw' group, as muon_param_groups(model) does for biases, "
                 "norms, embeddings and the output head"
             )
         if p.is_complex():
             raise ValueError(
-                f"Muon does not support complex params but got {p.dtype} of shape "
-                f"{tuple(p.shape)}; put it in an algorithm='adamw' group or use real views"
+                f"{where}: Muon does not support complex params but got {p.dtype}; put it "
+                "in an algorithm='adamw' group or use real views"
             )
-        check_row_blocks(row_blocks, p.shape[-2])
+        try:
+            check_row_blocks(row_blocks, p.shape[-2])
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
         _check_placements(p, k)
 
 

@@ -475,8 +475,10 @@ def test_zero_size_matrices_are_left_alone(adjust_lr_fn):
 def test_group_errors():
     with pytest.raises(ValueError, match=r"2-D and 3-D .* algorithm='adamw' group, as muon_param"):
         Muon(_params([(4,)]))
-    with pytest.raises(ValueError, match="row_blocks should sum to 3"):
-        Muon([{"params": _params([(3, 4)]), "row_blocks": (1, 1)}])
+    with pytest.raises(ValueError, match=r"param 1 \(shape \(5, 4\)\): row_blocks should sum to 5"):
+        Muon([{"params": _params([(3, 4), (5, 4)]), "row_blocks": (1, 2)}])
+    with pytest.raises(ValueError, match=r"param 1 \(shape \(4,\)\): Muon supports 2-D and 3-D"):
+        Muon(_params([(3, 4), (4,)]))
     with pytest.raises(ValueError, match=r"betas\[1\] should be in"):
         Muon([{"params": _params([(3,)]), "algorithm": "adamw", "betas": (0.9, 1.0)}])
     with pytest.raises(ValueError, match="algorithm should be"):
