@@ -103,7 +103,10 @@ def muon_param_groups(
     that no `row_blocks` pattern matches is orthogonalized as one matrix, with one
     warning per call listing them (for gate weights, with the row_blocks to pass).
     `adamw_options` (lr, betas, eps, weight_decay) go into the AdamW group. Every
-    trainable param lands in exactly one group; empty groups are left out.
+    trainable param lands in exactly one group; empty groups are left out. Frozen params
+    (`requires_grad=False` now) are left out, as transformers' Trainer leaves them: one
+    unfrozen later is never stepped, so build the groups (and the optimizer) after
+    unfreezing, or add it with `optimizer.add_param_group`.
     """
     if not isinstance(model, nn.Module):  # the names choose the groups
         raise TypeError(
