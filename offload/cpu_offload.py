@@ -590,25 +590,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"state_dict has state for {unlisted[0]!r}, which none of its param_groups "
                 "lists: drop that entry (a param removed from the groups keeps no state)"
             )
-        offloaded = {
-            (index, key): value
-            for index, entries in state_dict["state"].items()
-            for key, value in entries.items()
-            if isinstance(value, Tensor) and value.ndim >= 1
-        }
-        light = {
-            "state": {
-                index: {k: v for k, v in entries.items() if (index, k) not in offloaded}
-                for index, entries in state_dict["state"].items()
-            },
-            "param_groups": state_dict["param_groups"],
-        }
-        # The saved groups' options choose the state (amsgrad, momentum): checked once
-        # they are loaded, and a refused load puts the old groups and state back.
+        # The saved groups' options choose the state (amsgrad, momentum): loaded first, what
+        # the step keeps with them says which tensors go to the homes; a refused load puts
+        # the old groups and state back.
         before = {"state": self.optimizer.state, "param_groups": self.optimizer.param_groups}
-        self.optimizer.load_state_dict(light)
+        self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         try:
             kept = self._kept_shapes()
+            offloaded, light = self._sorted_loaded_state(state_dict["state"], param_of, kept)
+            self.optimizer.load_state_dict(
+                {"state": light, "param_groups": state_dict["param_groups"]}
+            )
             self._check_complete_state(state_dict["state"], param_of, kept)
             for (index, key), value in offloaded.items():
                 expected = kept.get(param_of[index], {}).get(key)
@@ -629,6 +621,42 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "state_dict again (a whole load clears this)"
             )
             raise
+
+    def _sorted_loaded_state(
+        self,
+        saved: dict[Any, dict[str, Any]],
+        param_of: Mapping[Any, Tensor],
+        kept: Mapping[Tensor, Mapping[str, torch.Size]],
+    ) -> tuple[dict[tuple[Any, str], Tensor], dict[Any, dict[str, Any]]]:
+        """The saved state split into what goes to the homes (keyed (param id, key)) and
+        what the wrapped optimizer loads itself (its scalars). With a subset step, by what
+        its step keeps (`kept`): a kept tensor of any shape goes home, where its shape is
+        checked (a 0-dim `exp_avg` was broadcast into the slab); a 1-element tensor it
+        does not keep (a `step` counter saved with shape (1,)) is a scalar, as the step's
+        own (each slice of a sliced param stepped it once); any other it does not keep is
+        refused. On the serial path, every tensor of one or more dims goes home."""
+        offloaded: dict[tuple[Any, str], Tensor] = {}
+        light: dict[Any, dict[str, Any]] = {}
+        for index, entries in saved.items():
+            keeps = kept.get(param_of[index], {})
+            light[index] = {}
+            for key, value in entries.items():
+                if not isinstance(value, Tensor):
+                    light[index][key] = value
+                elif key in keeps or (self._subset is None and value.ndim >= 1):
+                    offloaded[index, key] = value
+                elif value.ndim == 0 or self._subset is None:
+                    light[index][key] = value
+                elif value.numel() == 1:
+                    light[index][key] = value.reshape(())
+                else:
+                    raise ValueError(
+                        f"state {key!r} of param {index} has shape {tuple(value.shape)}, but "
+                        f"{type(self.optimizer).__name__} keeps no such state for it with these "
+                        f"param_groups' options (it keeps {sorted(keeps)}): drop the entry, or "
+                        "load a state_dict saved from the same optimizer"
+                    )
+        return offloaded, light
 
     def _copy_loaded_state(
         self, offloaded: Mapping[tuple[Any, str], Tensor], param_of: Mapping[Any, Tensor]
@@ -802,13 +830,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             executor.drop_loaded_ahead()
         # The wrapped optimizer's checks (Muon's groups and grads) may refuse the step too.
         subset = self._subset.begin_subset_step()
+        units_key = self._units_key_of(subset)
+        if auto is not None and self._regrouped(units_key):
+            raise RuntimeError(
+                "the wrapped optimizer's units (what one step_params call updates whole, "
+                "e.g. Muon's buckets) changed between steps while gpu_resident_bytes='auto' "
+                "is still choosing from timed steps of the old ones: change the param groups "
+                "(a group's algorithm, row_blocks, params) before the first step or once "
+                "'auto' has said what it chose"
+            )
         if auto is not None:
             # Counted once the checks have passed: a refused step is no step of "auto"'s (on
             # every rank alike: a rank counting one its peers took would decide before them).
             auto.step_started(streams.current())
             if executor.plan is not None:
                 self._run_auto(auto)
-        self._ensure_plan(subset, self._subset.state_layout)
+        self._ensure_plan(subset, units_key, self._subset.state_layout)
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
         if timer is not None:
             timer.step_started(streams.current())
@@ -905,42 +942,66 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     # -- planning and allocation --------------------------------------------------------
 
-    def _ensure_plan(self, subset: SubsetStep, layout: Callable[[Tensor], StateLayout]) -> None:
+    def _units_key_of(self, subset: SubsetStep) -> tuple[tuple[int, ...], ...]:
+        """The step's units as param indices, in the order its chunks run."""
         index = {p: i for i, p in enumerate(self._params)}
         units = subset.units
         if self._overlap is not None:
             # Chunks in the order the forward needs them (stable, so the same on every rank).
             units = self._overlap.forward_order(units)
-        units_key = tuple(tuple(index[p] for p in unit) for unit in units)
+        return tuple(tuple(index[p] for p in unit) for unit in units)
+
+    def _regrouped(self, units_key: tuple[tuple[int, ...], ...]) -> bool:
+        return self._executor.plan is not None and units_key != self._units_key
+
+    def _ensure_plan(
+        self,
+        subset: SubsetStep,
+        units_key: tuple[tuple[int, ...], ...],
+        layout: Callable[[Tensor], StateLayout],
+    ) -> None:
+        index = {p: i for i, p in enumerate(self._params)}
         # A sparse grad (nn.Embedding(sparse=True)) has no flat slices: its param steps whole,
         # from the first step it shows one on (re-planned then, once: it stays whole).
         sparse = {p for p in self._params if p.grad is not None and p.grad.is_sparse}
         self._stepped_whole |= sparse
-        if self._executor.plan is not None:
-            if units_key != self._units_key:
-                raise RuntimeError("the optimizer's units changed between steps; re-wrap it")
-            # Planned anew for a sparse grad on a sliced param, for state a step created
-            # after the first without a home (SGD's momentum_buffer, momentum turned on):
-            # it lives in the host slabs as any other from this step, and after a loaded
-            # state_dict, whose options may keep other state (amsgrad off).
+        # Planned anew when the units change (a Muon group switched to AdamW regroups its
+        # params), for a sparse grad on a sliced param, for state a step created after the
+        # first without a home (SGD's momentum_buffer, momentum turned on): it lives in the
+        # host slabs as any other from this step, and after a loaded state_dict, whose
+        # options may keep other state (amsgrad off).
+        regrouped = self._regrouped(units_key)
+        loaded, self._state_loaded = self._state_loaded, False
+        if self._executor.plan is not None and not regrouped:
             resplit = any(self._specs[index[p]].splittable for p in sparse)
-            loaded, self._state_loaded = self._state_loaded, False
             if not resplit and not loaded and not self._unhomed_state():
                 return
         specs = self._specs_of(subset, layout)
         if self._executor.plan is not None:
-            if specs == self._specs:  # unhomed state the step does not keep (set by hand)
+            if specs == self._specs and not regrouped:  # unhomed state the step does not keep
                 return
             self.wait_for_optimizer_step()  # the new homes copy the old ones
             self._executor.drop_loaded_ahead()
             if self._host_room_for_all:  # one host layout: the old GPU state goes home first
                 self._give_back_gpu_state()
+        self._check_state_shapes(specs)
         first_plan = self._executor.plan is None
         self._specs = specs
         self._units_key = units_key
         self._build(self._planned_now())
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
+
+    def _check_state_shapes(self, specs: Sequence[ParamSpec]) -> None:
+        """State a new plan adopts into its homes (assigned by hand, or created by a step
+        before it) shaped as the plan homes it: copied in, a broadcastable one would fill
+        it. Checked before anything is built."""
+        state = self.optimizer.state
+        for index, (param, spec) in enumerate(zip(self._params, specs, strict=True)):
+            for kept in spec.state:
+                if kept.key in state.get(param, ()):
+                    fix = "assign a tensor shaped as the param's state"
+                    _check_state_shape(index, kept.key, state[param][kept.key], kept.shape, fix)
 
     def _warn_if_nothing_resident(self, units_key: tuple[tuple[int, ...], ...]) -> None:
         """A `gpu_resident_bytes` too small for the first unit residency takes keeps nothing."""

@@ -381,6 +381,10 @@ class StepExecutor:
         streams, schedule = self.streams, self.schedule
         state = self.optimizer.state
         had_state = {p for p in self.params if state.get(p)}
+        # Per state tensor, not per param: a param may lack some of what its plan homes (a
+        # Muon group switched to AdamW keeps a momentum buffer and has no moments yet),
+        # which the step creates as for a param without state, and is adopted.
+        had = {(p, key) for p, key in self.homes if key in state.get(p, ())}
         position = {c: k for k, c in enumerate(schedule.staged)}
         loaded: dict[int, bool] = {}  # chunk -> its state was copied in
         loaded_ahead, self.loaded_ahead = self.loaded_ahead, {}
@@ -388,7 +392,7 @@ class StepExecutor:
         self.chunks_loaded_in_backward = len(loaded_ahead)
 
         def step_chunks(cs: Sequence[int]) -> None:
-            self._step_chunks(subset, cs, compute, loaded, had_state, scaling, timer, chunk_done)
+            self._step_chunks(subset, cs, compute, loaded, had, scaling, timer, chunk_done)
 
         def run(op: str, c: int) -> None:
             chunk = self.chunks[c]
@@ -405,7 +409,7 @@ class StepExecutor:
         for c in schedule.ready:
             if self.chunks[c].slot >= 0:
                 run("load", c)
-        for cs in self._update_groups(schedule.ready, had_state):
+        for cs in self._update_groups(schedule.ready, had_state, had):
             step_chunks(cs)
         for op in schedule.prologue:
             run(*op)
@@ -422,7 +426,9 @@ class StepExecutor:
         if self.ring is not None:
             self.ring.release([streams.h2d, streams.d2h, compute])
 
-    def _update_groups(self, cs: Sequence[int], had_state: set[Tensor]) -> list[list[int]]:
+    def _update_groups(
+        self, cs: Sequence[int], had_state: set[Tensor], had: set[tuple[Tensor, str]]
+    ) -> list[list[int]]:
         """Chunks `cs` (in order) cut into runs that can update in one call: a param's
         state is staged one chunk at a time (its entry points at that chunk's slice), so a
         run holds each param once; and while the step creates state, one chunk a run (a
@@ -432,7 +438,9 @@ class StepExecutor:
         closed = True  # the last run takes no more chunks
         for c in cs:
             touched = self.chunks[c].touched
-            creates = not all(p in had_state for p in touched)
+            creates = not all(p in had_state for p in touched) or any(
+                (v.param, v.key) not in had for v in self.chunks[c].views
+            )
             if closed or creates or any(p in seen for p in touched):
                 groups.append([])
                 seen = set()
@@ -447,7 +455,7 @@ class StepExecutor:
         cs: Sequence[int],
         compute: torch.Stream | None,
         loaded: Mapping[int, bool],
-        had_state: set[Tensor],
+        had: set[tuple[Tensor, str]],
         scaling: Mapping[str, Any],
         timer: StepTimer | None,
         chunk_done: Sequence[torch.Event | None] | None,
@@ -466,7 +474,7 @@ class StepExecutor:
                 ready = streams.loaded if loaded.get(c, False) else streams.freed
                 streams.wait(compute, ready[chunk.slot])
             for view in chunk.views:
-                if view.param in had_state:
+                if (view.param, view.key) in had:
                     state[view.param][view.key] = view.staging_state
         params = [p for chunk in chunks for p in chunk.params]
         slices = [s for chunk in chunks for s in chunk.slices]
@@ -476,7 +484,7 @@ class StepExecutor:
             else:
                 subset.step_params(params)
             for chunk in chunks:
-                self._adopt_new_state(chunk, had_state)
+                self._adopt_new_state(chunk, had)
         for chunk, c in zip(chunks, cs, strict=True):
             if chunk_done is not None:
                 streams.record(chunk_done[c], compute)
@@ -485,7 +493,7 @@ class StepExecutor:
             if chunk.slot >= 0:
                 streams.record(streams.stepped[chunk.slot], compute)
             for view in chunk.views:
-                if state.get(view.param):
+                if view.key in state.get(view.param, ()):
                     state[view.param][view.key] = view.home.home_state
 
     def _load(self, chunk: _Chunk, had_state: set[Tensor], timer: StepTimer | None = None) -> bool:
@@ -519,12 +527,12 @@ class StepExecutor:
                 [streams.h2d, streams.d2h, compute]
             )
 
-    def _adopt_new_state(self, chunk: _Chunk, had_state: set[Tensor]) -> None:
+    def _adopt_new_state(self, chunk: _Chunk, had: set[tuple[Tensor, str]]) -> None:
         """State the step just created goes into the chunk's staging slot, then home."""
         state = self.optimizer.state
         for view in chunk.views:
             param, key = view.param, view.key
-            if param in had_state or not state.get(param):
+            if (param, key) in had or key not in state.get(param, ()):
                 continue
             created = local_tensor(state[param][key])
             if created.shape != view.staging.shape or created.dtype != view.staging.dtype:

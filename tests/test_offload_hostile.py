@@ -829,3 +829,105 @@ def test_the_staging_views_an_error_leaves_in_its_traceback_stay_readable():
                     read += 1
         tb = tb.tb_next
     assert read > 0
+
+
+def _set_algorithm(twin: _Twin, algorithm: str) -> None:
+    for opt in (twin.plain, twin.opt):
+        opt.param_groups[0]["algorithm"] = algorithm
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap_forward"])
+@pytest.mark.parametrize("loaded", [False, True], ids=["stepped", "loaded"])
+def test_a_muon_group_switched_to_adamw_and_back_steps_as_plain_muon(loaded, overlap):
+    """Muon's matrices moved to AdamW (and back) between steps, as plain Muon allows. After
+    a load, the moments the first AdamW step created were dropped (its staging slot, never
+    written, went home: zeros, silently); without one, the step refused ("units changed;
+    re-wrap it")."""
+    twin = _Twin(_muon, overlap=overlap, chunk_bytes=64)
+    twin.step(0)
+    if loaded:
+        saved = copy.deepcopy(twin.opt.state_dict())
+        twin.opt.close()
+        twin.opt = CPUOffloadOptimizer(
+            _muon(twin.model.parameters()),
+            chunk_bytes=64,
+            overlap_forward=twin.model if overlap else None,
+        )
+        twin.opt.load_state_dict(saved)
+    _set_algorithm(twin, "adamw")
+    twin.step(1)
+    twin.step(2)
+    twin.assert_equal()
+    _set_algorithm(twin, "muon")
+    twin.step(3)
+    twin.assert_equal()
+
+
+def test_units_changed_while_auto_is_choosing_are_refused_saying_when_to_change_them():
+    twin = _Twin(_muon, gpu_resident_bytes="auto")
+    twin.step(0)
+    _set_algorithm(twin, "adamw")
+    _backward(twin.model, 1)
+    with pytest.raises(RuntimeError, match=r"units .* changed between steps while .*'auto'"):
+        twin.opt.step()
+
+
+def test_state_of_the_wrong_shape_assigned_before_the_first_step_is_refused_naming_it():
+    # adopted into the new plan's homes by a copy that broadcast it (plain torch raises)
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    opt.state[model.weight] = {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros(1, 32),
+        "exp_avg_sq": torch.zeros(8, 32),
+    }
+    _backward(model)
+    with pytest.raises(
+        ValueError, match=r"state 'exp_avg' of param 0 has shape \(1, 32\), expected \(8, 32\)"
+    ):
+        opt.step()
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "after_a_step"])
+def test_a_loaded_state_tensor_with_no_dims_where_the_step_keeps_one_is_refused(stepped):
+    # a 0-dim `exp_avg` went to the optimizer's own load and was broadcast into the slab
+    source = _linear()
+    plain = torch.optim.AdamW(source.parameters())
+    _backward(source)
+    plain.step()
+    saved = plain.state_dict()
+    saved["state"][0]["exp_avg"] = torch.tensor(0.5)
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
+    if stepped:
+        _backward(model)
+        opt.step()
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of param 0 has shape \(\), expected"):
+        opt.load_state_dict(saved)
+
+
+def test_step_counters_saved_with_one_dim_count_once_a_step_on_sliced_params():
+    # each slice of a sliced param stepped the one (1,)-shaped counter: 3 -> 9 in one step
+    twin = _Twin(_adamw, chunk_bytes=64)
+    twin.step(0)
+    saved = copy.deepcopy(twin.plain.state_dict())
+    for entries in saved["state"].values():
+        entries["step"] = entries["step"].reshape(1)
+    twin.opt.load_state_dict(copy.deepcopy(saved))
+    twin.plain.load_state_dict(saved)
+    twin.step(1)
+    for a, b in zip(twin.plain_model.parameters(), twin.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert twin.opt.state[b]["step"].item() == twin.plain.state[a]["step"].item() == 2
+
+
+def test_loaded_state_the_step_does_not_keep_is_refused_naming_it():
+    source = _linear()
+    plain = torch.optim.AdamW(source.parameters())
+    _backward(source)
+    plain.step()
+    saved = plain.state_dict()
+    saved["state"][0]["foo"] = torch.zeros(3)
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(_linear().parameters()))
+    with pytest.raises(ValueError, match=r"state 'foo' of param 0 .* keeps no such state"):
+        opt.load_state_dict(saved)
