@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
 from offload.auto_residency import AutoResidency, StepShape
@@ -81,6 +82,23 @@ def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size
             f"state {key!r} of param {param} has shape {tuple(shape)}, expected "
             f"{tuple(expected)} ({fix})"
         )
+
+
+def _placed_as(value: Tensor, param: Tensor) -> Tensor:
+    """A loaded state tensor placed as its param, whose homes hold its local shard: a
+    whole plain tensor for a sharded param (a single-process checkpoint loaded on every
+    rank, as `muon.Muon` takes it) cut to this rank's shard, a DTensor placed otherwise
+    (the model sharded another way since the save) redistributed, a DTensor for a plain
+    param gathered. Anything else is left for the shape check to name."""
+    if not isinstance(param, DTensor):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    if not isinstance(value, DTensor):
+        if value.shape != param.shape:
+            return value
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    if value.device_mesh == param.device_mesh and value.placements != param.placements:
+        return value.redistribute(param.device_mesh, param.placements)
+    return value
 
 
 def _position(params: Sequence[Tensor], param: Tensor) -> int:
@@ -644,7 +662,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 if not isinstance(value, Tensor):
                     light[index][key] = value
                 elif key in keeps or (self._subset is None and value.ndim >= 1):
-                    offloaded[index, key] = value
+                    offloaded[index, key] = _placed_as(value, param_of[index])
                 elif value.ndim == 0 or self._subset is None:
                     light[index][key] = value
                 elif value.numel() == 1:

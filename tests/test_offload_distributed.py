@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 import pytest
@@ -387,3 +388,45 @@ def _auto_search_worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_auto_search_agrees_across_ranks_bitwise(world):
     run_on_ranks(_auto_search_worker, world)
+
+
+def _whole_checkpoint_worker(rank: int, world: int) -> None:
+    """A single-process Muon checkpoint (whole plain tensors) loaded on every rank into
+    offloaded Muon over FSDP2 params: each rank's homes take its shard, as plain Muon's
+    load cuts it. Before, the wrapper checked the whole tensor against the shard's shape
+    and refused it ("load a state_dict saved for these params")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from muon import Muon
+
+    mesh = init_device_mesh("cpu", (world,))
+    single = _model(0)
+    single_opt = Muon(_muon_groups(single), lr=1e-2)
+    _train(single, single_opt, rank=0, steps=2)
+    saved = single_opt.state_dict()
+    results = []
+    for wrap in (False, True):
+        model = _shard(_model(0), mesh)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), single.parameters(), strict=True):
+                p.copy_(torch.distributed.tensor.distribute_tensor(q, mesh, p.placements))
+        opt = Muon(_muon_groups(model), lr=1e-2)
+        if wrap:
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=2048, overlap_forward=model)
+        opt.load_state_dict(copy.deepcopy(saved))
+        _train(model, opt, rank, steps=2)
+        if wrap:
+            opt.wait_for_optimizer_step()
+        results.append([p.to_local().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def _muon_groups(model: torch.nn.Module) -> list[dict]:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    return [{"params": matrices}, {"params": others, "algorithm": "adamw"}]
+
+
+def test_fsdp2_offloaded_muon_loads_a_single_process_checkpoint_as_plain_muon():
+    run_on_ranks(_whole_checkpoint_worker, 2)
