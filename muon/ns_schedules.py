@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,13 @@ DEFAULT_EPS = 1e-7
 POLAR_EXPRESS_NORM_SCALE = 1.02
 # Gram Newton-Schulz (Dao-AILab, 2026-03) restarts once, after iteration 2.
 DEFAULT_GRAM_RESTARTS = (2,)
+
+
+def _tuple_of(values: object, name: str) -> tuple:
+    """`values` (a list, a tuple, any iterable but a string) as a tuple."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} should be a sequence but is: {values!r}")
+    return tuple(values)
 
 
 def _finite_real(value: object) -> bool:
@@ -50,9 +58,10 @@ class NewtonSchulzSchedule:
     def __post_init__(self) -> None:
         # Held as tuples whatever sequences were given: the step caches by the schedule
         # (a list inside made its first step raise halfway, unhashable).
-        coefficients = tuple(tuple(triple) for triple in self.coefficients)
-        object.__setattr__(self, "coefficients", coefficients)
-        object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
+        given = _tuple_of(self.coefficients, "coefficients")
+        triples = tuple(_tuple_of(t, "each iteration's (a, b, c)") for t in given)
+        object.__setattr__(self, "coefficients", triples)
+        object.__setattr__(self, "gram_restarts", _tuple_of(self.gram_restarts, "gram_restarts"))
         if not self.coefficients:
             raise ValueError("a Newton-Schulz schedule needs at least one iteration")
         for triple in self.coefficients:

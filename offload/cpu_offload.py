@@ -84,19 +84,26 @@ def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size
         )
 
 
-def _placed_as(value: Tensor, param: Tensor) -> Tensor:
+def _placed_as(value: Tensor, param: Tensor, name: str) -> Tensor:
     """A loaded state tensor placed as its param, whose homes hold its local shard: a
     whole plain tensor for a sharded param (a single-process checkpoint loaded on every
     rank, as `muon.Muon` takes it) cut to this rank's shard, a DTensor placed otherwise
     (the model sharded another way since the save) redistributed, a DTensor for a plain
-    param gathered. Anything else is left for the shape check to name."""
+    param gathered; one on another mesh refused. `muon.Muon`'s load places its state
+    alike (the packages import nothing of each other)."""
     if not isinstance(param, DTensor):
         return value.full_tensor() if isinstance(value, DTensor) else value
     if not isinstance(value, DTensor):
         if value.shape != param.shape:
-            return value
+            return value  # a local shard, or a shape the shape check names
         return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    if value.device_mesh == param.device_mesh and value.placements != param.placements:
+    if value.device_mesh != param.device_mesh:
+        raise ValueError(
+            f"{name} is a DTensor on {value.device_mesh} but the param is on "
+            f"{param.device_mesh}; load a full (unsharded) state dict, or save and load with "
+            "torch.distributed.checkpoint, which reshards"
+        )
+    if value.placements != param.placements:
         return value.redistribute(param.device_mesh, param.placements)
     return value
 
@@ -646,33 +653,28 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         param_of: Mapping[Any, Tensor],
         kept: Mapping[Tensor, Mapping[str, torch.Size]],
     ) -> tuple[dict[tuple[Any, str], Tensor], dict[Any, dict[str, Any]]]:
-        """The saved state split into what goes to the homes (keyed (param id, key)) and
-        what the wrapped optimizer loads itself (its scalars). With a subset step, by what
-        its step keeps (`kept`): a kept tensor of any shape goes home, where its shape is
-        checked (a 0-dim `exp_avg` was broadcast into the slab); a 1-element tensor it
-        does not keep (a `step` counter saved with shape (1,)) is a scalar, as the step's
-        own (each slice of a sliced param stepped it once); any other it does not keep is
-        refused. On the serial path, every tensor of one or more dims goes home."""
+        """The saved state split into tensors for the homes, keyed (param id, key), and what
+        the wrapped optimizer loads itself (its scalars), each tensor placed as its param
+        (`_placed_as`). What the step keeps (`kept`) goes home whatever its shape, which is
+        checked there (a 0-dim `exp_avg` was broadcast into the slab); a `step` counter
+        saved with shape (1,) loads as the scalar the step keeps (given to each slice of a
+        sliced param, it was stepped once a slice); other tensors of one or more dims (one
+        the options no longer keep: `max_exp_avg_sq` with amsgrad off) are held on the
+        host, as torch holds them."""
         offloaded: dict[tuple[Any, str], Tensor] = {}
         light: dict[Any, dict[str, Any]] = {}
         for index, entries in saved.items():
-            keeps = kept.get(param_of[index], {})
+            param = param_of[index]
+            keeps = kept.get(param, {})
             light[index] = {}
             for key, value in entries.items():
-                if not isinstance(value, Tensor):
+                if not isinstance(value, Tensor) or (value.ndim == 0 and key not in keeps):
                     light[index][key] = value
-                elif key in keeps or (self._subset is None and value.ndim >= 1):
-                    offloaded[index, key] = _placed_as(value, param_of[index])
-                elif value.ndim == 0 or self._subset is None:
-                    light[index][key] = value
-                elif value.numel() == 1:
+                elif key == "step" and key not in keeps and value.numel() == 1:
                     light[index][key] = value.reshape(())
                 else:
-                    raise ValueError(
-                        f"state {key!r} of param {index} has shape {tuple(value.shape)}, but "
-                        f"{type(self.optimizer).__name__} keeps no such state for it with these "
-                        f"param_groups' options (it keeps {sorted(keeps)}): drop the entry, or "
-                        "load a state_dict saved from the same optimizer"
+                    offloaded[index, key] = _placed_as(
+                        value, param, f"state {key!r} of param {index}"
                     )
         return offloaded, light
 
@@ -757,8 +759,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 continue
             # Staged from its home, a deleted state tensor would come back with old values
             # (unless the step no longer keeps it: a state_dict loaded with amsgrad off).
+            # None of what the step keeps is not deleted but not created yet: a Muon group
+            # switched to AdamW keeps its momentum buffer until the param's first grad.
             layout = self._layout(param)
-            if layout is None or key in layout:
+            if layout is None or (key in layout and any(k in state[param] for k in layout)):
                 raise KeyError(
                     f"state {key!r} of param {_position(self._params, param)} was deleted, and the "
                     f"step reads it (the param's state has {sorted(state[param])}): assign it a "
@@ -849,7 +853,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # The wrapped optimizer's checks (Muon's groups and grads) may refuse the step too.
         subset = self._subset.begin_subset_step()
         units_key = self._units_key_of(subset)
-        if auto is not None and self._regrouped(units_key):
+        regrouped = self._executor.plan is not None and units_key != self._units_key
+        if auto is not None and regrouped:
             raise RuntimeError(
                 "the wrapped optimizer's units (what one step_params call updates whole, "
                 "e.g. Muon's buckets) changed between steps while gpu_resident_bytes='auto' "
@@ -863,7 +868,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             auto.step_started(streams.current())
             if executor.plan is not None:
                 self._run_auto(auto)
-        self._ensure_plan(subset, units_key, self._subset.state_layout)
+        self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout)
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
         if timer is not None:
             timer.step_started(streams.current())
@@ -962,23 +967,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _units_key_of(self, subset: SubsetStep) -> tuple[tuple[int, ...], ...]:
         """The step's units as param indices, in the order its chunks run."""
-        index = {p: i for i, p in enumerate(self._params)}
+        index = {p: i for i, p in enumerate(self._params)}  # the same on every rank
         units = subset.units
         if self._overlap is not None:
             # Chunks in the order the forward needs them (stable, so the same on every rank).
             units = self._overlap.forward_order(units)
         return tuple(tuple(index[p] for p in unit) for unit in units)
 
-    def _regrouped(self, units_key: tuple[tuple[int, ...], ...]) -> bool:
-        return self._executor.plan is not None and units_key != self._units_key
-
     def _ensure_plan(
         self,
         subset: SubsetStep,
         units_key: tuple[tuple[int, ...], ...],
+        regrouped: bool,
         layout: Callable[[Tensor], StateLayout],
     ) -> None:
-        index = {p: i for i, p in enumerate(self._params)}
         # A sparse grad (nn.Embedding(sparse=True)) has no flat slices: its param steps whole,
         # from the first step it shows one on (re-planned then, once: it stays whole).
         sparse = {p for p in self._params if p.grad is not None and p.grad.is_sparse}
@@ -988,25 +990,26 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # first without a home (SGD's momentum_buffer, momentum turned on): it lives in the
         # host slabs as any other from this step, and after a loaded state_dict, whose
         # options may keep other state (amsgrad off).
-        regrouped = self._regrouped(units_key)
-        loaded, self._state_loaded = self._state_loaded, False
         if self._executor.plan is not None and not regrouped:
+            index = {p: i for i, p in enumerate(self._params)}
             resplit = any(self._specs[index[p]].splittable for p in sparse)
-            if not resplit and not loaded and not self._unhomed_state():
+            if not resplit and not self._state_loaded and not self._unhomed_state():
                 return
         specs = self._specs_of(subset, layout)
+        if self._executor.plan is not None and specs == self._specs and not regrouped:
+            self._state_loaded = False  # unhomed state the step does not keep
+            return
+        self._check_state_shapes(specs)  # before anything moves: a refused step changes nothing
+        self._state_loaded = False
         if self._executor.plan is not None:
-            if specs == self._specs and not regrouped:  # unhomed state the step does not keep
-                return
             self.wait_for_optimizer_step()  # the new homes copy the old ones
             self._executor.drop_loaded_ahead()
             if self._host_room_for_all:  # one host layout: the old GPU state goes home first
                 self._give_back_gpu_state()
-        self._check_state_shapes(specs)
         first_plan = self._executor.plan is None
         self._specs = specs
         self._units_key = units_key
-        self._build(self._planned_now())
+        self._build(self._planned_now(), keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
 
@@ -1211,7 +1214,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.backward_load_bytes = backward if backward > 0 else None
         error: Exception | None = None
         try:
-            self._build(self._planned_with(split))
+            self._build(self._planned_with(split), keep_host_slabs=self._host_room_for_all)
         except Exception as err:
             error = err
         except BaseException:  # an interrupt: no agreeing with peers, which stop too
@@ -1246,9 +1249,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             plan_offload(self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True)
         )
 
-    def _build(self, step: OffloadedStep, ring: bool = True) -> None:
+    def _build(self, step: OffloadedStep, keep_host_slabs: bool, ring: bool = True) -> None:
         """Allocate and lay out `step`'s plan (`StepExecutor.build`), moving any existing
-        state home; the serial path builds without the `ring` (it stages all state)."""
+        state home; the serial path builds without the `ring` (it stages all state).
+        `keep_host_slabs`: only for another residency of the same units and state (with room
+        for all, one host layout homes each state tensor in one place); a plan of other
+        units or state lays the slabs out otherwise, and moved within them, one tensor's
+        new home overwrote another's old one."""
         slot_bytes = step.plan.staging_bytes(1)
         if ring and slot_bytes > max(2 * self.chunk_bytes, OVERSIZED_UNIT_WARN_BYTES):
             mib = 2**20
@@ -1261,8 +1268,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"chunk_bytes.",
                 stacklevel=_user_stacklevel(),
             )
-        # With room for all, every plan has one host layout: the slabs stay.
-        self._executor.build(step, ring=ring, keep_host_slabs=self._host_room_for_all)
+        self._executor.build(step, ring=ring, keep_host_slabs=keep_host_slabs)
         if self._load_first_wait and ring:
             self.backward_load_bytes = step.backward_load_bytes
         if self._overlap is not None:
@@ -1370,7 +1376,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             overlap=False,
             backward=None,
         )
-        self._build(step, ring=False)
+        self._build(step, ring=False, keep_host_slabs=False)
 
 
 def _remove_handles(handles: Sequence[RemovableHandle]) -> None:

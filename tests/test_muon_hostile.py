@@ -356,3 +356,11 @@ def test_row_blocks_edited_in_place_between_steps_split_the_next_step():
         opt.step()
         finals.append(p.detach().clone())
     assert torch.equal(finals[0], finals[1])
+
+
+@pytest.mark.parametrize("coefficients", [None, "abc", ["abc"]])
+def test_a_schedule_that_is_no_sequence_of_triples_is_refused_naming_it(coefficients):
+    from muon import NewtonSchulzSchedule
+
+    with pytest.raises(ValueError, match=r"should be a sequence but is: "):
+        NewtonSchulzSchedule(coefficients)
