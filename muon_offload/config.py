@@ -28,7 +28,7 @@ from muon import options as muon_checks
 from muon.planning import DEFAULT_BUCKET_CAP_BYTES
 from offload import CPUOffloadOptimizer
 from offload import options as offload_checks
-from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS, invariant_numel
+from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS, shard_count
 
 OPTIMIZER_TYPES = ("adamw", "muon")
 OFFLOAD_MODES = ("none", "optimizer")
@@ -452,9 +452,9 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
         )
         options = dict(config.muon_options)
         if config.offload == "optimizer":
-            shards = max(
-                (p.numel() // max(1, invariant_numel(p)) for p in model.parameters()), default=1
-            )
+            # the mesh's count, not numel / local numel: a 7-element param on 4 ranks
+            # (shards of 2, 2, 2, 1) read as 7 shards and raised the cap, and the ring
+            shards = max((shard_count(p) for p in model.parameters()), default=1)
             options.setdefault(
                 "bucket_cap_bytes", offload_bucket_cap(config.offload_chunk_bytes, shards)
             )

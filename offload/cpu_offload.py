@@ -62,7 +62,8 @@ waits for while the plan holds at most this share of the room under the device's
 (`room_under_peak_bytes`): the activations are not given back evenly over the backward."""
 
 
-def _shard_count(param: Tensor) -> int:
+def shard_count(param: Tensor) -> int:
+    """Mesh ranks a DTensor param is sharded over (1 for a plain tensor)."""
     placements = getattr(param, "placements", ())
     mesh = getattr(param, "device_mesh", None)
     return math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())
@@ -70,7 +71,7 @@ def _shard_count(param: Tensor) -> int:
 
 def invariant_numel(param: Tensor) -> int:
     """Global numel / number of shards: a size every rank computes the same."""
-    return param.numel() // _shard_count(param) if hasattr(param, "placements") else param.numel()
+    return param.numel() // shard_count(param) if hasattr(param, "placements") else param.numel()
 
 
 def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size, fix: str) -> None:

@@ -231,6 +231,26 @@ def test_offloaded_muon_buckets_fit_a_chunk_when_they_exchange():
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_offloaded_muon_bucket_cap_counts_the_meshs_shards_whatever_a_small_param(world):
+    # numel / local numel read a 3-element param on 2 ranks (shards of 2 and 1) as 3
+    # shards: the cap, and the ring, grew past the chunk and the planner's
+    from torch.distributed.fsdp import fully_shard
+
+    from muon_offload.config import offload_bucket_cap
+
+    _fake_world(world)  # shapes only: no collective runs
+    try:
+        model = Net()
+        model.scale = torch.nn.Parameter(torch.ones(world + 1))
+        fully_shard(model)
+        config = OptimizerConfig(type="muon", offload="optimizer", offload_chunk_bytes=4096)
+        cap = setup_optimizer(model, config).optimizer.bucket_cap_bytes
+        assert cap == offload_bucket_cap(4096, world)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_offloaded_muon_on_one_rank_keeps_the_default_bucket_cap():
     # Nothing exchanges, so no bucket is a unit the ring must hold: a cap from the chunk
     # size only split the Newton-Schulz launches of the chunks loaded in the backward
