@@ -369,8 +369,9 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
 def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Fused params' logical row blocks, declared by modules as `row_blocks = {name: rows}`.
 
-    Returns name patterns for `muon_param_groups`, one per distinct block layout. A
-    module's `row_blocks` of None declares nothing.
+    Returns name patterns for `muon_param_groups`, one per distinct block layout, for
+    the params that train (frozen ones are in no group). A module's `row_blocks` of None
+    declares nothing; a name that is none of the module's params is refused.
     """
     by_blocks: dict[tuple[int, ...], list[str]] = {}
     for module_name, module in model.named_modules():
@@ -386,9 +387,18 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
                 "be a dict of param name -> row counts of its logical matrices, e.g. "
                 "{'qkv.weight': (q, k, v)}, or None"
             )
+        params = dict(module.named_parameters())
         for param_name, rows in declared.items():
             full = f"{module_name}.{param_name}" if module_name else param_name
-            by_blocks.setdefault(tuple(rows), []).append(re.escape(full))
+            if param_name not in params:
+                where = f"module {module_name!r}" if module_name else "the model"
+                raise ValueError(
+                    f"{where} ({type(module).__name__}) declares row_blocks for "
+                    f"{param_name!r}, which is none of its params ({sorted(params)}); name "
+                    "the param as module.named_parameters() names it"
+                )
+            if params[param_name].requires_grad:  # a frozen one is in no group
+                by_blocks.setdefault(tuple(rows), []).append(re.escape(full))
     return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items()}
 
 

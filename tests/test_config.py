@@ -141,6 +141,29 @@ def test_muon_setup_groups_every_param_once():
     assert all(g["lr"] == 0.02 for g in opt.param_groups)
 
 
+def test_row_blocks_of_frozen_params_are_left_out_as_the_params_are():
+    # fine-tuning the head alone: the pattern built for the frozen fused params matched
+    # no Muon param, and setup_optimizer refused a valid setup with a pattern nobody wrote
+    net = Net()
+    for attention in net.attn:
+        attention.qkv.weight.requires_grad_(False)
+    assert model_row_blocks(net) == {}
+    optimizer = setup_optimizer(net, OptimizerConfig(type="muon"))
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert not any(id(a.qkv.weight) in stepped for a in net.attn)
+
+
+def test_row_blocks_naming_no_param_of_the_module_are_refused_naming_it():
+    net = Net()
+    net.attn[1].row_blocks = {"qkv.weights": (16, 8, 8)}
+    expected = (
+        r"module 'attn.1' \(Attention\) declares row_blocks for 'qkv.weights', "
+        r"which is none of its params \(\['qkv.weight'\]\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        model_row_blocks(net)
+
+
 def test_row_blocks_collected_from_modules():
     patterns = model_row_blocks(Net())
     assert list(patterns.values()) == [(16, 8, 8)]
