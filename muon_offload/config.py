@@ -183,9 +183,20 @@ class OptimizerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OptimizerConfig:
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        """The config of flags `add_arguments` added; an error of how they combine names
+        the flags (`--offload optimizer`), as the per-value checks do."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = {name: getattr(args, name) for name in names}
         values["betas"] = tuple(values["betas"])
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as error:
+            as_flags = re.sub(
+                rf"\b({'|'.join(names)})=",
+                lambda m: "--" + m.group(1).replace("_", "-") + " ",
+                str(error),
+            )
+            raise ValueError(as_flags) from None
 
     @classmethod
     def from_toml(cls, path: str, table: str = "optimizer") -> OptimizerConfig:

@@ -411,3 +411,11 @@ def test_every_flag_has_its_fields_docstring_as_help():
     assert helps["momentum"] == "Muon momentum."
     text = parser.format_help()  # a docstring's % must not break argparse's formatting
     assert "optimizer (muon_offload.OptimizerConfig)" in text and "--offload-chunk-bytes" in text
+
+
+def test_flags_that_do_not_combine_are_named_as_flags():
+    # the error said "set type='muon'" to someone who typed flags
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    with pytest.raises(ValueError, match=r"--momentum 0.9 is set .* set --type 'muon'"):
+        OptimizerConfig.from_args(parser.parse_args(["--momentum", "0.9"]))
