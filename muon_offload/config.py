@@ -191,12 +191,7 @@ class OptimizerConfig:
         try:
             return cls(**values)
         except ValueError as error:
-            as_flags = re.sub(
-                rf"\b({'|'.join(names)})=",
-                lambda m: "--" + m.group(1).replace("_", "-") + " ",
-                str(error),
-            )
-            raise ValueError(as_flags) from None
+            raise ValueError(_as_flags(str(error), names)) from error
 
     @classmethod
     def from_toml(cls, path: str, table: str = "optimizer") -> OptimizerConfig:
@@ -377,6 +372,22 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
     return check
 
 
+def _as_flags(message: str, names: Sequence[str]) -> str:
+    """`message` with the fields it names written as the flags `add_arguments` adds:
+    `nesterov=False` as `--no-nesterov`, `type='muon'` as `--type 'muon'`, and a bare
+    `offload_chunk_bytes` (names with an underscore: the others are words) as the flag."""
+    fields = "|".join(sorted(names, key=len, reverse=True))
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    message = re.sub(rf"\b({fields})=True\b", lambda m: flag(m.group(1)), message)
+    message = re.sub(rf"\b({fields})=False\b", lambda m: "--no-" + flag(m.group(1))[2:], message)
+    message = re.sub(rf"\b({fields})=", lambda m: flag(m.group(1)) + " ", message)
+    spaced = "|".join(n for n in names if "_" in n)
+    return re.sub(rf"(?<![-\w'])({spaced})\b(?![=\['])", lambda m: flag(m.group(1)), message)
+
+
 def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Fused params' logical row blocks, declared by modules as `row_blocks = {name: rows}`.
 
@@ -398,7 +409,7 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
                 "be a dict of param name -> row counts of its logical matrices, e.g. "
                 "{'qkv.weight': (q, k, v)}, or None"
             )
-        params = dict(module.named_parameters())
+        params = dict(module.named_parameters(remove_duplicate=False))  # aliases too
         for param_name, rows in declared.items():
             full = f"{module_name}.{param_name}" if module_name else param_name
             if param_name not in params:

@@ -123,16 +123,18 @@ class Trainer(transformers.Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """The Trainer's own resume, with what a refused optimizer state means here: the
-        checkpoint's optimizer is not the one `optimizer_config` builds (torch says only
-        that the groups differ). Private API (transformers' resume hook; 5.x checked)."""
+        checkpoint's optimizer is not the one `optimizer_config` builds over the params
+        that train now (torch says only that the groups differ). Private API (transformers'
+        resume hook; 5.x checked)."""
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except ValueError as error:
             raise ValueError(
-                f"resuming from {checkpoint}: its optimizer state does not fit the optimizer "
-                f"optimizer_config builds (type={self.optimizer_config.type!r}, "
-                f"offload={self.optimizer_config.offload!r}): {error}. Resume with the "
-                "optimizer_config the checkpoint was saved with"
+                f"resuming from {checkpoint}: its optimizer or scheduler state does not fit "
+                f"the optimizer built now (optimizer_config type="
+                f"{self.optimizer_config.type!r}, offload={self.optimizer_config.offload!r}, "
+                f"over the params that train now): {error}. Resume with the optimizer_config "
+                "and the trainable params the checkpoint was saved with"
             ) from error
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.auto_residency import AutoResidency, StepShape
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
-from offload.executor import Home, StepExecutor, as_state, attributes_set
+from offload.executor import StepExecutor, as_state, attributes_set
 from offload.forward_overlap import ForwardOverlap
 from offload.host_memory import (
     check_device_memory,
@@ -1269,9 +1269,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"chunk_bytes.",
                 stacklevel=_user_stacklevel(),
             )
-        old_homes = self._executor.homes
-        self._executor.build(step, ring=ring, keep_host_slabs=keep_host_slabs)
-        self._hold_unhomed(old_homes)
+        executor = self._executor
+        old_slabs = [*executor.host_slabs.values(), *executor.resident_slabs.values()]
+        executor.build(step, ring=ring, keep_host_slabs=keep_host_slabs)
+        self._hold_unhomed(old_slabs)
         if self._load_first_wait and ring:
             self.backward_load_bytes = step.backward_load_bytes
         if self._overlap is not None:
@@ -1281,15 +1282,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 step.schedule,
             )
 
-    def _hold_unhomed(self, old_homes: Mapping[tuple[Tensor, str], Home]) -> None:
-        """State the last plan homed and this one does not (a Muon group switched to AdamW
-        keeps its momentum buffer, as plain Muon keeps it) moves to a host tensor of its
-        own: as a view, it held the old plan's whole slab (pinned, or on the GPU)."""
-        state = self.optimizer.state
-        for (param, key), home in old_homes.items():
-            entries = state.get(param, {})
-            if (param, key) not in self._executor.homes and entries.get(key) is home.home_state:
-                entries[key] = as_state(param, home.home.to("cpu", copy=True))
+    def _hold_unhomed(self, old_slabs: Sequence[Tensor]) -> None:
+        """State the new plan does not home but the last one did (a Muon group switched to
+        AdamW keeps its momentum buffer, as plain Muon keeps it) moves to a host tensor of
+        its own: as a view of an old slab, it held that whole slab (pinned host memory, or
+        GPU memory beyond the budget)."""
+        old = {slab.untyped_storage().data_ptr() for slab in old_slabs}
+        new = {*self._executor.host_slabs.values(), *self._executor.resident_slabs.values()}
+        if not old - {slab.untyped_storage().data_ptr() for slab in new}:
+            return  # the slabs stayed: whatever they hold, they hold anyway
+        homed = self._executor.homes
+        for param, entries in self.optimizer.state.items():
+            for key, value in entries.items():
+                if not isinstance(value, Tensor) or (param, key) in homed:
+                    continue
+                local = local_tensor(value)
+                if local.untyped_storage().data_ptr() in old:
+                    entries[key] = as_state(param, local.to("cpu", copy=True))
 
     def _unit_ends(self, units_key: tuple[tuple[int, ...], ...]) -> dict[Tensor, int]:
         """Where each param's unit ends in the step: its state bytes and all before it."""

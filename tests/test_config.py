@@ -164,6 +164,13 @@ def test_row_blocks_naming_no_param_of_the_module_are_refused_naming_it():
         model_row_blocks(net)
 
 
+def test_row_blocks_may_name_a_param_by_an_alias_of_its_module():
+    net = Net()
+    net.attn[0].fused = net.attn[0].qkv  # one module under two names
+    net.attn[0].row_blocks = {"fused.weight": (16, 8, 8)}
+    assert list(model_row_blocks(net).values()) == [(16, 8, 8)]
+
+
 def test_row_blocks_collected_from_modules():
     patterns = model_row_blocks(Net())
     assert list(patterns.values()) == [(16, 8, 8)]
@@ -419,3 +426,8 @@ def test_flags_that_do_not_combine_are_named_as_flags():
     OptimizerConfig.add_arguments(parser)
     with pytest.raises(ValueError, match=r"--momentum 0.9 is set .* set --type 'muon'"):
         OptimizerConfig.from_args(parser.parse_args(["--momentum", "0.9"]))
+    with pytest.raises(ValueError, match=r"^--no-nesterov is set .* set --type 'muon'"):
+        OptimizerConfig.from_args(parser.parse_args(["--no-nesterov"]))  # not "--nesterov False"
+    flags = ["--offload-gpu-budget-bytes", "100", "--offload", "optimizer"]
+    with pytest.raises(ValueError, match=r"or leave --offload-gpu-budget-bytes unset$"):
+        OptimizerConfig.from_args(parser.parse_args(flags))

@@ -1015,14 +1015,19 @@ def test_a_re_plan_refused_for_a_state_shape_changes_nothing():
     twin.assert_equal()
 
 
-def test_state_a_re_plan_no_longer_homes_lets_go_of_the_old_slab():
+@pytest.mark.parametrize("resident", [2**20, "auto"])
+def test_state_a_re_plan_no_longer_homes_lets_go_of_the_old_slab(resident):
     # a Muon group switched to AdamW keeps its momentum buffer (as plain Muon does): as a
-    # view of the old plan's resident slab it kept that whole slab beyond the budget
-    twin = _Twin(_muon, gpu_resident_bytes=2**20)
+    # view of the old plan's slab (resident, or pinned on the host) it kept that whole slab
+    twin = _Twin(_muon, gpu_resident_bytes=resident)
+    seed = 1
     twin.step(0)
+    while resident == "auto" and twin.opt.residency is None:
+        twin.step(seed)
+        seed += 1
     _set_algorithm(twin, "adamw")
-    twin.step(1)
-    twin.step(2)
+    twin.step(seed)
+    twin.step(seed + 1)
     twin.assert_equal()
     buffer = twin.opt.state[twin.model[0].weight]["momentum_buffer"]
     assert buffer.untyped_storage().nbytes() == buffer.nbytes
