@@ -630,7 +630,7 @@ def _momentum_bytes(numels: Sequence[int], settings: StepSettings) -> int:
 
 
 def _shards(layout: ParamLayout) -> int:
-    """Mesh ranks a param is sharded over (CPUOffloadOptimizer's `invariant_numel` divisor)."""
+    """Mesh ranks a param is sharded over (`offload.cpu_offload.shard_count` of it)."""
     sizes = zip(layout.mesh_shape, layout.shard_dims, strict=True)
     return math.prod(n for n, dim in sizes if dim is not None)
 
