@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_offload_audit import assert_equal
 
 import offload.streams
 from offload import CPUOffloadOptimizer
@@ -137,12 +138,7 @@ def test_the_asynchronous_branches_are_bitwise_equal_and_wait_for_recorded_event
             o.zero_grad()
             m(tokens).square().mean().backward()
             o.step()
-    opt.wait_for_optimizer_step()
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        for key, value in plain.state[a].items():
-            assert torch.equal(value, opt.state[b][key]), key
+    assert_equal(plain_model, plain, model, opt)
     streams = opt._streams
     consumed = {id(e) for e in [*streams.loaded, *streams.stepped]}  # one wait per record
     waits = [w for w in _WAITS if id(w.event) in consumed]

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from test_offload_audit import assert_equal
 
 from offload import CPUOffloadOptimizer
 from offload.chunk_plan import SLICE_ELEMENTS
@@ -987,10 +988,7 @@ def test_units_reordered_after_auto_settled_move_each_state_tensor_to_its_new_ho
     step(seed)
     step(seed + 1)
     assert opt._units_key != units
-    for a, b in zip(plain_model.parameters(), offloaded_model.parameters(), strict=True):
-        assert torch.equal(a, b)
-        for key, value in plain.state[a].items():
-            assert torch.equal(value, opt.state[b][key]), key
+    assert_equal(plain_model, plain, offloaded_model, opt)
 
 
 def test_a_re_plan_refused_for_a_state_shape_changes_nothing():
