@@ -298,6 +298,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.gpu_budget_bytes = gpu_budget_bytes
         self._resident_budget = 0 if gpu_resident_bytes == "auto" else gpu_resident_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._index = {p: i for i, p in enumerate(self._params)}  # the same on every rank
         if not self._params:
             raise ValueError(
                 f"{type(optimizer).__name__} has no params to optimize (its param groups are "
@@ -968,7 +969,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _units_key_of(self, subset: SubsetStep) -> tuple[tuple[int, ...], ...]:
         """The step's units as param indices, in the order its chunks run."""
-        index = {p: i for i, p in enumerate(self._params)}  # the same on every rank
+        index = self._index
         units = subset.units
         if self._overlap is not None:
             # Chunks in the order the forward needs them (stable, so the same on every rank).
@@ -992,8 +993,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # host slabs as any other from this step, and after a loaded state_dict, whose
         # options may keep other state (amsgrad off).
         if self._executor.plan is not None and not regrouped:
-            index = {p: i for i, p in enumerate(self._params)}
-            resplit = any(self._specs[index[p]].splittable for p in sparse)
+            resplit = any(self._specs[self._index[p]].splittable for p in sparse)
             if not resplit and not self._state_loaded and not self._unhomed_state():
                 return
         specs = self._specs_of(subset, layout)
@@ -1103,8 +1103,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """What the default backward loads (forward overlap without "auto"): the chunks
         holding what the forward first waits for, and more while the step holds no more
         than its share of the room under the measured peak."""
-        index = {p: i for i, p in enumerate(self._params)}
-        first = tuple(index[p] for p in self._overlap.first_wait(index))
+        first = tuple(self._index[p] for p in self._overlap.first_wait(self._index))
         return BackwardLoads(first_wait=first, room=self._room_for_state())
 
     def _default_backward_bytes(self) -> int:
