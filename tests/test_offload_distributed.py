@@ -391,10 +391,10 @@ def test_fsdp2_auto_search_agrees_across_ranks_bitwise(world):
 
 
 def _whole_checkpoint_worker(rank: int, world: int) -> None:
-    """A single-process Muon checkpoint (whole plain tensors) loaded on every rank into
-    offloaded Muon over FSDP2 params: each rank's homes take its shard, as plain Muon's
-    load cuts it. Before, the wrapper checked the whole tensor against the shard's shape
-    and refused it ("load a state_dict saved for these params")."""
+    """A single-process Muon checkpoint (whole plain tensors, or Replicate DTensors) loaded
+    on every rank into offloaded Muon over FSDP2 params: each rank's homes take its shard,
+    as plain Muon's load cuts it. Before, the wrapper checked the whole tensor against the
+    shard's shape and refused it ("load a state_dict saved for these params")."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from muon import Muon
@@ -404,8 +404,16 @@ def _whole_checkpoint_worker(rank: int, world: int) -> None:
     single_opt = Muon(_muon_groups(single), lr=1e-2)
     _train(single, single_opt, rank=0, steps=2)
     saved = single_opt.state_dict()
+    # the same state as Replicate DTensors: a checkpoint of a model placed otherwise
+    replicated = copy.deepcopy(saved)
+    for entries in replicated["state"].values():
+        for key, value in entries.items():
+            if value.ndim:
+                entries[key] = torch.distributed.tensor.distribute_tensor(
+                    value, mesh, [torch.distributed.tensor.Replicate()]
+                )
     results = []
-    for wrap in (False, True):
+    for wrap, checkpoint in ((False, saved), (True, saved), (True, replicated)):
         model = _shard(_model(0), mesh)
         with torch.no_grad():
             for p, q in zip(model.parameters(), single.parameters(), strict=True):
@@ -413,13 +421,14 @@ def _whole_checkpoint_worker(rank: int, world: int) -> None:
         opt = Muon(_muon_groups(model), lr=1e-2)
         if wrap:
             opt = CPUOffloadOptimizer(opt, chunk_bytes=2048, overlap_forward=model)
-        opt.load_state_dict(copy.deepcopy(saved))
+        opt.load_state_dict(copy.deepcopy(checkpoint))
         _train(model, opt, rank, steps=2)
         if wrap:
             opt.wait_for_optimizer_step()
         results.append([p.to_local().clone() for p in model.parameters()])
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    for resumed in results[1:]:
+        for a, b in zip(results[0], resumed, strict=True):
+            assert torch.equal(a, b)
 
 
 def _muon_groups(model: torch.nn.Module) -> list[dict]:
