@@ -250,7 +250,8 @@ def _writeback_paths(d: dict[str, Any]) -> Table:
 def _train_step_config(d: dict[str, Any]) -> str:
     micro = d.get("micro_batches") or 1
     micro_text = f", {micro} micro-batches" if micro > 1 else ""
-    return f"{d['model']}, batch {d['batch']} x 2048{micro_text}"
+    # The GPU is part of the configuration: a ratio on one kind is no newer run of another's.
+    return f"{d['model']}, batch {d['batch']} x 2048{micro_text}, {_device(d)}"
 
 
 def _muon_comm_config(d: dict[str, Any]) -> str:
