@@ -247,6 +247,17 @@ def _writeback_paths(d: dict[str, Any]) -> Table:
     return ["write-back path", "thread blocks", "GiB/s", "trainer's .item() ms"], rows
 
 
+def _machine_drift(d: dict[str, Any]) -> Table:
+    rows = [
+        [name, *(_fmt(r[k], 2) for k in ("median", "p10", "p90", "min", "max")),
+         f"{r['slow_share']:.1%}", _fmt(r["longest_slow_s"])]
+        for name, r in d["summary"].items()
+    ]  # fmt: skip
+    slow = f"slow share (> {d['slow_share']:.0%} off the median)"
+    headers = ["series", "median", "p10", "p90", "min", "max", slow, "longest slow stretch s"]
+    return headers, rows
+
+
 def _train_step_config(d: dict[str, Any]) -> str:
     micro = d.get("micro_batches") or 1
     micro_text = f", {micro} micro-batches" if micro > 1 else ""
@@ -279,6 +290,7 @@ BENCHES = (  # longest prefix first: offload_step is a suffix of muon_offload_st
     Bench("plan_vs_measured", "python -m bench.plan_vs_measured", _plan_vs_measured),
     Bench("train_step", "python -m bench.train_step", _train_step, _train_step_config),
     Bench("writeback_paths", "python -m bench.writeback_paths", _writeback_paths),
+    Bench("machine_drift", "python -m bench.machine_drift", _machine_drift),
 )
 
 
