@@ -253,7 +253,7 @@ def _machine_drift(d: dict[str, Any]) -> Table:
          f"{r['slow_share']:.1%}", _fmt(r["longest_slow_s"])]
         for name, r in d["summary"].items()
     ]  # fmt: skip
-    slow = f"slow share (> {d['slow_share']:.0%} off the median)"
+    slow = f"slow share (> {d['slow_share']:.0%} slower than the fastest tenth)"
     headers = ["series", "median", "p10", "p90", "min", "max", slow, "longest slow stretch s"]
     return headers, rows
 

@@ -27,3 +27,11 @@ def test_summary_counts_the_slow_share_and_spread():
     assert s["median"] == 50.0 and s["min"] == 20.0 and s["max"] == 50.0
     assert s["slow_share"] == pytest.approx(0.3)
     assert s["longest_slow_s"] == 2.0
+
+
+def test_a_machine_slow_most_of_the_time_counts_slow_against_its_fastest_tenth():
+    times = [float(t) for t in range(10)]
+    loop_ms = [0.7, 0.7] + [1.2] * 8  # the median is the slow speed
+    s = summary(times, loop_ms, higher_is_slower=True)
+    assert s["slow_share"] == pytest.approx(0.8)
+    assert s["longest_slow_s"] == 7.0
