@@ -389,18 +389,50 @@ class Muon(torch.optim.Optimizer):
         """torch's load, with momentum buffers in fp32: torch casts floating state to the
         param's dtype, which for a bf16 param would round our fp32 momentum (and is what a
         torch.optim.Muon state holds). A schedule written by `state_dict()` becomes a
-        `NewtonSchulzSchedule` again. State shaped unlike its param (a checkpoint of
-        another model) is refused, naming it, before anything is loaded. A sharded
-        (DTensor) param's state given whole, as plain tensors (a single-process
-        checkpoint, every rank loading all of it), is cut to this rank's shard."""
-        self._check_loaded_shapes(state_dict)
+        `NewtonSchulzSchedule` again. Keys a saved group lacks (`algorithm`, `row_blocks`
+        in a torch.optim.Muon or AdamW checkpoint) keep this optimizer's values. State
+        shaped unlike its param (a checkpoint of another model) is refused, naming it,
+        before anything is loaded. A sharded (DTensor) param's state given whole, as plain
+        tensors (a single-process checkpoint, every rank loading all of it), is cut to this
+        rank's shard. Load pre-hooks see the caller's dict and their result is what loads;
+        post-hooks see the loaded state."""
+        loaded: list[dict[str, Any]] = []
+
+        def check(optimizer: Muon, hooked: dict[str, Any]) -> dict[str, Any]:
+            hooked = optimizer._with_group_keys(hooked)
+            optimizer._check_loaded_state(hooked)
+            loaded.append(hooked)
+            return hooked
+
+        # Registered now, ours run after the caller's pre-hooks and before their post-hooks.
+        pre_hook = self.register_load_state_dict_pre_hook(check)
+        post_hook = self.register_load_state_dict_post_hook(
+            lambda optimizer: optimizer._finish_load(loaded[-1]), prepend=True
+        )
         before = {"state": self.state, "param_groups": self.param_groups}
-        super().load_state_dict(state_dict)
         try:
-            self._finish_load(state_dict)
+            super().load_state_dict(state_dict)
         except BaseException:  # a bad schedule string, say: nothing loaded
             self.__setstate__(before)
             raise
+        finally:
+            pre_hook.remove()
+            post_hook.remove()
+
+    def _with_group_keys(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """`state_dict` with the keys torch's checkpoints lack (`_OWN_GROUP_KEYS`) taken, where
+        a saved group lacks them, from the group it replaces, not the defaults: a
+        torch.optim.AdamW checkpoint loaded into an AdamW group stays AdamW, a
+        torch.optim.Muon one keeps the declared `row_blocks`. The caller's dict is not
+        changed. Unchanged where the group counts differ: torch's load says how."""
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            return state_dict
+        groups = [
+            {**{k: group[k] for k in _OWN_GROUP_KEYS if k in group}, **saved}
+            for group, saved in zip(self.param_groups, saved_groups, strict=True)
+        ]
+        return {**state_dict, "param_groups": groups}
 
     def _finish_load(self, state_dict: dict[str, Any]) -> None:
         for group in self.param_groups:
@@ -418,7 +450,7 @@ class Muon(torch.optim.Optimizer):
                 if isinstance(value, Tensor) and value.ndim >= 1:
                     entries[key] = _placed_as(value, p)
 
-    def _check_loaded_shapes(self, state_dict: dict[str, Any]) -> None:
+    def _check_loaded_state(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict.get("param_groups", [])
         if [len(g["params"]) for g in saved_groups] != [
             len(g["params"]) for g in self.param_groups
@@ -428,7 +460,9 @@ class Muon(torch.optim.Optimizer):
         params = (p for g in self.param_groups for p in g["params"])
         for index, (i, p) in enumerate(zip(ids, params, strict=True)):
             for key, value in state_dict["state"].get(i, {}).items():
-                if isinstance(value, Tensor) and value.ndim >= 1 and value.shape != p.shape:
+                if not isinstance(value, Tensor) or value.ndim == 0:
+                    continue
+                if value.shape != p.shape:
                     raise ValueError(
                         f"state {key!r} of param {index} has shape {tuple(value.shape)}, "
                         f"expected {tuple(p.shape)} (load a state_dict saved for these params)"
@@ -488,6 +522,7 @@ class Muon(torch.optim.Optimizer):
         check_bucket_cap_bytes(self.bucket_cap_bytes)
         check_max_inflight(self.max_inflight)
         check_collect_timings(self.collect_timings)
+        _check_each_param_once(self.param_groups)
         # Every group's grads before any group steps: a refused step changes nothing.
         for index, group in enumerate(self.param_groups):
             _check_grads(group, index)
@@ -610,6 +645,8 @@ def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None
         group.setdefault("eps", ADAMW_EPS)
 
 
+# Group keys of this optimizer that torch's optimizers do not have.
+_OWN_GROUP_KEYS = ("algorithm", "row_blocks", "ns_algorithm", "replica_owners")
 # Hyperparameters every group has, and those only a Muon group reads.
 _COMMON_KEYS = ("lr", "weight_decay", "eps")
 _MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", "ns_algorithm", "replica_owners")
@@ -633,6 +670,8 @@ def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any
     update a param listed twice twice."""
     seen: dict[int, int] = {}
     for i, p in enumerate(params):
+        if isinstance(p, tuple):  # named params, (name, param): torch takes them since 2.6
+            p = p[1]
         if id(p) in seen:
             raise ValueError(
                 f"param group {index} lists a param twice (params {seen[id(p)]} and {i}, "
@@ -646,6 +685,16 @@ def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any
                     f"param {seen[id(q)]} of param group {index} (shape {tuple(q.shape)}) is "
                     f"in param group {other} already; list each param in one group"
                 )
+
+
+def _check_each_param_once(groups: list[dict[str, Any]]) -> None:
+    """No param in two groups: `add_param_group` refuses that, a group appended to
+    `param_groups` by hand is seen here (torch would step the param once per group; the
+    plan holds one unit per param)."""
+    if len({id(p) for g in groups for p in g["params"]}) == sum(len(g["params"]) for g in groups):
+        return
+    for index, group in enumerate(groups):
+        _check_listed_once(list(group["params"]), index, groups[:index])
 
 
 def _validate_group(group: dict[str, Any], index: int) -> None:

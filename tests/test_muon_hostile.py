@@ -364,3 +364,106 @@ def test_a_schedule_that_is_no_sequence_of_triples_is_refused_naming_it(coeffici
 
     with pytest.raises(ValueError, match=r"should be a sequence but is: "):
         NewtonSchulzSchedule(coefficients)
+
+
+def _stepped(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: int, seed: int = 1):
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = _randn(*p.shape, seed=seed + 100 * step + i)
+        opt.step()
+
+
+def _zeroed_momentum(optimizer, state_dict):
+    state = {k: {**v, "momentum_buffer": torch.zeros_like(v["momentum_buffer"])}
+             for k, v in state_dict["state"].items()}  # fmt: skip
+    return {**state_dict, "state": state}
+
+
+def _momentum_replaced(optimizer):
+    for entries in optimizer.state.values():
+        entries["momentum_buffer"] = torch.full_like(entries["momentum_buffer"], 0.5)
+
+
+@pytest.mark.parametrize(
+    "register, hook",
+    [
+        ("register_load_state_dict_pre_hook", _zeroed_momentum),
+        ("register_load_state_dict_post_hook", _momentum_replaced),
+    ],
+)
+def test_load_state_dict_hooks_shape_what_loads_as_torch_optim_muon(register, hook):
+    runs = {}
+    for cls in (torch.optim.Muon, Muon):
+        params = [nn.Parameter(_randn(8, 6)), nn.Parameter(_randn(6, 8, seed=1))]
+        source = cls(params, lr=0.02, weight_decay=0.1)
+        _stepped(source, params, 2)
+        resumed = cls(params, lr=0.02, weight_decay=0.1)
+        getattr(resumed, register)(hook)
+        resumed.load_state_dict(source.state_dict())
+        _stepped(resumed, params, 2, seed=7)
+        runs[cls] = [p.detach().clone() for p in params]
+    for ours, theirs in zip(runs[Muon], runs[torch.optim.Muon], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_pre_hook_that_adapts_state_to_the_params_is_checked_after_it_runs():
+    saved_for = [nn.Parameter(_randn(8, 6))]
+    source = Muon(saved_for)
+    _stepped(source, saved_for, 1)
+    params = [nn.Parameter(_randn(6, 8))]  # the model's layout changed: (in, out) now
+    opt = Muon(params)
+
+    def transposed(optimizer, state_dict):
+        state = {k: {n: t.t().contiguous() for n, t in v.items()}
+                 for k, v in state_dict["state"].items()}  # fmt: skip
+        return {**state_dict, "state": state}
+
+    opt.register_load_state_dict_pre_hook(transposed)
+    opt.load_state_dict(source.state_dict())
+    expected = source.state[saved_for[0]]["momentum_buffer"].t()
+    assert torch.equal(opt.state[params[0]]["momentum_buffer"], expected)
+
+
+def test_a_torch_checkpoint_keeps_the_declared_row_blocks_and_algorithm():
+    fused = nn.Parameter(_randn(12, 6))
+    norm = nn.Parameter(_randn(6, seed=1))
+    torch_muon = torch.optim.Muon([fused], lr=0.02)
+    torch_adamw = torch.optim.AdamW([norm], lr=1e-3, weight_decay=0.1)
+    _stepped(torch_muon, [fused], 1)
+    _stepped(torch_adamw, [norm], 1)
+    opt = Muon(
+        [{"params": [fused], "row_blocks": (4, 8)}, {"params": [norm], "algorithm": "adamw"}],
+        lr=0.02,
+    )
+    saved = torch_muon.state_dict()
+    adamw_saved = torch_adamw.state_dict()
+    merged = {
+        "state": {0: saved["state"][0], 1: adamw_saved["state"][0]},
+        "param_groups": [{**saved["param_groups"][0], "params": [0]},
+                         {**adamw_saved["param_groups"][0], "params": [1]}],
+    }  # fmt: skip
+    opt.load_state_dict(copy.deepcopy(merged))  # torch's load shares the `step` tensors
+    assert opt.param_groups[0]["row_blocks"] == (4, 8)
+    assert opt.param_groups[1]["algorithm"] == "adamw"
+    # and the AdamW group goes on as torch's AdamW, bit for bit
+    theirs = nn.Parameter(norm.detach().clone())
+    reference = torch.optim.AdamW([theirs], lr=1e-3, weight_decay=0.1)
+    reference.load_state_dict(adamw_saved)
+    _stepped(opt, [fused, norm], 2, seed=5)
+    for step in range(2):
+        theirs.grad = _randn(6, seed=5 + 100 * step + 1)
+        reference.step()
+    assert torch.equal(norm, theirs)
+
+
+def test_a_param_listed_twice_by_name_or_in_a_group_appended_by_hand_is_refused():
+    p = nn.Parameter(_randn(8, 6))
+    with pytest.raises(ValueError, match="lists a param twice"):
+        Muon([("w", p), ("w_again", p)])
+    opt = Muon([p])
+    opt.param_groups.append({**opt.param_groups[0], "params": [p], "algorithm": "adamw"})
+    p.grad = _randn(8, 6, seed=1)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="is in param group 0 already"):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state
