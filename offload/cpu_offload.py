@@ -109,6 +109,19 @@ def _placed_as(value: Tensor, param: Tensor, name: str) -> Tensor:
     return value
 
 
+def _byte_span(tensor: Tensor) -> tuple[tuple[str, int], tuple[str, int]]:
+    """The bytes `tensor` reaches, as (device, first) and (device, end): ordered device by
+    device, so spans on different devices never overlap."""
+    first = tensor.data_ptr()
+    shape = zip(tensor.shape, tensor.stride(), strict=True)
+    end = first + (sum((size - 1) * stride for size, stride in shape) + 1) * tensor.element_size()
+    return (str(tensor.device), first), (str(tensor.device), end)
+
+
+# torch.optim's optimizers whose step takes sparse grads (the others raise in it).
+_TAKES_SPARSE_GRADS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
 def _position(params: Sequence[Tensor], param: Tensor) -> int:
     """`param`'s index in `params`, by identity: `list.index` compares with `==`, which a
     tensor answers elementwise (and raises on for another param's shape)."""
@@ -451,7 +464,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "when its optimizer was wrapped: move the model first, then build and wrap the "
                 "optimizer (CPUOffloadOptimizer plans its staging for one device)"
             )
-        if type(self.optimizer) is torch.optim.SGD:
+        sparse = next((p for p in self._params if p.grad is not None and p.grad.is_sparse), None)
+        optimizer = type(self.optimizer)
+        if (
+            sparse is not None
+            and optimizer.__module__.startswith("torch.optim.")
+            and optimizer not in _TAKES_SPARSE_GRADS
+        ):  # torch's step refuses it in the chunk holding it, after the earlier chunks ran
+            raise ValueError(
+                f"param {_position(self._params, sparse)} has a sparse grad, which "
+                f"{optimizer.__name__} does not support (torch's step refuses it too): use "
+                "dense grads (nn.Embedding(sparse=False)) or an optimizer that takes sparse "
+                "grads (SGD, Adagrad, SparseAdam)"
+            )
+        if optimizer is torch.optim.SGD:
             for group in self.optimizer.param_groups:
                 sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
                 if group["momentum"] != 0 and sparse:
@@ -943,13 +969,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         `step()` refused: the step is partly applied, which cannot be finished exactly (the
         chunk that raised may have updated some of its params)."""
         self._executor.abandon(compute)
+        done = (
+            f"{stepped} of {len(self._executor.chunks)} chunks had stepped: their params and "
+            "state are updated (and perhaps some of the later chunks'), the others' not"
+            if stepped
+            else f"none of {len(self._executor.chunks)} chunks had finished: the one that "
+            "raised may have updated some of its params or state"
+        )
         self._interrupted = (
-            f"the last step() was interrupted by {type(error).__name__} after {stepped} of "
-            f"{len(self._executor.chunks)} chunks had stepped: their params and state are "
-            "updated (and perhaps some of the later chunks'), the others' not, and that cannot "
-            "be finished exactly. Restore the model and this optimizer from a checkpoint "
-            "(load_state_dict clears this), or, to go on from here, close() this optimizer and "
-            "wrap the inner one anew"
+            f"the last step() was interrupted by {type(error).__name__} after {done}, and "
+            "that cannot be finished exactly. Restore the model and this optimizer from a "
+            "checkpoint (load_state_dict clears this), or, to go on from here, close() this "
+            "optimizer and wrap the inner one anew"
         )
 
     def _backward_reached(self, passed: int, watched: int) -> None:
@@ -1001,6 +1032,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._state_loaded = False  # unhomed state the step does not keep
             return
         self._check_state_shapes(specs)  # before anything moves: a refused step changes nothing
+        self._check_state_apart()
         self._state_loaded = False
         if self._executor.plan is not None:
             self.wait_for_optimizer_step()  # the new homes copy the old ones
@@ -1013,6 +1045,30 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._build(self._planned_now(), keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
+
+    def _check_state_apart(self) -> None:
+        """No state tensor overlapping another or a param in memory: homes are per (param,
+        key), so state two params share (one tensor) would be split, and state that is a
+        param (or a view of one) copied over it. Refused before anything is homed, naming
+        both. Views of one buffer apart from each other (the slabs' homes) are fine."""
+        named = [(f"param {i}", local_tensor(p)) for i, p in enumerate(self._params)]
+        named += [
+            (f"state {key!r} of param {i}", local_tensor(value))
+            for i, p in enumerate(self._params)
+            for key, value in self.optimizer.state.get(p, {}).items()
+            if isinstance(value, Tensor) and value.ndim >= 1
+        ]
+        spans = sorted((*_byte_span(t), name) for name, t in named if t.numel())
+        reach: tuple[tuple[str, int], str] | None = None  # the furthest end so far, and whose
+        for start, end, name in spans:
+            if reach is not None and start < reach[0]:
+                raise ValueError(
+                    f"{name} shares memory with {reach[1]}: CPUOffloadOptimizer keeps each "
+                    "param's state tensors in host memory of their own, which would split "
+                    "what the optimizer shares; keep such state apart per param, or do not "
+                    "offload this optimizer"
+                )
+            reach = max(reach, (end, name)) if reach is not None else (end, name)
 
     def _check_state_shapes(self, specs: Sequence[ParamSpec]) -> None:
         """State a new plan adopts into its homes (assigned by hand, or created by a step
@@ -1375,6 +1431,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
 
     def _build_serial_plan(self) -> None:
+        self._check_state_apart()
         state = self.optimizer.state
         specs = [
             ParamSpec(

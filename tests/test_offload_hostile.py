@@ -1029,3 +1029,66 @@ def test_state_a_re_plan_no_longer_homes_lets_go_of_the_old_slab(resident):
     twin.assert_equal()
     buffer = twin.opt.state[twin.model[0].weight]["momentum_buffer"]
     assert buffer.untyped_storage().nbytes() == buffer.nbytes
+
+
+class _SharedScale(torch.optim.Optimizer):
+    """A custom optimizer (the serial path) whose params share one state tensor, or keep
+    the param itself as state."""
+
+    def __init__(self, params, share: str):
+        super().__init__(params, {"lr": 0.1})
+        self.share = share
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        shared = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    if self.share == "param":
+                        state["fast"] = p
+                        continue
+                    shared = torch.ones(1) if shared is None else shared
+                    state["scale"] = shared
+                if "scale" in state:
+                    state["scale"].mul_(2.0)
+                    p.add_(p.grad * state["scale"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize(
+    "share, message",
+    [
+        ("state", "state 'scale' of param 1 shares memory with state 'scale' of param 0"),
+        ("param", r"state 'fast' of param (\d) shares memory with param \1\b"),
+    ],
+)
+def test_state_shared_between_params_or_with_a_param_is_refused_naming_both(share, message):
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    opt = CPUOffloadOptimizer(_SharedScale([a, b], share))
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    with pytest.raises(ValueError, match=message):  # every step, until it is not offloaded
+        opt.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sparse_grad_the_optimizer_refuses_is_refused_before_any_chunk_steps(overlap):
+    model = torch.nn.ModuleDict(
+        {"linears": _three_linears(), "table": torch.nn.Embedding(10, 8, sparse=True)}
+    )
+    opt = CPUOffloadOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        chunk_bytes=64,
+        overlap_forward=model if overlap else None,
+    )
+    x = torch.randn(2, 8)
+    (model["linears"](x) + model["table"](torch.zeros(2, dtype=torch.long))).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="param 6 has a sparse grad, which Adam does not"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    model["table"].weight.grad = None  # as with plain torch, the user drops it and goes on
+    opt.step()
+    assert not torch.equal(next(model.parameters()), before[0])
