@@ -114,6 +114,21 @@ def muon_param_groups(
             f"groups), not its params: got {type(model).__name__}"
         )
     row_blocks = dict(row_blocks or {})
+    for option in ("params", "algorithm"):
+        if option in (adamw_options or {}):
+            raise ValueError(
+                f"adamw_options may not set {option!r}: muon_param_groups fills the AdamW "
+                "group's params and algorithm itself (lr, betas, eps, weight_decay go there)"
+            )
+    for where, patterns in (("row_blocks", row_blocks), ("adamw_patterns", adamw_patterns)):
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"{where} pattern {pattern!r} is no regular expression: {error}"
+                ) from None
+    not_muon: dict[str, list[str]] = {}  # names a row_blocks pattern matches outside Muon
     plain: list[nn.Parameter] = []
     unsplit_fused: list[str] = []
     fused: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in row_blocks}
@@ -126,15 +141,19 @@ def muon_param_groups(
         by_module |= {id(p) for p in head.parameters()}
     gates = _gate_row_blocks(model)
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if (
+        outside = "frozen" if not p.requires_grad else None
+        if outside is None and (
             p.ndim not in (2, 3)
             or min(p.shape[-2:]) <= 1
             or id(p) in by_module
             or any(re.search(pattern, name) for pattern in adamw_patterns)
         ):
             adamw.append(p)
+            outside = "AdamW"
+        if outside is not None:
+            for pattern in row_blocks:
+                if re.search(pattern, name):
+                    not_muon.setdefault(pattern, []).append(f"{name} ({outside})")
             continue
         matches = [pattern for pattern in row_blocks if re.search(pattern, name)]
         if len(matches) > 1:
@@ -146,7 +165,12 @@ def muon_param_groups(
             unsplit_fused.append(name)
     for pattern, params in fused.items():
         if not params:
-            raise ValueError(f"row_blocks pattern {pattern!r} matches no Muon param")
+            seen = not_muon.get(pattern)
+            raise ValueError(
+                f"row_blocks pattern {pattern!r} matches no Muon param"
+                + (f": it matches only {seen}" if seen else "")
+                + "; drop it, or fix the pattern (re.search over model.named_parameters())"
+            )
     if unsplit_fused:
         unsplit_gates = {name: gates[name] for name in unsplit_fused if name in gates}
         warnings.warn(_unsplit_fused_warning(unsplit_fused, unsplit_gates), stacklevel=2)

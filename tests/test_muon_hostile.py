@@ -467,3 +467,26 @@ def test_a_param_listed_twice_by_name_or_in_a_group_appended_by_hand_is_refused(
     with pytest.raises(ValueError, match="is in param group 0 already"):
         opt.step()
     assert torch.equal(p, before) and not opt.state
+
+
+@pytest.mark.parametrize("option", ["params", "algorithm"])
+def test_adamw_options_that_would_remake_the_adamw_group_are_refused(option):
+    with pytest.raises(ValueError, match=f"adamw_options may not set '{option}'"):
+        muon_param_groups(nn.Sequential(nn.Linear(4, 4)), adamw_options={option: []})
+
+
+@pytest.mark.parametrize("where", ["row_blocks", "adamw_patterns"])
+def test_a_pattern_that_is_no_regular_expression_is_refused_naming_it(where):
+    model = nn.Sequential(nn.Linear(4, 8))
+    patterns = {"row_blocks": {"(": (4, 4)}, "adamw_patterns": ("(",)}[where]
+    with pytest.raises(ValueError, match=rf"{where} pattern '\(' is no regular expression"):
+        muon_param_groups(model, **{where: patterns})
+
+
+def test_a_row_blocks_pattern_matching_only_frozen_or_adamw_params_says_so():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    model[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"matches only \['0.weight \(frozen\)'\]"):
+        muon_param_groups(model, row_blocks={r"^0\.weight$": (4, 4)})
+    with pytest.raises(ValueError, match=r"matches only \['2.weight \(AdamW\)'\]"):
+        muon_param_groups(model, row_blocks={r"^2\.weight$": (4, 4)})
