@@ -19,7 +19,7 @@ def test_every_written_result_records_the_versions_and_commit(tmp_path, capsys):
     assert run["cuda"] == torch.version.cuda
     assert run["python"] == platform.python_version()
     assert run["driver"] == report.driver_version()
-    assert run["commit"]  # this checkout's
+    assert run["commit"] == report.run_info()["commit"]  # this checkout's (None outside git)
     printed = capsys.readouterr().out
     assert f"torch {torch.__version__}, CUDA {torch.version.cuda}" in printed
     assert f"Python {platform.python_version()}" in printed
