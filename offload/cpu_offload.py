@@ -109,16 +109,41 @@ def _placed_as(value: Tensor, param: Tensor, name: str) -> Tensor:
     return value
 
 
-def _byte_span(tensor: Tensor) -> tuple[tuple[str, int], tuple[str, int]]:
-    """The bytes `tensor` reaches, as (device, first) and (device, end): ordered device by
-    device, so spans on different devices never overlap."""
+def _storage_of(tensor: Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+def _byte_span(tensor: Tensor) -> tuple[int, int]:
+    """The first byte `tensor` reaches and one past its last."""
     first = tensor.data_ptr()
     shape = zip(tensor.shape, tensor.stride(), strict=True)
-    end = first + (sum((size - 1) * stride for size, stride in shape) + 1) * tensor.element_size()
-    return (str(tensor.device), first), (str(tensor.device), end)
+    reach = sum((size - 1) * stride for size, stride in shape)
+    return first, first + (reach + 1) * tensor.element_size()
 
 
-# torch.optim's optimizers whose step takes sparse grads (the others raise in it).
+def _share_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether `a` and `b`, whose byte spans overlap in one storage, share a byte: yes
+    where both fill their spans; else by their bytes (a strided view: `W[:, :4]`)."""
+    if all(_byte_span(t)[1] - _byte_span(t)[0] == t.numel() * t.element_size() for t in (a, b)):
+        return True
+    return bool(torch.isin(_bytes_of(a), _bytes_of(b)).any())
+
+
+def _bytes_of(tensor: Tensor) -> Tensor:
+    """The address of every byte `tensor`'s elements hold, on the CPU."""
+    starts = torch.full((), tensor.data_ptr(), dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride(), strict=True)):
+        shape = [1] * tensor.ndim
+        shape[dim] = size
+        starts = starts + (torch.arange(size) * stride * tensor.element_size()).view(shape)
+    return (starts.reshape(-1, 1) + torch.arange(tensor.element_size())).reshape(-1)
+
+
+def _with_sparse_grads(params: Sequence[Tensor]) -> list[Tensor]:
+    return [p for p in params if p.grad is not None and p.grad.is_sparse]
+
+
+# torch.optim's optimizers whose step takes sparse grads unfused (the others raise in it).
 _TAKES_SPARSE_GRADS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
 
 
@@ -464,29 +489,35 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "when its optimizer was wrapped: move the model first, then build and wrap the "
                 "optimizer (CPUOffloadOptimizer plans its staging for one device)"
             )
-        sparse = next((p for p in self._params if p.grad is not None and p.grad.is_sparse), None)
+
+    def _refuse_sparse_grads_the_step_refuses(self) -> None:
+        """Sparse grads the chunked step cannot take, refused before any chunk steps (after
+        the closure, which makes the grads): torch's step would raise in the chunk holding
+        one, after the earlier chunks ran, and SGD's sparse momentum cannot live in slabs."""
         optimizer = type(self.optimizer)
-        if (
-            sparse is not None
-            and optimizer.__module__.startswith("torch.optim.")
-            and optimizer not in _TAKES_SPARSE_GRADS
-        ):  # torch's step refuses it in the chunk holding it, after the earlier chunks ran
-            raise ValueError(
-                f"param {_position(self._params, sparse)} has a sparse grad, which "
-                f"{optimizer.__name__} does not support (torch's step refuses it too): use "
-                "dense grads (nn.Embedding(sparse=False)) or an optimizer that takes sparse "
-                "grads (SGD, Adagrad, SparseAdam)"
-            )
-        if optimizer is torch.optim.SGD:
-            for group in self.optimizer.param_groups:
-                sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
-                if group["momentum"] != 0 and sparse:
-                    raise ValueError(
-                        f"param {_position(self._params, sparse[0])} has a sparse grad, for which "
-                        f"SGD(momentum={group['momentum']}) keeps a sparse momentum_buffer; "
-                        "offloaded state lives in dense host slabs. Use dense grads "
-                        "(nn.Embedding(sparse=False)), momentum=0, or do not offload this optimizer"
-                    )
+        for group in self.optimizer.param_groups:
+            sparse = _with_sparse_grads(group["params"])
+            if not sparse:
+                continue
+            position = _position(self._params, sparse[0])
+            if group.get("fused") or (
+                optimizer.__module__.startswith("torch.optim.")
+                and optimizer not in _TAKES_SPARSE_GRADS
+            ):
+                fused = "fused " if group.get("fused") else ""
+                raise ValueError(
+                    f"param {position} has a sparse grad, which {fused}{optimizer.__name__} "
+                    "does not support (torch's step refuses it too): use dense grads "
+                    "(nn.Embedding(sparse=False)) or an optimizer that takes sparse grads "
+                    "(SGD, Adagrad, SparseAdam, not fused)"
+                )
+            if optimizer is torch.optim.SGD and group["momentum"] != 0:
+                raise ValueError(
+                    f"param {position} has a sparse grad, for which "
+                    f"SGD(momentum={group['momentum']}) keeps a sparse momentum_buffer; "
+                    "offloaded state lives in dense host slabs. Use dense grads "
+                    "(nn.Embedding(sparse=False)), momentum=0, or do not offload this optimizer"
+                )
 
     def _hooks_for_lr_scheduler(self) -> None:
         # What Optimizer.__init__ would have set and schedulers or hooks read.
@@ -868,6 +899,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_sparse_grads_the_step_refuses()
         streams = self._streams
         auto = self._auto
         if self._overlap is not None:
@@ -951,36 +983,26 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> Iterator[None]:
         """`chunks` (the step's, enqueued on `compute`); if one raises (KeyboardInterrupt, an
         error in the update), the state goes home and the step is marked interrupted."""
-        stepped = 0
         try:
-            for _ in chunks:
-                stepped += 1
-                yield
+            yield from chunks
         except GeneratorExit:  # dropped unfinished: the wrapper is being collected
             raise
         except BaseException as error:
-            self._abandon_step(stepped, error, compute)
+            self._abandon_step(error, compute)
             raise
 
-    def _abandon_step(
-        self, stepped: int, error: BaseException, compute: torch.Stream | None
-    ) -> None:
+    def _abandon_step(self, error: BaseException, compute: torch.Stream | None) -> None:
         """After a chunk raised: the state back home (`StepExecutor.abandon`), and the next
         `step()` refused: the step is partly applied, which cannot be finished exactly (the
         chunk that raised may have updated some of its params)."""
         self._executor.abandon(compute)
-        done = (
-            f"{stepped} of {len(self._executor.chunks)} chunks had stepped: their params and "
-            "state are updated (and perhaps some of the later chunks'), the others' not"
-            if stepped
-            else f"none of {len(self._executor.chunks)} chunks had finished: the one that "
-            "raised may have updated some of its params or state"
-        )
         self._interrupted = (
-            f"the last step() was interrupted by {type(error).__name__} after {done}, and "
-            "that cannot be finished exactly. Restore the model and this optimizer from a "
-            "checkpoint (load_state_dict clears this), or, to go on from here, close() this "
-            "optimizer and wrap the inner one anew"
+            f"the last step() was interrupted by {type(error).__name__} while its chunks were "
+            "stepping: the params and state of the chunks before it are updated (and perhaps "
+            "some of the one that raised), the others' not, and that cannot be finished "
+            "exactly. Restore the model and this optimizer from a checkpoint (load_state_dict "
+            "clears this), or, to go on from here, close() this optimizer and wrap the inner "
+            "one anew"
         )
 
     def _backward_reached(self, passed: int, watched: int) -> None:
@@ -1016,7 +1038,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> None:
         # A sparse grad (nn.Embedding(sparse=True)) has no flat slices: its param steps whole,
         # from the first step it shows one on (re-planned then, once: it stays whole).
-        sparse = {p for p in self._params if p.grad is not None and p.grad.is_sparse}
+        sparse = set(_with_sparse_grads(self._params))
         self._stepped_whole |= sparse
         # Planned anew when the units change (a Muon group switched to AdamW regroups its
         # params), for a sparse grad on a sliced param, for state a step created after the
@@ -1046,29 +1068,47 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
 
-    def _check_state_apart(self) -> None:
-        """No state tensor overlapping another or a param in memory: homes are per (param,
-        key), so state two params share (one tensor) would be split, and state that is a
-        param (or a view of one) copied over it. Refused before anything is homed, naming
-        both. Views of one buffer apart from each other (the slabs' homes) are fine."""
-        named = [(f"param {i}", local_tensor(p)) for i, p in enumerate(self._params)]
-        named += [
+    def _check_state_apart(self, applied: str = "") -> None:
+        """State a plan homes for the first time (created by a step, assigned or loaded by
+        hand) shares no element with another state tensor or a param: homes are per
+        (param, key), so state two params share would be split, and state that is a param
+        (or a view of one) copied over it. Refused before it is homed, naming both
+        (`applied`: what the message adds about the step that made it)."""
+        state, homed = self.optimizer.state, self._executor.homes
+        fresh = [
             (f"state {key!r} of param {i}", local_tensor(value))
             for i, p in enumerate(self._params)
-            for key, value in self.optimizer.state.get(p, {}).items()
-            if isinstance(value, Tensor) and value.ndim >= 1
+            for key, value in state.get(p, {}).items()
+            if isinstance(value, Tensor) and value.ndim >= 1 and (p, key) not in homed
         ]
-        spans = sorted((*_byte_span(t), name) for name, t in named if t.numel())
-        reach: tuple[tuple[str, int], str] | None = None  # the furthest end so far, and whose
-        for start, end, name in spans:
-            if reach is not None and start < reach[0]:
-                raise ValueError(
-                    f"{name} shares memory with {reach[1]}: CPUOffloadOptimizer keeps each "
-                    "param's state tensors in host memory of their own, which would split "
-                    "what the optimizer shares; keep such state apart per param, or do not "
-                    "offload this optimizer"
-                )
-            reach = max(reach, (end, name)) if reach is not None else (end, name)
+        fresh = [(name, t) for name, t in fresh if t.numel()]
+        if not fresh:
+            return
+        others = [(f"param {i}", local_tensor(p)) for i, p in enumerate(self._params)]
+        others += [
+            (f"state {key!r} of param {self._index[p]}", local_tensor(home.home_state))
+            for (p, key), home in homed.items()
+        ]
+        storages = {_storage_of(t) for _, t in fresh}
+        by_storage: dict[tuple[str, int], list[tuple[str, Tensor]]] = {}
+        for name, t in fresh + others:
+            if t.numel() and _storage_of(t) in storages:
+                by_storage.setdefault(_storage_of(t), []).append((name, t))
+        fresh_names = {name for name, _ in fresh}
+        for tensors in by_storage.values():
+            spans = sorted(((*_byte_span(t), name, t) for name, t in tensors), key=lambda s: s[:3])
+            active: list[tuple[int, str, Tensor]] = []  # spans reaching past the current start
+            for start, end, name, t in spans:
+                active = [a for a in active if a[0] > start]
+                for _, other, u in active:
+                    if (name in fresh_names or other in fresh_names) and _share_elements(t, u):
+                        raise ValueError(
+                            f"{name} shares memory with {other}: CPUOffloadOptimizer keeps "
+                            "each param's state tensors in host memory of their own, which "
+                            "would split what the optimizer shares; keep such state apart "
+                            f"per param, or do not offload this optimizer{applied}"
+                        )
+                active.append((end, name, t))
 
     def _check_state_shapes(self, specs: Sequence[ParamSpec]) -> None:
         """State a new plan adopts into its homes (assigned by hand, or created by a step
@@ -1401,7 +1441,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             executor.write_back_staged(staged)
             if self._unhomed_state():  # created on the device by this step: move it home
                 executor.wait()  # the new slabs copy the old homes, once written back
-                self._build_serial_plan()
+                self._build_serial_plan(" (this step ran: its update is applied)")
         return loss
 
     def _check_host_memory_for_new_state(self) -> None:
@@ -1430,8 +1470,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if isinstance(v, Tensor) and v.ndim >= 1
         )
 
-    def _build_serial_plan(self) -> None:
-        self._check_state_apart()
+    def _build_serial_plan(self, applied: str = "") -> None:
+        self._check_state_apart(applied)
         state = self.optimizer.state
         specs = [
             ParamSpec(
