@@ -88,7 +88,9 @@ def sample(host: torch.Tensor) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long to sample")
+    parser.add_argument(
+        "--seconds", type=float, default=60.0, help="how long to sample (at least 2 samples)"
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench/results/machine_drift.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,7 +100,7 @@ def main() -> None:
     ]
     samples, times_s = [], []
     start = time.perf_counter()
-    while (now := time.perf_counter() - start) < args.seconds:
+    while (now := time.perf_counter() - start) < args.seconds or len(samples) < 2:
         times_s.append(now)
         samples.append(sample(host))
     rows = {

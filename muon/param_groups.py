@@ -114,6 +114,11 @@ def muon_param_groups(
             f"groups), not its params: got {type(model).__name__}"
         )
     row_blocks = dict(row_blocks or {})
+    if isinstance(adamw_patterns, str):  # a string is a sequence of one-letter patterns
+        raise TypeError(
+            f"adamw_patterns takes a sequence of regular expressions, not one string: "
+            f"({adamw_patterns!r},)"
+        )
     for option in ("params", "algorithm"):
         if option in (adamw_options or {}):
             raise ValueError(

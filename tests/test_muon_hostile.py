@@ -490,3 +490,8 @@ def test_a_row_blocks_pattern_matching_only_frozen_or_adamw_params_says_so():
         muon_param_groups(model, row_blocks={r"^0\.weight$": (4, 4)})
     with pytest.raises(ValueError, match=r"matches only \['2.weight \(AdamW\)'\]"):
         muon_param_groups(model, row_blocks={r"^2\.weight$": (4, 4)})
+
+
+def test_adamw_patterns_given_as_one_string_are_refused():
+    with pytest.raises(TypeError, match=r"not one string: \('bias\|norm',\)"):
+        muon_param_groups(nn.Sequential(nn.Linear(4, 4)), adamw_patterns="bias|norm")
