@@ -16,7 +16,9 @@ import math
 import sys
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -137,6 +139,36 @@ def _bytes_of(tensor: Tensor) -> Tensor:
         shape[dim] = size
         starts = starts + (torch.arange(size) * stride * tensor.element_size()).view(shape)
     return (starts.reshape(-1, 1) + torch.arange(tensor.element_size())).reshape(-1)
+
+
+def _load_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
+    """`optimizer`'s load_state_dict pre and post hooks, in the order it calls them.
+    Private API (torch 2.11, 2.13): `_optimizer_load_state_dict_pre_hooks` and
+    `_optimizer_load_state_dict_post_hooks`, ordered dicts of the registered hooks."""
+    return (
+        list(optimizer._optimizer_load_state_dict_pre_hooks.values()),
+        list(optimizer._optimizer_load_state_dict_post_hooks.values()),
+    )
+
+
+@contextmanager
+def _load_hooks_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """`optimizer`'s load hooks (`_load_hooks`) out of the way: the wrapper loads it in
+    parts (groups, then scalars) and calls them once itself. Hooks registered meanwhile
+    (muon.Muon's own, for the length of its load) go and are dropped with the stand-in."""
+    kept = (
+        optimizer._optimizer_load_state_dict_pre_hooks,
+        optimizer._optimizer_load_state_dict_post_hooks,
+    )
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        (
+            optimizer._optimizer_load_state_dict_pre_hooks,
+            optimizer._optimizer_load_state_dict_post_hooks,
+        ) = kept
 
 
 def _with_sparse_grads(params: Sequence[Tensor]) -> list[Tensor]:
@@ -521,8 +553,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _hooks_for_lr_scheduler(self) -> None:
         # What Optimizer.__init__ would have set and schedulers or hooks read.
-        from collections import OrderedDict
-
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -646,16 +676,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
         The hooks registered on the wrapper are called as `torch.optim.Optimizer` calls
         them: the pre hooks get a shallow copy of `state_dict` and may return a new one.
+        The wrapped optimizer's own load hooks are called once, as its `load_state_dict`
+        would: its pre hooks (after the wrapper's) on the whole state_dict, its post hooks
+        (before the wrapper's) once the state is in its homes.
         """
         self.wait_for_optimizer_step()
         self._executor.drop_loaded_ahead()
         state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
+        inner_pre, inner_post = _load_hooks(self.optimizer)
+        pre_hooks = [(self, hook) for hook in self._optimizer_load_state_dict_pre_hooks.values()]
+        for optimizer, pre_hook in pre_hooks + [(self.optimizer, hook) for hook in inner_pre]:
+            hook_result = pre_hook(optimizer, state_dict)
             if hook_result is not None:
                 state_dict = hook_result
-        self._load_state_dict(state_dict)
+        with _load_hooks_set_aside(self.optimizer):
+            self._load_state_dict(state_dict)
         self._interrupted = None
+        for post_hook in inner_post:
+            post_hook(self.optimizer)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_offload_audit import assert_equal
 
+from muon import Muon, muon_param_groups
 from offload import CPUOffloadOptimizer
 from offload.chunk_plan import SLICE_ELEMENTS
 
@@ -170,8 +171,6 @@ def _rprop(params):  # no subset step: the serial path
 
 
 def _muon(params):  # a subset step that never calls step()
-    from muon import Muon
-
     params = list(params)
     matrices = [p for p in params if p.ndim == 2]
     others = [p for p in params if p.ndim != 2]
@@ -1152,3 +1151,56 @@ def _lbfgs_on_a_sparse_table(wrap: bool) -> torch.Tensor:
 
 def test_lbfgs_takes_sparse_grads_offloaded_as_plain():
     assert torch.equal(_lbfgs_on_a_sparse_table(False), _lbfgs_on_a_sparse_table(True))
+
+
+def _zeroed_first_moment(optimizer, state_dict):
+    first = ("momentum_buffer", "exp_avg")
+    state = {k: {n: torch.zeros_like(t) if n in first else t for n, t in v.items()}
+             for k, v in state_dict["state"].items()}  # fmt: skip
+    return {**state_dict, "state": state}
+
+
+def _halved_second_moment(optimizer):
+    for entries in optimizer.state.values():
+        for key in {"momentum_buffer", "exp_avg_sq"} & set(entries):
+            entries[key] = entries[key] / 2  # replaced, not edited in place
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "adamw"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_load_hooks_on_the_wrapped_optimizer_shape_what_loads_once(algorithm, overlap):
+    calls: list[str] = []
+    runs = []
+    for wrap in (False, True):
+        model = _three_linears()
+        inner = (
+            Muon(muon_param_groups(model), lr=0.02)
+            if algorithm == "muon"
+            else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        )
+        opt = (
+            CPUOffloadOptimizer(inner, chunk_bytes=300, overlap_forward=model if overlap else None)
+            if wrap
+            else inner
+        )
+        for step in range(2):
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        saved = copy.deepcopy(opt.state_dict())
+        inner.register_load_state_dict_pre_hook(
+            lambda o, sd: calls.append("pre") or _zeroed_first_moment(o, sd)
+        )
+        inner.register_load_state_dict_post_hook(
+            lambda o: calls.append("post") or _halved_second_moment(o)
+        )
+        opt.load_state_dict(saved)
+        for step in range(2, 4):
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if wrap:
+            opt.wait_for_optimizer_step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert calls == ["pre", "post"] * 2
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
