@@ -969,6 +969,12 @@ class MuonStep:
             for p in g["params"]
         ]
         self._kinds = plan.step_units(len(self._adamw))
+        # the subset-step protocol's flag: exchanged buckets (and spread ones) communicate
+        self.runs_collectives = any(
+            what == "bucket"
+            and (plan.buckets[index].axis is not None or plan.buckets[index].spread)
+            for what, index in self._kinds
+        )
         self.units: list[list[Tensor]] = [self._unit_params(kind) for kind in self._kinds]
         self._unit_of = {id(p): index for index, unit in enumerate(self.units) for p in unit}
         self._stepped: set[int] = set()  # units done this step

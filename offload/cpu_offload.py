@@ -13,7 +13,6 @@ import functools
 import itertools
 import logging
 import math
-import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -30,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from offload.auto_residency import AutoResidency, StepShape
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.executor import StepExecutor, as_state, attributes_set
-from offload.forward_overlap import ForwardOverlap
+from offload.forward_overlap import ForwardOverlap, user_stacklevel
 from offload.host_memory import (
     check_device_memory,
     check_host_memory,
@@ -1013,7 +1012,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the slabs too: what views of the homes (a held `exp_avg.view(-1)`) are views of
         homes += [*executor.host_slabs.values(), *executor.resident_slabs.values()]
         pending = CPUOffloadOptimizer._interruptible(this, chunks, side)
-        self._overlap.start(pending, grads, scalars, homes)
+        collectives = getattr(subset, "runs_collectives", False)  # optional in the protocol
+        self._overlap.start(pending, grads, scalars, homes, collectives)
         return loss
 
     def _interruptible(
@@ -1172,7 +1172,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             f"gpu_resident_bytes={self._resident_budget} keeps no state on the GPU: residency "
             f"takes whole units, from the one {which}, whose state is {first} bytes on its "
             f"own. Give at least that, or 0",
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
     def _specs_of(
@@ -1400,7 +1400,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"{slot_bytes / mib:.0f} MiB. Give the optimizer smaller units (muon.Muon: "
                 f"bucket_cap_bytes; muon_offload.setup_optimizer caps it for you) or raise "
                 f"chunk_bytes.",
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
         executor = self._executor
         old_slabs = [*executor.host_slabs.values(), *executor.resident_slabs.values()]
@@ -1542,17 +1542,3 @@ def _remove_handles(handles: Sequence[RemovableHandle]) -> None:
 
 def _nothing(*args: Any) -> None:
     pass
-
-
-def _user_stacklevel() -> int:
-    """The `warnings.warn` stacklevel, called from a warning's site, that points at
-    the first caller outside this library and torch (the user's `step()` call)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
-        "offload",
-        "muon",
-        "muon_offload",
-        "torch",
-    ):
-        level, frame = level + 1, frame.f_back
-    return level

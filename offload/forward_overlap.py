@@ -221,6 +221,9 @@ class ForwardOverlap:
         self._tracing = False
         self._reads_outside_units = False
         self._reading_owner = -1  # in a traced forward, the owner whose pre-hook ran last
+        self._in_forward = False
+        self.runs_collectives = False  # the pending step's chunks communicate
+        self._warned_rank_local_reads = False
         self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         names = {module: name for name, module in model.named_modules()}
@@ -320,6 +323,7 @@ class ForwardOverlap:
         grads: Iterable[Tensor],
         state_scalars: Mapping[Tensor, Sequence[Tensor]],
         state_homes: Collection[Tensor],
+        runs_collectives: bool = False,
     ) -> None:
         """Run `pending`'s chunks on the side stream, from where the trainer's stream is
         now (grads reduced and clipped); the first few are enqueued at once. Until each
@@ -327,7 +331,9 @@ class ForwardOverlap:
         step updates in place (`state_scalars`: per param, `step` and the like) wait for it;
         torch calls on the offloaded state's homes (`state_homes`: what `state` hands out
         between steps, and a logger may hold, and the slabs they are views of) wait for the
-        whole step to be written back."""
+        whole step to be written back. `runs_collectives`: the chunks' updates communicate
+        (`SubsetStep.runs_collectives`)."""
+        self.runs_collectives = runs_collectives
         streams, side = self._streams, self.side_stream
         device_type = streams.device.type
         self._autocast = {
@@ -461,6 +467,7 @@ class ForwardOverlap:
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`, or
         (`chunk` past the last) a state home, which holds the update once written back."""
+        self._warn_if_rank_local(chunk)
         if chunk >= len(self.chunk_done):
             self.finish()
             if self.written_back is not None:
@@ -477,6 +484,28 @@ class ForwardOverlap:
         self.advance(self._ahead_of[chunk])
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
+    def _warn_if_rank_local(self, chunk: int) -> None:
+        """A read outside the forward that enqueues chunks whose updates communicate: on a
+        rank that reads alone (a log on rank 0), they wait for peers that are running
+        their forward's collectives, and every rank hangs. Said once, before it can."""
+        if (
+            self._in_forward
+            or not self.runs_collectives
+            or self._warned_rank_local_reads
+            or self._pending is None
+            or self._enqueued > min(chunk, len(self.chunk_done) - 1)
+        ):
+            return
+        self._warned_rank_local_reads = True
+        warnings.warn(
+            "a read of a param or optimizer state between step() and the next forward runs "
+            "the pending step's chunks now, and their updates communicate (Muon's "
+            "exchanges): every rank must make the same reads in the same order, or a read "
+            "on one rank alone (a log of a weight on rank 0) hangs every rank. Call "
+            "optimizer.wait_for_optimizer_step() on every rank before such reads",
+            stacklevel=user_stacklevel(),
+        )
+
     def _before_backward(self) -> None:
         """A backward adds into each existing `.grad` in place (autograd's AccumulateGrad,
         which no torch function mode sees): the chunks that still read such a grad (a
@@ -488,6 +517,7 @@ class ForwardOverlap:
 
     def _before_forward(self) -> None:
         self._reading_owner = -1
+        self._in_forward = True
         if not self._in_flight:
             self._reads.pop()  # still on this thread's stack if another thread finished
             return
@@ -503,6 +533,7 @@ class ForwardOverlap:
         # A forward that raised (torch calls this hook from its handler, with no output)
         # may not have reached the reads it was to find: the next one looks again.
         raised = output is None and sys.exc_info()[1] is not None
+        self._in_forward = False
         if self._tracing and not raised:
             self._trace_reads = False
         self._tracing = False
@@ -932,3 +963,17 @@ def _remove(handles: list[RemovableHandle], reads: _PendingReads) -> None:
             stacklevel=2,
         )
     reads.pop()
+
+
+def user_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, called from a warning's site, that points at
+    the first caller outside this library and torch (the user's `step()` call)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+        "offload",
+        "muon",
+        "muon_offload",
+        "torch",
+    ):
+        level, frame = level + 1, frame.f_back
+    return level

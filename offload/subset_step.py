@@ -25,6 +25,9 @@ through the GPU in chunks. The contract:
   at the next step). The wrapper lays out a state tensor shaped like the param as
   the param is laid out (as
   `zeros_like(p, memory_format=torch.preserve_format)` does).
+- Optional, `runs_collectives`: true when `step_params` of some unit runs
+  collectives (Muon's exchanges), so that a step left pending must be advanced alike
+  on every rank (the wrapper warns where a read outside the forward advances it).
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
   declares it can update slices of one-param units (`SlicingSubsetStep`), so a
   large param never makes a staging slot larger than a chunk.

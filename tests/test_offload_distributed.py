@@ -439,3 +439,49 @@ def _muon_groups(model: torch.nn.Module) -> list[dict]:
 
 def test_fsdp2_offloaded_muon_loads_a_single_process_checkpoint_as_plain_muon():
     run_on_ranks(_whole_checkpoint_worker, 2)
+
+
+def _reads_after_step_worker(rank: int, world: int) -> None:
+    """A read of a weight between step() and the next forward runs the pending Muon
+    chunks, whose exchanges are collectives: made on every rank it is exact, and it warns
+    (once) that a read on one rank alone would hang every rank. AdamW's chunks do not
+    communicate: no warning."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from muon import Muon
+
+    mesh = init_device_mesh("cpu", (world,))
+    for algorithm in ("muon", "adamw"):
+        results = []
+        for wrap in (False, True):
+            model = _shard(_deep_model(0), mesh)
+            opt = (
+                Muon(_muon_groups(model), lr=1e-2, bucket_cap_bytes=300)  # a matrix a unit
+                if algorithm == "muon"
+                else torch.optim.AdamW(model.parameters(), lr=1e-2)
+            )
+            if wrap:
+                opt = CPUOffloadOptimizer(
+                    opt, chunk_bytes=300, staging_slots=2, overlap_forward=model
+                )
+            gen = torch.Generator().manual_seed(100 + rank)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    model(torch.randn(3, 12, generator=gen)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    model[-1].weight.to_local().norm()  # a log of the last layer's weight
+            if wrap:
+                opt.wait_for_optimizer_step()
+            said = [w for w in caught if "hangs every rank" in str(w.message)]
+            assert len(said) == (wrap and algorithm == "muon"), (algorithm, wrap, said)
+            results.append([p.to_local().clone() for p in model.parameters()])
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), algorithm
+
+
+def test_fsdp2_reads_between_step_and_forward_that_run_muon_exchanges_warn_and_stay_exact():
+    run_on_ranks(_reads_after_step_worker, 2)
