@@ -110,10 +110,6 @@ def _placed_as(value: Tensor, param: Tensor, name: str) -> Tensor:
     return value
 
 
-def _storage_of(tensor: Tensor) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
-
-
 def _byte_span(tensor: Tensor) -> tuple[int, int]:
     """The first byte `tensor` reaches and one past its last."""
     first = tensor.data_ptr()
@@ -122,12 +118,61 @@ def _byte_span(tensor: Tensor) -> tuple[int, int]:
     return first, first + (reach + 1) * tensor.element_size()
 
 
-def _share_elements(a: Tensor, b: Tensor) -> bool:
-    """Whether `a` and `b`, whose byte spans overlap in one storage, share a byte: yes
-    where both fill their spans; else by their bytes (a strided view: `W[:, :4]`)."""
-    if all(_byte_span(t)[1] - _byte_span(t)[0] == t.numel() * t.element_size() for t in (a, b)):
-        return True
-    return bool(torch.isin(_bytes_of(a), _bytes_of(b)).any())
+def _dense(tensor: Tensor) -> bool:
+    """Whether `tensor`'s elements fill its span once each (contiguous in some dim order)."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _overlapping_spans(named: Sequence[tuple[str, Tensor]]) -> list[list[tuple[str, Tensor]]]:
+    """`named` tensors (numel > 0) in groups whose byte spans overlap, chained, one device
+    each; groups of one left out."""
+    spans = sorted(
+        ((str(t.device), *_byte_span(t), name, t) for name, t in named if t.numel()),
+        key=lambda span: span[:4],
+    )
+    clusters: list[list[tuple[str, Tensor]]] = []
+    reach: tuple[str, int] | None = None
+    for device, start, end, name, t in spans:
+        if reach is None or reach[0] != device or start >= reach[1]:
+            clusters.append([])
+            reach = (device, end)
+        reach = (device, max(reach[1], end))
+        clusters[-1].append((name, t))
+    return [cluster for cluster in clusters if len(cluster) > 1]
+
+
+def _check_cluster_apart(
+    cluster: Sequence[tuple[str, Tensor]], refuse: Callable[[str, str], None]
+) -> None:
+    """Call `refuse(a, b)` for tensors of `cluster` that share a byte: dense ones by their
+    spans, strided views (`W[:, :4]`) by their bytes, sorted once for the whole cluster."""
+    dense = [(n, t) for n, t in cluster if _dense(t)]
+    strided = [(n, t) for n, t in cluster if not _dense(t)]
+    for (a, t), (b, u) in itertools.combinations(dense, 2):
+        (t_first, t_end), (u_first, u_end) = _byte_span(t), _byte_span(u)
+        if t_first < u_end and u_first < t_end:
+            refuse(b, a)
+    if not strided:
+        return
+    addresses = torch.cat([_bytes_of(t) for _, t in strided])
+    owners = torch.cat(
+        [torch.full((t.numel() * t.element_size(),), i) for i, (_, t) in enumerate(strided)]
+    )
+    addresses, order = addresses.sort()
+    owners = owners[order]
+    same = (addresses[1:] == addresses[:-1]) & (owners[1:] != owners[:-1])
+    for i, j in {(int(owners[k]), int(owners[k + 1])) for k in same.nonzero().flatten()}:
+        refuse(strided[j][0], strided[i][0])
+    for name, t in dense:
+        first, end = _byte_span(t)
+        lo, hi = torch.searchsorted(addresses, torch.tensor([first, end])).tolist()
+        for i in owners[lo:hi].unique().tolist():
+            refuse(strided[i][0], name)
 
 
 def _bytes_of(tensor: Tensor) -> Tensor:
@@ -579,6 +624,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         backward loaded for the next step are loaded again by it: the caller may edit
         their state in place (so may one holding a state tensor from an earlier step,
         through torch ops: `load_in_backward`)."""
+        self._warn_if_state_read_runs_collectives()
         self.wait_for_optimizer_step()
         self._executor.drop_loaded_ahead()
         return self.optimizer.state
@@ -616,6 +662,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             "CPUOffloadOptimizer plans its host slabs once; add the group to the wrapped "
             "optimizer before wrapping it"
         )
+
+    def _warn_if_state_read_runs_collectives(self) -> None:
+        """`state` and `state_dict()` wait for the whole step, as a read of a state home
+        does: said once where that runs chunks that communicate, which every rank must."""
+        if self._overlap is not None:
+            self._overlap.warn_if_rank_local(len(self._overlap.chunk_done))
 
     def wait_for_optimizer_step(self) -> None:
         """Block the host until the last step is done: params updated, state written back.
@@ -660,6 +712,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's `state_dict`, with the hooks registered on the wrapper
         called around it as `torch.optim.Optimizer.state_dict` calls them."""
+        self._warn_if_state_read_runs_collectives()
         self.wait_for_optimizer_step()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -682,16 +735,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.wait_for_optimizer_step()
         self._executor.drop_loaded_ahead()
         state_dict = state_dict.copy()
-        inner_pre, inner_post = _load_hooks(self.optimizer)
-        pre_hooks = [(self, hook) for hook in self._optimizer_load_state_dict_pre_hooks.values()]
-        for optimizer, pre_hook in pre_hooks + [(self.optimizer, hook) for hook in inner_pre]:
-            hook_result = pre_hook(optimizer, state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        for pre_hook in _load_hooks(self.optimizer)[0]:  # as registered once the wrapper's ran
+            hook_result = pre_hook(self.optimizer, state_dict)
             if hook_result is not None:
                 state_dict = hook_result
         with _load_hooks_set_aside(self.optimizer):
             self._load_state_dict(state_dict)
         self._interrupted = None
-        for post_hook in inner_post:
+        for post_hook in _load_hooks(self.optimizer)[1]:  # a pre-hook may have added one
             post_hook(self.optimizer)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -1122,31 +1177,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         fresh = [(name, t) for name, t in fresh if t.numel()]
         if not fresh:
             return
-        others = [(f"param {i}", local_tensor(p)) for i, p in enumerate(self._params)]
-        others += [
+        named = [(f"param {i}", local_tensor(p)) for i, p in enumerate(self._params)]
+        named += [
             (f"state {key!r} of param {self._index[p]}", local_tensor(home.home_state))
             for (p, key), home in homed.items()
         ]
-        storages = {_storage_of(t) for _, t in fresh}
-        by_storage: dict[tuple[str, int], list[tuple[str, Tensor]]] = {}
-        for name, t in fresh + others:
-            if t.numel() and _storage_of(t) in storages:
-                by_storage.setdefault(_storage_of(t), []).append((name, t))
         fresh_names = {name for name, _ in fresh}
-        for tensors in by_storage.values():
-            spans = sorted(((*_byte_span(t), name, t) for name, t in tensors), key=lambda s: s[:3])
-            active: list[tuple[int, str, Tensor]] = []  # spans reaching past the current start
-            for start, end, name, t in spans:
-                active = [a for a in active if a[0] > start]
-                for _, other, u in active:
-                    if (name in fresh_names or other in fresh_names) and _share_elements(t, u):
-                        raise ValueError(
-                            f"{name} shares memory with {other}: CPUOffloadOptimizer keeps "
-                            "each param's state tensors in host memory of their own, which "
-                            "would split what the optimizer shares; keep such state apart "
-                            f"per param, or do not offload this optimizer{applied}"
-                        )
-                active.append((end, name, t))
+
+        def refuse(name: str, other: str) -> None:
+            if name in fresh_names or other in fresh_names:  # else: params, or homed state
+                raise ValueError(
+                    f"{name} shares memory with {other}: CPUOffloadOptimizer keeps each "
+                    "param's state tensors in host memory of their own, which would split "
+                    "what the optimizer shares; keep such state apart per param, or do not "
+                    f"offload this optimizer{applied}"
+                )
+
+        for cluster in _overlapping_spans(fresh + named):
+            _check_cluster_apart(cluster, refuse)
 
     def _check_state_shapes(self, specs: Sequence[ParamSpec]) -> None:
         """State a new plan adopts into its homes (assigned by hand, or created by a step

@@ -334,6 +334,7 @@ class ForwardOverlap:
         whole step to be written back. `runs_collectives`: the chunks' updates communicate
         (`SubsetStep.runs_collectives`)."""
         self.runs_collectives = runs_collectives
+        self._in_forward = False  # a forward interrupted by a BaseException ran no after-hook
         streams, side = self._streams, self.side_stream
         device_type = streams.device.type
         self._autocast = {
@@ -467,7 +468,7 @@ class ForwardOverlap:
     def _wait_for_read(self, chunk: int) -> None:
         """A torch call on the trainer's thread reads a param that lands with `chunk`, or
         (`chunk` past the last) a state home, which holds the update once written back."""
-        self._warn_if_rank_local(chunk)
+        self.warn_if_rank_local(chunk)
         if chunk >= len(self.chunk_done):
             self.finish()
             if self.written_back is not None:
@@ -484,7 +485,7 @@ class ForwardOverlap:
         self.advance(self._ahead_of[chunk])
         self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
-    def _warn_if_rank_local(self, chunk: int) -> None:
+    def warn_if_rank_local(self, chunk: int) -> None:
         """A read outside the forward that enqueues chunks whose updates communicate: on a
         rank that reads alone (a log on rank 0), they wait for peers that are running
         their forward's collectives, and every rank hangs. Said once, before it can."""
@@ -493,8 +494,11 @@ class ForwardOverlap:
             or not self.runs_collectives
             or self._warned_rank_local_reads
             or self._pending is None
-            or self._enqueued > min(chunk, len(self.chunk_done) - 1)
         ):
+            return
+        # what the read enqueues: its chunk's look-ahead, or (a state home) every chunk
+        last = self._ahead_of[chunk] if chunk < len(self.chunk_done) else len(self.chunk_done)
+        if self._enqueued > min(last, len(self.chunk_done) - 1):
             return
         self._warned_rank_local_reads = True
         warnings.warn(

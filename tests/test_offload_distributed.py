@@ -441,11 +441,12 @@ def test_fsdp2_offloaded_muon_loads_a_single_process_checkpoint_as_plain_muon():
     run_on_ranks(_whole_checkpoint_worker, 2)
 
 
-def _reads_after_step_worker(rank: int, world: int) -> None:
+def _reads_after_step_worker(rank: int, world: int, read: str) -> None:
     """A read of a weight between step() and the next forward runs the pending Muon
     chunks, whose exchanges are collectives: made on every rank it is exact, and it warns
-    (once) that a read on one rank alone would hang every rank. AdamW's chunks do not
-    communicate: no warning."""
+    (once) that a read on one rank alone would hang every rank: a read of an early
+    layer's weight (its chunk enqueued, the ones it looks ahead to not yet), or of the
+    wrapper's `state`. AdamW's chunks do not communicate: no warning."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -473,7 +474,10 @@ def _reads_after_step_worker(rank: int, world: int) -> None:
                     model(torch.randn(3, 12, generator=gen)).square().mean().backward()
                     opt.step()
                     opt.zero_grad()
-                    model[-1].weight.to_local().norm()  # a log of the last layer's weight
+                    if read == "weight":
+                        model[1].weight.to_local().norm()  # a log of a weight
+                    elif wrap:
+                        opt.state[model[1].weight]  # a log of its state
             if wrap:
                 opt.wait_for_optimizer_step()
             said = [w for w in caught if "hangs every rank" in str(w.message)]
@@ -483,5 +487,6 @@ def _reads_after_step_worker(rank: int, world: int) -> None:
             assert torch.equal(a, b), algorithm
 
 
-def test_fsdp2_reads_between_step_and_forward_that_run_muon_exchanges_warn_and_stay_exact():
-    run_on_ranks(_reads_after_step_worker, 2)
+@pytest.mark.parametrize("read", ["weight", "state"])
+def test_fsdp2_reads_between_step_and_forward_that_run_muon_exchanges_warn_and_stay_exact(read):
+    run_on_ranks(_reads_after_step_worker, 2, read)

@@ -1204,3 +1204,53 @@ def test_load_hooks_on_the_wrapped_optimizer_shape_what_loads_once(algorithm, ov
         runs.append([p.detach().clone() for p in model.parameters()])
     assert calls == ["pre", "post"] * 2
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_state_aliased_through_another_storage_object_is_refused():
+    import numpy as np
+
+    buffer = np.zeros(12, dtype=np.float32)
+    a, b = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8))
+    inner = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)
+    opt = CPUOffloadOptimizer(inner)
+    inner.state[a]["momentum_buffer"] = torch.from_numpy(buffer[:8])  # two storage objects,
+    inner.state[b]["momentum_buffer"] = torch.from_numpy(buffer[4:])  # four shared floats
+    a.grad, b.grad = torch.ones(8), torch.ones(8)
+    with pytest.raises(ValueError, match="shares memory with"):
+        opt.step()
+
+
+def test_a_self_overlapping_view_shares_no_byte_with_what_sits_in_its_gaps():
+    from offload.cpu_offload import _check_cluster_apart, _overlapping_spans
+
+    base = torch.zeros(16)
+    gappy = base.as_strided((2, 2, 2), (1, 1, 5))  # elements 0, 1, 2, 5, 6, 7
+    between = base.as_strided((2,), (1,), 3)  # elements 3, 4
+    shared: list[tuple[str, str]] = []
+    for cluster in _overlapping_spans([("a", gappy), ("b", between)]):
+        _check_cluster_apart(cluster, lambda x, y: shared.append((x, y)))
+    assert shared == []
+
+
+def test_a_post_hook_a_load_pre_hook_registers_runs_in_that_load_as_torch_runs_it():
+    seen = []
+    for wrap in (False, True):
+        model = _three_linears()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = CPUOffloadOptimizer(inner) if wrap else inner
+        _backward_three(model)
+        opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        calls: list[str] = []
+
+        def pre(optimizer, state_dict, calls=calls):
+            optimizer.register_load_state_dict_post_hook(lambda o: calls.append("late post"))
+
+        inner.register_load_state_dict_pre_hook(pre)
+        opt.load_state_dict(saved)
+        seen.append(calls)
+    assert seen == [["late post"], ["late post"]]
+
+
+def _backward_three(model: torch.nn.Module) -> None:
+    model(torch.randn(2, 8, generator=torch.Generator().manual_seed(0))).sum().backward()
