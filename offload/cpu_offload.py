@@ -16,7 +16,7 @@ import math
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -193,6 +193,18 @@ def _load_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]
         list(optimizer._optimizer_load_state_dict_pre_hooks.values()),
         list(optimizer._optimizer_load_state_dict_post_hooks.values()),
     )
+
+
+def _after_pre_hooks(
+    optimizer: torch.optim.Optimizer, hooks: Iterable[Any], state_dict: dict[str, Any]
+) -> dict[str, Any]:
+    """`state_dict` after load pre-hooks `hooks` of `optimizer`, each given what the one
+    before returned (or kept), as `torch.optim.Optimizer.load_state_dict` calls them."""
+    for hook in list(hooks):
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
 
 
 @contextmanager
@@ -566,16 +578,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "optimizer (CPUOffloadOptimizer plans its staging for one device)"
             )
 
-    def _refuse_sparse_grads_the_step_refuses(self) -> None:
-        """Sparse grads the chunked step cannot take, refused before any chunk steps (after
-        the closure, which makes the grads): torch's step would raise in the chunk holding
-        one, after the earlier chunks ran, and SGD's sparse momentum cannot live in slabs."""
+    def _refuse_sparse_grads_the_step_refuses(self, sparse: set[Tensor]) -> None:
+        """`sparse` grads' params the chunked step cannot take, refused before any chunk
+        steps (after the closure, which makes the grads): torch's step would raise in the
+        chunk holding one, after the earlier chunks ran, and SGD's sparse momentum cannot
+        live in slabs."""
         optimizer = type(self.optimizer)
         for group in self.optimizer.param_groups:
-            sparse = _with_sparse_grads(group["params"])
-            if not sparse:
+            first = next((p for p in group["params"] if p in sparse), None)
+            if first is None:
                 continue
-            position = _position(self._params, sparse[0])
+            position = self._index[first]
             if group.get("fused") or (
                 optimizer.__module__.startswith("torch.optim.")
                 and optimizer not in _TAKES_SPARSE_GRADS
@@ -735,14 +748,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.wait_for_optimizer_step()
         self._executor.drop_loaded_ahead()
         state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
-        for pre_hook in _load_hooks(self.optimizer)[0]:  # as registered once the wrapper's ran
-            hook_result = pre_hook(self.optimizer, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
+        own_hooks = self._optimizer_load_state_dict_pre_hooks.values()
+        state_dict = _after_pre_hooks(self, own_hooks, state_dict)
+        # the wrapped optimizer's, as registered once the wrapper's ran
+        state_dict = _after_pre_hooks(self.optimizer, _load_hooks(self.optimizer)[0], state_dict)
         with _load_hooks_set_aside(self.optimizer):
             self._load_state_dict(state_dict)
         self._interrupted = None
@@ -991,7 +1000,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._refuse_sparse_grads_the_step_refuses()
+        sparse = _with_sparse_grads(self._params)
+        if sparse:
+            self._refuse_sparse_grads_the_step_refuses(set(sparse))
         streams = self._streams
         auto = self._auto
         if self._overlap is not None:
@@ -1020,7 +1031,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             auto.step_started(streams.current())
             if executor.plan is not None:
                 self._run_auto(auto)
-        self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout)
+        self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout, sparse)
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
         if timer is not None:
             timer.step_started(streams.current())
@@ -1128,11 +1139,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         units_key: tuple[tuple[int, ...], ...],
         regrouped: bool,
         layout: Callable[[Tensor], StateLayout],
+        sparse: Sequence[Tensor],
     ) -> None:
         # A sparse grad (nn.Embedding(sparse=True)) has no flat slices: its param steps whole,
         # from the first step it shows one on (re-planned then, once: it stays whole).
-        sparse = set(_with_sparse_grads(self._params))
-        self._stepped_whole |= sparse
+        self._stepped_whole.update(sparse)
         # Planned anew when the units change (a Muon group switched to AdamW regroups its
         # params), for a sparse grad on a sliced param, for state a step created after the
         # first without a home (SGD's momentum_buffer, momentum turned on): it lives in the
@@ -1174,7 +1185,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for key, value in state.get(p, {}).items()
             if isinstance(value, Tensor) and value.ndim >= 1 and (p, key) not in homed
         ]
-        fresh = [(name, t) for name, t in fresh if t.numel()]
         if not fresh:
             return
         named = [(f"param {i}", local_tensor(p)) for i, p in enumerate(self._params)]

@@ -323,7 +323,7 @@ class ForwardOverlap:
         grads: Iterable[Tensor],
         state_scalars: Mapping[Tensor, Sequence[Tensor]],
         state_homes: Collection[Tensor],
-        runs_collectives: bool = False,
+        runs_collectives: bool,
     ) -> None:
         """Run `pending`'s chunks on the side stream, from where the trainer's stream is
         now (grads reduced and clipped); the first few are enqueued at once. Until each
