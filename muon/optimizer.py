@@ -42,6 +42,7 @@ Newton-Schulz input.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 import warnings
@@ -98,6 +99,7 @@ from muon.planning import (
     check_matrix_sharding,
     launch_order,
 )
+from muon.rank_agreement import PlanDescription, check_ranks_agree
 
 # torch.optim.AdamW defaults, used by `algorithm="adamw"` groups that do not set them.
 ADAMW_BETAS = (0.9, 0.999)
@@ -595,24 +597,38 @@ class Muon(torch.optim.Optimizer):
         }
         # the plain path on CPU launches per matrix (`ns_path`): its workspace is smaller
         ns_per_matrix = any(every_matrix_alone(p.device.type) for p in params)
-        key = (
-            # a copy: a list edited in place must not equal the key it was stored in
-            tuple((g, _blocks(self.param_groups[g]["row_blocks"])) for _, g in entries),
-            # a param's data may be replaced (p.data = ...): the layouts follow these
-            tuple((p.shape, p.dtype, p.device, getattr(p, "placements", None)) for p in params),
-            ns_per_matrix,
-            self.ns_dtype,
-            self.bucket_cap_bytes,
-            gram,
-            tuple(replica_owners.items()),
-            self.spread_model,
+        description = PlanDescription(
+            # row blocks as a copy: a list edited in place must not equal the key it was
+            # stored in; a param's data may be replaced (p.data = ...): the layouts follow
+            # its shape, dtype and placements
+            tuple(
+                (
+                    g,
+                    _blocks(self.param_groups[g]["row_blocks"]),
+                    tuple(p.shape),
+                    p.dtype,
+                    p.device.type,
+                    getattr(p, "placements", None),
+                )
+                for p, g in entries
+            ),
+            (
+                ("ns_per_matrix", ns_per_matrix),
+                ("ns_dtype", self.ns_dtype),
+                ("bucket_cap_bytes", self.bucket_cap_bytes),
+                ("gram schedules", gram),
+                ("replica_owners", tuple(replica_owners.items())),
+                ("spread_model", self.spread_model),
+            ),
         )
+        key = (description, tuple(p.device for p in params))
         if (
             self._plan is None
             or key != self._plan_key
             or any(a is not b for a, b in zip(params, self._plan_params, strict=True))
         ):
             layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
+            self._check_ranks_agree(description, entries, layouts)
             itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
             self._plan = MuonPlan.build(
                 layouts,
@@ -626,6 +642,36 @@ class Muon(torch.optim.Optimizer):
             self._plan_params = params
             self._plan_key = key
         return self._plan
+
+    def _check_ranks_agree(
+        self,
+        description: PlanDescription,
+        entries: Sequence[tuple[Tensor, int]],
+        layouts: Sequence[ParamLayout],
+    ) -> None:
+        """Refuse, on every rank at once, a plan the ranks of a mesh of its params do not
+        all build alike (`rank_agreement`). Each mesh's axes in an order every rank
+        shares (by mesh, not by where its params are in this rank's groups)."""
+        meshes = {
+            layout.mesh_key: p
+            for (p, _), layout in zip(entries, layouts, strict=True)
+            if isinstance(p, DTensor)
+        }
+        groups = [
+            (p.device_mesh.get_group(dim), p.to_local().device)
+            for _, p in sorted(meshes.items(), key=lambda item: item[0])
+            for dim in range(p.device_mesh.ndim)
+            if p.device_mesh.size(dim) > 1
+        ]
+        if not groups:
+            return
+        labels = tuple(  # in `_muon_params`' order
+            names[i] if (names := group.get("param_names")) else f"param {i} of group {g}"
+            for g, group in enumerate(self.param_groups)
+            if group["algorithm"] == "muon"
+            for i in range(len(group["params"]))
+        )
+        check_ranks_agree(dataclasses.replace(description, labels=labels), groups)
 
 
 def _holds(groups: list[dict[str, Any]], position: tuple[int, int], param: Tensor) -> bool:

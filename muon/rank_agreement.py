@@ -1,0 +1,116 @@
+"""Every rank of a mesh must build the same Muon plan: the exchanges pair each rank's
+pieces with its peers' by position, so ranks that disagree on the Muon params (one
+froze a param, or built its groups otherwise) or on a setting that shapes the buckets
+(`bucket_cap_bytes`, `ns_dtype`) send sizes their peers do not expect. gloo aborts the
+process ("Received data size doesn't match expected size"); NCCL may hang or exchange
+the wrong bytes. So each plan build compares a digest of what shaped it across every
+axis of the params' meshes, and on a mismatch every rank raises the same error, naming
+the first difference, before any exchange runs.
+
+`PlanDescription` and `first_difference` are pure; `check_ranks_agree` runs the
+collectives. It runs at plan builds only (the first step, then when the params or
+settings change), as every rank builds then; it reads its result on the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class PlanDescription:
+    """What shapes a rank's Muon plan, without what differs between ranks by design
+    (device indices, mesh coordinates)."""
+
+    params: tuple[tuple[Any, ...], ...]
+    """Per Muon param, in order: its group, row blocks, global shape, dtype, device type
+    and placements."""
+    settings: tuple[tuple[str, Any], ...]
+    """(name, value) of each optimizer-wide setting the plan reads."""
+    labels: tuple[str, ...] = ()
+    """Per Muon param, how an error names it (not compared)."""
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(repr((self.params, self.settings)).encode()).digest()
+
+
+PARAM_FIELDS = ("group", "row_blocks", "shape", "dtype", "device type", "placements")
+
+
+def first_difference(mine: PlanDescription, theirs: PlanDescription) -> str | None:
+    """The first thing two ranks' descriptions disagree on, in words; None if they agree."""
+    for (name, value), (_, other) in zip(mine.settings, theirs.settings, strict=True):
+        if value != other:
+            return f"{name}: {value!r} vs {other!r}"
+    for k, (a, b) in enumerate(zip(mine.params, theirs.params, strict=False)):
+        if a != b:
+            field = next(f for f, x, y in zip(PARAM_FIELDS, a, b, strict=True) if x != y)
+            return (
+                f"Muon param {k} ({_label(mine, k)} vs {_label(theirs, k)}) differs in "
+                f"{field}: {_field(a, field)} vs {_field(b, field)}"
+            )
+    if len(mine.params) != len(theirs.params):
+        longer = mine if len(mine.params) > len(theirs.params) else theirs
+        extra = min(len(mine.params), len(theirs.params))
+        return (
+            f"{len(mine.params)} vs {len(theirs.params)} Muon params; the first one only one "
+            f"side has is param {extra} ({_label(longer, extra)})"
+        )
+    return None
+
+
+def _label(description: PlanDescription, k: int) -> str:
+    return description.labels[k] if k < len(description.labels) else f"param {k}"
+
+
+def _field(values: tuple[Any, ...], field: str) -> str:
+    value = values[PARAM_FIELDS.index(field)]
+    return str(tuple(value)) if field == "shape" else str(value)
+
+
+def check_ranks_agree(
+    description: PlanDescription, groups: Sequence[tuple[dist.ProcessGroup, torch.device]]
+) -> None:
+    """Raise on every rank of `groups` (each a mesh axis of the Muon params, with the
+    device its collectives run on; every rank passes its axes in the same order) if any
+    two ranks of one of them describe their plans differently."""
+    mine = description.digest()
+    for group, device in groups:
+        digests = _gather(mine, group, device)
+        if len(set(digests)) == 1:
+            continue
+        # Only on a mismatch: the whole descriptions, to say what differs.
+        theirs = [pickle.loads(b) for b in _gather(pickle.dumps(description), group, device)]
+        ranks = dist.get_process_group_ranks(group)
+        odd = next(i for i, d in enumerate(digests) if d != digests[0])
+        raise ValueError(
+            f"ranks {ranks[0]} and {ranks[odd]} (of mesh axis ranks {ranks}) do not build the "
+            f"same Muon plan, which its exchanges need: {first_difference(theirs[0], theirs[odd])}"
+            ". Every rank of a mesh must give the optimizer the same params (global shapes, "
+            "dtypes, placements, in the same groups and order: freeze a param on every rank or "
+            "none) and the same settings"
+        )
+
+
+def _gather(data: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
+    """Every rank's `data` (of any length), gathered as tensors on `device`: the object
+    collectives pick the device from `torch.cuda.current_device()`, which a trainer
+    need not have set."""
+    size = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(lengths, length, group=group)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = torch.empty(size * longest, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    rows = gathered.view(size, longest).cpu()
+    return [rows[i, :n].numpy().tobytes() for i, n in enumerate(lengths.tolist())]

@@ -1,0 +1,94 @@
+"""Ranks that build different Muon plans are refused on every rank, naming the first
+difference, before any exchange (which would abort gloo, or hang or mix bytes on NCCL)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spawn_ranks import run_on_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from muon import Muon
+from muon.rank_agreement import PlanDescription, first_difference
+
+SETTINGS = (("ns_dtype", torch.bfloat16), ("bucket_cap_bytes", 1000))
+PARAMS = (
+    (0, (), (16, 12), torch.float32, "cpu", None),
+    (0, (4, 4), (8, 6), torch.float32, "cpu", None),
+)
+
+
+def test_descriptions_that_agree_have_no_difference_and_one_digest_whatever_their_labels():
+    a = PlanDescription(PARAMS, SETTINGS, ("w0", "w1"))
+    b = PlanDescription(PARAMS, SETTINGS, ("p", "q"))
+    assert first_difference(a, b) is None
+    assert a.digest() == b.digest()
+
+
+def test_a_setting_that_differs_is_named_first():
+    other = (("ns_dtype", torch.float32), ("bucket_cap_bytes", 10))
+    difference = first_difference(PlanDescription(PARAMS, SETTINGS), PlanDescription(PARAMS, other))
+    assert difference == "ns_dtype: torch.bfloat16 vs torch.float32"
+    assert PlanDescription(PARAMS, SETTINGS).digest() != PlanDescription(PARAMS, other).digest()
+
+
+def test_a_param_that_differs_is_named_with_the_field():
+    changed = (PARAMS[0], (0, (4, 4), (8, 7), torch.float32, "cpu", None))
+    difference = first_difference(
+        PlanDescription(PARAMS, SETTINGS, ("w0", "w1")),
+        PlanDescription(changed, SETTINGS, ("w0", "x1")),
+    )
+    assert difference == "Muon param 1 (w1 vs x1) differs in shape: (8, 6) vs (8, 7)"
+
+
+def test_a_param_only_one_side_has_is_named():
+    difference = first_difference(
+        PlanDescription(PARAMS[:1], SETTINGS, ("w0",)),
+        PlanDescription(PARAMS, SETTINGS, ("w0", "w1")),
+    )
+    assert difference == "1 vs 2 Muon params; the first one only one side has is param 1 (w1)"
+
+
+def _disagreeing_rank(rank: int, world: int, case: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    shapes = [(16, 12), (10, 8), (6, 6)]
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, [Shard(0)])) for s in shapes
+    ]
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)])
+    before = [p.detach().clone() for p in params]
+    odd = rank == world - 1  # the last rank disagrees
+    named = [(f"layers.{i}.weight", p) for i, p in enumerate(params)]
+    options: dict = {"bucket_cap_bytes": 10**6}
+    if case == "frozen middle param" and odd:
+        named = [named[0], named[2]]
+    if case == "bucket_cap_bytes" and odd:
+        options["bucket_cap_bytes"] = 300
+    if case == "ns_dtype" and odd:
+        options["ns_dtype"] = torch.float32
+    opt = Muon(named, lr=0.1, **options)
+    with pytest.raises(ValueError) as raised:
+        opt.step()
+    message = str(raised.value)
+    assert f"ranks 0 and {world - 1} (of mesh axis ranks {list(range(world))})" in message
+    expected = {
+        "frozen middle param": (
+            "Muon param 1 (layers.1.weight vs layers.2.weight) differs in shape: (10, 8) vs (6, 6)"
+        ),
+        "bucket_cap_bytes": "bucket_cap_bytes: 1000000 vs 300",
+        "ns_dtype": "ns_dtype: torch.bfloat16 vs torch.float32",
+    }[case]
+    assert expected in message, message
+    # refused before anything stepped, on every rank
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+@pytest.mark.parametrize(
+    "world, case",
+    [(2, "frozen middle param"), (2, "bucket_cap_bytes"), (3, "ns_dtype")],
+)
+def test_ranks_that_build_different_plans_are_refused_on_every_rank(world, case):
+    run_on_ranks(_disagreeing_rank, world, case)
