@@ -233,6 +233,18 @@ def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLay
     return layout
 
 
+# What `Muon.__getstate__` keeps beyond torch's (defaults, state, groups).
+_PICKLED_SETTINGS = (
+    "ns_dtype",
+    "bucket_cap_bytes",
+    "max_inflight",
+    "collect_timings",
+    "spread_model",
+    "_momentum_when_added",
+    "_warned_adamw_momentum",
+)
+
+
 class Muon(torch.optim.Optimizer):
     """Muon (Keller Jordan) with exact semantics on FSDP2 DTensor params.
 
@@ -353,10 +365,25 @@ class Muon(torch.optim.Optimizer):
         _validate_group(self.param_groups[-1], index)
         _check_sharded_matrices(self.param_groups[-1], index)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's (defaults, state, groups) and this optimizer's own settings, so a copy
+        (`copy.deepcopy`, pickle, `torch.save(optimizer)`) steps as the original; the plan
+        is built anew by the copy."""
+        return {**super().__getstate__(), **{k: getattr(self, k) for k in _PICKLED_SETTINGS}}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # As torch's optimizers do for keys added after a checkpoint was written: a
         # torch.optim.Muon state dict has no `algorithm`, `row_blocks`, `ns_algorithm`.
         super().__setstate__(state)
+        # A copy (`__getstate__`) builds its own plan; a load (torch's load_state_dict
+        # calls this too) keeps the plan.
+        for name, value in (
+            ("metrics", []),
+            ("_plan", None),
+            ("_plan_params", ()),
+            ("_plan_key", ()),
+        ):
+            self.__dict__.setdefault(name, value)
         # An optimizer pickled before these existed: its groups' momentum as they are now.
         self.__dict__.setdefault(
             "_momentum_when_added", [g.get("momentum") for g in self.param_groups]
@@ -541,7 +568,9 @@ class Muon(torch.optim.Optimizer):
         # strict=False: a group appended to param_groups by hand has no entry; it is skipped.
         added_momentum = zip(self.param_groups, self._momentum_when_added, strict=False)
         for index, (group, added) in enumerate(added_momentum):
-            if group["algorithm"] == "adamw" and bool(group.get("momentum") != added):
+            # a group loaded from torch's AdamW has no `momentum`: nothing cycled it
+            cycled = "momentum" in group and bool(group["momentum"] != added)
+            if group["algorithm"] == "adamw" and cycled:
                 self._warned_adamw_momentum = True
                 warnings.warn(
                     f"param group {index} (algorithm='adamw') has momentum "
@@ -629,7 +658,7 @@ class Muon(torch.optim.Optimizer):
         ):
             layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
             self._check_ranks_agree(description, entries, layouts)
-            itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
+            itemsize = self.ns_dtype.itemsize
             self._plan = MuonPlan.build(
                 layouts,
                 self.bucket_cap_bytes,

@@ -104,13 +104,11 @@ def _gather(data: bytes, group: dist.ProcessGroup, device: torch.device) -> list
     collectives pick the device from `torch.cuda.current_device()`, which a trainer
     need not have set."""
     size = dist.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(lengths, length, group=group)
-    longest = int(lengths.max())
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([len(data)], device=device), group=group)
+    counts = [int(n) for n in torch.cat(lengths).tolist()]
+    padded = torch.zeros(max(counts), dtype=torch.uint8)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gathered = torch.empty(size * longest, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, padded, group=group)
-    rows = gathered.view(size, longest).cpu()
-    return [rows[i, :n].numpy().tobytes() for i, n in enumerate(lengths.tolist())]
+    rows = [torch.zeros_like(padded, device=device) for _ in range(size)]
+    dist.all_gather(rows, padded.to(device), group=group)
+    return [row[:n].cpu().numpy().tobytes() for row, n in zip(rows, counts, strict=True)]

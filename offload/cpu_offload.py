@@ -161,7 +161,10 @@ def _check_cluster_apart(
         return
     addresses = torch.cat([_bytes_of(t) for _, t in strided])
     owners = torch.cat(
-        [torch.full((t.numel() * t.element_size(),), i) for i, (_, t) in enumerate(strided)]
+        [
+            torch.full((t.numel() * t.element_size(),), i, device="cpu")
+            for i, (_, t) in enumerate(strided)
+        ]
     )
     addresses, order = addresses.sort()
     owners = owners[order]
@@ -170,19 +173,20 @@ def _check_cluster_apart(
         refuse(strided[j][0], strided[i][0])
     for name, t in dense:
         first, end = _byte_span(t)
-        lo, hi = torch.searchsorted(addresses, torch.tensor([first, end])).tolist()
+        lo, hi = torch.searchsorted(addresses, torch.tensor([first, end], device="cpu")).tolist()
         for i in owners[lo:hi].unique().tolist():
             refuse(strided[i][0], name)
 
 
 def _bytes_of(tensor: Tensor) -> Tensor:
     """The address of every byte `tensor`'s elements hold, on the CPU."""
-    starts = torch.full((), tensor.data_ptr(), dtype=torch.int64)
+    starts = torch.full((), tensor.data_ptr(), dtype=torch.int64, device="cpu")
     for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride(), strict=True)):
         shape = [1] * tensor.ndim
         shape[dim] = size
-        starts = starts + (torch.arange(size) * stride * tensor.element_size()).view(shape)
-    return (starts.reshape(-1, 1) + torch.arange(tensor.element_size())).reshape(-1)
+        offsets = torch.arange(size, device="cpu") * stride * tensor.element_size()
+        starts = starts + offsets.view(shape)
+    return (starts.reshape(-1, 1) + torch.arange(tensor.element_size(), device="cpu")).reshape(-1)
 
 
 def _load_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:

@@ -261,6 +261,7 @@ class ForwardOverlap:
         self._fast_path = fast_path
         self._fast_path_names = [names.get(m, "") or "(the root)" for m in fast_path]
         self._warned_slow_path = False
+        self._warned_no_forward_end = False
         handles = _register_hooks(model, self.owners, fast_path, weakref.ref(self))
         self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
@@ -349,7 +350,8 @@ class ForwardOverlap:
         self._pending = pending
         self._enqueued = 0
         self._in_flight = True
-        self._watch_inputs = self.backward_reached is not None
+        self._warn_if_forward_never_ended()
+        self._watch_inputs, self._watch = self.backward_reached is not None, _Watch()
         self.advance(self._up_front)
         self._reads.push(self, state_scalars, state_homes)
 
@@ -463,6 +465,21 @@ class ForwardOverlap:
             "not zeroed. For the fused path's bits, call optimizer.wait_for_optimizer_step() "
             "before this forward",
             stacklevel=2,
+        )
+
+    def _warn_if_forward_never_ended(self) -> None:
+        """Owner modules ran on inputs needing grads since the last step, but the model's
+        own forward never ended (the trainer calls another method of it, `model.encode`):
+        the backward loads start only once that forward ends, so none ran. Said once."""
+        if self._warned_no_forward_end or not (self._watch_inputs and self._watch.hooked):
+            return
+        self._warned_no_forward_end = True
+        warnings.warn(
+            "the modules under overlap_forward ran since the last step(), but its own "
+            "forward (the model's __call__) did not end, and the backward loads "
+            "(load_in_backward) start from its end: none ran. Call the model itself, or "
+            "pass the module whose forward you call as overlap_forward",
+            stacklevel=user_stacklevel(),
         )
 
     def _wait_for_read(self, chunk: int) -> None:

@@ -109,7 +109,8 @@ def allocate_host_slabs(
     slabs = {}
     with bound_to_node(device_numa_node(device)):
         for dtype, n in numel.items():
-            slab = torch.zeros(n, dtype=dtype)
+            # on the CPU whatever the default device (`torch.set_default_device`) is
+            slab = torch.zeros(n, dtype=dtype, device="cpu")
             if device.type == "cuda" and n > 0:
                 _pin(slab)
             slabs[dtype] = slab

@@ -449,7 +449,10 @@ def test_a_torch_checkpoint_keeps_the_declared_row_blocks_and_algorithm():
     theirs = nn.Parameter(norm.detach().clone())
     reference = torch.optim.AdamW([theirs], lr=1e-3, weight_decay=0.1)
     reference.load_state_dict(adamw_saved)
-    _stepped(opt, [fused, norm], 2, seed=5)
+    with warnings.catch_warnings():
+        # the AdamW group has no `momentum` now: no scheduler cycled it
+        warnings.simplefilter("error")
+        _stepped(opt, [fused, norm], 2, seed=5)
     for step in range(2):
         theirs.grad = _randn(6, seed=5 + 100 * step + 1)
         reference.step()
@@ -495,3 +498,37 @@ def test_a_row_blocks_pattern_matching_only_frozen_or_adamw_params_says_so():
 def test_adamw_patterns_given_as_one_string_are_refused():
     with pytest.raises(TypeError, match=r"not one string: \('bias\|norm',\)"):
         muon_param_groups(nn.Sequential(nn.Linear(4, 4)), adamw_patterns="bias|norm")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_keeps_its_settings_and_steps_as_the_original(how):
+    """torch's `Optimizer.__getstate__` keeps defaults, state and groups only: a copy lacked
+    `ns_dtype` and the other settings, and its step raised AttributeError."""
+    import io
+
+    def copied(opt: Muon) -> Muon:
+        if how == "deepcopy":
+            return copy.deepcopy(opt)
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    weights = [nn.Parameter(_randn(8, 4, seed=1)), nn.Parameter(_randn(6, 6, seed=2))]
+    opt = Muon(weights, lr=0.02, ns_dtype=torch.float32, bucket_cap_bytes=100, max_inflight=1)
+    for p in weights:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    copy_ = copied(opt)
+    assert (copy_.ns_dtype, copy_.bucket_cap_bytes, copy_.max_inflight) == (torch.float32, 100, 1)
+    for step in range(2):
+        for a, b in zip(
+            opt.param_groups[0]["params"], copy_.param_groups[0]["params"], strict=True
+        ):
+            a.grad = _randn(*a.shape, seed=10 + step)
+            b.grad = a.grad.clone()
+        opt.step()
+        copy_.step()
+    for a, b in zip(opt.param_groups[0]["params"], copy_.param_groups[0]["params"], strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["momentum_buffer"], copy_.state[b]["momentum_buffer"])

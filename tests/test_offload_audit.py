@@ -247,3 +247,28 @@ def _plain_and_wrapped(make, overlap, steps, before_step):
             opt.zero_grad()
         runs.append((model, opt))
     return runs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_host_slabs_are_allocated_on_the_cpu_whatever_the_default_device(overlap):
+    """A default device set after the optimizer was built (`torch.set_default_device`, a GPU
+    in many scripts; meta here): the first offloaded step allocated its host slabs there,
+    so on meta the state was lost and the next step raised."""
+    batches = [batch(step) for step in range(4)]
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(batches[0]).square().mean().backward()
+        opt.step()  # the state exists, so the unwrapped AdamW creates none under meta
+        opt.zero_grad()
+        if wrap:
+            opt = wrapped(opt, model, overlap)
+        with torch.device("meta"):
+            for x in batches[1:]:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        runs.append((model, opt))
+    assert_equal(*runs[0], *runs[1])
+    assert all(slab.device.type == "cpu" for slab in runs[1][1]._executor.host_slabs.values())

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import gc
 import itertools
+import warnings
 import weakref
 
 import pytest
@@ -888,3 +889,52 @@ def test_the_step_is_all_enqueued_and_its_slots_given_back_before_the_forwards_l
     handle.remove()
     assert seen == [True]
     opt.wait_for_optimizer_step()
+
+
+class _EncoderDecoder(torch.nn.Module):
+    """A model the trainer drives through methods (`decode(encode(x))`), not its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = make_model()
+        self.decoder = torch.nn.Linear(5, 3)
+
+    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.encoder(tokens)
+
+    def decode(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder(hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(tokens))
+
+
+def test_a_model_driven_through_its_methods_warns_once_that_no_backward_load_ran():
+    """The backward loads start where the model's own forward ends; a trainer calling its
+    methods never ends one: nothing loaded in the backward, silently, and each step's
+    watch of the owners' inputs counted on from the last."""
+    torch.manual_seed(0)
+    plain_model = _EncoderDecoder()
+    model = _EncoderDecoder()
+    model.load_state_dict(plain_model.state_dict())
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=2048,
+        overlap_forward=model,
+        load_in_backward=True,
+    )
+    for m, o in ((plain_model, plain), (model, opt)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for tokens in batches(5):
+                o.zero_grad()
+                m.decode(m.encode(tokens)).square().mean().backward()
+                o.step()
+        said = [w for w in caught if "its own forward" in str(w.message)]
+        assert len(said) == (1 if o is opt else 0)
+        if o is opt:
+            assert said[0].filename == __file__  # the user's step() call
+    assert opt._overlap._watch.hooked <= len(opt._overlap.owners)
+    opt.wait_for_optimizer_step()
+    assert_params_and_state_equal(plain_model, plain, model, opt)
