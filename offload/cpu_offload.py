@@ -1155,7 +1155,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # options may keep other state (amsgrad off).
         if self._executor.plan is not None and not regrouped:
             resplit = any(self._specs[self._index[p]].splittable for p in sparse)
-            if not resplit and not self._state_loaded and not self._unhomed_state():
+            if (
+                not resplit
+                and not self._state_loaded
+                and not self._unhomed_state()
+                and not self._sliced_param_relaid()
+            ):
                 return
         specs = self._specs_of(subset, layout)
         if self._executor.plan is not None and specs == self._specs and not regrouped:
@@ -1175,6 +1180,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._build(self._planned_now(), keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
+
+    def _sliced_param_relaid(self) -> bool:
+        """Whether a param the plan slices is no longer contiguous (`model.to(memory_format=
+        torch.channels_last)` between steps): its slices are runs of its memory, so it is
+        planned anew, whole."""
+        return any(
+            not local_tensor(piece.param).is_contiguous()
+            for chunk in self._executor.chunks
+            for piece in chunk.slices
+        )
 
     def _check_state_apart(self, applied: str = "") -> None:
         """State a plan homes for the first time (created by a step, assigned or loaded by

@@ -331,6 +331,10 @@ class ElementwiseGroupStep(GroupStep):
         if piece is not None:
             stand_in = stand_in.view(-1)[piece.start : piece.stop]
             stand_in_grad = self._flat_grad(param, stand_in_grad)[piece.start : piece.stop]
+        if stand_in_grad.dtype != stand_in.dtype:
+            # A param may take a grad of another dtype (`p.grad_dtype = None`, torch 2.13;
+            # earlier versions refuse such grads): so may its stand-in.
+            stand_in.grad_dtype = None
         stand_in.grad = stand_in_grad
         if param not in self._had_state:
             return stand_in, {}
@@ -416,9 +420,12 @@ class GroupSubsetStep:
         with its group's options as they are now (loaded from a state_dict, say)."""
         group = self._group(param)
         local = local_tensor(param)
-        key = (_state_options(group), local.shape, local.dtype)
+        # SGD's momentum is a copy of the grad: in its dtype where the param takes a grad of
+        # another (`p.grad_dtype = None`)
+        grad_dtype = local.dtype if param.grad is None else param.grad.dtype
+        key = (_state_options(group), local.shape, local.dtype, grad_dtype)
         if key not in self._layouts:
-            self._layouts[key] = _meta_state_layout(self.optimizer, group, local)
+            self._layouts[key] = _meta_state_layout(self.optimizer, group, local, grad_dtype)
         return self._layouts[key]
 
     def _group(self, param: Tensor) -> dict[str, Any]:
@@ -460,10 +467,12 @@ def _hashable(value: Any) -> Any:
 
 
 def _meta_state_layout(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], local: Tensor
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], local: Tensor, grad_dtype: torch.dtype
 ) -> StateLayout:
     meta_param = torch.nn.Parameter(torch.empty_like(local, device="meta"))
-    meta_param.grad = torch.empty_like(meta_param)
+    if grad_dtype != local.dtype:
+        meta_param.grad_dtype = None
+    meta_param.grad = torch.empty_like(meta_param, dtype=grad_dtype)
     options = {k: v for k, v in group.items() if k != "params"}
     options.update({k: v for k, v in _IMPLEMENTATION_OPTIONS.items() if k in options})
     shadow = type(optimizer)([{"params": [meta_param], **options}])
