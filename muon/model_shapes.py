@@ -161,22 +161,25 @@ def _attention(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
         return out
     head_dim = config.get("head_dim") or hidden // heads
     kv_heads = config.get("num_key_value_heads") or heads
-    linear("q_proj", heads * head_dim, hidden, bias)
-    linear("k_proj", kv_heads * head_dim, hidden, bias)
-    linear("v_proj", kv_heads * head_dim, hidden, bias)
-    linear("o_proj", hidden, heads * head_dim)
+    qkv_bias = bias or config.get("model_type") == "qwen2"  # Qwen2's q, k, v always have one
+    linear("q_proj", heads * head_dim, hidden, qkv_bias)
+    linear("k_proj", kv_heads * head_dim, hidden, qkv_bias)
+    linear("v_proj", kv_heads * head_dim, hidden, qkv_bias)
+    linear("o_proj", hidden, heads * head_dim, bias)
     if str(config.get("model_type", "")).startswith("qwen3"):  # per-head RMSNorm on q and k
         out.append(ParamShape(f"{prefix}.q_norm.weight", (head_dim,)))
         out.append(ParamShape(f"{prefix}.k_norm.weight", (head_dim,)))
     return out
 
 
-def _mlp(prefix: str, hidden: int, inter: int) -> list[ParamShape]:
-    return [
-        ParamShape(f"{prefix}.gate_proj.weight", (inter, hidden)),
-        ParamShape(f"{prefix}.up_proj.weight", (inter, hidden)),
-        ParamShape(f"{prefix}.down_proj.weight", (hidden, inter)),
-    ]
+def _mlp(prefix: str, hidden: int, inter: int, bias: bool = False) -> list[ParamShape]:
+    out = []
+    for name, rows, cols in (("gate_proj", inter, hidden), ("up_proj", inter, hidden),
+                             ("down_proj", hidden, inter)):  # fmt: skip
+        out.append(ParamShape(f"{prefix}.{name}.weight", (rows, cols)))
+        if bias:
+            out.append(ParamShape(f"{prefix}.{name}.bias", (rows,)))
+    return out
 
 
 def _moe(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
@@ -215,7 +218,8 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
         if _is_moe_layer(config, layer):
             shapes += _moe(config, f"{prefix}.mlp")
         else:
-            shapes += _mlp(f"{prefix}.mlp", hidden, config["intermediate_size"])
+            mlp_bias = bool(config.get("mlp_bias", False))
+            shapes += _mlp(f"{prefix}.mlp", hidden, config["intermediate_size"], mlp_bias)
         shapes.append(ParamShape(f"{prefix}.input_layernorm.weight", (hidden,)))
         shapes.append(ParamShape(f"{prefix}.post_attention_layernorm.weight", (hidden,)))
     shapes.append(ParamShape("model.norm.weight", (hidden,)))

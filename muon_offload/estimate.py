@@ -96,7 +96,7 @@ from offload.forward_overlap import (
 )
 from offload.options import check_bytes, check_chunk_bytes, check_staging_slots
 from offload.step_plan import BackwardLoads, plan_offloaded_step
-from offload.step_schedule import StepSchedule
+from offload.step_schedule import StepSchedule, update_runs
 
 EXPERT_SHARDS = ("auto", "experts", "rows")
 DEVICES = ("cuda", "cpu")
@@ -205,14 +205,14 @@ class StepSettings:
     """`CPUOffloadOptimizer` given `overlap_forward`: the chunks follow the forward's first
     use of their units (`estimate`'s `fsdp_modules`), and the resident state is the units
     the forward needs first."""
-    offload_backward_load_bytes: int | None = 0
+    offload_backward_load_bytes: int | None = None
     """`CPUOffloadOptimizer`'s `load_in_backward` as a byte count (it implies
     `offload_overlap_forward`): the state the backward loads, whole chunks and at least
     the ring's, in an extra slot per chunk. 0: no loads in the backward
-    (`load_in_backward=False`). None (the wrapper's default), with overlap: the chunks
-    holding what the forward waits for first, at least the ring's; on CUDA the wrapper also
-    loads more while they fit under the activations' peak, which this estimate cannot see
-    (it plans the optimizer's memory alone), so it plans the first-wait chunks."""
+    (`load_in_backward=False`). None (the default, as the wrapper's), with overlap: the
+    chunks holding what the forward waits for first, at least the ring's; on CUDA the
+    wrapper also loads more while they fit under the activations' peak, which this estimate
+    cannot see (it plans the optimizer's memory alone), so it plans the first-wait chunks."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""
@@ -1122,8 +1122,16 @@ def _rank(
     offload, schedule = step.plan, step.schedule
     unit_of = {param: u for u, unit in enumerate(units) for param in unit}
     offload_transient = Transient()
-    for chunk in offload.chunks:
-        chosen = {unit_of[param] for param in chunk.params}
+    # The chunks ready at the step's start update in runs of several, the others one a
+    # call, as the wrapper's executor runs them (its state all created: a steady step).
+    ready = schedule.ready
+    runs = [
+        [ready[i] for i in run]
+        for run in update_runs([offload.chunks[c].params for c in ready], [False] * len(ready))
+    ]
+    runs += [[c] for c in range(len(offload.chunks)) if c not in ready]
+    for run in runs:
+        chosen = {unit_of[param] for c in run for param in offload.chunks[c].params}
         offload_transient = _larger(offload_transient, step_transient(sorted(chosen)))
     return RankEstimate(
         rank=rank,

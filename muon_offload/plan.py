@@ -317,12 +317,13 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: 
     picked = "; ".join(f"{why}: rank {rank}" for why, rank in model.picked)
     print(
         f"ranks planned in full: {picked} (each found over all {model.screen.flops.numel()} "
-        f"ranks from shard sizes and owners; top peak: the highest of these)"
+        f"ranks from shard sizes and owners; top peak: the highest of these, which with "
+        f"offload another rank's may exceed: it is picked by measures without offload)"
     )
     busy = model.busiest
     print(
         f"optimizer state {_gib(busy.state_bytes)} GiB on busy rank {busy.rank} "
-        f"(on the host with offload); Newton-Schulz "
+        f"(with offload {_gib(busy.offload.state_bytes)} GiB of it kept on the GPU); Newton-Schulz "
         f"{busy.ns_flops / 1e12:.2f} TFLOP on it vs {model.idlest.ns_flops / 1e12:.2f} on idle "
         f"rank {model.idlest.rank} (imbalance max/mean {model.imbalance:.3f})"
     )
@@ -409,21 +410,38 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument(
         "--ep", type=_at_least(1), default=1, help="expert-parallel size (divides --fsdp)"
     )
-    p.add_argument("--expert-shard", choices=EXPERT_SHARDS, default="auto")
+    p.add_argument(
+        "--expert-shard", choices=EXPERT_SHARDS, default="auto",
+        help="how FSDP shards expert stacks within an EP group: on the expert dim (whole "
+        "matrices, no exchange) or on rows (exchanged); auto: rows only when the experts are "
+        "fewer than --fsdp (torchtitan's rule)",
+    )  # fmt: skip
     p.add_argument(
         "--bucket-cap-mib", type=_mib_size(positive=True), default=None,
         help=f"Muon's bucket_cap_bytes; default: {DEFAULT_BUCKET_CAP_BYTES / 2**20:g}, with "
         "--offload what setup_optimizer caps it at for the chunks and --fsdp",
     )  # fmt: skip
-    p.add_argument("--max-inflight", type=_at_least(1), default=DEFAULT_MAX_INFLIGHT)
-    p.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument(
+        "--max-inflight", type=_at_least(1), default=DEFAULT_MAX_INFLIGHT,
+        help="Muon's max_inflight: exchanged buckets alive at once",
+    )  # fmt: skip
+    p.add_argument(
+        "--ns-dtype", choices=sorted(DTYPES), default="bf16",
+        help="Muon's ns_dtype: on the wire and in Newton-Schulz",
+    )  # fmt: skip
+    p.add_argument(
+        "--param-dtype", choices=sorted(DTYPES), default="fp32",
+        help="dtype of the params and grads, and so of AdamW's moments",
+    )  # fmt: skip
     p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--ns-algorithm", choices=NS_ALGORITHMS, default="auto",
         help="Muon's ns_algorithm: gram plans Gram Newton-Schulz's workspace",
     )  # fmt: skip
-    p.add_argument("--ns-schedule", choices=sorted(SCHEDULES), default="keller_jordan")
+    p.add_argument(
+        "--ns-schedule", choices=sorted(SCHEDULES), default="keller_jordan",
+        help="the Newton-Schulz schedule (Gram's workspace follows its restarts)",
+    )  # fmt: skip
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda",
         help="cuda: fused momentum kernel and foreach AdamW; cpu: the torch paths",
@@ -434,11 +452,14 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "them, the sweep and --budget-gib sized for it (the report shows both)",
     )  # fmt: skip
     p.add_argument(
-        "--offload-chunk-mib",
-        type=_mib_size(positive=True),
+        "--offload-chunk-mib", type=_mib_size(positive=True),
         default=StepSettings().offload_chunk_bytes / 2**20,
-    )
-    p.add_argument("--offload-slots", type=_at_least(1), default=StepSettings().offload_slots)
+        help="CPUOffloadOptimizer's chunk_bytes, in MiB",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-slots", type=_at_least(1), default=StepSettings().offload_slots,
+        help="CPUOffloadOptimizer's staging_slots",
+    )  # fmt: skip
     p.add_argument(
         "--offload-resident-mib", type=_mib_size(positive=False), default=0.0,
         help="CPUOffloadOptimizer's gpu_resident_bytes: state kept on the GPU",
@@ -600,6 +621,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parse.error("--budget-gib picks among --sweep-fsdp's sizes: give --sweep-fsdp too")
     if args.chunks and not args.offload:
         parse.error("--chunks lists the offloaded step's chunks: give --offload too")
+    if args.chunks and args.sweep_fsdp:
+        parse.error("--chunks lists one mesh's chunks: give --fsdp, not --sweep-fsdp")
+    defaults = parse.parse_args(["--preset", next(iter(PRESETS))])
+    offload_flags = [
+        "--" + name.replace("_", "-")
+        for name in vars(args)
+        if name.startswith("offload_") and getattr(args, name) != getattr(defaults, name)
+    ]
+    if offload_flags and not args.offload:
+        parse.error(f"{', '.join(offload_flags)} set the offloaded step: give --offload too")
     try:
         if args.sweep_fsdp:
             models = [estimate_from(args, size) for size in args.sweep_fsdp]

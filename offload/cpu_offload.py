@@ -178,6 +178,18 @@ def _check_cluster_apart(
             refuse(strided[i][0], name)
 
 
+def _sliceable(param: Tensor, state_shapes: Sequence[torch.Size], slices: bool) -> bool:
+    """Whether a step that `slices` params may cut `param` into slices: it keeps state, all
+    shaped like the param, whose local shard is contiguous (a slice is a run of memory)."""
+    local = local_tensor(param)
+    return (
+        slices
+        and bool(state_shapes)
+        and local.is_contiguous()
+        and all(shape == local.shape for shape in state_shapes)
+    )
+
+
 def _bytes_of(tensor: Tensor) -> Tensor:
     """The address of every byte `tensor`'s elements hold, on the CPU."""
     starts = torch.full((), tensor.data_ptr(), dtype=torch.int64, device="cpu")
@@ -521,9 +533,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
         self._remove_inner_hooks.atexit = False
         self.backward_load_bytes = backward_bytes
-        """With loads in the backward: the state bytes it loads (None: the ring's chunks;
-        by default, once planned, those the forward first waits for); under "auto", once
-        settled, what it chose."""
+        """With loads in the backward, their byte budget: `load_in_backward`'s bytes as
+        given (the backward loads whole chunks within it, at least the ring's; None: the
+        ring's); by default, once planned, the bytes of the chunks the forward first waits
+        for; under "auto", once settled, what it chose. The chunks it loads:
+        `schedule.loaded_in_backward`."""
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _check_ring_fits(self) -> None:
@@ -534,15 +548,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """
         if self._subset is None:  # the serial path stages state per step, no ring
             return
-        largest = max(
-            sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
-            for layout in map(self._subset.state_layout, self._params)
-        )
+        slices = getattr(self._subset, "slices_params", False)
+
+        def least_slot(param: Tensor) -> int:
+            layout = self._subset.state_layout(param)
+            state = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+            if _sliceable(param, [shape for shape, _ in layout.values()], slices):
+                return min(state, self.chunk_bytes)
+            return state
+
+        largest = max(map(least_slot, self._params))
         check_device_memory(
             self.staging_slots * largest,
             self.device,
-            f"the staging ring ({self.staging_slots} slots of at least {largest} bytes, the "
-            "largest param's state)",
+            f"the staging ring ({self.staging_slots} slots of at least {largest} bytes: the "
+            "largest param's state, or chunk_bytes where the step cuts params into slices)",
             "lower staging_slots (2 to 4 overlap the copies)",
         )
 
@@ -1260,13 +1280,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         specs = []
         for p in self._params:
             state = tuple(StateSpec(k, torch.Size(s), d) for k, (s, d) in layout(p).items())
-            local = local_tensor(p)
-            splittable = (
-                splits
-                and p not in self._stepped_whole
-                and bool(state)
-                and local.is_contiguous()
-                and all(s.shape == local.shape for s in state)
+            splittable = p not in self._stepped_whole and _sliceable(
+                p, [s.shape for s in state], splits
             )
             specs.append(ParamSpec(invariant_numel(p), state, splittable))
         return specs

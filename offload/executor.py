@@ -28,7 +28,7 @@ from offload.chunk_plan import OffloadPlan
 from offload.host_memory import allocate_host_slabs
 from offload.residency import StepTimer
 from offload.step_plan import OffloadedStep
-from offload.step_schedule import StepSchedule, backward_load_share
+from offload.step_schedule import StepSchedule, backward_load_share, update_runs
 from offload.streams import CopyStreams
 from offload.subset_step import ParamSlice, SubsetStep, local_tensor, version
 
@@ -429,25 +429,15 @@ class StepExecutor:
     def _update_groups(
         self, cs: Sequence[int], had_state: set[Tensor], had: set[tuple[Tensor, str]]
     ) -> list[list[int]]:
-        """Chunks `cs` (in order) cut into runs that can update in one call: a param's
-        state is staged one chunk at a time (its entry points at that chunk's slice), so a
-        run holds each param once; and while the step creates state, one chunk a run (a
-        sliced param's slices each create their own, adopted after their call)."""
-        groups: list[list[int]] = []
-        seen: set[Tensor] = set()
-        closed = True  # the last run takes no more chunks
-        for c in cs:
-            touched = self.chunks[c].touched
-            creates = not all(p in had_state for p in touched) or any(
-                (v.param, v.key) not in had for v in self.chunks[c].views
-            )
-            if closed or creates or any(p in seen for p in touched):
-                groups.append([])
-                seen = set()
-            groups[-1].append(c)
-            seen.update(touched)
-            closed = creates
-        return groups
+        """Chunks `cs` (in order) cut into runs that update in one call (`update_runs`)."""
+        chunks = [self.chunks[c] for c in cs]
+        creates = [
+            not all(p in had_state for p in chunk.touched)
+            or any((v.param, v.key) not in had for v in chunk.views)
+            for chunk in chunks
+        ]
+        runs = update_runs([chunk.touched for chunk in chunks], creates)
+        return [[cs[i] for i in run] for run in runs]
 
     def _step_chunks(
         self,

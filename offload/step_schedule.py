@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,6 +54,31 @@ UP_FRONT_RINGS = 2
 
 Op = tuple[Literal["load", "step", "write_back"], int]
 """One enqueued operation on a chunk (its index in step order)."""
+
+
+def update_runs(
+    touched: Sequence[Collection[Hashable]], creates: Sequence[bool]
+) -> list[list[int]]:
+    """Chunks in step order (each the params it updates, and whether its update creates
+    state) cut into runs that update in one call, as the step runs its `ready` chunks:
+    a run holds each param once (a param's state is staged one chunk at a time: its
+    entry points at that chunk's slice), and a chunk that creates state runs alone (a
+    sliced param's slices each create their own, adopted after their call).
+
+    >>> update_runs([{"a"}, {"b"}, {"b", "c"}, {"d"}, {"e"}], [False, False, False, True, False])
+    [[0, 1], [2], [3], [4]]
+    """
+    runs: list[list[int]] = []
+    seen: set[Hashable] = set()
+    closed = True  # the last run takes no more chunks
+    for c, (params, created) in enumerate(zip(touched, creates, strict=True)):
+        if closed or created or any(p in seen for p in params):
+            runs.append([])
+            seen = set()
+        runs[-1].append(c)
+        seen.update(params)
+        closed = created
+    return runs
 
 
 def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: int | None) -> int:

@@ -407,11 +407,16 @@ class GroupSubsetStep:
         self._positions: dict[Tensor, tuple[int, int]] = {}
         self._layouts: dict[tuple[tuple, torch.Size, torch.dtype], StateLayout] = {}
 
+    @property
+    def slices_params(self) -> bool:
+        """Whether its steps can update slices of params (`step_slices`)."""
+        return type(self.optimizer) in ELEMENTWISE_OPTIMIZERS
+
     def begin_subset_step(self) -> GroupStep:
         # Layouts are keyed by the options' values (a float lr too, which a schedule
         # changes every step): kept for one step.
         self._layouts.clear()
-        if type(self.optimizer) in ELEMENTWISE_OPTIMIZERS:
+        if self.slices_params:
             return ElementwiseGroupStep(self.optimizer)
         return GroupStep(self.optimizer)
 

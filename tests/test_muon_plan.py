@@ -266,6 +266,18 @@ def test_gpu_resident_state_is_kept_and_leaves_the_ring():
     assert kept.offload.staging_bytes == 0 < everything.offload.staging_bytes
 
 
+def test_the_chunks_ready_at_the_steps_start_are_costed_as_the_one_call_that_runs_them():
+    """The wrapper updates the chunks ready when the step starts (resident, or loaded in
+    the backward) in as few calls as their params allow: all resident, one call, whose
+    transient (AdamW's foreach temporaries over the whole embedding and head here) is
+    the unwrapped step's. Costed a chunk at a time, it was half of it."""
+    (rank,) = estimate(
+        from_preset("qwen3-8b"), MeshSpec(1), StepSettings(offload_resident_bytes=2**40)
+    ).ranks
+    assert rank.offload.transient == rank.no_offload.transient
+    assert rank.offload.transient.other_bytes > 2**32
+
+
 def test_bucket_cap_changes_the_figure(capsys):
     def peak(cap_mib: str) -> dict:
         argv = ["--preset", "qwen3-8b", "--fsdp", "8", "--bucket-cap-mib", cap_mib, "--json"]
@@ -353,6 +365,22 @@ def test_cli_json_sweep_config(tmp_path, capsys):
         assert err.startswith("error: ") and str(tmp_path / name) in err, err
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--offload-resident-mib", "100"], "--offload-resident-mib set the offloaded step"),
+        (["--offload-overlap-forward", "--offload-slots", "2"], "--offload-slots, "),
+        (["--offload", "--sweep-fsdp", "8,16", "--chunks"], "--chunks lists one mesh's"),
+    ],
+)
+def test_cli_refuses_flags_it_would_ignore(flags, said, capsys):
+    """Offload flags without --offload planned with them silently ignored (exit 0), and
+    --chunks with a sweep printed nothing."""
+    with pytest.raises(SystemExit) as raised:
+        main(["--preset", "qwen3-8b", *flags])
+    assert raised.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_cli_lists_the_offloaded_chunks_the_estimate_plans(tmp_path, capsys):
     """`--chunks`: the chunks of the rank whose offloaded step peaks highest, in step order
     (checked against the wrapper in the `overlapped` tests), each param once, the first
@@ -369,8 +397,7 @@ def test_cli_lists_the_offloaded_chunks_the_estimate_plans(tmp_path, capsys):
         bucket_cap_bytes=offload_bucket_cap(chunk, 2),  # as --offload caps it
         offload_chunk_bytes=chunk,
         offload_slots=2,
-        offload_overlap_forward=True,
-        offload_backward_load_bytes=None,  # the wrapper's default, as the CLI's
+        offload_overlap_forward=True,  # the backward loads as the wrapper's and CLI's default
     )
     model = estimate(shapes, MeshSpec(2), settings, fsdp_modules=fsdp_modules(shapes, "per-layer"))
     top = model.largest_peak(offload=True)
@@ -744,3 +771,28 @@ def test_estimate_of_a_live_module_reads_its_row_blocks_as_setup_optimizer_does(
     planned = estimate(model, MeshSpec(1), StepSettings(device="cpu")).plan(0)
     assert matrices(planned) == matrices(opt._muon_plan())
     assert (32, 16) in matrices(planned)[0]
+
+
+@pytest.mark.parametrize(
+    "family, options",
+    [
+        ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+        ("LlamaConfig", {"tie_word_embeddings": True}),
+        ("Qwen2Config", {}),  # q, k and v always have a bias
+        ("Qwen3Config", {"head_dim": 16, "attention_bias": True}),
+        ("MistralConfig", {}),
+    ],
+)
+def test_a_config_plans_the_params_transformers_builds_from_it(family, options):
+    """`--config` left out the biases `attention_bias`, `mlp_bias` and Qwen2 add (AdamW
+    params: the units and chunks differed from the run's)."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, family)(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, intermediate_size=96, **{"tie_word_embeddings": False, **options},
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    planned = [(spec.name, tuple(spec.shape)) for spec in from_config(config.to_dict())]
+    assert planned == built

@@ -95,6 +95,25 @@ def test_a_staging_ring_that_cannot_fit_fails_at_construction():
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), staging_slots=10**9)
 
 
+def test_the_staging_ring_check_takes_a_param_the_step_slices_as_a_chunk(monkeypatch):
+    """AdamW cuts a param into chunk_bytes slices, so its ring is slots x chunk_bytes;
+    the check took slots x the param's whole state, and refused a ring that fit 32 times.
+    Muon steps a matrix whole: its whole state is the floor."""
+    import types
+
+    from muon import Muon
+    from offload import host_memory
+
+    model = torch.nn.Embedding(4096, 256)  # AdamW 8 MiB of state, Muon 4 MiB
+    free = types.SimpleNamespace(available=4 * 2**20, total=2**40)
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: free)
+    CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), chunk_bytes=2**18, staging_slots=4
+    ).close()
+    with pytest.raises(MemoryError, match=r"staging ring \(4 slots of at least 4194304 bytes"):
+        CPUOffloadOptimizer(Muon(model.parameters()), chunk_bytes=2**18, staging_slots=4)
+
+
 def test_an_optimizer_without_params_is_refused():
     with pytest.raises(ValueError, match="AdamW has no params to optimize"):
         CPUOffloadOptimizer(torch.optim.AdamW([{"params": []}]))
