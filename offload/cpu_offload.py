@@ -666,6 +666,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._executor.drop_loaded_ahead()
         return self.optimizer.state
 
+    @state.setter
+    def state(self, value: Mapping[Tensor, dict[str, Any]]) -> None:
+        """`opt.state = defaultdict(dict)` (torch's way to reset every param's state), or
+        any mapping: the wrapped optimizer's state dict takes its entries, as edits through
+        `state` are taken (at the next step). The dict stays the one the step holds."""
+        entries = dict(value)  # `value` may be the state itself
+        state = self.state
+        state.clear()
+        state.update(entries)
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """The wrapped optimizer's (True for fused Adam, AdamW, SGD): `GradScaler.step` then
@@ -754,6 +764,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self.optimizer.state_dict()
+        # torch lists the state in the order its step created it, the params'; the chunks
+        # of an overlapped step created it in the forward's
+        packed = state_dict["state"]
+        order = {i: None for group in state_dict["param_groups"] for i in group["params"]}
+        state_dict["state"] = {
+            **{i: packed[i] for i in order if i in packed},
+            **{k: v for k, v in packed.items() if k not in order},
+        }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
             if hook_result is not None:
