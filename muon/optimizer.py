@@ -686,13 +686,13 @@ class Muon(torch.optim.Optimizer):
             for (p, _), layout in zip(entries, layouts, strict=True)
             if isinstance(p, DTensor)
         }
-        groups = [
-            (p.device_mesh.get_group(dim), p.to_local().device)
-            for _, p in sorted(meshes.items(), key=lambda item: item[0])
-            for dim in range(p.device_mesh.ndim)
-            if p.device_mesh.size(dim) > 1
-        ]
-        if not groups:
+        axes = []  # per mesh: the groups of its axes that hold several ranks, its device
+        for _, p in sorted(meshes.items(), key=lambda item: item[0]):
+            mesh = p.device_mesh
+            groups = [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]
+            if groups:
+                axes.append((groups, p.to_local().device))
+        if not axes:
             return
         labels = tuple(  # in `_muon_params`' order
             names[i] if (names := group.get("param_names")) else f"param {i} of group {g}"
@@ -700,7 +700,7 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon"
             for i in range(len(group["params"]))
         )
-        check_ranks_agree(dataclasses.replace(description, labels=labels), groups)
+        check_ranks_agree(dataclasses.replace(description, labels=labels), axes)
 
 
 def _holds(groups: list[dict[str, Any]], position: tuple[int, int], param: Tensor) -> bool:

@@ -3,9 +3,10 @@ pieces with its peers' by position, so ranks that disagree on the Muon params (o
 froze a param, or built its groups otherwise) or on a setting that shapes the buckets
 (`bucket_cap_bytes`, `ns_dtype`) send sizes their peers do not expect. gloo aborts the
 process ("Received data size doesn't match expected size"); NCCL may hang or exchange
-the wrong bytes. So each plan build compares a digest of what shaped it across every
-axis of the params' meshes, and on a mismatch every rank raises the same error, naming
-the first difference, before any exchange runs.
+the wrong bytes. So each plan build gathers a digest of what shaped it from every rank
+of each mesh of its params (axis by axis, so every rank holds them all), and on a
+mismatch every rank raises the same error, naming the first difference, before any
+exchange runs.
 
 `PlanDescription` and `first_difference` are pure; `check_ranks_agree` runs the
 collectives. It runs at plan builds only (the first step, then when the params or
@@ -76,27 +77,42 @@ def _field(values: tuple[Any, ...], field: str) -> str:
 
 
 def check_ranks_agree(
-    description: PlanDescription, groups: Sequence[tuple[dist.ProcessGroup, torch.device]]
+    description: PlanDescription,
+    meshes: Sequence[tuple[Sequence[dist.ProcessGroup], torch.device]],
 ) -> None:
-    """Raise on every rank of `groups` (each a mesh axis of the Muon params, with the
-    device its collectives run on; every rank passes its axes in the same order) if any
-    two ranks of one of them describe their plans differently."""
-    mine = description.digest()
-    for group, device in groups:
-        digests = _gather(mine, group, device)
-        if len(set(digests)) == 1:
+    """Raise on every rank of `meshes` (each the groups of a mesh's axes, with the device
+    its collectives run on; every rank passes its meshes in the same order) if any two
+    ranks of one mesh describe their plans differently. Each mesh's digests are gathered
+    axis after axis, so that every rank of the mesh holds all of them and decides alike
+    (a rank whose own axis agreed would otherwise wait on one that raised)."""
+    for groups, device in meshes:
+        digests = _gather_over_mesh((dist.get_rank(), description.digest()), groups, device)
+        if len({digest for _, digest in digests}) == 1:
             continue
         # Only on a mismatch: the whole descriptions, to say what differs.
-        theirs = [pickle.loads(b) for b in _gather(pickle.dumps(description), group, device)]
-        ranks = dist.get_process_group_ranks(group)
-        odd = next(i for i, d in enumerate(digests) if d != digests[0])
+        described = dict(_gather_over_mesh((dist.get_rank(), description), groups, device))
+        first, digest = digests[0]
+        odd = next(rank for rank, other in digests if other != digest)
+        difference = first_difference(described[first], described[odd])
         raise ValueError(
-            f"ranks {ranks[0]} and {ranks[odd]} (of mesh axis ranks {ranks}) do not build the "
-            f"same Muon plan, which its exchanges need: {first_difference(theirs[0], theirs[odd])}"
-            ". Every rank of a mesh must give the optimizer the same params (global shapes, "
-            "dtypes, placements, in the same groups and order: freeze a param on every rank or "
-            "none) and the same settings"
+            f"ranks {first} and {odd} (of a mesh of ranks {sorted(described)}) do not build "
+            f"the same Muon plan, which its exchanges need: "
+            f"{difference or 'their descriptions differ in form'}. Every rank of a mesh must "
+            "give the optimizer the same params (global shapes, dtypes, placements, in the "
+            "same groups and order: freeze a param on every rank or none) and the same settings"
         )
+
+
+def _gather_over_mesh(
+    value: Any, groups: Sequence[dist.ProcessGroup], device: torch.device
+) -> list[Any]:
+    """Every rank's `value` in the mesh whose axes are `groups`, on every rank of it, in
+    global rank order: gathered over the first axis, those lists over the next, and on."""
+    values = [value]
+    for group in groups:
+        gathered = _gather(pickle.dumps(values), group, device)
+        values = [v for peer in gathered for v in pickle.loads(peer)]
+    return sorted(values, key=lambda item: item[0])
 
 
 def _gather(data: bytes, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
@@ -107,8 +123,9 @@ def _gather(data: bytes, group: dist.ProcessGroup, device: torch.device) -> list
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
     dist.all_gather(lengths, torch.tensor([len(data)], device=device), group=group)
     counts = [int(n) for n in torch.cat(lengths).tolist()]
-    padded = torch.zeros(max(counts), dtype=torch.uint8)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = [torch.zeros_like(padded, device=device) for _ in range(size)]
-    dist.all_gather(rows, padded.to(device), group=group)
-    return [row[:n].cpu().numpy().tobytes() for row, n in zip(rows, counts, strict=True)]
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    rows = [torch.zeros_like(padded) for _ in range(size)]
+    dist.all_gather(rows, padded, group=group)
+    # bytes by way of a list: torch's CPU wheels do not need numpy
+    return [bytes(row[:n].cpu().tolist()) for row, n in zip(rows, counts, strict=True)]

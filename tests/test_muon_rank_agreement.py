@@ -7,7 +7,7 @@ import pytest
 import torch
 from spawn_ranks import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from muon import Muon
 from muon.rank_agreement import PlanDescription, first_difference
@@ -50,17 +50,21 @@ def test_a_param_only_one_side_has_is_named():
     assert difference == "1 vs 2 Muon params; the first one only one side has is param 1 (w1)"
 
 
-def _disagreeing_rank(rank: int, world: int, case: str) -> None:
-    mesh = init_device_mesh("cpu", (world,))
+def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, ...]) -> None:
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Replicate()] * (len(mesh_shape) - 1) + [Shard(0)]
     torch.manual_seed(0)
     shapes = [(16, 12), (10, 8), (6, 6)]
     params = [
-        torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, [Shard(0)])) for s in shapes
+        torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, placements)) for s in shapes
     ]
     for p in params:
-        p.grad = distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)])
+        p.grad = distribute_tensor(torch.randn(p.shape), mesh, placements)
     before = [p.detach().clone() for p in params]
-    odd = rank == world - 1  # the last rank disagrees
+    # one rank disagrees: the last on a 1-D mesh; on a 2-D one rank 0, whose peers on
+    # the second axis agree among themselves (they waited on it, which had raised)
+    odd_rank = world - 1 if len(mesh_shape) == 1 else 0
+    odd = rank == odd_rank
     named = [(f"layers.{i}.weight", p) for i, p in enumerate(params)]
     options: dict = {"bucket_cap_bytes": 10**6}
     if case == "frozen middle param" and odd:
@@ -73,12 +77,16 @@ def _disagreeing_rank(rank: int, world: int, case: str) -> None:
     with pytest.raises(ValueError) as raised:
         opt.step()
     message = str(raised.value)
-    assert f"ranks 0 and {world - 1} (of mesh axis ranks {list(range(world))})" in message
+    other = world - 1 if odd_rank else 1
+    assert f"ranks 0 and {other} (of a mesh of ranks {list(range(world))})" in message, message
+    odd_first = odd_rank == 0
     expected = {
         "frozen middle param": (
             "Muon param 1 (layers.1.weight vs layers.2.weight) differs in shape: (10, 8) vs (6, 6)"
         ),
-        "bucket_cap_bytes": "bucket_cap_bytes: 1000000 vs 300",
+        "bucket_cap_bytes": "bucket_cap_bytes: 300 vs 1000000"
+        if odd_first
+        else "bucket_cap_bytes: 1000000 vs 300",
         "ns_dtype": "ns_dtype: torch.bfloat16 vs torch.float32",
     }[case]
     assert expected in message, message
@@ -87,8 +95,24 @@ def _disagreeing_rank(rank: int, world: int, case: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "world, case",
-    [(2, "frozen middle param"), (2, "bucket_cap_bytes"), (3, "ns_dtype")],
+    "world, case, mesh_shape",
+    [
+        (2, "frozen middle param", (2,)),
+        (2, "bucket_cap_bytes", (2,)),
+        (3, "ns_dtype", (3,)),
+        (4, "bucket_cap_bytes", (2, 2)),
+    ],
 )
-def test_ranks_that_build_different_plans_are_refused_on_every_rank(world, case):
-    run_on_ranks(_disagreeing_rank, world, case)
+def test_ranks_that_build_different_plans_are_refused_on_every_rank(world, case, mesh_shape):
+    run_on_ranks(_disagreeing_rank, world, case, mesh_shape)
+
+
+def _agreeing_under_a_meta_default_device(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(16, 12), mesh, [Shard(0)]))
+    with torch.device("meta"):
+        Muon([p], lr=0.1)._muon_plan()  # builds the plan, so runs the check
+
+
+def test_the_check_runs_on_the_params_device_whatever_the_default_device():
+    run_on_ranks(_agreeing_under_a_meta_default_device, 2)
