@@ -764,14 +764,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self.optimizer.state_dict()
-        # torch lists the state in the order its step created it, the params'; the chunks
-        # of an overlapped step created it in the forward's
-        packed = state_dict["state"]
-        order = {i: None for group in state_dict["param_groups"] for i in group["params"]}
-        state_dict["state"] = {
-            **{i: packed[i] for i in order if i in packed},
-            **{k: v for k, v in packed.items() if k not in order},
-        }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
             if hook_result is not None:
