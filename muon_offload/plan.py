@@ -315,15 +315,17 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: 
         print("(with offload: --offload, which caps Muon's buckets as setup_optimizer does)")
         print()
     picked = "; ".join(f"{why}: rank {rank}" for why, rank in model.picked)
+    caveat = ", which another rank's may exceed with offload (picked without it)"
     print(
         f"ranks planned in full: {picked} (each found over all {model.screen.flops.numel()} "
-        f"ranks from shard sizes and owners; top peak: the highest of these, which with "
-        f"offload another rank's may exceed: it is picked by measures without offload)"
+        f"ranks from shard sizes and owners; top peak: the highest of these"
+        f"{caveat if offloaded else ''})"
     )
     busy = model.busiest
+    kept = f" ({_gib(busy.offload.state_bytes)} GiB of it kept on the GPU with offload)"
     print(
-        f"optimizer state {_gib(busy.state_bytes)} GiB on busy rank {busy.rank} "
-        f"(with offload {_gib(busy.offload.state_bytes)} GiB of it kept on the GPU); Newton-Schulz "
+        f"optimizer state {_gib(busy.state_bytes)} GiB on busy rank {busy.rank}"
+        f"{kept if offloaded else ''}; Newton-Schulz "
         f"{busy.ns_flops / 1e12:.2f} TFLOP on it vs {model.idlest.ns_flops / 1e12:.2f} on idle "
         f"rank {model.idlest.rank} (imbalance max/mean {model.imbalance:.3f})"
     )

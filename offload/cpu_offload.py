@@ -477,6 +477,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._specs: list[ParamSpec] = []
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
+        # params that take grads of any dtype (`p.grad_dtype = None`): their grads' dtype
+        # when the plan was made (None: no grad), which the state layout may follow
+        self._planned_grad_dtypes: dict[Tensor, torch.dtype | None] = {}
         self._state_loaded = False  # since the last plan: its options may keep other state
         self._auto: AutoResidency | None = None
         self._host_room_for_all = gpu_resident_bytes == "auto"
@@ -1190,6 +1193,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 and not self._state_loaded
                 and not self._unhomed_state()
                 and not self._sliced_param_relaid()
+                and not self._grad_dtype_changed()
             ):
                 return
         specs = self._specs_of(subset, layout)
@@ -1210,6 +1214,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._build(self._planned_now(), keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
+
+    def _grad_dtype_changed(self) -> bool:
+        """Whether a param that takes grads of any dtype has one of another dtype than
+        when the plan was made (SGD's momentum is a copy of the grad, in its dtype)."""
+        return any(
+            p.grad is not None and p.grad.dtype != dtype
+            for p, dtype in self._planned_grad_dtypes.items()
+        )
 
     def _sliced_param_relaid(self) -> bool:
         """Whether a param the plan slices is no longer contiguous (`model.to(memory_format=
@@ -1287,6 +1299,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> list[ParamSpec]:
         """What planning needs of each param, from the state `layout` says it keeps."""
         splits = isinstance(subset, SlicingSubsetStep)
+        self._planned_grad_dtypes = {
+            p: None if p.grad is None else p.grad.dtype
+            for p in self._params
+            if getattr(p, "grad_dtype", p.dtype) is None  # torch 2.13; 2.11 has no such params
+        }
         specs = []
         for p in self._params:
             state = tuple(StateSpec(k, torch.Size(s), d) for k, (s, d) in layout(p).items())

@@ -318,7 +318,8 @@ def test_a_sliced_param_relaid_between_steps_is_planned_anew_and_bitwise(overlap
 def test_a_grad_of_another_dtype_the_param_allows_steps_as_torch(make):
     """`p.grad_dtype = None` lets a bf16 param take an fp32 grad, which torch's SGD and
     Adagrad step; the wrapper's stand-in refused it (torch's generic grad_dtype error,
-    naming no param) and locked the wrapper."""
+    naming no param) and locked the wrapper. A param without a grad when the plan is made
+    is planned anew once its grad shows another dtype."""
     runs = []
     for wrap in (False, True):
         torch.manual_seed(0)
@@ -331,8 +332,9 @@ def test_a_grad_of_another_dtype_the_param_allows_steps_as_torch(make):
             opt = CPUOffloadOptimizer(opt, chunk_bytes=CHUNK_BYTES)
         for step in range(3):
             generator = torch.Generator().manual_seed(step)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=generator)  # fp32
+            for i, p in enumerate(params):
+                late = step == 0 and i == 1
+                p.grad = None if late else torch.randn(p.shape, generator=generator)  # fp32
             opt.step()
         runs.append((params, opt))
     for a, b in zip(runs[0][0], runs[1][0], strict=True):
