@@ -230,16 +230,27 @@ def test_fsdp2_modules_sharded_together_wait_for_each_others_chunks():
     run_on_ranks(_shared_unit_worker, 2)
 
 
-def _sharded_auto(world: int, timer, **options):
-    """A plain AdamW on a deep model sharded over `world` CPU ranks, and an overlapped
-    "auto" one on its twin, timed by `timer(opt)`: (plain model, plain, model, opt)."""
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _muon(model: torch.nn.Module) -> torch.optim.Optimizer:
+    from muon import Muon, muon_param_groups
+
+    return Muon(muon_param_groups(model), lr=1e-2, bucket_cap_bytes=64)  # several buckets
+
+
+def _sharded_auto(world: int, timer, make=_adamw, **options):
+    """A plain optimizer (`make(model)`, AdamW by default) on a deep model sharded over
+    `world` CPU ranks, and an overlapped "auto" one on its twin, timed by `timer(opt)`:
+    (plain model, plain, model, opt)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain = make(plain_model)
     opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        make(model),
         chunk_bytes=1,
         staging_slots=2,
         overlap_forward=model,
@@ -343,9 +354,10 @@ def test_fsdp2_auto_replan_failing_on_one_rank_fails_the_step_on_every_rank(worl
     run_on_ranks(_failed_replan_worker, world)
 
 
-def _auto_search_worker(rank: int, world: int) -> None:
+def _auto_search_worker(rank: int, world: int, make) -> None:
     # Each rank times its steps, its backward and its loads differently and has its own
-    # budget: they try the same splits at the same steps and settle on one plan.
+    # budget: they try the same splits at the same steps and settle on one plan (for
+    # distributed Muon too, whose resident state moves between its buckets' exchanges).
     from fake_step_timer import FakeSearchTimer
 
     from offload.residency import AUTO_STEPS_AT_MOST
@@ -358,6 +370,7 @@ def _auto_search_worker(rank: int, world: int) -> None:
     plain_model, plain, model, opt = _sharded_auto(
         world,
         lambda opt: FakeSearchTimer(lambda: iteration_ms(opt), 5.0 + rank, 100.0),
+        make,
         gpu_budget_bytes=[10**6, 4000, 6000][rank],
     )
     steps = AUTO_STEPS_AT_MOST + 1
@@ -385,9 +398,11 @@ def _auto_search_worker(rank: int, world: int) -> None:
         assert choice.backward_load_bytes == choice0.backward_load_bytes
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_auto_search_agrees_across_ranks_bitwise(world):
-    run_on_ranks(_auto_search_worker, world)
+@pytest.mark.parametrize(
+    "world, make", [(2, _adamw), (3, _adamw), (3, _muon)], ids=["adamw-2", "adamw-3", "muon-3"]
+)
+def test_fsdp2_auto_search_agrees_across_ranks_bitwise(world, make):
+    run_on_ranks(_auto_search_worker, world, make)
 
 
 def _whole_checkpoint_worker(rank: int, world: int) -> None:
