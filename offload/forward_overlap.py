@@ -576,8 +576,9 @@ class _PendingReads(TorchFunctionMode):
     trainer's stream wait for that chunk first; given a home of the offloaded state (a held
     `exp_avg`), for the whole step to be written back.
 
-    Every torch call pays the look-up while the mode is on the stack, so it is kept
-    short: a dict hit per argument (one level into lists), the rest only on a hit.
+    Every torch call that may read data pays the look-up while the mode is on the stack,
+    so it is kept short: a dict hit per argument (one level into lists), the rest only on
+    a hit; metadata reads (`.shape`, `.device`) return before it.
     It sits at the bottom of the stack, so a user's mode entered before `step()` and
     left after it still leaves its own context. The mode stack is per thread: `finish`
     from another thread only switches it off, and the thread that pushed it takes it off
@@ -602,18 +603,23 @@ class _PendingReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if self.active and func in _BACKWARDS:
+        # Metadata reads (`.device`, `.shape`) return first, untouched: traced by Dynamo
+        # into a transformers Llama's forward (torch 2.13), what follows broke the graph
+        # there and `inputs_embeds.device` came back as a `torch.Size`.
+        if not self.active or not _touches_data(func):
+            return func(*args, **kwargs)
+        if func in _BACKWARDS:
             overlap = self._overlap()
             if overlap is not None:
                 overlap._before_backward()
-        elif self.active:
+        else:
             chunk = _latest_chunk(self.chunk_of, self._held, args)
             if kwargs:
                 chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, kwargs.values()))
             if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
                 unwrapped = _unwrapped((*args, *kwargs.values()))
                 chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, unwrapped))
-            if chunk > self.landed and _touches_data(func):
+            if chunk > self.landed:
                 overlap = self._overlap()
                 if overlap is not None:
                     overlap._wait_for_read(chunk)

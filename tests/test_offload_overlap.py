@@ -938,3 +938,43 @@ def test_a_model_driven_through_its_methods_warns_once_that_no_backward_load_ran
     assert opt._overlap._watch.hooked <= len(opt._overlap.owners)
     opt.wait_for_optimizer_step()
     assert_params_and_state_equal(plain_model, plain, model, opt)
+
+
+def test_a_compiled_transformers_llama_with_a_pending_step_runs_and_is_bitwise():
+    """Dynamo traced the waiting mode's `__torch_function__` into a transformers Llama's
+    resumed frame and handed `inputs_embeds.device` back as a `torch.Size`: the first
+    forward with a step pending raised in `torch.arange`. Metadata reads now return
+    before the mode's look-up; exact against the eager run (Dynamo's eager backend: the
+    same kernels)."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, attn_implementation="eager",
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config)
+
+    tokens = torch.randint(128, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for overlap in (False, True):
+        model = llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        forward = model
+        if overlap:
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=4096, overlap_forward=model)
+            forward = torch.compile(model, backend="eager")
+        losses = []
+        for _ in range(3):
+            loss = forward(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        if overlap:
+            opt.wait_for_optimizer_step()
+        runs.append((losses, list(model.parameters())))
+    (plain_losses, plain_params), (losses, params) = runs
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
