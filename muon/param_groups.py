@@ -50,15 +50,20 @@ DEFAULT_ADAMW_MODULES: tuple[type[nn.Module], ...] = (
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
     """The output head the model names itself (transformers' `get_output_embeddings()`,
-    whatever the head's name: BERT's `cls.predictions.decoder`), else None."""
-    get = getattr(model, "get_output_embeddings", None)
-    if not callable(get):
-        return None
-    try:
-        head = get()
-    except NotImplementedError:  # models without a head may say so by raising
-        return None
-    return head if isinstance(head, nn.Module) else None
+    whatever the head's name: BERT's `cls.predictions.decoder`), else None; asked of the
+    model, then of its modules in order, so a wrapper (DDP, `nn.Sequential(model)`) that
+    hides the method still finds the head."""
+    for module in model.modules():
+        get = getattr(module, "get_output_embeddings", None)
+        if not callable(get):
+            continue
+        try:
+            head = get()
+        except NotImplementedError:  # models without a head may say so by raising
+            continue
+        if isinstance(head, nn.Module):
+            return head
+    return None
 
 
 def _gate_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -89,10 +89,13 @@ class MuonOffloadOptimizers(OptimizersContainer):
 
     @staticmethod
     def _init_state(optimizer) -> None:
-        """torchtitan's state-creating zero-lr step. Under forward overlap the step creates
-        a chunk's state only when the chunk runs; `CPUOffloadOptimizer.state`, which
-        torchtitan reads to learn what to load, finishes the step first."""
+        """torchtitan's state-creating zero-lr step, finished: under forward overlap a step
+        (that one, or the last training step) creates or updates a chunk's state only when
+        the chunk runs, and a read of the state that runs it warns of a rank-local read
+        (distributed Muon). torchtitan saves and loads on every rank."""
+        getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
         init_optim_state(optimizer)
+        getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
 
     def wait_for_optimizer_step(self) -> None:
         """Finish every part's overlapped step (before reading params outside a forward)."""

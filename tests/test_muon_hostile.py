@@ -532,3 +532,29 @@ def test_a_copied_optimizer_keeps_its_settings_and_steps_as_the_original(how):
     for a, b in zip(opt.param_groups[0]["params"], copy_.param_groups[0]["params"], strict=True):
         assert torch.equal(a, b)
         assert torch.equal(opt.state[a]["momentum_buffer"], copy_.state[b]["momentum_buffer"])
+
+
+def test_a_wrapper_that_hides_get_output_embeddings_still_sends_the_head_to_adamw():
+    """`setup_optimizer(DDP(model))`: DDP hides the model's `get_output_embeddings()`, the
+    only way a head named `proj_out` is found: it went to Muon, silently."""
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 32)
+            self.mlp = nn.Linear(32, 32, bias=False)
+            self.proj_out = nn.Linear(32, 50, bias=False)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.proj_out
+
+    class Wrapper(nn.Module):  # as DDP holds the model: `.module`, no model methods
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    model = LM()
+    for wrapped in (model, Wrapper(model), nn.Sequential(model)):
+        muon, adamw = muon_param_groups(wrapped)
+        assert any(p is model.proj_out.weight for p in adamw["params"])
+        assert [p for p in muon["params"]] == [model.mlp.weight]
