@@ -85,22 +85,48 @@ def check_ranks_agree(
     ranks of one mesh describe their plans differently. Each mesh's digests are gathered
     axis after axis, so that every rank of the mesh holds all of them and decides alike
     (a rank whose own axis agreed would otherwise wait on one that raised)."""
+    refusal = None  # raised once every mesh is checked: a rank must not leave a peer waiting
     for groups, device in meshes:
         digests = _gather_over_mesh((dist.get_rank(), description.digest()), groups, device)
         if len({digest for _, digest in digests}) == 1:
             continue
         # Only on a mismatch: the whole descriptions, to say what differs.
         described = dict(_gather_over_mesh((dist.get_rank(), description), groups, device))
+        if refusal is not None:
+            continue
         first, digest = digests[0]
         odd = next(rank for rank, other in digests if other != digest)
         difference = first_difference(described[first], described[odd])
-        raise ValueError(
+        refusal = ValueError(
             f"ranks {first} and {odd} (of a mesh of ranks {sorted(described)}) do not build "
             f"the same Muon plan, which its exchanges need: "
             f"{difference or 'their descriptions differ in form'}. Every rank of a mesh must "
             "give the optimizer the same params (global shapes, dtypes, placements, in the "
             "same groups and order: freeze a param on every rank or none) and the same settings"
         )
+    if len(meshes) > 1 and _seen_anywhere(refusal is not None, meshes):
+        # meshes that cross: a rank whose own meshes agree waits on peers that refuse
+        raise refusal or ValueError(
+            "ranks of another mesh of this optimizer's Muon params do not build the same "
+            "Muon plan (their error names the difference), so this rank's exchanges would "
+            "wait on them"
+        )
+    if refusal is not None:
+        raise refusal
+
+
+def _seen_anywhere(
+    seen: bool, meshes: Sequence[tuple[Sequence[dist.ProcessGroup], torch.device]]
+) -> bool:
+    """Whether any rank of any of `meshes` saw `seen`: a flag reduced over every axis of
+    every mesh, once a mesh, so that it crosses from mesh to mesh to every rank."""
+    flag = torch.tensor([int(seen)], device=meshes[0][1])
+    for _ in meshes:
+        for groups, device in meshes:
+            flag = flag.to(device)
+            for group in groups:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def _gather_over_mesh(

@@ -116,3 +116,24 @@ def _agreeing_under_a_meta_default_device(rank: int, world: int) -> None:
 
 def test_the_check_runs_on_the_params_device_whatever_the_default_device():
     run_on_ranks(_agreeing_under_a_meta_default_device, 2)
+
+
+def _crossing_meshes_rank(rank: int, world: int) -> None:
+    # params on the rows and on the columns of a 2x2 mesh; rank 0 alone disagrees: rank 3
+    # shares no mesh with it, and its exchanges would wait on ranks 1 and 2, which refuse
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    torch.manual_seed(0)
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.randn(16, 12), mesh[name], [Shard(0)]))
+        for name in ("b", "a")
+    ]
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(p.shape), p.device_mesh, [Shard(0)])
+    opt = Muon(params, lr=0.1, bucket_cap_bytes=300 if rank == 0 else 10**6)
+    expected = "ranks of another mesh" if rank == 3 else "do not build the same Muon plan"
+    with pytest.raises(ValueError, match=expected):
+        opt.step()
+
+
+def test_ranks_of_crossing_meshes_all_refuse_where_one_disagrees():
+    run_on_ranks(_crossing_meshes_rank, 4)
