@@ -477,9 +477,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._specs: list[ParamSpec] = []
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
-        # params that take grads of any dtype (`p.grad_dtype = None`): their grads' dtype
-        # when the plan was made (None: no grad), which the state layout may follow
-        self._planned_grad_dtypes: dict[Tensor, torch.dtype | None] = {}
+        self._grad_unseen: list[Tensor] = []  # `_watch_grad_dtypes`
         self._state_loaded = False  # since the last plan: its options may keep other state
         self._auto: AutoResidency | None = None
         self._host_room_for_all = gpu_resident_bytes == "auto"
@@ -1199,10 +1197,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         specs = self._specs_of(subset, layout)
         if self._executor.plan is not None and specs == self._specs and not regrouped:
             self._state_loaded = False  # unhomed state the step does not keep
+            self._watch_grad_dtypes()
             return
         self._check_state_shapes(specs)  # before anything moves: a refused step changes nothing
         self._check_state_apart()
         self._state_loaded = False
+        self._watch_grad_dtypes()
         if self._executor.plan is not None:
             self.wait_for_optimizer_step()  # the new homes copy the old ones
             self._executor.drop_loaded_ahead()
@@ -1216,12 +1216,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._warn_if_nothing_resident(units_key)
 
     def _grad_dtype_changed(self) -> bool:
-        """Whether a param that takes grads of any dtype has one of another dtype than
-        when the plan was made (SGD's momentum is a copy of the grad, in its dtype)."""
-        return any(
-            p.grad is not None and p.grad.dtype != dtype
-            for p, dtype in self._planned_grad_dtypes.items()
-        )
+        """Whether a param that takes grads of any dtype, planned without a grad or state
+        (so in its own dtype), has a grad of another dtype now: SGD's momentum, a copy of
+        the grad, takes the grad's."""
+        return any(p.grad is not None and p.grad.dtype != p.dtype for p in self._grad_unseen)
+
+    def _watch_grad_dtypes(self) -> None:
+        """The params `_grad_dtype_changed` watches, for the plan just made."""
+        state = self.optimizer.state
+        self._grad_unseen = [
+            p
+            for p in self._params
+            # torch 2.13's `p.grad_dtype = None`; torch 2.11 has no such params
+            if getattr(p, "grad_dtype", p.dtype) is None and p.grad is None and not state.get(p)
+        ]
 
     def _sliced_param_relaid(self) -> bool:
         """Whether a param the plan slices is no longer contiguous (`model.to(memory_format=
@@ -1299,11 +1307,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ) -> list[ParamSpec]:
         """What planning needs of each param, from the state `layout` says it keeps."""
         splits = isinstance(subset, SlicingSubsetStep)
-        self._planned_grad_dtypes = {
-            p: None if p.grad is None else p.grad.dtype
-            for p in self._params
-            if getattr(p, "grad_dtype", p.dtype) is None  # torch 2.13; 2.11 has no such params
-        }
         specs = []
         for p in self._params:
             state = tuple(StateSpec(k, torch.Size(s), d) for k, (s, d) in layout(p).items())

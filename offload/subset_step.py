@@ -384,6 +384,14 @@ class ElementwiseGroupStep(GroupStep):
         return {"foreach": foreach}
 
 
+def _kept_dtype(kept: Any, shape: torch.Size, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of state `kept` where it is a tensor of `shape` (else `dtype`): a wrong
+    shape is left to the wrapper's check."""
+    if isinstance(kept, Tensor) and local_tensor(kept).shape == shape:
+        return kept.dtype
+    return dtype
+
+
 def _is_offloaded(value: Any) -> bool:
     return isinstance(value, Tensor) and value.ndim >= 1
 
@@ -431,7 +439,16 @@ class GroupSubsetStep:
         key = (_state_options(group), local.shape, local.dtype, grad_dtype)
         if key not in self._layouts:
             self._layouts[key] = _meta_state_layout(self.optimizer, group, local, grad_dtype)
-        return self._layouts[key]
+        layout = self._layouts[key]
+        own = self.optimizer.state.get(param)
+        if getattr(param, "grad_dtype", param.dtype) is None and own:  # torch 2.13
+            # its state goes on in the dtype it was made in (the first grad's, for SGD's
+            # momentum), as torch updates it in place, whatever the grads' dtype now
+            layout = {
+                k: (shape, _kept_dtype(own.get(k), shape, dtype))
+                for k, (shape, dtype) in layout.items()
+            }
+        return layout
 
     def _group(self, param: Tensor) -> dict[str, Any]:
         """`param`'s group, as the groups are now (`opt.param_groups = ...` may regroup, a

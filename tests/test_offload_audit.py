@@ -319,7 +319,8 @@ def test_a_grad_of_another_dtype_the_param_allows_steps_as_torch(make):
     """`p.grad_dtype = None` lets a bf16 param take an fp32 grad, which torch's SGD and
     Adagrad step; the wrapper's stand-in refused it (torch's generic grad_dtype error,
     naming no param) and locked the wrapper. A param without a grad when the plan is made
-    is planned anew once its grad shows another dtype."""
+    is planned anew once its grad shows another dtype; state made in one dtype stays in it
+    (a plan made later followed the grads' dtype)."""
     runs = []
     for wrap in (False, True):
         torch.manual_seed(0)
@@ -330,17 +331,24 @@ def test_a_grad_of_another_dtype_the_param_allows_steps_as_torch(make):
         opt = make(params, **options)
         if wrap:
             opt = CPUOffloadOptimizer(opt, chunk_bytes=CHUNK_BYTES)
-        for step in range(3):
+        for step in range(4):
             generator = torch.Generator().manual_seed(step)
             for i, p in enumerate(params):
-                late = step == 0 and i == 1
-                p.grad = None if late else torch.randn(p.shape, generator=generator)  # fp32
+                grad = torch.randn(p.shape, generator=generator)  # fp32
+                if step == 0 and i == 1:
+                    grad = None  # planned before its first grad
+                elif step == 0 and i == 2:
+                    grad = grad.to(torch.bfloat16)  # its state made bf16, then fp32 grads
+                p.grad = grad
+            if step == 2 and wrap:
+                opt.load_state_dict(opt.state_dict())  # a load plans anew: state kept as is
             opt.step()
         runs.append((params, opt))
     for a, b in zip(runs[0][0], runs[1][0], strict=True):
         assert torch.equal(a, b)
         for key, value in runs[0][1].state[a].items():
-            assert torch.equal(value, runs[1][1].state[b][key]), key
+            got = runs[1][1].state[b][key]
+            assert got.dtype == value.dtype and torch.equal(value, got), key
 
 
 @pytest.mark.parametrize("overlap", [False, True])
