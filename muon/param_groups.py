@@ -48,11 +48,12 @@ DEFAULT_ADAMW_MODULES: tuple[type[nn.Module], ...] = (
 )
 
 
-def _output_embeddings(model: nn.Module) -> nn.Module | None:
-    """The output head the model names itself (transformers' `get_output_embeddings()`,
-    whatever the head's name: BERT's `cls.predictions.decoder`), else None; asked of the
-    model, then of its modules in order, so a wrapper (DDP, `nn.Sequential(model)`) that
-    hides the method still finds the head."""
+def _output_heads(model: nn.Module) -> list[nn.Module]:
+    """The output heads the model's modules name themselves (transformers'
+    `get_output_embeddings()`, whatever the head's name: BERT's `cls.predictions.decoder`):
+    asked of every module, so a wrapper that hides the method (DDP, `nn.Sequential(model)`)
+    and a container of several models (a teacher and a student) give each model's head."""
+    heads = []
     for module in model.modules():
         get = getattr(module, "get_output_embeddings", None)
         if not callable(get):
@@ -62,8 +63,8 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
         except NotImplementedError:  # models without a head may say so by raising
             continue
         if isinstance(head, nn.Module):
-            return head
-    return None
+            heads.append(head)
+    return heads
 
 
 def _gate_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -98,8 +99,9 @@ def muon_param_groups(
     embeddings, the output head, norms, biases and routers), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
     3d and their transposes: a conv weight is a kernel, not a stack of matrices), or
-    the model's `get_output_embeddings()` (as transformers' models define it) returns
-    the module holding it: the output head, whatever its name.
+    the `get_output_embeddings()` of the model or of any of its modules (as transformers'
+    models define it; a wrapper such as DDP hides the model's) returns the module holding
+    it: an output head, whatever its name.
     `row_blocks` maps a name pattern to the row blocks of matching fused params
     (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
     and must match at least one Muon param. A Muon param named like a fused one
@@ -146,9 +148,7 @@ def muon_param_groups(
     by_module = {
         id(p) for m in model.modules() if isinstance(m, adamw_modules) for p in m.parameters()
     }
-    head = _output_embeddings(model)
-    if head is not None:
-        by_module |= {id(p) for p in head.parameters()}
+    by_module |= {id(p) for head in _output_heads(model) for p in head.parameters()}
     gates = _gate_row_blocks(model)
     for name, p in model.named_parameters():
         outside = "frozen" if not p.requires_grad else None

@@ -558,3 +558,7 @@ def test_a_wrapper_that_hides_get_output_embeddings_still_sends_the_head_to_adam
         muon, adamw = muon_param_groups(wrapped)
         assert any(p is model.proj_out.weight for p in adamw["params"])
         assert [p for p in muon["params"]] == [model.mlp.weight]
+    # a container of two models (a teacher and a student): each one's head
+    teacher, student = LM(), LM()
+    muon, _ = muon_param_groups(nn.ModuleDict({"teacher": teacher, "student": student}))
+    assert [p for p in muon["params"]] == [teacher.mlp.weight, student.mlp.weight]
