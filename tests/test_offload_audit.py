@@ -366,3 +366,23 @@ def test_state_assigned_whole_resets_as_torch(overlap):
 
     runs = _plain_and_wrapped(adamw, overlap, steps=4, before_step=reset_at_step_2)
     assert_equal(*runs[0], *runs[1])
+
+
+def test_state_dict_lists_state_in_the_order_the_wrapped_optimizer_made_it():
+    """Without overlap the chunks run in the wrapped optimizer's order, so its state_dict
+    lists the state as torch's does: by when a param first had a grad (here the embedding
+    last), not by param index (an earlier fix sorted it by index)."""
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = wrapped(inner, model, overlap=False) if wrap else inner
+        for step in range(3):
+            model[0].weight.requires_grad_(step > 0)  # the embedding's first grad at step 1
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_equal(*runs[0], *runs[1])
+    plain, got = runs[0][1].state_dict()["state"], runs[1][1].state_dict()["state"]
+    assert list(plain) == list(got) and list(plain)[-1] == 0
