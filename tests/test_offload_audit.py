@@ -372,17 +372,14 @@ def test_state_dict_lists_state_in_the_order_the_wrapped_optimizer_made_it():
     """Without overlap the chunks run in the wrapped optimizer's order, so its state_dict
     lists the state as torch's does: by when a param first had a grad (here the embedding
     last), not by param index (an earlier fix sorted it by index)."""
-    runs = []
-    for wrap in (False, True):
-        model = make_model()
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        opt = wrapped(inner, model, overlap=False) if wrap else inner
-        for step in range(3):
-            model[0].weight.requires_grad_(step > 0)  # the embedding's first grad at step 1
-            loss_of(model, step).backward()
-            opt.step()
-            opt.zero_grad()
-        runs.append((model, opt))
+
+    def embedding_grads_from_step_1(opt, step):
+        opt.param_groups[0]["params"][0].requires_grad_(step > 0)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    runs = _plain_and_wrapped(adamw, False, steps=3, before_step=embedding_grads_from_step_1)
     assert_equal(*runs[0], *runs[1])
     plain, got = runs[0][1].state_dict()["state"], runs[1][1].state_dict()["state"]
     assert list(plain) == list(got) and list(plain)[-1] == 0
