@@ -1129,7 +1129,7 @@ def _rank(
         [ready[i] for i in run]
         for run in update_runs([offload.chunks[c].params for c in ready], [False] * len(ready))
     ]
-    runs += [[c] for c in range(len(offload.chunks)) if c not in ready]
+    runs += [[c] for c in sorted(set(range(len(offload.chunks))) - set(ready))]
     for run in runs:
         chosen = {unit_of[param] for c in run for param in offload.chunks[c].params}
         offload_transient = _larger(offload_transient, step_transient(sorted(chosen)))

@@ -413,7 +413,8 @@ class GroupSubsetStep:
         self.optimizer = optimizer
         # param -> (group index, index in the group), checked at each use (`_group`)
         self._positions: dict[Tensor, tuple[int, int]] = {}
-        self._layouts: dict[tuple[tuple, torch.Size, torch.dtype], StateLayout] = {}
+        # (options, shape, dtype, grad dtype) -> layout
+        self._layouts: dict[tuple[tuple, torch.Size, torch.dtype, torch.dtype], StateLayout] = {}
 
     @property
     def slices_params(self) -> bool:
