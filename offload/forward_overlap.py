@@ -374,6 +374,7 @@ class ForwardOverlap:
             torch.no_grad(),
             torch.autocast(self._streams.device.type, **self._autocast),
             _outside_transforms(),
+            _unrecorded(),
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
@@ -528,13 +529,12 @@ class ForwardOverlap:
         )
 
     def _before_backward(self) -> None:
-        """A backward adds into each existing `.grad` in place (autograd's AccumulateGrad,
-        which no torch function mode sees): the chunks that still read such a grad (a
-        second backward through a retained graph after `step()`) land first."""
-        chunk = max((c for p, c in self._param_chunk.items() if p.grad is not None), default=-1)
-        if chunk > self._reads.landed:
-            self.advance(self._ahead_of[chunk])
-            self._wait_for_chunk(chunk, self._chunk_needs[chunk])
+        """A backward through a graph retained from before `step()` reads the params it
+        saved, and adds into each existing `.grad` in place (autograd's AccumulateGrad,
+        which no torch function mode sees): every chunk lands first. Autograd then refuses
+        a graph whose saved param the step changed, as it does without overlap, and the
+        chunks have read the grads it adds into."""
+        self.finish()
 
     def _before_forward(self) -> None:
         self._reading_owner = -1
@@ -747,6 +747,26 @@ def _outside_transforms() -> contextlib.AbstractContextManager[None]:
     return torch._C._DisableFuncTorch()
 
 
+@contextlib.contextmanager
+def _unrecorded() -> Iterator[None]:
+    """The JIT tracer and the forward's dispatch modes off: the step's ops are not the
+    forward's. Run from a forward, `torch.jit.trace` recorded the update into the traced
+    module (each call re-applied it), selective activation checkpointing cached
+    Newton-Schulz's products as the block's activations (its recompute then took them for
+    the block's, and failed or trained on wrong grads), `FlopCounterMode` counted them.
+    Private API (`torch._C._get_tracing_state` / `_set_tracing_state`,
+    `torch.utils._python_dispatch._disable_current_modes`; torch 2.11, 2.13)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    tracing = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        torch._C._set_tracing_state(tracing)
+
+
 def _depth() -> int:
     return torch._C._len_torch_function_stack()
 
@@ -853,12 +873,13 @@ def _fast_path_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-# What runs a backward that adds into params' `.grad` (`torch.autograd.grad` returns its
-# grads instead).
-_BACKWARDS = (Tensor.backward, torch.autograd.backward)
+# What runs a backward (through a graph that may have saved params).
+_BACKWARDS = (Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
 
 def _touches_data(func: Callable[..., Any]) -> bool:
+    if func is torch.autograd.grad:  # named as the `.grad` attribute
+        return True
     name = func.__name__
     if name in ("__get__", "__set__", "__delete__"):  # a property: named by its descriptor
         name = getattr(func.__self__, "__name__", name)
