@@ -9,6 +9,7 @@ running the chunks as the next forward reaches them is `forward_overlap.ForwardO
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -243,6 +244,12 @@ def _load_hooks_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         ) = kept
 
 
+_SET_AT_CONSTRUCTION = (
+    "{name} is set at construction: close() this wrapper and wrap the inner optimizer "
+    "anew with the {name} you want (its state carries over)"
+)
+
+
 def _with_sparse_grads(params: Sequence[Tensor]) -> list[Tensor]:
     return [p for p in params if p.grad is not None and p.grad.is_sparse]
 
@@ -434,10 +441,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.chunk_bytes = chunk_bytes
-        self.staging_slots = staging_slots
+        self._staging_slots = staging_slots
         self.gpu_resident_bytes: int | Literal["auto"] = gpu_resident_bytes
         """The resident state's bytes; "auto" until it has settled, then what it chose."""
-        self.gpu_budget_bytes = gpu_budget_bytes
+        self._gpu_budget_bytes = gpu_budget_bytes
         self._resident_budget = 0 if gpu_resident_bytes == "auto" else gpu_resident_bytes
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}  # the same on every rank
@@ -684,6 +691,26 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         unscaling the grads itself and skipping `step()` on inf, as it would for the wrapped
         optimizer: the same bits, and the same state after a skipped step."""
         return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    @property
+    def staging_slots(self) -> int:
+        """GPU staging slots in the ring (a constructor setting: the copy streams' events
+        and the executor are made for them)."""
+        return self._staging_slots
+
+    @staging_slots.setter
+    def staging_slots(self, value: int) -> None:
+        raise AttributeError(_SET_AT_CONSTRUCTION.format(name="staging_slots"))
+
+    @property
+    def gpu_budget_bytes(self) -> int | None:
+        """With "auto", the GPU memory it may hold for state (a constructor setting: the
+        search measures against it from the first step)."""
+        return self._gpu_budget_bytes
+
+    @gpu_budget_bytes.setter
+    def gpu_budget_bytes(self, value: int | None) -> None:
+        raise AttributeError(_SET_AT_CONSTRUCTION.format(name="gpu_budget_bytes"))
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -1420,8 +1447,28 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _say_what_auto_chose(self, choice: ResidencyChoice) -> None:
         self._auto = None
+        if self._executor.plan is not None:
+            # What runs, not the split's label: a split's backward bytes are a cap (True
+            # loads a ring's worth under a label of 0), and the ring may outgrow a budget.
+            running = OffloadedStep(self._executor.plan, self._executor.schedule)
+            choice = dataclasses.replace(
+                choice,
+                backward_load_bytes=running.backward_load_bytes,
+                held_bytes=running.held_bytes,
+            )
+            if choice.backward_load_bytes and self._load_in_backward:
+                self.backward_load_bytes = choice.backward_load_bytes
         self.residency = choice
         self.gpu_resident_bytes = choice.resident_bytes
+        if choice.held_bytes > (choice.budget_bytes or 0) > 0:
+            warnings.warn(
+                f"gpu_resident_bytes='auto' holds {choice.held_bytes} bytes of GPU memory for "
+                f"state, over its budget of {choice.budget_bytes} (gpu_budget_bytes): with "
+                "nothing resident and nothing loaded in the backward, the staging ring alone "
+                f"holds that. Give a budget of at least {choice.held_bytes} bytes, or fewer "
+                "staging_slots or a smaller chunk_bytes",
+                stacklevel=user_stacklevel(),
+            )
         probes = "; ".join(
             f"{p.split.resident_bytes / 2**30:.2f}+{p.split.backward_load_bytes / 2**30:.2f} GiB "
             f"{p.iteration_ms:.1f} ms (+-{p.error_ms:.1f})"
@@ -1429,13 +1476,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
         logger.info(
             "gpu_resident_bytes='auto' chose %d bytes (%d units) resident and %d loaded in "
-            "the backward, of %d bytes of state, within a budget of %d bytes of GPU memory "
-            "(the host slabs keep room for all the state); the trainer stalled %.1f ms a "
-            "step for the offloaded step, predicted %.1f ms with this choice%s",
+            "the backward, of %d bytes of state, holding %d bytes of GPU memory for state "
+            "with the staging (budget %d; the host slabs keep room for all the state); the "
+            "trainer stalled %.1f ms a step for the offloaded step, predicted %.1f ms with "
+            "this choice%s",
             choice.resident_bytes,
             choice.resident_units,
             choice.backward_load_bytes,
             choice.state_bytes,
+            choice.held_bytes,
             choice.budget_bytes,
             choice.measured_stall_ms,
             choice.predicted_stall_ms,

@@ -111,9 +111,10 @@ class ResidencyChoice:
     state_bytes: int
     measured_stall_ms: float  # median over the measured steps, everything offloaded
     predicted_stall_ms: float  # what the model predicts is left with `resident_bytes`
-    backward_load_bytes: int = 0  # state the backward loads (whole chunks, at most this)
+    backward_load_bytes: int = 0  # state the backward loads (whole chunks), as planned
     backward_cap_bytes: int = 0  # what the backward could load, as measured
     budget_bytes: int = 0  # GPU memory "auto" could hold: resident state and staging
+    held_bytes: int = 0  # GPU memory the chosen plan holds: resident state and staging
     probes: tuple[Probe, ...] = ()  # the search's splits and their steps, in the order tried
     checked: Probe | None = None  # the settled split's steps after the search
 

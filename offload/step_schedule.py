@@ -86,17 +86,16 @@ def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: in
 
     `staged_bytes` are the staged (not resident) chunks' rank-invariant state bytes in
     step order. Without a `budget`, one per ring slot; with one, the most leading chunks
-    whose state fits in `budget` bytes, but never fewer than the ring holds (what the
-    forward would otherwise wait for before its first update). The same on every rank.
+    whose state fits in `budget` bytes: a byte count is the most the backward loads (each
+    load holds an extra slot at the end of the backward). The same on every rank.
     """
-    count = min(ring_slots, len(staged_bytes))
     if budget is None:
-        return count
+        return min(ring_slots, len(staged_bytes))
     total = 0
     for index, size in enumerate(staged_bytes):
         total += size
         if total > budget:
-            return max(count, index)
+            return index
     return len(staged_bytes)
 
 

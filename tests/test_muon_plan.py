@@ -638,15 +638,22 @@ def test_backward_loads_add_an_extra_slot_per_chunk():
     shapes = from_config(TINY_DENSE)
     settings = StepSettings(bucket_cap_bytes=CAP, offload_chunk_bytes=OFFLOAD_CHUNK)
     (none,) = estimate(shapes, MeshSpec(1), settings).ranks
-    # a budget within the ring's chunks loads just those: no extra slot
-    (within,) = estimate(
-        shapes, MeshSpec(1), replace(settings, offload_backward_load_bytes=1)
-    ).ranks
+    slots = settings.offload_slots
     loaded = replace(settings, offload_backward_load_bytes=2**40)  # every chunk
     (everything,) = estimate(shapes, MeshSpec(1), loaded).ranks
-    schedule, slots = everything.offload_schedule, settings.offload_slots
+    # a budget of the ring's worth of leading chunks loads just those, a slot each
+    ring_worth = sum(c.invariant_bytes for c in everything.offload_plan.chunks[:slots])
+    (within,) = estimate(
+        shapes, MeshSpec(1), replace(settings, offload_backward_load_bytes=ring_worth)
+    ).ranks
+    # a byte count is the most it loads: below the first chunk, nothing
+    (below,) = estimate(
+        shapes, MeshSpec(1), replace(settings, offload_backward_load_bytes=1)
+    ).ranks
+    schedule = everything.offload_schedule
     chunks = len(schedule.slots)
     assert none.offload_schedule.backward_loads == none.offload_schedule.extra_slots == 0
+    assert below.offload_schedule.backward_loads == below.offload_schedule.extra_slots == 0
     assert within.offload_schedule.backward_loads == within.offload_schedule.extra_slots == slots
     assert schedule.backward_loads == schedule.extra_slots == chunks > slots
     # each extra slot sized for its chunk; the ring holds the slots the other chunks take,

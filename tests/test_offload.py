@@ -613,6 +613,11 @@ def _search_auto(iteration_ms, on_build, **options) -> CPUOffloadOptimizer:
     return opt
 
 
+def _loaded_in_backward(opt: CPUOffloadOptimizer) -> int:
+    """The state bytes of the chunks the plan that runs loads in the backward."""
+    return sum(opt.plan.chunks[c].invariant_bytes for c in opt.schedule.loaded_in_backward)
+
+
 def _kept(opt: CPUOffloadOptimizer) -> int:
     """What the last step kept off the forward's path."""
     return opt._resident_budget + (opt.backward_load_bytes or 0)
@@ -653,10 +658,11 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     fastest = min(p.iteration_ms for p in probes)
     near = [p for p in probes if p.iteration_ms <= (1 + NEAR_FASTEST) * fastest]
     settled = min(near, key=lambda p: p.split.total).split
-    assert (choice.resident_bytes, choice.backward_load_bytes) == (
-        settled.resident_bytes,
-        settled.backward_load_bytes,
-    )
+    assert choice.resident_bytes == settled.resident_bytes
+    # what the plan loads: the leading chunks within the split's bytes
+    assert 0 < choice.backward_load_bytes == _loaded_in_backward(opt)
+    assert choice.backward_load_bytes <= settled.backward_load_bytes
+    assert choice.held_bytes == opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
     # bisected down to a neighbour that was not near the fastest
     assert any(p.split.total < settled.total for p in probes if p not in near)
     assert opt.gpu_resident_bytes == choice.resident_bytes
@@ -674,7 +680,28 @@ def test_auto_loads_no_more_in_the_backward_than_a_byte_count_given():
         load_in_backward=cap,
     )
     assert all(p.split.backward_load_bytes <= cap for p in opt.residency.probes)
-    assert opt.residency.backward_load_bytes <= cap
+    # what runs, not only the labels: the ring's chunks loaded past the count (1024 bytes)
+    assert opt.residency.backward_load_bytes == _loaded_in_backward(opt) <= cap
+
+
+def test_auto_reports_what_its_plan_loads_in_the_backward_and_holds():
+    # load_in_backward=True settled on a split labelled 0 loaded in the backward, and said
+    # so, while a ring's worth of chunks loaded there into extra slots
+    opt = _search_auto(lambda opt: 100.0, lambda opt, built: None, load_in_backward=True)
+    choice = opt.residency
+    assert choice.backward_load_bytes == _loaded_in_backward(opt) > 0
+    assert opt.backward_load_bytes == choice.backward_load_bytes
+    assert choice.held_bytes == opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
+
+
+def test_auto_warns_when_its_budget_is_below_what_the_ring_holds():
+    # no split fit the budget: it ran everything offloaded, its ring over the budget, and
+    # said "within a budget of" it
+    with pytest.warns(UserWarning, match="over its budget of 1500"):
+        opt = _search_auto(
+            lambda opt: 100.0, lambda opt, built: None, gpu_budget_bytes=1500
+        )
+    assert opt.residency.held_bytes > opt.residency.budget_bytes == 1500
 
 
 def test_auto_tries_the_default_backward_loads_when_more_is_not_faster():
@@ -927,11 +954,9 @@ def test_auto_checks_the_settled_split_and_takes_the_fastest_when_it_is_slower(s
     assert choice.checked is not None and choice.checked.split == settled
     assert choice.checked.iteration_ms == measured + slower_after
     expected = settled if not slower_after else fastest.split
-    assert (choice.resident_bytes, choice.backward_load_bytes) == (
-        expected.resident_bytes,
-        expected.backward_load_bytes,
-    )
-    assert _kept(opt) == expected.total
+    assert choice.resident_bytes == expected.resident_bytes
+    assert choice.backward_load_bytes == _loaded_in_backward(opt) <= expected.backward_load_bytes
+    assert _kept(opt) == expected.resident_bytes + choice.backward_load_bytes
 
 
 @pytest.mark.parametrize("slower_after", [0.0, 30.0])
@@ -954,10 +979,9 @@ def test_auto_checks_the_settled_split_when_it_was_also_the_fastest(slower_after
     assert settled_split(choice.probes) == fastest.split
     assert choice.checked is not None and choice.checked.split == fastest.split
     assert choice.checked.iteration_ms == pytest.approx(fastest.iteration_ms + slower_after)
-    assert (choice.resident_bytes, choice.backward_load_bytes) == (
-        fastest.split.resident_bytes,
-        fastest.split.backward_load_bytes,
-    )
+    assert choice.resident_bytes == fastest.split.resident_bytes
+    assert choice.backward_load_bytes == _loaded_in_backward(opt)
+    assert choice.backward_load_bytes <= fastest.split.backward_load_bytes
     ran = choice.checked.iteration_ms
     assert f"settled on ran {ran:.1f} ms a step" in caplog.text
 
@@ -1027,3 +1051,16 @@ def test_a_whole_params_scalar_state_steps_in_place_as_torchs_does(fused):
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
+
+
+@pytest.mark.parametrize("name, value", [("staging_slots", 3), ("gpu_budget_bytes", 4096)])
+def test_settings_made_at_construction_refuse_a_write(name, value):
+    # written during "auto"'s search, staging_slots broke its next re-plan ("shape '[64]'
+    # is invalid for input of size 0"); gpu_budget_bytes was silently ignored
+    model = make_model()
+    opt = _overlapped_auto(model, lambda opt: 100.0)
+    before = getattr(opt, name)
+    with pytest.raises(AttributeError, match=f"{name} is set at construction"):
+        setattr(opt, name, value)
+    assert getattr(opt, name) == before
+    opt.close()

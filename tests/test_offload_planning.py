@@ -290,7 +290,9 @@ def test_copy_pieces_cover_a_run_in_order_and_cap_each_piece(monkeypatch):
 def test_the_backward_loads_the_ring_or_the_leading_chunks_that_fit_its_budget():
     sizes = [100, 100, 80, 100, 60]
     assert backward_load_count(sizes, ring_slots=2, budget=None) == 2
-    assert backward_load_count(sizes, ring_slots=2, budget=0) == 2  # the ring is held anyway
+    # a byte count is the most it loads, below the ring's too: each load holds an extra slot
+    assert backward_load_count(sizes, ring_slots=2, budget=0) == 0
+    assert backward_load_count(sizes, ring_slots=2, budget=199) == 1
     assert backward_load_count(sizes, ring_slots=2, budget=279) == 2
     assert backward_load_count(sizes, ring_slots=2, budget=280) == 3
     assert backward_load_count(sizes, ring_slots=2, budget=380) == 4
