@@ -647,9 +647,7 @@ def test_backward_loads_add_an_extra_slot_per_chunk():
         shapes, MeshSpec(1), replace(settings, offload_backward_load_bytes=ring_worth)
     ).ranks
     # a byte count is the most it loads: below the first chunk, nothing
-    (below,) = estimate(
-        shapes, MeshSpec(1), replace(settings, offload_backward_load_bytes=1)
-    ).ranks
+    (below,) = estimate(shapes, MeshSpec(1), replace(settings, offload_backward_load_bytes=1)).ranks
     schedule = everything.offload_schedule
     chunks = len(schedule.slots)
     assert none.offload_schedule.backward_loads == none.offload_schedule.extra_slots == 0

@@ -698,9 +698,7 @@ def test_auto_warns_when_its_budget_is_below_what_the_ring_holds():
     # no split fit the budget: it ran everything offloaded, its ring over the budget, and
     # said "within a budget of" it
     with pytest.warns(UserWarning, match="over its budget of 1500"):
-        opt = _search_auto(
-            lambda opt: 100.0, lambda opt, built: None, gpu_budget_bytes=1500
-        )
+        opt = _search_auto(lambda opt: 100.0, lambda opt, built: None, gpu_budget_bytes=1500)
     assert opt.residency.held_bytes > opt.residency.budget_bytes == 1500
 
 
