@@ -353,9 +353,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             a transformer wrapped per layer its embedding and head), at least the ring's,
             so the forward starts without waiting for copies; with "auto", "auto" chooses
             how much. False: never (the least GPU memory); True: the ring's
-            `staging_slots` chunks (with "auto": at least those); a byte count: that much
-            state (rank-invariant bytes, whole chunks, at least the ring's; with "auto": at
-            most that much). Each chunk loaded takes a staging slot of its own (sized for
+            `staging_slots` chunks (with "auto": at least those); a byte count: the leading
+            chunks whose state (rank-invariant bytes) fits in it, at most that much (with
+            "auto": the most it may load). Each chunk loaded takes a staging slot of its own (sized for
             it), allocated in the backward and given back as soon as its chunk is written
             back (late in the next forward: the ring's write-backs go first, so the
             trainer's small copies early in the forward do not wait behind these); the
