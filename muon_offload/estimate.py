@@ -207,8 +207,8 @@ class StepSettings:
     the forward needs first."""
     offload_backward_load_bytes: int | None = None
     """`CPUOffloadOptimizer`'s `load_in_backward` as a byte count (it implies
-    `offload_overlap_forward`): the state the backward loads, whole chunks and at least
-    the ring's, in an extra slot per chunk. 0: no loads in the backward
+    `offload_overlap_forward`): the most state the backward loads, the leading whole
+    chunks within it, in an extra slot per chunk. 0: no loads in the backward
     (`load_in_backward=False`). None (the default, as the wrapper's), with overlap: the
     chunks holding what the forward waits for first, at least the ring's; on CUDA the
     wrapper also loads more while they fit under the activations' peak, which this estimate

@@ -355,8 +355,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             how much. False: never (the least GPU memory); True: the ring's
             `staging_slots` chunks (with "auto": at least those); a byte count: the leading
             chunks whose state (rank-invariant bytes) fits in it, at most that much (with
-            "auto": the most it may load). Each chunk loaded takes a staging slot of its own (sized for
-            it), allocated in the backward and given back as soon as its chunk is written
+            "auto": the most it may load). Each chunk loaded takes a staging slot of its own
+            (sized for it), allocated in the backward and given back as soon as its chunk is written
             back (late in the next forward: the ring's write-backs go first, so the
             trainer's small copies early in the forward do not wait behind these); the
             ring holds only the slots the other chunks take. The backward's idle copy
@@ -542,10 +542,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._remove_inner_hooks.atexit = False
         self.backward_load_bytes = backward_bytes
         """With loads in the backward, their byte budget: `load_in_backward`'s bytes as
-        given (the backward loads whole chunks within it, at least the ring's; None: the
-        ring's); by default, once planned, the bytes of the chunks the forward first waits
-        for; under "auto", once settled, what it chose. The chunks it loads:
-        `schedule.loaded_in_backward`."""
+        given (the backward loads the leading whole chunks within it; None: the ring's);
+        by default, once planned, the bytes of the chunks the forward first waits for;
+        under "auto", once settled, the budget of the split it chose (what that loads:
+        `residency.backward_load_bytes`). The chunks it loads: `schedule.loaded_in_backward`."""
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def _check_ring_fits(self) -> None:
@@ -1241,6 +1241,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._build(self._planned_now(), keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
+            self._warn_if_nothing_loaded_in_backward()
 
     def _grad_dtype_changed(self) -> bool:
         """Whether a param that takes grads of any dtype, planned without a grad or state
@@ -1326,6 +1327,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             f"gpu_resident_bytes={self._resident_budget} keeps no state on the GPU: residency "
             f"takes whole units, from the one {which}, whose state is {first} bytes on its "
             f"own. Give at least that, or 0",
+            stacklevel=user_stacklevel(),
+        )
+
+    def _warn_if_nothing_loaded_in_backward(self) -> None:
+        """A `load_in_backward` byte count too small for the first staged chunk loads none."""
+        budget = self.backward_load_bytes
+        if not self._load_in_backward or self._load_first_wait or budget is None:
+            return
+        plan, schedule = self._executor.plan, self._executor.schedule
+        staged = [plan.chunks[c].invariant_bytes for c in schedule.staged]
+        if schedule.loaded_in_backward or not staged:
+            return
+        warnings.warn(
+            f"load_in_backward={budget} loads nothing in the backward: it loads whole "
+            f"chunks, and the first the step stages holds {staged[0]} bytes of state. Give "
+            "at least that, True for the ring's chunks, or False",
             stacklevel=user_stacklevel(),
         )
 
@@ -1456,17 +1473,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 backward_load_bytes=running.backward_load_bytes,
                 held_bytes=running.held_bytes,
             )
-            if choice.backward_load_bytes and self._load_in_backward:
-                self.backward_load_bytes = choice.backward_load_bytes
         self.residency = choice
         self.gpu_resident_bytes = choice.resident_bytes
-        if choice.held_bytes > (choice.budget_bytes or 0) > 0:
+        budget = self._gpu_budget_bytes  # the user's: a measured one is passed by design
+        if budget is not None and choice.held_bytes > budget:
             warnings.warn(
                 f"gpu_resident_bytes='auto' holds {choice.held_bytes} bytes of GPU memory for "
-                f"state, over its budget of {choice.budget_bytes} (gpu_budget_bytes): with "
-                "nothing resident and nothing loaded in the backward, the staging ring alone "
-                f"holds that. Give a budget of at least {choice.held_bytes} bytes, or fewer "
-                "staging_slots or a smaller chunk_bytes",
+                f"state, over the gpu_budget_bytes={budget} given: no split fits it (the "
+                "staging ring holds more). Give a budget of at least "
+                f"{choice.held_bytes} bytes, or fewer staging_slots or a smaller chunk_bytes",
                 stacklevel=user_stacklevel(),
             )
         probes = "; ".join(

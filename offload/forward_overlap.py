@@ -352,19 +352,21 @@ class ForwardOverlap:
         self._in_flight = True
         self._warn_if_forward_never_ended()
         self._watch_inputs, self._watch = self.backward_reached is not None, _Watch()
-        self.advance(self._up_front)
+        self.advance(self._up_front, in_step=True)
         self._reads.push(self, state_scalars, state_homes)
 
     @torch.compiler.disable
-    def advance(self, last: int) -> None:
+    def advance(self, last: int, in_step: bool = False) -> None:
         """Enqueue the pending step's chunks up to index `last`.
 
         Called from forward hooks and from reads inside a forward too, so the trainer's
         grad mode and torch.func transforms are switched off, autocast and inference mode
         are as `step()` found them, and torch.compile never traces it (a read inside compiled
         code would compile the update): the update must not change with where it runs, and
-        equals the step run inside `step()`. One thread at a time (a checkpointing thread
-        may wait for the step while the trainer's forward advances it).
+        equals the step run inside `step()`. Outside `step()` (`in_step`), the JIT tracer
+        and the dispatch modes are off too (`_unrecorded`): those around `step()` see the
+        chunks it runs, those around a forward none. One thread at a time (a checkpointing
+        thread may wait for the step while the trainer's forward advances it).
         """
         if self._pending is None or self._enqueued > last:
             return
@@ -374,7 +376,7 @@ class ForwardOverlap:
             torch.no_grad(),
             torch.autocast(self._streams.device.type, **self._autocast),
             _outside_transforms(),
-            _unrecorded(),
+            contextlib.nullcontext() if in_step else _unrecorded(),
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
@@ -529,12 +531,21 @@ class ForwardOverlap:
         )
 
     def _before_backward(self) -> None:
-        """A backward through a graph retained from before `step()` reads the params it
-        saved, and adds into each existing `.grad` in place (autograd's AccumulateGrad,
-        which no torch function mode sees): every chunk lands first. Autograd then refuses
-        a graph whose saved param the step changed, as it does without overlap, and the
-        chunks have read the grads it adds into."""
-        self.finish()
+        """A backward adds into each existing `.grad` in place (autograd's AccumulateGrad,
+        which no torch function mode sees): the chunks that still read such a grad land
+        first. Outside a forward, its graph may be one retained from before `step()`,
+        which saved params the step updates: every chunk lands, and autograd refuses such
+        a graph as it does without overlap. Inside a forward (a gradient penalty), the
+        graph is this forward's, whose params' chunks have landed: the rest of the step
+        stays overlapped, and the first forward's look for reads goes on."""
+        if not self._in_forward:
+            self.warn_if_rank_local(len(self.chunk_done))
+            self.finish()
+            return
+        chunk = max((c for p, c in self._param_chunk.items() if p.grad is not None), default=-1)
+        if chunk > self._reads.landed:
+            self.advance(self._ahead_of[chunk])
+            self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
     def _before_forward(self) -> None:
         self._reading_owner = -1
@@ -749,9 +760,9 @@ def _outside_transforms() -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def _unrecorded() -> Iterator[None]:
-    """The JIT tracer and the forward's dispatch modes off: the step's ops are not the
-    forward's. Run from a forward, `torch.jit.trace` recorded the update into the traced
-    module (each call re-applied it), selective activation checkpointing cached
+    """The JIT tracer and the dispatch modes off: the step's ops are not the forward's.
+    Run from a forward, `torch.jit.trace` recorded the update into the traced module
+    (each call re-applied it), selective activation checkpointing cached
     Newton-Schulz's products as the block's activations (its recompute then took them for
     the block's, and failed or trained on wrong grads), `FlopCounterMode` counted them.
     Private API (`torch._C._get_tracing_state` / `_set_tracing_state`,

@@ -50,8 +50,8 @@ class BackwardLoads:
     With `first_wait` (the default with overlap): the chunks holding those params (by
     index; what the next forward waits for first), at least the ring's, and more while
     the step holds at most `room` bytes of state on the device (None: no more). Without:
-    `budget` state bytes of them (rank-invariant, whole chunks, at least the ring's;
-    None: the ring's).
+    the leading whole chunks within `budget` state bytes (rank-invariant, at most that
+    much; None: the ring's).
     """
 
     first_wait: tuple[int, ...] | None = None

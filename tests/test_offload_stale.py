@@ -1221,3 +1221,54 @@ def test_jit_trace_while_pending_records_the_forward_alone():
     for _ in range(2):
         assert torch.equal(traced(tokens[1]), expected)
     _assert_same(plain_model, plain, model, overlapped)
+
+
+class InputGradient(nn.Module):
+    """A first layer that adds the gradient of its output by its input (a gradient
+    penalty): `torch.autograd.grad` inside the forward, over this forward's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.pending_after_grad: list[bool] = []
+
+    def forward(self, x):
+        x = x.detach().requires_grad_()
+        y = self.lin(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        overlap = getattr(self, "overlap", None)
+        if overlap is not None:
+            self.pending_after_grad.append(overlap._pending is not None)
+        return y + g
+
+
+def test_a_gradient_inside_the_forward_keeps_the_step_overlapped_and_exact():
+    # a backward outside a forward lands the whole step; inside one it only waits for the
+    # grads' chunks: landing everything there enqueued the rest of the step at the first
+    # layer, and under FSDP2 ended the first forward's look for reads the hooks miss
+    def make():
+        return nn.Sequential(InputGradient(), *[nn.Linear(16, 16) for _ in range(6)])
+
+    plain_model, plain, model, overlapped = _pair(make)
+    model[0].overlap = overlapped._overlap
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 16, generator=gen) for _ in range(4)]
+    assert _train(plain_model, plain, data) == _train(model, overlapped, data)
+    _assert_same(plain_model, plain, model, overlapped)
+    assert model[0].pending_after_grad[1:] == [True] * 3
+
+
+def test_a_flop_counter_around_step_sees_the_chunks_step_runs():
+    # the dispatch modes are set aside only outside step(): one around step() counted none
+    from torch.utils.flop_counter import FlopCounterMode
+
+    pairs = _muon_pair(lambda: nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(3)]))
+    x = torch.randn(8, 64)
+    counted = {}
+    for model, opt in (pairs[0:2], pairs[2:4]):
+        model(x).square().mean().backward()
+        with FlopCounterMode(display=False) as counter:
+            opt.step()
+        counted[model] = counter.get_total_flops()
+    pairs[3].wait_for_optimizer_step()
+    assert 0 < counted[pairs[2]] <= counted[pairs[0]]
