@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -222,7 +223,7 @@ def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLay
         tuple(mesh.shape),
         _shard_dims(p),
         tuple(coord),
-        mesh_key=(tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape)),
+        mesh_key=_mesh_key(mesh),
         group=group,
     )
     if layout.local_shape() != tuple(p.to_local().shape):
@@ -656,8 +657,19 @@ class Muon(torch.optim.Optimizer):
             or key != self._plan_key
             or any(a is not b for a, b in zip(params, self._plan_params, strict=True))
         ):
-            layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
-            self._check_ranks_agree(description, entries, layouts)
+            try:
+                layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
+                refused = None
+            except ValueError as error:  # this rank's shards: its peers' may pass
+                layouts, refused = [], error
+            try:
+                self._check_ranks_agree(description, entries, refused)
+            except ValueError:
+                if refused is not None:
+                    raise refused from None
+                raise
+            if refused is not None:
+                raise refused
             itemsize = self.ns_dtype.itemsize
             self._plan = MuonPlan.build(
                 layouts,
@@ -676,16 +688,16 @@ class Muon(torch.optim.Optimizer):
         self,
         description: PlanDescription,
         entries: Sequence[tuple[Tensor, int]],
-        layouts: Sequence[ParamLayout],
+        refused: ValueError | None,
     ) -> None:
         """Refuse, on every rank at once, a plan the ranks of a mesh of its params do not
-        all build alike (`rank_agreement`). Each mesh's axes in an order every rank
-        shares (by mesh, not by where its params are in this rank's groups)."""
-        meshes = {
-            layout.mesh_key: p
-            for (p, _), layout in zip(entries, layouts, strict=True)
-            if isinstance(p, DTensor)
-        }
+        all build alike (`rank_agreement`), or that some refuse (`refused`: a shard laid
+        out unlike torch.chunk's, on some ranks only). Each mesh's axes in an order every
+        rank shares (by mesh, not by where its params are in this rank's groups)."""
+        laid_out = "no: see that rank's error" if refused is not None else "yes"
+        refusal = ("local shards laid out as torch.chunk's", laid_out)
+        description = dataclasses.replace(description, settings=(*description.settings, refusal))
+        meshes = {_mesh_key(p.device_mesh): p for p, _ in entries if isinstance(p, DTensor)}
         axes = []  # per mesh: the groups of its axes that hold several ranks, its device
         for _, p in sorted(meshes.items(), key=lambda item: item[0]):
             mesh = p.device_mesh
@@ -701,6 +713,11 @@ class Muon(torch.optim.Optimizer):
             for i in range(len(group["params"]))
         )
         check_ranks_agree(dataclasses.replace(description, labels=labels), axes)
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A mesh as every rank of it names it: its ranks and shape."""
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape))
 
 
 def _holds(groups: list[dict[str, Any]], position: tuple[int, int], param: Tensor) -> bool:
@@ -910,6 +927,13 @@ def _check_grads(group: dict[str, Any], index: int) -> None:
                 f"{where} has a grad with placements {_placements_text(grad)} but the param has "
                 f"{_placements_text(p)}; reduce or redistribute the grad to the param's placements "
                 "first (p.grad = p.grad.redistribute(p.device_mesh, p.placements))"
+            )
+        if algorithm == "AdamW" and grad.dtype != p.dtype:
+            # torch's AdamW refuses it too, but mid-step: the Muon groups had stepped
+            raise ValueError(
+                f"{where} has a {grad.dtype} grad for a {p.dtype} param, which AdamW (as "
+                "torch.optim.AdamW) does not step; give it a grad of the param's dtype, or "
+                "keep the param in the grad's dtype"
             )
 
 

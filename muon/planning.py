@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ from muon.newton_schulz import (  # ns_flops and ns_workspace_numel re-exported 
 # group (bf16): small enough to bound the workspace (512 MiB - 1 GiB
 # per rank is the usual budget), large enough to batch many matrices per all-to-all.
 DEFAULT_BUCKET_CAP_BYTES = 512 * 2**20
+ACTIVE_SETS_KEPT = 4
+"""`MuonPlan` keeps its exchange plans for this many latest sets of stepping params."""
 # Who orthogonalizes a matrix under HSDP (a group option of `Muon`): "spread" gives each
 # matrix one owner over the whole mesh; "per_replica" one per replica, as plain FSDP
 # over each replica; "auto" spreads a bucket where `SpreadModel` says it pays.
@@ -547,6 +550,9 @@ class MuonPlan:
     _locals: dict[tuple[tuple[int, ...], frozenset[int]], tuple[ExchangePlan, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
+    _recent_active: OrderedDict[frozenset[int], None] = field(
+        default_factory=OrderedDict, compare=False, hash=False, repr=False
+    )
 
     @classmethod
     def build(
@@ -648,8 +654,24 @@ class MuonPlan:
             self.ns_per_matrix,
         )
 
+    def _keep_plans_of(self, active: frozenset[int]) -> None:
+        """Plans are kept for the `ACTIVE_SETS_KEPT` latest sets of stepping params: a run
+        whose grad-less params change every step (LayerDrop, experts that got no tokens)
+        grew the caches without end, where Muon holds its state and nothing else."""
+        recent = self._recent_active
+        if active in recent:
+            recent.move_to_end(active)
+            return
+        recent[active] = None
+        if len(recent) > ACTIVE_SETS_KEPT:
+            oldest, _ = recent.popitem(last=False)
+            for cache in (self._exchanges, self._locals):
+                for key in [key for key in cache if key[1] == oldest]:
+                    del cache[key]
+
     def exchange(self, bucket: int, active: frozenset[int]) -> ExchangePlan:
         """This rank's exchange plan for `bucket` when only params in `active` step."""
+        self._keep_plans_of(active)
         key = (bucket, active)
         plan = self._exchanges.get(key)
         if plan is None:
@@ -674,6 +696,7 @@ class MuonPlan:
         offload chunk) batches its same-shape matrices whatever buckets they came
         from. Each launch is numbered by the plan bucket of its first param.
         """
+        self._keep_plans_of(active)
         key = (tuple(params), active)
         plans = self._locals.get(key)
         if plans is None:

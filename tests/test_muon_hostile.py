@@ -104,6 +104,26 @@ def test_sparse_grads_are_refused_before_anything_steps():
     _assert_nothing_stepped(muon, [matrix], [_randn(4, 4)])
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="torch >= 2.13")
+def test_an_adamw_grad_of_another_dtype_is_refused_before_anything_steps():
+    # bf16 params taking fp32 grads (p.grad_dtype = None): the Muon group stepped, then
+    # torch's AdamW raised "expected dtype c10::BFloat16 for `end`", naming no param
+    matrix = nn.Parameter(_randn(8, 6).bfloat16())
+    bias = nn.Parameter(_randn(6).bfloat16())
+    for p in (matrix, bias):
+        p.grad_dtype = None
+    opt = Muon([{"params": [matrix]}, {"params": [bias], "algorithm": "adamw"}], lr=0.02)
+    matrix.grad, bias.grad = _randn(8, 6), _randn(6)
+    before = _snapshot([matrix, bias])
+    with pytest.raises(
+        ValueError,
+        match=r"param group 1: param 0 \(shape \(6,\)\) has a torch.float32 grad for a "
+        "torch.bfloat16 param",
+    ):
+        opt.step()
+    _assert_nothing_stepped(opt, [matrix, bias], before)
+
+
 def test_fsdp_over_tensor_parallel_is_refused_naming_the_param():
     # The error named no param: "Muon supports Shard and Replicate placements but got: _S(0, 2)"
     from torch.distributed.fsdp import fully_shard

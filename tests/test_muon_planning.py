@@ -289,3 +289,23 @@ def test_size_one_axes_shard_nothing_and_local_launches_batch_across_buckets():
     assert [b.params for b in plan.buckets] == [(0, 1), (2, 3)]
     (cut,) = plan.local_exchanges((1, 2), frozenset({1, 2}))
     assert [len(batch.matrices) for batch in cut.batches] == [2] and cut.bucket == 0
+
+
+def test_plans_are_kept_for_a_few_sets_of_stepping_params_only():
+    # a different set of params with grads each step (LayerDrop) cached a plan per set,
+    # growing host memory without end
+    from muon.planning import ACTIVE_SETS_KEPT
+
+    plan = MuonPlan.build(_layouts(SPECS, 2, 0), 300)
+    exchanged = next(b for b in plan.buckets if b.axis is not None)
+    local = [i for b in plan.buckets if b.axis is None for i in b.params]
+    params = range(len(SPECS))
+    sets = [frozenset(p for p in params if p != skipped) for skipped in params]
+    for active in sets:
+        kept = plan.exchange(exchanged.index, active)
+        plan.local_exchanges(local, active)
+    assert len(plan._exchanges) == len(plan._locals) == ACTIVE_SETS_KEPT < len(sets)
+    assert plan.exchange(exchanged.index, sets[-1]) is kept  # the latest stay cached
+    # what a plan evicted and built again is the same plan
+    rebuilt = plan.exchange(exchanged.index, sets[0])
+    assert rebuilt == MuonPlan.build(_layouts(SPECS, 2, 0), 300).exchange(exchanged.index, sets[0])

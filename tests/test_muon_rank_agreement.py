@@ -137,3 +137,29 @@ def _crossing_meshes_rank(rank: int, world: int) -> None:
 
 def test_ranks_of_crossing_meshes_all_refuse_where_one_disagrees():
     run_on_ranks(_crossing_meshes_rank, 4)
+
+
+def _shard_laid_out_unlike_chunk_rank(rank: int, world: int) -> None:
+    # tensor_split's 4/3/3 rows of 10 where torch.chunk gives 4/4/2: ranks 1 and 2 refused
+    # their shards while rank 0, whose shard matched, waited in the agreement's gather
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(10, 6, generator=torch.Generator().manual_seed(0))
+    local = torch.tensor_split(full, world)[rank].clone()
+
+    def placed(t):
+        return DTensor.from_local(
+            t, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+
+    p = torch.nn.Parameter(placed(local))
+    p.grad = placed(torch.ones_like(local))
+    opt = Muon([p], lr=0.02)
+    expected = "is not torch.chunk's" if rank else "local shards laid out as torch.chunk's"
+    with pytest.raises(ValueError, match=expected):
+        opt.step()
+
+
+def test_a_shard_refused_on_some_ranks_is_refused_on_every_rank():
+    run_on_ranks(_shard_laid_out_unlike_chunk_rank, 3)
