@@ -465,6 +465,9 @@ class Muon(torch.optim.Optimizer):
         return {**state_dict, "param_groups": groups}
 
     def _finish_load(self, state_dict: dict[str, Any]) -> None:
+        # The loaded groups' momentum is where a scheduler would cycle it from: a resume
+        # with another momentum in its config warned that a scheduler had cycled it.
+        self._momentum_when_added = [g.get("momentum") for g in self.param_groups]
         for group in self.param_groups:
             if isinstance(group.get("ns_coefficients"), str):
                 group["ns_coefficients"] = NewtonSchulzSchedule.from_json(group["ns_coefficients"])

@@ -196,6 +196,22 @@ def test_no_momentum_warning_without_cycling(
         _scheduled_steps(make, cycle=False)
 
 
+def test_no_momentum_warning_after_loading_a_checkpoint_of_another_momentum() -> None:
+    # torch's load puts the checkpoint's momentum in every group; the AdamW group's then
+    # differed from the one it was added with, and the warning blamed a cyclic scheduler
+    model = _model()
+    saved = Muon(muon_param_groups(model), lr=1e-3, momentum=0.95)
+    _loss(model, 0).backward()
+    saved.step()
+    resumed = Muon(muon_param_groups(model), lr=1e-3, momentum=0.5)
+    resumed.load_state_dict(saved.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loss(model, 1).backward()
+        resumed.step()
+    assert [g["momentum"] for g in resumed.param_groups] == [0.95] * len(resumed.param_groups)
+
+
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24)], ids=["tall", "wide"])
 def test_bf16_matrices_update_alike_alone_or_batched(shape):
     """A batch of one returned a tall matrix's result as a transposed view, a larger batch
