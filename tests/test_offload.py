@@ -569,19 +569,23 @@ def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
         step.step_params([whole])
 
 
+def _overlapped(model, **options) -> CPUOffloadOptimizer:
+    """AdamW on `model` with overlap, in chunks of 1000 bytes and a ring of 2."""
+    return CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+        **options,
+    )
+
+
 def _overlapped_auto(model, iteration_ms, **options) -> CPUOffloadOptimizer:
     """AdamW on `model` with overlap and "auto", its steps timed `iteration_ms(opt)`, its
     backward 10 ms, its loads 200 bytes/ms (`FakeSearchTimer`)."""
     from fake_step_timer import FakeSearchTimer
 
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1000,
-        staging_slots=2,
-        overlap_forward=model,
-        gpu_resident_bytes="auto",
-        **options,
-    )
+    opt = _overlapped(model, gpu_resident_bytes="auto", **options)
     opt._auto.timer = FakeSearchTimer(lambda: iteration_ms(opt), 10.0, 200.0)
     return opt
 
@@ -694,11 +698,8 @@ def test_auto_reports_what_its_plan_loads_in_the_backward_and_holds():
     assert opt.backward_load_bytes is None  # True stays "the ring's" for later re-plans
     # what it reports, given as options, plans what it runs
     model = make_model()
-    again = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1000,
-        staging_slots=2,
-        overlap_forward=model,
+    again = _overlapped(
+        model,
         gpu_resident_bytes=choice.resident_bytes,
         load_in_backward=choice.backward_load_bytes,
     )
@@ -1081,13 +1082,7 @@ def test_settings_made_at_construction_refuse_a_write(name, value):
 
 def test_a_backward_byte_count_below_the_first_chunk_says_it_loads_nothing():
     model = make_model()
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=1000,
-        staging_slots=2,
-        overlap_forward=model,
-        load_in_backward=100,
-    )
+    opt = _overlapped(model, load_in_backward=100)
     with pytest.warns(UserWarning, match="load_in_backward=100 loads nothing in the backward"):
         train(model, opt, steps=2)
     assert not opt.schedule.loaded_in_backward
