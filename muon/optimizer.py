@@ -439,7 +439,7 @@ class Muon(torch.optim.Optimizer):
         post_hook = self.register_load_state_dict_post_hook(
             lambda optimizer: optimizer._finish_load(loaded[-1]), prepend=True
         )
-        before = {"state": self.state, "param_groups": self.param_groups}
+        before = dict(self.__dict__)  # the groups, state and what the load hooks set
         try:
             super().load_state_dict(state_dict)
         except BaseException:  # a bad schedule string, say: nothing loaded
@@ -704,6 +704,8 @@ class Muon(torch.optim.Optimizer):
         axes = []  # per mesh: the groups of its axes that hold several ranks, its device
         for _, p in sorted(meshes.items(), key=lambda item: item[0]):
             mesh = p.device_mesh
+            if mesh.get_coordinate() is None:  # not this rank's: `_layout` said so
+                continue
             groups = [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]
             if groups:
                 axes.append((groups, p.to_local().device))

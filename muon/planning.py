@@ -38,6 +38,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from muon.newton_schulz import (  # ns_flops and ns_workspace_numel re-exported for the planner
     NewtonSchulzSchedule,
@@ -49,8 +50,10 @@ from muon.newton_schulz import (  # ns_flops and ns_workspace_numel re-exported 
 # group (bf16): small enough to bound the workspace (512 MiB - 1 GiB
 # per rank is the usual budget), large enough to batch many matrices per all-to-all.
 DEFAULT_BUCKET_CAP_BYTES = 512 * 2**20
+_Plans = TypeVar("_Plans")
 ACTIVE_SETS_KEPT = 4
-"""`MuonPlan` keeps its exchange plans for this many latest sets of stepping params."""
+"""`MuonPlan` keeps each bucket's exchange plans for this many latest sets of stepping
+params."""
 # Who orthogonalizes a matrix under HSDP (a group option of `Muon`): "spread" gives each
 # matrix one owner over the whole mesh; "per_replica" one per replica, as plain FSDP
 # over each replica; "auto" spreads a bucket where `SpreadModel` says it pays.
@@ -544,14 +547,12 @@ class MuonPlan:
     """`ExchangePlan.gram_schedules` of every exchange plan."""
     ns_per_matrix: bool = False
     """`ExchangePlan.ns_per_matrix` of every exchange plan."""
-    _exchanges: dict[tuple[int, frozenset[int]], ExchangePlan] = field(
+    # Per bucket (per local params), its plans by the set of params stepping (`_cached`).
+    _exchanges: dict[int, OrderedDict[frozenset[int], ExchangePlan]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
-    _locals: dict[tuple[tuple[int, ...], frozenset[int]], tuple[ExchangePlan, ...]] = field(
+    _locals: dict[tuple[int, ...], OrderedDict[frozenset[int], tuple[ExchangePlan, ...]]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
-    )
-    _recent_active: OrderedDict[frozenset[int], None] = field(
-        default_factory=OrderedDict, compare=False, hash=False, repr=False
     )
 
     @classmethod
@@ -654,28 +655,31 @@ class MuonPlan:
             self.ns_per_matrix,
         )
 
-    def _keep_plans_of(self, active: frozenset[int]) -> None:
-        """Plans are kept for the `ACTIVE_SETS_KEPT` latest sets of stepping params: a run
-        whose grad-less params change every step (LayerDrop, experts that got no tokens)
-        grew the caches without end, where Muon holds its state and nothing else."""
-        recent = self._recent_active
-        if active in recent:
-            recent.move_to_end(active)
-            return
-        recent[active] = None
-        if len(recent) > ACTIVE_SETS_KEPT:
-            oldest, _ = recent.popitem(last=False)
-            for cache in (self._exchanges, self._locals):
-                for key in [key for key in cache if key[1] == oldest]:
-                    del cache[key]
+    @staticmethod
+    def _cached(
+        plans: OrderedDict[frozenset[int], _Plans],
+        active: frozenset[int],
+        build: Callable[[], _Plans],
+    ) -> _Plans:
+        """`plans`' entry for `active`, built if missing; the `ACTIVE_SETS_KEPT` latest
+        kept. A run whose grad-less params change every step (LayerDrop, experts that got
+        no tokens) grew the caches without end, where Muon holds its state and nothing
+        else; each bucket keeps its own latest, as each step asks every bucket once."""
+        plan = plans.get(active)
+        if plan is None:
+            plan = plans[active] = build()
+            if len(plans) > ACTIVE_SETS_KEPT:
+                plans.popitem(last=False)
+        else:
+            plans.move_to_end(active)
+        return plan
 
     def exchange(self, bucket: int, active: frozenset[int]) -> ExchangePlan:
         """This rank's exchange plan for `bucket` when only params in `active` step."""
-        self._keep_plans_of(active)
-        key = (bucket, active)
-        plan = self._exchanges.get(key)
-        if plan is None:
-            plan = self._exchanges[key] = plan_exchange(
+        return self._cached(
+            self._exchanges.setdefault(bucket, OrderedDict()),
+            active,
+            lambda: plan_exchange(
                 self.layouts,
                 self.buckets[bucket],
                 self.matrices[bucket],
@@ -683,8 +687,8 @@ class MuonPlan:
                 self.itemsize,
                 self.gram_schedules,
                 self.ns_per_matrix,
-            )
-        return plan
+            ),
+        )
 
     def local_exchanges(
         self, params: Sequence[int], active: frozenset[int]
@@ -696,33 +700,36 @@ class MuonPlan:
         offload chunk) batches its same-shape matrices whatever buckets they came
         from. Each launch is numbered by the plan bucket of its first param.
         """
-        self._keep_plans_of(active)
-        key = (tuple(params), active)
-        plans = self._locals.get(key)
-        if plans is None:
-            bucket_of = {i: b.index for b in self.buckets for i in b.params}
-            plans = []
-            for cut in plan_buckets(
-                [self.layouts[i] for i in params], self.cap_bytes, self.itemsize
-            ):
-                members = tuple(params[j] for j in cut.params)
-                if cut.axis is not None:
-                    raise ValueError(f"params {members} are exchanged, not local")
-                bucket = Bucket(bucket_of[members[0]], members, cut.mesh_key, None, cut.nbytes)
-                matrices = bucket_matrices(self.layouts, bucket, owner=0)
-                plans.append(
-                    plan_exchange(
-                        self.layouts,
-                        bucket,
-                        matrices,
-                        active,
-                        self.itemsize,
-                        self.gram_schedules,
-                        self.ns_per_matrix,
-                    )
+        params = tuple(params)
+        return self._cached(
+            self._locals.setdefault(params, OrderedDict()),
+            active,
+            lambda: self._plan_locals(params, active),
+        )
+
+    def _plan_locals(
+        self, params: tuple[int, ...], active: frozenset[int]
+    ) -> tuple[ExchangePlan, ...]:
+        bucket_of = {i: b.index for b in self.buckets for i in b.params}
+        plans = []
+        for cut in plan_buckets([self.layouts[i] for i in params], self.cap_bytes, self.itemsize):
+            members = tuple(params[j] for j in cut.params)
+            if cut.axis is not None:
+                raise ValueError(f"params {members} are exchanged, not local")
+            bucket = Bucket(bucket_of[members[0]], members, cut.mesh_key, None, cut.nbytes)
+            matrices = bucket_matrices(self.layouts, bucket, owner=0)
+            plans.append(
+                plan_exchange(
+                    self.layouts,
+                    bucket,
+                    matrices,
+                    active,
+                    self.itemsize,
+                    self.gram_schedules,
+                    self.ns_per_matrix,
                 )
-            plans = self._locals[key] = tuple(plans)
-        return plans
+            )
+        return tuple(plans)
 
     def step_units(self, adamw_params: int) -> tuple[tuple[str, int], ...]:
         """A step's units (`MuonStep.units`), identical on every rank, in order:

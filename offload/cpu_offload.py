@@ -840,7 +840,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # The saved groups' options choose the state (amsgrad, momentum): loaded first, what
         # the step keeps with them says which tensors go to the homes; a refused load puts
         # the old groups and state back.
-        before = {"state": self.optimizer.state, "param_groups": self.optimizer.param_groups}
+        # The inner optimizer's attributes, not only its groups and state: its own load
+        # hooks may set more (Muon's momentum baseline).
+        before = dict(self.optimizer.__dict__)
         self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         try:
             kept = self._kept_shapes()

@@ -522,10 +522,11 @@ class ForwardOverlap:
             return
         self._warned_rank_local_reads = True
         warnings.warn(
-            "a read of a param or optimizer state between step() and the next forward runs "
-            "the pending step's chunks now, and their updates communicate (Muon's "
-            "exchanges): every rank must make the same reads in the same order, or a read "
-            "on one rank alone (a log of a weight on rank 0) hangs every rank. Call "
+            "a read of a param or optimizer state (or a backward) between step() and the "
+            "next forward runs the pending step's chunks now, and their updates "
+            "communicate (Muon's exchanges): every rank must make the same reads in the "
+            "same order, or a read on one rank alone (a log of a weight on rank 0) hangs "
+            "every rank. Call "
             "optimizer.wait_for_optimizer_step() on every rank before such reads",
             stacklevel=user_stacklevel(),
         )

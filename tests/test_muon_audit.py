@@ -5,6 +5,7 @@ step ignores an enclosing autocast, and a scheduler cycling `momentum` into Adam
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 
@@ -210,6 +211,36 @@ def test_no_momentum_warning_after_loading_a_checkpoint_of_another_momentum() ->
         _loss(model, 1).backward()
         resumed.step()
     assert [g["momentum"] for g in resumed.param_groups] == [0.95] * len(resumed.param_groups)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_refused_load_leaves_the_momentum_warnings_baseline_as_it_was(offload) -> None:
+    # the refused load's momentum became the baseline while the groups went back: the next
+    # step warned that a scheduler had cycled the momentum
+    model = _model()
+    muon = Muon(muon_param_groups(model), lr=1e-3, momentum=0.95)
+    opt = CPUOffloadOptimizer(muon, chunk_bytes=CHUNK_BYTES) if offload else muon
+    _loss(model, 0).backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        group["momentum"] = 0.5
+    if offload:  # refused by the wrapper after the inner optimizer loaded the groups
+        entry = next(v for v in saved["state"].values() if "exp_avg" in v)
+        del entry["exp_avg"]
+    else:  # refused by a post-hook after torch's load
+        opt.register_load_state_dict_post_hook(_raise_refused)
+    with pytest.raises((KeyError, ValueError, RuntimeError)):
+        opt.load_state_dict(saved)
+    assert [g["momentum"] for g in muon.param_groups] == [0.95] * len(muon.param_groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loss(model, 1).backward()
+        opt.step()
+
+
+def _raise_refused(optimizer) -> None:
+    raise RuntimeError("refused by a post-hook")
 
 
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24)], ids=["tall", "wide"])

@@ -297,15 +297,22 @@ def test_plans_are_kept_for_a_few_sets_of_stepping_params_only():
     from muon.planning import ACTIVE_SETS_KEPT
 
     plan = MuonPlan.build(_layouts(SPECS, 2, 0), 300)
-    exchanged = next(b for b in plan.buckets if b.axis is not None)
+    exchanged = [b.index for b in plan.buckets if b.axis is not None]
     local = [i for b in plan.buckets if b.axis is None for i in b.params]
+    assert len(exchanged) > ACTIVE_SETS_KEPT  # each step asks every bucket once
     params = range(len(SPECS))
     sets = [frozenset(p for p in params if p != skipped) for skipped in params]
+
+    def step(active):
+        plans = [plan.exchange(b, active) for b in exchanged]
+        return plans, plan.local_exchanges(local, active)
+
     for active in sets:
-        kept = plan.exchange(exchanged.index, active)
-        plan.local_exchanges(local, active)
-    assert len(plan._exchanges) == len(plan._locals) == ACTIVE_SETS_KEPT < len(sets)
-    assert plan.exchange(exchanged.index, sets[-1]) is kept  # the latest stay cached
-    # what a plan evicted and built again is the same plan
-    rebuilt = plan.exchange(exchanged.index, sets[0])
-    assert rebuilt == MuonPlan.build(_layouts(SPECS, 2, 0), 300).exchange(exchanged.index, sets[0])
+        kept = step(active)
+        assert step(active)[0] == kept[0]  # the next step with these grads: no new plan
+        assert all(a is b for a, b in zip(step(active)[0], kept[0], strict=True))
+    cached = [len(plans) for plans in (*plan._exchanges.values(), *plan._locals.values())]
+    assert cached == [ACTIVE_SETS_KEPT] * (len(exchanged) + 1) and len(sets) > ACTIVE_SETS_KEPT
+    # a plan evicted and built again is the same plan
+    fresh = MuonPlan.build(_layouts(SPECS, 2, 0), 300)
+    assert plan.exchange(exchanged[0], sets[0]) == fresh.exchange(exchanged[0], sets[0])

@@ -163,3 +163,23 @@ def _shard_laid_out_unlike_chunk_rank(rank: int, world: int) -> None:
 
 def test_a_shard_refused_on_some_ranks_is_refused_on_every_rank():
     run_on_ranks(_shard_laid_out_unlike_chunk_rank, 3)
+
+
+def _outside_a_mesh_rank(rank: int, world: int) -> None:
+    # rank 2 holds a param of a mesh of ranks 0 and 1: its own error, not torch's
+    # IndexError from asking that mesh for its groups
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)])
+    opt = Muon([p], lr=0.02)
+    if rank < 2:
+        opt.step()
+        return
+    with pytest.raises(ValueError, match="this rank is not in the mesh"):
+        opt.step()
+
+
+def test_a_rank_outside_a_params_mesh_is_told_so():
+    run_on_ranks(_outside_a_mesh_rank, 3)
