@@ -717,7 +717,7 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon"
             for i in range(len(group["params"]))
         )
-        check_ranks_agree(dataclasses.replace(description, labels=labels), axes)
+        check_ranks_agree(dataclasses.replace(description, labels=labels), axes, len(meshes))
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:

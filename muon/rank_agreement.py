@@ -79,12 +79,15 @@ def _field(values: tuple[Any, ...], field: str) -> str:
 def check_ranks_agree(
     description: PlanDescription,
     meshes: Sequence[tuple[Sequence[dist.ProcessGroup], torch.device]],
+    all_meshes: int,
 ) -> None:
     """Raise on every rank of `meshes` (each the groups of a mesh's axes, with the device
     its collectives run on; every rank passes its meshes in the same order) if any two
     ranks of one mesh describe their plans differently. Each mesh's digests are gathered
     axis after axis, so that every rank of the mesh holds all of them and decides alike
-    (a rank whose own axis agreed would otherwise wait on one that raised)."""
+    (a rank whose own axis agreed would otherwise wait on one that raised). `all_meshes`:
+    how many meshes the params have in all, the same on every rank (a rank may be in
+    fewer of them)."""
     refusal = None  # raised once every mesh is checked: a rank must not leave a peer waiting
     for groups, device in meshes:
         digests = _gather_over_mesh((dist.get_rank(), description.digest()), groups, device)
@@ -104,7 +107,7 @@ def check_ranks_agree(
             "give the optimizer the same params (global shapes, dtypes, placements, in the "
             "same groups and order: freeze a param on every rank or none) and the same settings"
         )
-    if len(meshes) > 1 and _seen_anywhere(refusal is not None, meshes):
+    if all_meshes > 1 and meshes and _seen_anywhere(refusal is not None, meshes, all_meshes):
         # meshes that cross: a rank whose own meshes agree waits on peers that refuse
         raise refusal or ValueError(
             "ranks of another mesh of this optimizer's Muon params do not build the same "
@@ -116,12 +119,13 @@ def check_ranks_agree(
 
 
 def _seen_anywhere(
-    seen: bool, meshes: Sequence[tuple[Sequence[dist.ProcessGroup], torch.device]]
+    seen: bool, meshes: Sequence[tuple[Sequence[dist.ProcessGroup], torch.device]], rounds: int
 ) -> bool:
     """Whether any rank of any of `meshes` saw `seen`: a flag reduced over every axis of
-    every mesh, once a mesh, so that it crosses from mesh to mesh to every rank."""
+    every mesh of this rank, `rounds` times (the meshes in all: every rank as many), so
+    that it crosses from mesh to mesh to every rank."""
     flag = torch.tensor([int(seen)], device=meshes[0][1])
-    for _ in meshes:
+    for _ in range(rounds):
         for groups, device in meshes:
             flag = flag.to(device)
             for group in groups:

@@ -183,3 +183,24 @@ def _outside_a_mesh_rank(rank: int, world: int) -> None:
 
 def test_a_rank_outside_a_params_mesh_is_told_so():
     run_on_ranks(_outside_a_mesh_rank, 3)
+
+
+def _outside_one_of_crossing_meshes_rank(rank: int, world: int) -> None:
+    # params on meshes [0, 1] and [1, 2]: ranks 0 and 2 are outside one each and refuse;
+    # rank 1, in both, waited in the crossing flag's reductions for rounds they never ran
+    from torch.distributed.device_mesh import DeviceMesh
+
+    params = []
+    for ranks in ([0, 1], [1, 2]):
+        mesh = DeviceMesh("cpu", ranks)
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.ones(8, 6), mesh, [Shard(0)])
+        params.append(p)
+    opt = Muon(params, lr=0.02)
+    expected = "do not build the same Muon plan" if rank == 1 else "this rank is not in the mesh"
+    with pytest.raises(ValueError, match=expected):
+        opt.step()
+
+
+def test_ranks_outside_one_of_crossing_meshes_all_refuse():
+    run_on_ranks(_outside_one_of_crossing_meshes_rank, 3)
