@@ -668,10 +668,9 @@ class Muon(torch.optim.Optimizer):
             try:
                 self._check_ranks_agree(description, entries, refused)
             except ValueError:
-                if refused is not None:
-                    raise refused from None
-                raise
-            if refused is not None:
+                if refused is None:
+                    raise
+            if refused is not None:  # this rank's own error, whatever its peers said
                 raise refused
             itemsize = self.ns_dtype.itemsize
             self._plan = MuonPlan.build(

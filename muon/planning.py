@@ -46,11 +46,12 @@ from muon.newton_schulz import (  # ns_flops and ns_workspace_numel re-exported 
     ns_workspace_numel,
 )
 
+_Plans = TypeVar("_Plans")  # what `MuonPlan._cached` keeps per set of stepping params
+
 # Default cap on the bytes of full matrices a bucket holds on one exchange
 # group (bf16): small enough to bound the workspace (512 MiB - 1 GiB
 # per rank is the usual budget), large enough to batch many matrices per all-to-all.
 DEFAULT_BUCKET_CAP_BYTES = 512 * 2**20
-_Plans = TypeVar("_Plans")
 ACTIVE_SETS_KEPT = 4
 """`MuonPlan` keeps each bucket's exchange plans for this many latest sets of stepping
 params."""
