@@ -435,7 +435,14 @@ def sym_matmul(
     power = 0 if scale is None else scale_power
     scale_arg = out if scale is None else scale  # never read when SCALE_POWER is 0
     scalars = (float(alpha), float(beta), float(diag))
-    dense = x.is_contiguous() and y.is_contiguous() and (k * x.element_size()) % 16 == 0
+    # a TMA descriptor needs 16-byte aligned rows and base addresses
+    dense = (
+        x.is_contiguous()
+        and y.is_contiguous()
+        and (k * x.element_size()) % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and y.data_ptr() % 16 == 0
+    )
     if cfg.tma and dense:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -446,6 +446,21 @@ def test_gpu_fp64_reference(kind, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_dense_input_at_an_unaligned_address():
+    # A contiguous matrix 2 bytes into its storage (a view into a flat buffer) takes the
+    # pointer kernel: a TMA descriptor needs a 16-byte aligned base (it failed an assert).
+    from muon.ns_triton import LARGE_CONFIG, sym_matmul
+
+    flat = _gpu_input((2048 * 256 + 8,), seed=5)
+    aligned = flat[8:].view(2048, 256)
+    shifted = flat[1 : 1 + 2048 * 256].view(2048, 256)
+    ref = sym_matmul(shifted.clone(), config=LARGE_CONFIG)
+    assert torch.equal(sym_matmul(shifted, config=LARGE_CONFIG), ref)
+    assert torch.equal(sym_matmul(aligned, config=LARGE_CONFIG), sym_matmul(aligned.clone()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
 def test_gpu_every_config():
     # Each config is correct and computes the default config's bits: a configuration is a
     # choice of speed, never of result (bench.sym_kernel's `bits` column says the same).
