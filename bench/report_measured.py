@@ -247,6 +247,23 @@ def _writeback_paths(d: dict[str, Any]) -> Table:
     return ["write-back path", "thread blocks", "GiB/s", "trainer's .item() ms"], rows
 
 
+def _triton_launch(d: dict[str, Any]) -> Table:
+    rows = [
+        [f"{r['m']} x {r['k']}", r["config"], r["arm"]]
+        + (
+            [f"failed: {r['error']}", "", ""]
+            if "error" in r
+            else [_fmt(r["host_us_median"]), _fmt(r["host_us_min"]), _bits(r["bit_equal"])]
+        )
+        for r in d["rows"]
+    ]
+    return ["m x k", "config", "arm", "host us/call", "min", "bits"], rows
+
+
+def _bits(equal: bool | None) -> str:
+    return "" if equal is None else ("equal" if equal else "DIFFER")
+
+
 def _machine_drift(d: dict[str, Any]) -> Table:
     rows = [
         [name, *(_fmt(r[k], 2) for k in ("median", "p10", "p90", "min", "max")),
@@ -287,6 +304,7 @@ BENCHES = (  # longest prefix first: offload_step is a suffix of muon_offload_st
     Bench("ns_aspect", "python -m bench.newton_schulz --aspect-sweep", _ns_aspect),
     Bench("ns_accuracy", "python -m bench.ns_accuracy", _ns_accuracy),
     Bench("sym_kernel", "python -m bench.sym_kernel", _sym_kernel),
+    Bench("triton_launch", "python -m bench.triton_launch", _triton_launch),
     Bench("plan_vs_measured", "python -m bench.plan_vs_measured", _plan_vs_measured),
     Bench("train_step", "python -m bench.train_step", _train_step, _train_step_config),
     Bench("writeback_paths", "python -m bench.writeback_paths", _writeback_paths),

@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['host_us_median']:>12.2f} {r['host_us_min']:>7.2f} {bits}"
         )
     if args.json:
-        write_json(args.json, {"run": run_info(), "calls": args.calls, **result})
+        write_json(
+            args.json,
+            {"device": torch.cuda.get_device_name(), "run": run_info(), "calls": args.calls}
+            | result,
+        )
 
 
 if __name__ == "__main__":
