@@ -1466,15 +1466,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _say_what_auto_chose(self, choice: ResidencyChoice) -> None:
         self._auto = None
-        if self._executor.plan is not None:
-            # What runs, not the split's label: a split's backward bytes are a cap (True
-            # loads a ring's worth under a label of 0), and the ring may outgrow a budget.
-            running = OffloadedStep(self._executor.plan, self._executor.schedule)
-            choice = dataclasses.replace(
-                choice,
-                backward_load_bytes=running.backward_load_bytes,
-                held_bytes=running.held_bytes,
-            )
+        # What runs, not the split's label: a split's backward bytes are a cap (True loads
+        # a ring's worth under a label of 0), and the ring may outgrow a budget. After a
+        # failed re-plan no plan is held: the one the next step builds again.
+        running = (
+            self._planned_now()
+            if self._executor.plan is None
+            else OffloadedStep(self._executor.plan, self._executor.schedule)
+        )
+        choice = dataclasses.replace(
+            choice,
+            backward_load_bytes=running.backward_load_bytes,
+            held_bytes=running.held_bytes,
+        )
         self.residency = choice
         self.gpu_resident_bytes = choice.resident_bytes
         budget = self._gpu_budget_bytes  # the user's: a measured one is passed by design

@@ -862,6 +862,9 @@ def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before
     assert opt.residency is not None and opt._auto is None
     assert (opt.residency.resident_bytes, opt.residency.backward_load_bytes) == (0, 0)
     assert opt.plan.resident_bytes == 0 and len(builds) == 3  # planned anew, once
+    # what it reports holding is what the plan it steps holds, not the failed split's label
+    held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
+    assert opt.residency.held_bytes == held > 0
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
