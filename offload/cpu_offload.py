@@ -786,9 +786,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's `state_dict`, with the hooks registered on the wrapper
-        called around it as `torch.optim.Optimizer.state_dict` calls them."""
+        called around it as `torch.optim.Optimizer.state_dict` calls them. After an
+        interrupted step or load it warns: the state it returns is not a whole step's."""
         self._warn_if_state_read_runs_collectives()
         self.wait_for_optimizer_step()
+        if self._interrupted is not None:  # a "checkpoint on Ctrl-C" handler saves this
+            warnings.warn(
+                f"state_dict() returns state that is not whole: {self._interrupted}",
+                stacklevel=user_stacklevel(),
+            )
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self.optimizer.state_dict()
