@@ -453,8 +453,10 @@ class Muon(torch.optim.Optimizer):
         """`state_dict` with the keys torch's checkpoints lack (`_OWN_GROUP_KEYS`) taken, where
         a saved group lacks them, from the group it replaces, not the defaults: a
         torch.optim.AdamW checkpoint loaded into an AdamW group stays AdamW, a
-        torch.optim.Muon one keeps the declared `row_blocks`. The caller's dict is not
-        changed. Unchanged where the group counts differ: torch's load says how."""
+        torch.optim.Muon one keeps the declared `row_blocks`. The declared `row_blocks`
+        are kept over a checkpoint's too (they describe the model), with a warning where
+        they differ. The caller's dict is not changed. Unchanged where the group counts
+        differ: torch's load says how."""
         saved_groups = state_dict.get("param_groups", [])
         if len(saved_groups) != len(self.param_groups):
             return state_dict
@@ -462,6 +464,18 @@ class Muon(torch.optim.Optimizer):
             {**{k: group[k] for k in _OWN_GROUP_KEYS if k in group}, **saved}
             for group, saved in zip(self.param_groups, saved_groups, strict=True)
         ]
+        for index, (group, loaded) in enumerate(zip(self.param_groups, groups, strict=True)):
+            declared = group.get("row_blocks")
+            if _blocks(loaded.get("row_blocks")) != _blocks(declared):
+                warnings.warn(
+                    f"param group {index}: the checkpoint's row_blocks "
+                    f"{loaded.get('row_blocks')} differ from the declared {declared}; the "
+                    "declared ones describe the model and are kept (the momentum does not "
+                    "depend on them)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            loaded["row_blocks"] = declared
         return {**state_dict, "param_groups": groups}
 
     def _finish_load(self, state_dict: dict[str, Any]) -> None:

@@ -587,6 +587,38 @@ def test_loads_a_torch_muon_state_dict_and_continues_bitwise():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_resume_keeps_the_declared_row_blocks_and_says_where_the_checkpoint_differs(offload):
+    # row_blocks describe the model: a run resumed after declaring a fused param's blocks
+    # (a warning told the user to) steps as if they had been declared from the checkpoint
+    # on; loading took the checkpoint's None silently.
+    def build(params, row_blocks):
+        groups = [{"params": params[:1], "row_blocks": row_blocks}, {"params": params[1:]}]
+        opt = Muon(groups, lr=0.02, ns_dtype=torch.float32)
+        return CPUOffloadOptimizer(opt, chunk_bytes=1) if offload else opt
+
+    first = _params([(64, 16), (16, 32)])
+    opt = build(first, None)
+    _run(opt, first, steps=2)
+    checkpoint = copy.deepcopy(opt.state_dict())
+    resumed, declared = _params([(64, 16), (16, 32)]), _params([(64, 16), (16, 32)])
+    for p, q, r in zip(first, resumed, declared, strict=True):
+        q.data.copy_(p)
+        r.data.copy_(p)
+    opt, ref = build(resumed, (32, 32)), build(declared, (32, 32))
+    with pytest.warns(UserWarning, match=r"group 0: the checkpoint's row_blocks None differ"):
+        opt.load_state_dict(checkpoint)
+    assert opt.param_groups[0]["row_blocks"] == (32, 32)
+    without_blocks = copy.deepcopy(checkpoint)  # as a torch.optim.Muon checkpoint: no key
+    for group in without_blocks["param_groups"]:
+        del group["row_blocks"]
+    ref.load_state_dict(without_blocks)
+    _run(opt, resumed, steps=2, seed=5)
+    _run(ref, declared, steps=2, seed=5)
+    for p, q in zip(resumed, declared, strict=True):
+        assert torch.equal(p, q)
+
+
 def test_torch_muon_loads_our_state_dict_and_continues_bitwise():
     # our ns_steps=None went into the state dict, and torch's step compared it with an int
     ours, theirs = _params(SHAPES), _params(SHAPES)
