@@ -281,6 +281,20 @@ def _check_each_param_once(optimizer: torch.optim.Optimizer) -> None:
             seen[param] = (g, k)
 
 
+def _refuse_differentiable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse `differentiable=True`: its step is part of the autograd graph (through the
+    params and the state), which the chunked step's detached stand-ins and host homes cut."""
+    for g, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            raise ValueError(
+                f"param group {g} of the wrapped {type(optimizer).__name__} has "
+                "differentiable=True: its step is recorded by autograd through the params "
+                "and state, and CPUOffloadOptimizer steps detached copies and keeps the "
+                "state in host memory, which cuts that graph. Do not offload a "
+                "differentiable optimizer"
+            )
+
+
 AMP_SCALING_ATTRIBUTES = ("grad_scale", "found_inf")
 """What `torch.amp.GradScaler.step` sets on an optimizer with `_step_supports_amp_scaling`
 (fused Adam, AdamW, SGD, Adagrad) for its `step()` call and deletes after: its step reads
@@ -470,6 +484,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "the params are on the meta device (a model not materialized yet): build and "
                 "wrap the optimizer after model.to_empty(device=...) and the weights' init"
             )
+        _refuse_differentiable(optimizer)
         self._subset = subset_step_for(optimizer)
         self._refuse_a_patched_step()
         if self._subset is None and (gpu_resident_bytes != 0 or gpu_budget_bytes is not None):
@@ -592,6 +607,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _check_step_inputs(self) -> None:
         """Refuse, before anything changes, a step the wrapper cannot take exactly."""
         self._refuse_a_patched_step()
+        _refuse_differentiable(self.optimizer)
         current = [p for group in self.optimizer.param_groups for p in group["params"]]
         if len(current) != len(self._params) or any(
             a is not b for a, b in zip(current, self._params, strict=True)

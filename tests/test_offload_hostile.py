@@ -1257,3 +1257,19 @@ def test_a_post_hook_a_load_pre_hook_registers_runs_in_that_load_as_torch_runs_i
 
 def _backward_three(model: torch.nn.Module) -> None:
     model(torch.randn(2, 8, generator=torch.Generator().manual_seed(0))).sum().backward()
+
+
+def test_a_differentiable_optimizer_is_refused_at_wrapping_and_at_a_step():
+    # differentiable=True records the step in autograd: non-leaf params failed deep in a
+    # dry run ("grad_dtype can only be accessed on leaf tensors"), leaf params stepped
+    # where torch refuses, and the chunked step's detached stand-ins cut the graph.
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"group 0 of the wrapped Adam has differentiable=True"):
+        CPUOffloadOptimizer(torch.optim.Adam(model.parameters(), differentiable=True))
+    opt = CPUOffloadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt.param_groups[0]["differentiable"] = True
+    model(torch.ones(1, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"group 0 of the wrapped SGD has differentiable=True"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
