@@ -570,11 +570,43 @@ class Muon(torch.optim.Optimizer):
         check_max_inflight(self.max_inflight)
         check_collect_timings(self.collect_timings)
         _check_each_param_once(self.param_groups)
-        # Every group's grads before any group steps: a refused step changes nothing.
+        # Every group's grads and momentum before any group steps: a refused step changes
+        # nothing.
         for index, group in enumerate(self.param_groups):
             _check_grads(group, index)
+            if group["algorithm"] == "muon":
+                self._check_momentum(group, index)
         self._warn_adamw_momentum()
         return MuonStep(self, self._muon_plan())
+
+    def _check_momentum(self, group: dict[str, Any], index: int) -> None:
+        """A momentum buffer assigned by hand: of the param's local shape, or refused naming
+        the param (the step failed partway, the earlier params' momentum updated); of
+        another float dtype, taken in fp32 as a load takes it."""
+        for k, p in enumerate(group["params"]):
+            buf = self.state[p].get("momentum_buffer") if p in self.state else None
+            if buf is None:
+                continue
+            local = _local(p)
+            if not (
+                isinstance(buf, Tensor)
+                and buf.is_floating_point()
+                and isinstance(buf, DTensor) == isinstance(p, DTensor)
+                and _local(buf).shape == local.shape
+            ):
+                got = (
+                    f"{type(buf).__name__} {tuple(buf.shape)} {buf.dtype}"
+                    if isinstance(buf, Tensor)
+                    else type(buf).__name__
+                )
+                raise ValueError(
+                    f"param group {index}: param {k} (shape {tuple(p.shape)}) has a "
+                    f"momentum_buffer {got}, where the step keeps a float32 tensor placed as "
+                    f"the param (local shape {tuple(local.shape)}); assign one such, or "
+                    "delete the entry to start from zeros"
+                )
+            if buf.dtype != torch.float32:
+                self.state[p]["momentum_buffer"] = buf.to(torch.float32)
 
     def _warn_adamw_momentum(self) -> None:
         """Warn once if an AdamW group's `momentum` changed since the group was added: OneCycleLR

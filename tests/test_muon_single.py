@@ -762,3 +762,27 @@ def test_plan_models_the_gram_workspace(monkeypatch):
     assert planned == measured
     standard = ns_workspace_numel([(3, 48, 48), (1, 40, 56), (1, 24, 72)], per_matrix=True)
     assert planned > standard
+
+
+def test_momentum_assigned_by_hand_is_taken_in_fp32_or_refused_before_anything_steps():
+    # torch.optim.Muon's bf16 buffer copied in by hand failed the step at that param
+    # ("expected dtype c10::BFloat16"), after the earlier params' momentum had moved.
+    ours, theirs = _params(SHAPES), _params(SHAPES)
+    opt, ref = Muon(ours, lr=0.02), Muon(theirs, lr=0.02)
+    _run(opt, ours, steps=1)
+    _run(ref, theirs, steps=1)
+    last = ours[-1]
+    bf16 = opt.state[last]["momentum_buffer"].bfloat16()
+    opt.state[last]["momentum_buffer"] = bf16
+    ref.state[theirs[-1]]["momentum_buffer"] = bf16.float()
+    _run(opt, ours, steps=2, seed=7)
+    _run(ref, theirs, steps=2, seed=7)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+    opt.state[last]["momentum_buffer"] = torch.zeros(3)
+    before = {p: opt.state[p]["momentum_buffer"].clone() for p in ours[:-1]}
+    with pytest.raises(ValueError, match=r"param group 0: param \d+ .* momentum_buffer Tensor"):
+        _run(opt, ours, steps=1)
+    for p, buf in before.items():
+        assert torch.equal(opt.state[p]["momentum_buffer"], buf)
