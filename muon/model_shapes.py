@@ -4,8 +4,8 @@ Three sources give the same thing, a tuple of `ParamShape` in the order
 `named_parameters()` would yield them: a Hugging Face style `config.json`
 (dense and MoE decoders: Qwen3 / Qwen3-MoE / Llama-like attention, DeepSeek
 MLA), a live `nn.Module`, or a built-in preset. Names follow Hugging Face, so
-`muon.muon_param_groups`' AdamW patterns (embed, lm_head, norm, bias, router
-`gate.weight`) classify them; routed experts are 3-D stacks (E, out, in) named
+`muon.muon_param_groups`' AdamW rules (embed, lm_head, norm, bias, a router
+`gate` beside `experts`) classify them; routed experts are 3-D stacks (E, out, in) named
 `...mlp.experts.{gate,up,down}_proj`, as `muon.Muon` takes them.
 
 `meta_module` turns shapes back into an `nn.Module` on the meta device, so the

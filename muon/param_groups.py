@@ -11,16 +11,16 @@ from torch import nn
 
 # Names of params Muon should not orthogonalize even though they are matrices:
 # embeddings and the output head (Keller Jordan, Moonlight: a weight whose module is
-# named lm_head, head, output, classifier or score), norms, biases, MoE routers
-# ("router", or a bare `gate` module next to the experts) and state-space models' log
-# decay rates (Mamba's `A_log`, channels x states: a table of scalars, not a linear map).
+# named lm_head, head, output, classifier or score), norms, biases, MoE routers named
+# "router" (a router named `gate` is found by module: `_moe_gates`) and state-space
+# models' log decay rates (Mamba's `A_log`, channels x states: a table of scalars, not a
+# linear map).
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"embed",
     r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",
     r"norm",
     r"bias",
     r"router",
-    r"(^|\.)gate\.weight$",
     r"(^|\.)A_log$",
 )
 # Names of params that usually hold several logical matrices (q|k|v, gate|up): Phi3's
@@ -67,6 +67,19 @@ def _output_heads(model: nn.Module) -> list[nn.Module]:
     return heads
 
 
+def _moe_gates(model: nn.Module) -> set[int]:
+    """Params of MoE routers named `gate` (Mixtral, Qwen-MoE, OLMoE, DeepSeek): a `gate`
+    module beside `experts` (a module or an expert stack). A `gate` elsewhere (a gated
+    layer's projection) is a linear map, for Muon."""
+    routers: set[int] = set()
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        beside = "experts" in children or "experts" in dict(parent.named_parameters(recurse=False))
+        if "gate" in children and beside:
+            routers |= {id(p) for p in children["gate"].parameters()}
+    return routers
+
+
 def _gate_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Row blocks of recurrent gate weights, by param name: nn.LSTM's and nn.GRU's
     `weight_ih_l*` / `weight_hh_l*` (their cells': `weight_ih` / `weight_hh`) stack 4 / 3
@@ -96,7 +109,8 @@ def muon_param_groups(
     vectors (a side of at most 1: a ViT's class token (1, 1, d), RWKV's time-mix
     weights, whose orthogonalization would only normalize them), its name
     matches one of `adamw_patterns` (regular expressions, `re.search`; by default
-    embeddings, the output head, norms, biases and routers), a module of a type in
+    embeddings, the output head, norms, biases and routers), it is an MoE router's (a
+    module `gate` beside `experts`), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
     3d and their transposes: a conv weight is a kernel, not a stack of matrices), or
     the `get_output_embeddings()` of the model or of any of its modules (as transformers'
@@ -149,6 +163,7 @@ def muon_param_groups(
         id(p) for m in model.modules() if isinstance(m, adamw_modules) for p in m.parameters()
     }
     by_module |= {id(p) for head in _output_heads(model) for p in head.parameters()}
+    by_module |= _moe_gates(model)
     gates = _gate_row_blocks(model)
     for name, p in model.named_parameters():
         outside = "frozen" if not p.requires_grad else None

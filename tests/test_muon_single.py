@@ -786,3 +786,27 @@ def test_momentum_assigned_by_hand_is_taken_in_fp32_or_refused_before_anything_s
         _run(opt, ours, steps=1)
     for p, buf in before.items():
         assert torch.equal(opt.state[p]["momentum_buffer"], buf)
+
+
+def test_a_gate_is_a_router_only_beside_experts():
+    # D-FINE's and DEIMv2's `self.gate = nn.Linear(2 d, 2 d)` is a gated layer's linear map;
+    # a `gate` next to `experts` (Mixtral, Qwen-MoE, OLMoE) is an MoE router, for AdamW.
+    class Gated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(16, 16, bias=False)
+
+    class Moe(torch.nn.Module):
+        def __init__(self, stacked: bool) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(16, 4, bias=False)
+            if stacked:
+                self.experts = torch.nn.Parameter(torch.zeros(4, 8, 16))
+            else:
+                self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 8) for _ in range(4))
+
+    model = torch.nn.ModuleDict({"fuse": Gated(), "mlp": Moe(False), "moe": Moe(True)})
+    (muon, adamw) = muon_param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert "fuse.gate.weight" in {names[id(p)] for p in muon["params"]}
+    assert {"mlp.gate.weight", "moe.gate.weight"} <= {names[id(p)] for p in adamw["params"]}
