@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -473,7 +474,7 @@ class Muon(torch.optim.Optimizer):
                     "declared ones describe the model and are kept (the momentum does not "
                     "depend on them)",
                     UserWarning,
-                    stacklevel=4,
+                    stacklevel=_user_stacklevel(),
                 )
             loaded["row_blocks"] = declared
         return {**state_dict, "param_groups": groups}
@@ -580,19 +581,27 @@ class Muon(torch.optim.Optimizer):
         return MuonStep(self, self._muon_plan())
 
     def _check_momentum(self, group: dict[str, Any], index: int) -> None:
-        """A momentum buffer assigned by hand: of the param's local shape, or refused naming
-        the param (the step failed partway, the earlier params' momentum updated); of
-        another float dtype, taken in fp32 as a load takes it."""
+        """A momentum buffer assigned by hand: of the param's shape and placements, or
+        refused naming the param (the step failed partway, the earlier params' momentum
+        updated); of another float dtype, taken in fp32 as a load takes it; None, taken as
+        no buffer (zeros). Its device is not checked: offloaded, it lives in host memory."""
         for k, p in enumerate(group["params"]):
-            buf = self.state[p].get("momentum_buffer") if p in self.state else None
-            if buf is None:
+            if p not in self.state or "momentum_buffer" not in self.state[p]:
                 continue
-            local = _local(p)
+            buf = self.state[p]["momentum_buffer"]
+            if buf is None:  # the reset idiom: from zeros, as a deleted entry
+                del self.state[p]["momentum_buffer"]
+                continue
+            # Global shape and placements, not to_local() (10 us a DTensor, every step).
+            placed = isinstance(buf, DTensor) == isinstance(p, DTensor) and (
+                not isinstance(p, DTensor)
+                or (buf.device_mesh == p.device_mesh and buf.placements == p.placements)
+            )
             if not (
                 isinstance(buf, Tensor)
                 and buf.is_floating_point()
-                and isinstance(buf, DTensor) == isinstance(p, DTensor)
-                and _local(buf).shape == local.shape
+                and placed
+                and buf.shape == p.shape
             ):
                 got = (
                     f"{type(buf).__name__} {tuple(buf.shape)} {buf.dtype}"
@@ -601,9 +610,9 @@ class Muon(torch.optim.Optimizer):
                 )
                 raise ValueError(
                     f"param group {index}: param {k} (shape {tuple(p.shape)}) has a "
-                    f"momentum_buffer {got}, where the step keeps a float32 tensor placed as "
-                    f"the param (local shape {tuple(local.shape)}); assign one such, or "
-                    "delete the entry to start from zeros"
+                    f"momentum_buffer {got}, where the step keeps a float32 tensor of the "
+                    f"param's shape, placed as the param ({_placements_text(p)}); assign one "
+                    "such, or delete the entry to start from zeros"
                 )
             if buf.dtype != torch.float32:
                 self.state[p]["momentum_buffer"] = buf.to(torch.float32)
@@ -945,6 +954,21 @@ def _check_sharded_matrices(group: dict[str, Any], index: int) -> None:
             except ValueError as error:
                 where = f"param group {index}: param {k} (shape {tuple(p.shape)})"
                 raise ValueError(f"{where}: {error}") from None
+
+
+def _user_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, called from a warning's site, that points at the
+    first caller outside this library and torch (as offload.forward_overlap's: muon
+    imports nothing of offload)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+        "offload",
+        "muon",
+        "muon_offload",
+        "torch",
+    ):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _placements_text(t: Tensor) -> str:

@@ -780,6 +780,12 @@ def test_momentum_assigned_by_hand_is_taken_in_fp32_or_refused_before_anything_s
     for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+    opt.state[last]["momentum_buffer"] = None  # the reset idiom: zeros, as a fresh entry
+    ref.state[theirs[-1]].pop("momentum_buffer")
+    _run(opt, ours, steps=1, seed=9)
+    _run(ref, theirs, steps=1, seed=9)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
     opt.state[last]["momentum_buffer"] = torch.zeros(3)
     before = {p: opt.state[p]["momentum_buffer"].clone() for p in ours[:-1]}
     with pytest.raises(ValueError, match=r"param group 0: param \d+ .* momentum_buffer Tensor"):
