@@ -285,6 +285,7 @@ class ElementwiseGroupStep(GroupStep):
         self._own_scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': their own
         self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
         self._flat_grads: dict[Tensor, Tensor] = {}  # of sliced params still to step
+        self._per_tensor = _stepped_per_tensor(optimizer, self._group_of, self._grads)
 
     def step_params(self, params: Collection[Tensor]) -> None:
         self.step_slices(params, ())
@@ -372,16 +373,50 @@ class ElementwiseGroupStep(GroupStep):
 
     def _implementation(self, group: int, stand_ins: list[tuple[Tensor, Tensor]]) -> dict:
         """Pin the foreach choice torch would make for the real params (DTensors, say):
-        stand-ins are plain tensors and could get a different (differently rounded) one."""
+        stand-ins are plain tensors and could get a different (differently rounded) one.
+        Where torch's call on the whole group steps a dtype's params one tensor at a time
+        (`_stepped_per_tensor`), a chunk of them steps so too."""
         captured = self._groups[group]
-        if "foreach" not in captured or captured["foreach"] is not None or captured.get("fused"):
+        if captured.get("fused"):
+            return {}
+        params = [p for p, _ in stand_ins if self._group_of[p] == group]
+        if any((group, p.dtype) in self._per_tensor for p in params):
+            return {"foreach": False}
+        if "foreach" not in captured or captured["foreach"] is not None:
             return {}
         # Private API (torch 2.11, 2.13): the default foreach/fused choice for these params.
         from torch.optim.optimizer import _default_to_fused_or_foreach
 
-        params = [p for p, _ in stand_ins if self._group_of[p] == group]
         _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
         return {"foreach": foreach}
+
+
+def _stepped_per_tensor(
+    optimizer: torch.optim.Optimizer,
+    group_of: Mapping[Tensor, int],
+    grads: Mapping[Tensor, Tensor | None],
+) -> set[tuple[int, torch.dtype]]:
+    """(group, dtype) whose params torch's foreach step, called on the whole group, steps
+    per tensor for a property of the whole (device, dtype) bucket (torch 2.11, 2.13):
+    SGD's momentum where a param in it has no buffer yet (`_multi_tensor_sgd`), Adagrad
+    where one has a sparse grad (`_multi_tensor_adagrad`). A chunk without that param
+    would take the foreach ops, which round otherwise in half precision on the CPU."""
+    sgd = isinstance(optimizer, torch.optim.SGD)
+    if not (sgd or isinstance(optimizer, torch.optim.Adagrad)):
+        return set()
+    groups = optimizer.param_groups
+    found = set()
+    for param, group in group_of.items():
+        grad = grads.get(param)
+        if grad is None:
+            continue
+        if sgd:
+            fresh = optimizer.state.get(param, {}).get("momentum_buffer") is None
+            if groups[group]["momentum"] != 0 and fresh and not grad.is_sparse:
+                found.add((group, param.dtype))
+        elif grad.is_sparse:
+            found.add((group, param.dtype))
+    return found
 
 
 def _kept_dtype(kept: Any, shape: torch.Size, dtype: torch.dtype) -> torch.dtype:

@@ -1273,3 +1273,41 @@ def test_a_differentiable_optimizer_is_refused_at_wrapping_and_at_a_step():
     with pytest.raises(ValueError, match=r"group 0 of the wrapped SGD has differentiable=True"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum_made_late", "adagrad_sparse_grad"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_group_torch_steps_per_tensor_is_stepped_so_in_every_chunk(case, dtype):
+    # torch's foreach SGD makes a group's momentum per tensor while one param in it has no
+    # buffer yet, and foreach Adagrad steps a group per tensor where one grad is sparse;
+    # the chunks without that param took the foreach ops, which round otherwise in half
+    # precision on the CPU.
+    def build():
+        gen = torch.Generator().manual_seed(0)
+        model = torch.nn.ModuleDict(
+            {"embed": torch.nn.Embedding(16, 8, sparse=case == "adagrad_sparse_grad")}
+            | {f"lin{i}": torch.nn.Linear(8, 8) for i in range(3)}
+        ).to(dtype)
+        for p in model.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen))
+        if case == "sgd_momentum_made_late":
+            return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        return model, torch.optim.Adagrad(model.parameters(), lr=0.1, foreach=True)
+
+    (plain_model, plain), (model, inner) = build(), build()
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=64)
+    for step in range(3):
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            tokens = torch.arange(4) + step
+            h = m["embed"](tokens)
+            for i in range(3):
+                if not (i == 0 and step == 0):  # lin0 gets its first grad at step 1
+                    h = m[f"lin{i}"](h)
+            h.float().square().mean().backward()
+            o.step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        for key, value in plain.state[a].items():
+            assert torch.equal(opt.state[b][key], value), key
