@@ -10,7 +10,9 @@ trainer's. This measures, per call, the host time of:
 - `compiled[grid]`: relaunching the `CompiledKernel` that `kernel[grid](...)` returned
   (private Triton API: skips the argument binding and cache lookup);
 - `compiled.run`: its low-level launcher with stream and metadata fetched once;
-- `torch.mm` and `torch.add` (1 element): cuBLAS and an ATen launch, for scale.
+- `torch.mm` and `torch.add` (1 element): cuBLAS and an ATen launch, for scale;
+- `zeropower / 10`: a whole `zeropower_triton` call (Polar Express, 5 iterations: 10
+  symmetric products, 5 cuBLAS products, the norm), per product.
 
 The device is kept busy (`torch.cuda._sleep`) while the calls are timed, so a launch
 never waits for the GPU and the perf_counter time is host time only. Each arm's output
@@ -29,6 +31,7 @@ import torch
 
 from bench.report import run_info, write_json
 from muon import ns_triton
+from muon.ns_schedules import SCHEDULES
 
 SHAPES = [(2048, 2048), (1024, 5632), (512, 2048)]
 """(m, k) of 0.85B Llama's matrices as Newton-Schulz sees them (m <= k)."""
@@ -124,6 +127,8 @@ def _arms(
     one = torch.zeros(1, device="cuda")
     arms["torch.mm"] = lambda: torch.mm(a, b, out=mm_out)
     arms["torch.add"] = lambda: one.add_(1.0)
+    schedule = SCHEDULES["polar_express"]
+    arms["zeropower / 10"] = lambda: ns_triton.zeropower_triton(x, schedule, 1e-7)
     return arms, errors, out, ref, cfg.name
 
 
@@ -137,7 +142,10 @@ def run(calls: int, repeats: int) -> dict:
             call()
             torch.cuda.synchronize()
             same = torch.equal(out, ref) if name.startswith(("sym", "jit", "compiled")) else None
-            us = _host_us(call, calls, repeats)
+            if name == "zeropower / 10":  # ~20 launches a call: the launch queue's room
+                us = [u / 10 for u in _host_us(call, max(calls // 20, 1), repeats)]
+            else:
+                us = _host_us(call, calls, repeats)
             rows.append(
                 dict(m=m, k=k, config=config, arm=name, host_us_median=statistics.median(us),
                      host_us_min=min(us), host_us=us, bit_equal=same)

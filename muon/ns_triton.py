@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -371,6 +372,88 @@ def _check(x: Tensor) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _SymLaunch:
+    """A `sym_matmul` launch of checked (batch, m, k) operands: the configuration, grid
+    and upcast, worked out once for every product of one Newton-Schulz call (each costs
+    host time at every launch, which the overlapped step pays on the forward's path)."""
+
+    m: int
+    k: int
+    cfg: SymConfig
+    grid: tuple[int, int]
+    upcast: bool
+
+    @classmethod
+    def of(cls, batch: int, m: int, k: int, config: SymConfig | str | None) -> _SymLaunch:
+        cfg = CONFIGS[config] if isinstance(config, str) else config or config_for(m, k)
+        rows = -(-m // (cfg.block * cfg.height))  # tile rows of `_tile_of`
+        grid = (cfg.height * rows * (rows + 1) // 2, batch)
+        # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: upcast there.
+        return cls(m, k, cfg, grid, _interpreting())
+
+    def descriptors(self, x: Tensor, y: Tensor) -> tuple[Any, Any] | None:
+        """TMA descriptors of x and y (x: one for both, where it can), or None where the
+        pointer kernel runs: no TMA configuration, or operands TMA cannot address (it
+        needs contiguous operands with 16-byte aligned rows and base addresses)."""
+        cfg, (batch, m, k) = self.cfg, x.shape
+        dense = (
+            x.is_contiguous()
+            and y.is_contiguous()
+            and (k * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0
+            and y.data_ptr() % 16 == 0
+        )
+        if not (cfg.tma and dense):
+            return None
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(
+            x.view(batch * m, k), [cfg.height * cfg.block, cfg.block_k]
+        )
+        if y is x and cfg.height == 1:
+            return x_desc, x_desc
+        return x_desc, TensorDescriptor.from_tensor(y.view(batch * m, k), [cfg.block, cfg.block_k])
+
+    def __call__(
+        self,
+        x: Tensor,
+        y: Tensor,
+        c: Tensor | None,
+        out: Tensor,
+        scale: Tensor | None,
+        scale_power: int,
+        alpha: float,
+        beta: float,
+        diag: float,
+        descriptors: tuple[Any, Any] | None,
+    ) -> None:
+        """out = `sym_matmul(x, c, alpha, beta, y=y, diag=diag, scale=scale, ...)`;
+        `descriptors`: `self.descriptors(x, y)`, made once per buffer by a caller that
+        launches on the same buffers again."""
+        cfg, m, k = self.cfg, self.m, self.k
+        has_c = c is not None
+        cc = c if has_c else out  # never read when HAS_C is False
+        power = 0 if scale is None else scale_power
+        scale_arg = out if scale is None else scale  # never read when SCALE_POWER is 0
+        scalars = (float(alpha), float(beta), float(diag))
+        if descriptors is not None:
+            _sym_kernel_tma[self.grid](
+                *descriptors, cc, out, scale_arg, m, k, *cc.stride(), *out.stride(), *scalars,
+                HAS_C=has_c, SCALE_POWER=power, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
+                UPCAST=self.upcast, GROUP=cfg.group, HEIGHT=cfg.height,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+        else:
+            _sym_kernel[self.grid](
+                x, y, cc, out, scale_arg, m, k, *x.stride(), *y.stride(), *cc.stride(),
+                *out.stride(), *scalars,
+                HAS_C=has_c, SCALE_POWER=power, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block,
+                BLOCK_K=cfg.block_k, UPCAST=self.upcast, GROUP=cfg.group, HEIGHT=cfg.height,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+
+
 def sym_matmul(
     x: Tensor,
     c: Tensor | None = None,
@@ -423,58 +506,8 @@ def sym_matmul(
         raise ValueError(f"scale must be a contiguous float32 tensor of shape ({batch},)")
     if scale_power not in (1, 2):
         raise ValueError(f"scale_power should be 1 or 2 but is: {scale_power}")
-    if isinstance(config, str):
-        config = CONFIGS[config]
-    cfg = config or config_for(m, k)
-    rows = -(-m // (cfg.block * cfg.height))  # tile rows of `_tile_of`
-    grid = (cfg.height * rows * (rows + 1) // 2, batch)
-    has_c = c is not None
-    # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: upcast there only.
-    upcast = _interpreting()
-    cc = c if has_c else out  # never read when HAS_C is False
-    power = 0 if scale is None else scale_power
-    scale_arg = out if scale is None else scale  # never read when SCALE_POWER is 0
-    scalars = (float(alpha), float(beta), float(diag))
-    # a TMA descriptor needs 16-byte aligned rows and base addresses
-    dense = (
-        x.is_contiguous()
-        and y.is_contiguous()
-        and (k * x.element_size()) % 16 == 0
-        and x.data_ptr() % 16 == 0
-        and y.data_ptr() % 16 == 0
-    )
-    if cfg.tma and dense:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        block = [cfg.block, cfg.block_k]
-        x_block = [cfg.height * cfg.block, cfg.block_k]
-        x_desc = TensorDescriptor.from_tensor(x.view(batch * m, k), x_block)
-        y_desc = (
-            x_desc
-            if same and cfg.height == 1
-            else TensorDescriptor.from_tensor(y.view(batch * m, k), block)
-        )
-        _sym_kernel_tma[grid](
-            x_desc, y_desc, cc, out, scale_arg, m, k,
-            cc.stride(0), cc.stride(1), cc.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            *scalars,
-            HAS_C=has_c, SCALE_POWER=power, BLOCK=cfg.block, BLOCK_K=cfg.block_k,
-            UPCAST=upcast, GROUP=cfg.group, HEIGHT=cfg.height,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-    else:
-        _sym_kernel[grid](
-            x, y, cc, out, scale_arg, m, k,
-            x.stride(0), x.stride(1), x.stride(2),
-            y.stride(0), y.stride(1), y.stride(2),
-            cc.stride(0), cc.stride(1), cc.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            *scalars,
-            HAS_C=has_c, SCALE_POWER=power, EVEN_K=k % cfg.block_k == 0, BLOCK=cfg.block,
-            BLOCK_K=cfg.block_k, UPCAST=upcast, GROUP=cfg.group, HEIGHT=cfg.height,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+    launch = _SymLaunch.of(batch, m, k, config)
+    launch(x, y, c, out, scale, scale_power, alpha, beta, diag, launch.descriptors(x, y))
     return out.squeeze(0) if squeeze else out
 
 
@@ -538,10 +571,14 @@ def zeropower_triton(
         inv_norm = None
         x = _normalized(x, norm, dtype)
         buffers = [torch.empty_like(x), x]  # step 0 writes over the other buffer
+    # What the products share, and each buffer's TMA descriptors, made once.
+    gram_of, square = _SymLaunch.of(batch, m, n, config), _SymLaunch.of(batch, m, m, config)
+    x_descriptors = {t.data_ptr(): gram_of.descriptors(t, t) for t in (x, *buffers)}
+    gram_descriptors = square.descriptors(gram, gram)
     for step, (a, b, c) in enumerate(schedule.coefficients):
         scale = inv_norm if step == 0 else None
-        sym_matmul(x, out=gram, scale=scale, scale_power=2, config=config)
-        sym_matmul(gram, gram, alpha=c, beta=b, diag=a, scale=scale, out=poly, config=config)
+        gram_of(x, x, None, gram, scale, 2, 1.0, 0.0, 0.0, x_descriptors[x.data_ptr()])
+        square(gram, gram, gram, poly, scale, 1, c, b, a, gram_descriptors)
         x = torch.bmm(poly, x, out=buffers[step % 2])
     return _restored(x, tall, squeeze)
 

@@ -290,6 +290,46 @@ def test_interp_normalized_is_torch_division_bitwise(shape, dtype):
             assert ((out.float() - exact).abs() <= BF16_ULP * exact.abs()).all(), (shape, dtype)
 
 
+def _zeropower_by_public_sym_matmul(x, schedule, eps, dtype, config):
+    """zeropower_triton's iteration written with public `sym_matmul` calls, each checking
+    its operands and making its own TMA descriptors (what zeropower_triton did before it
+    made them once per call)."""
+    from muon.ns_schedules import matrix_norms
+    from muon.ns_triton import _normalized, _oriented, _restored, sym_matmul
+
+    x, tall, squeeze = _oriented(x)
+    norm = matrix_norms(x, torch.float32).view(x.size(0)) * schedule.norm_scale
+    norm = norm.clamp(min=eps)
+    inv_norm = norm.reciprocal() if dtype == x.dtype else None
+    if inv_norm is None:
+        x = _normalized(x, norm, dtype)
+    for step, (a, b, c) in enumerate(schedule.coefficients):
+        scale = inv_norm if step == 0 else None
+        gram = sym_matmul(x, scale=scale, scale_power=2, config=config)
+        poly = sym_matmul(gram, gram, alpha=c, beta=b, diag=a, scale=scale, config=config)
+        x = torch.bmm(poly, x)
+    return _restored(x, tall, squeeze)
+
+
+def _check_zeropower_launches_once(device, configs):
+    from muon.ns_triton import zeropower_triton
+
+    schedule = SCHEDULES["polar_express"]
+    gen = torch.Generator().manual_seed(4)
+    for shape in [(40, 72), (72, 40), (3, 33, 64)]:
+        for dtype in (torch.float16, torch.bfloat16):  # bf16: normalized into fp16 first
+            x = torch.randn(*shape, generator=gen).to(device, dtype)
+            for config in configs:
+                fast = zeropower_triton(x, schedule, 1e-7, dtype=torch.float16, config=config)
+                ref = _zeropower_by_public_sym_matmul(x, schedule, 1e-7, torch.float16, config)
+                assert torch.equal(fast, ref), (shape, dtype, config)
+
+
+@interp
+def test_interp_zeropower_is_its_products_launched_one_by_one():
+    _check_zeropower_launches_once("cpu", _interp_configs())
+
+
 @interp
 @pytest.mark.parametrize("algorithm", ["standard", "gram"])
 def test_interp_batch_invariant(algorithm):
@@ -442,6 +482,14 @@ def test_gpu_fp64_reference(kind, name):
     sv_fast = torch.linalg.svdvals(fast.float())
     assert abs(sv_fast.max().item() - sv_plain.max().item()) <= 0.05
     assert abs(sv_fast.min().item() - sv_plain.min().item()) <= 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
+def test_gpu_zeropower_is_its_products_launched_one_by_one():
+    from muon.ns_triton import CONFIGS
+
+    _check_zeropower_launches_once("cuda", list(CONFIGS.values()))
 
 
 @pytest.mark.gpu
