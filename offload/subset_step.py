@@ -285,14 +285,16 @@ class ElementwiseGroupStep(GroupStep):
         self._own_scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': their own
         self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
         self._flat_grads: dict[Tensor, Tensor] = {}  # of sliced params still to step
-        self._per_tensor = _stepped_per_tensor(optimizer, self._group_of, self._grads)
+        self._fresh_momentum, self._sparse = _per_tensor_buckets(
+            optimizer, self._group_of, self._grads
+        )
 
     def step_params(self, params: Collection[Tensor]) -> None:
         self.step_slices(params, ())
 
     def step_slices(self, params: Collection[Tensor], slices: Sequence[ParamSlice]) -> None:
         state = self._optimizer.state
-        stand_ins = []
+        stand_ins, unmade = [], []
         try:  # whatever raises, no stand-in stays in the optimizer's state
             for param, piece in [(p, None) for p in params] + [(s.param, s) for s in slices]:
                 if self._grad(param) is None:  # the full step skips a param without a grad
@@ -302,8 +304,9 @@ class ElementwiseGroupStep(GroupStep):
                 state[stand_in] = entries
             if stand_ins:
                 groups = {self._group_of[p] for p, _ in stand_ins}
+                unmade = self._unmade_momentum(stand_ins)
                 self._step_narrowed(
-                    [(t, self._group_of[p]) for p, t in stand_ins],
+                    [(t, self._group_of[p]) for p, t in stand_ins] + unmade,
                     {g: self._implementation(g, stand_ins) for g in groups},
                 )
         finally:
@@ -311,6 +314,8 @@ class ElementwiseGroupStep(GroupStep):
                 # as torch, no entry for a param the step keeps no state for (SGD, momentum 0)
                 if stepped := state.pop(stand_in, {}):
                     state[p].update(stepped)
+            for empty, _ in unmade:
+                state.pop(empty, None)
         # A caller holding a sliced param's `state[param]["step"]` reads the result in it.
         for param in {s.param: None for s in slices}:
             for key, own in self._own_scalars.get(param, {}).items():
@@ -371,16 +376,31 @@ class ElementwiseGroupStep(GroupStep):
                 done.append(piece.param)
         return done
 
+    def _unmade_momentum(self, stand_ins: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, int]]:
+        """An empty param with a grad and no momentum buffer for each (group, dtype) of
+        these stand-ins whose bucket torch steps with a buffer still to be made
+        (`_per_tensor_buckets`): the chunk's call then takes torch's own mixed path (its
+        momentum per tensor, the rest foreach: nesterov adds into the grads in place)."""
+        buckets = {(self._group_of[p], t.dtype, t.device) for p, t in stand_ins}
+        unmade = []
+        for group, dtype, device in buckets:
+            # fused SGD decides otherwise (all buffers unmade or none): no stand-in for it
+            if (group, dtype) in self._fresh_momentum and not self._groups[group].get("fused"):
+                empty = torch.empty(0, dtype=dtype, device=device)
+                empty.grad = torch.empty_like(empty)
+                unmade.append((empty, group))
+        return unmade
+
     def _implementation(self, group: int, stand_ins: list[tuple[Tensor, Tensor]]) -> dict:
         """Pin the foreach choice torch would make for the real params (DTensors, say):
         stand-ins are plain tensors and could get a different (differently rounded) one.
-        Where torch's call on the whole group steps a dtype's params one tensor at a time
-        (`_stepped_per_tensor`), a chunk of them steps so too."""
+        Where torch's Adagrad steps a dtype's params one tensor at a time for the whole
+        group (`_per_tensor_buckets`), a chunk of them steps so too."""
         captured = self._groups[group]
         if captured.get("fused"):
             return {}
         params = [p for p, _ in stand_ins if self._group_of[p] == group]
-        if any((group, p.dtype) in self._per_tensor for p in params):
+        if any((group, p.dtype) in self._sparse for p in params):  # Adagrad's whole step
             return {"foreach": False}
         if "foreach" not in captured or captured["foreach"] is not None:
             return {}
@@ -391,32 +411,34 @@ class ElementwiseGroupStep(GroupStep):
         return {"foreach": foreach}
 
 
-def _stepped_per_tensor(
+def _per_tensor_buckets(
     optimizer: torch.optim.Optimizer,
     group_of: Mapping[Tensor, int],
     grads: Mapping[Tensor, Tensor | None],
-) -> set[tuple[int, torch.dtype]]:
-    """(group, dtype) whose params torch's foreach step, called on the whole group, steps
-    per tensor for a property of the whole (device, dtype) bucket (torch 2.11, 2.13):
-    SGD's momentum where a param in it has no buffer yet (`_multi_tensor_sgd`), Adagrad
-    where one has a sparse grad (`_multi_tensor_adagrad`). A chunk without that param
-    would take the foreach ops, which round otherwise in half precision on the CPU."""
+) -> tuple[set[tuple[int, torch.dtype]], set[tuple[int, torch.dtype]]]:
+    """(group, dtype) buckets torch's foreach step, called on the whole group, takes down
+    a per-tensor path for a property of the whole bucket (torch 2.11, 2.13): SGD's
+    momentum update where a param in it has no buffer yet (`_multi_tensor_sgd`; the rest
+    of its step stays foreach), and all of Adagrad's step where one has a sparse grad
+    (`_multi_tensor_adagrad`). A chunk without that param would take the foreach ops,
+    which round otherwise in half precision on the CPU. Returns (SGD's, Adagrad's)."""
     sgd = isinstance(optimizer, torch.optim.SGD)
+    fresh: set[tuple[int, torch.dtype]] = set()
+    sparse: set[tuple[int, torch.dtype]] = set()
     if not (sgd or isinstance(optimizer, torch.optim.Adagrad)):
-        return set()
+        return fresh, sparse
     groups = optimizer.param_groups
-    found = set()
     for param, group in group_of.items():
         grad = grads.get(param)
         if grad is None:
             continue
         if sgd:
-            fresh = optimizer.state.get(param, {}).get("momentum_buffer") is None
-            if groups[group]["momentum"] != 0 and fresh and not grad.is_sparse:
-                found.add((group, param.dtype))
+            unmade = optimizer.state.get(param, {}).get("momentum_buffer") is None
+            if groups[group]["momentum"] != 0 and unmade and not grad.is_sparse:
+                fresh.add((group, param.dtype))
         elif grad.is_sparse:
-            found.add((group, param.dtype))
-    return found
+            sparse.add((group, param.dtype))
+    return fresh, sparse
 
 
 def _kept_dtype(kept: Any, shape: torch.Size, dtype: torch.dtype) -> torch.dtype:
