@@ -722,33 +722,61 @@ class _PendingReads(TorchFunctionMode):
         """
         here = threading.get_ident()
         if self._thread is not None and self._thread != here:
-            with _ORPHANS_LOCK:
-                orphans = _ORPHANS.setdefault(self._thread, [])
-                if not any(mode is self for mode in orphans):  # once, however often
-                    orphans.append(self)
+            _orphan(self._thread, [self])
             return
         with _ORPHANS_LOCK:
             orphans = _ORPHANS.pop(here, ())
-        leaving = [self, *(mode for mode in orphans if mode is not self)]
-        ids = {id(mode) for mode in leaving}
-        found = set()
-        for mode in [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]:
-            if id(mode) in ids:
-                found.add(id(mode))
-            else:
-                torch._C._push_on_torch_function_stack(mode)
-        late = [m for m in leaving if id(m) not in found and m._thread == here]
-        for mode in leaving:
-            if mode not in late:
-                mode._thread = None
-        if late:
-            with _ORPHANS_LOCK:
-                _ORPHANS.setdefault(here, []).extend(late)
+        _take_off_stack([self, *(mode for mode in orphans if mode is not self)], here)
+
+
+def _take_off_stack(leaving: list[_PendingReads], here: int) -> None:
+    """Take `leaving` off this thread's stack; those not on it (inside their own dispatch,
+    which torch takes them off for) stay orphans of this thread."""
+    ids = {id(mode) for mode in leaving}
+    found = set()
+    for mode in [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]:
+        if id(mode) in ids:
+            found.add(id(mode))
+        else:
+            torch._C._push_on_torch_function_stack(mode)
+    late = [m for m in leaving if id(m) not in found and m._thread == here]
+    for mode in leaving:
+        if mode not in late:
+            mode._thread = None
+    if late:
+        _orphan(here, late)
+
+
+def _orphan(thread: int, modes: list[_PendingReads]) -> None:
+    """`modes`, switched off, are to come off `thread`'s stack: by the next push or pop of
+    a pending-read mode there, or by the next module call there (a global forward
+    pre-hook, held while any thread has orphans: a wrapper closed or collected on
+    another thread has no hooks of its own left to do it)."""
+    global _DRAIN_HOOK
+    with _ORPHANS_LOCK:
+        orphans = _ORPHANS.setdefault(thread, [])
+        orphans += [m for m in modes if not any(m is o for o in orphans)]  # once each
+        if _DRAIN_HOOK is None:
+            _DRAIN_HOOK = nn.modules.module.register_module_forward_pre_hook(_drain_orphans)
+
+
+def _drain_orphans(module: nn.Module, args: Any) -> None:
+    here = threading.get_ident()
+    if here in _ORPHANS:  # a racy read is fine: the lock decides below
+        with _ORPHANS_LOCK:
+            orphans = _ORPHANS.pop(here, [])
+        _take_off_stack(orphans, here)
+    global _DRAIN_HOOK
+    with _ORPHANS_LOCK:
+        if not _ORPHANS and _DRAIN_HOOK is not None:
+            _DRAIN_HOOK.remove()
+            _DRAIN_HOOK = None
 
 
 _ORPHANS: dict[int, list[_PendingReads]] = {}
 """Per thread, pending-read modes switched off where they could not be taken off its stack."""
 _ORPHANS_LOCK = threading.Lock()
+_DRAIN_HOOK: RemovableHandle | None = None
 
 
 def _outside_transforms() -> contextlib.AbstractContextManager[None]:

@@ -347,6 +347,35 @@ def test_a_dropped_optimizer_is_collected_with_its_slabs(overlap, close):
     assert all(torch.equal(a, b) for a, b in pairs) != lost
 
 
+@pytest.mark.parametrize("how", ["close", "collect"])
+def test_a_wrapper_closed_or_collected_on_another_thread_leaves_no_mode_on_the_trainers(how):
+    # A watchdog's close(), or a gc.collect() on another thread freeing a wrapper held in a
+    # cycle: the pending-read mode, on the trainer thread's stack, was left there for good
+    # (its own hooks, which would have taken it off, went with it), and every torch call
+    # paid for it (nn.MultiheadAttention lost its fast path).
+    import threading
+
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
+    )
+    run(model, opt, batches(2))  # the last step still pending: the mode is on this stack
+    assert torch._C._len_torch_function_stack() == 1
+    if how == "close":
+        worker = threading.Thread(target=opt.close)
+    else:
+        opt.cycle = opt  # only the cycle collector frees it
+        del opt
+        worker = threading.Thread(target=gc.collect)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # collected with a step pending
+        worker.start()
+        worker.join()
+    model(batches(1)[0])  # the next module call on this thread takes it off
+    assert torch._C._len_torch_function_stack() == 0
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # and the drain goes too
+
+
 def test_a_dropped_wrapper_leaves_no_hooks_on_the_optimizer_it_wrapped():
     # the optimizer outlives its wrapper (wrapped anew): each wrapper left two hooks on it
     model = make_model()
