@@ -281,6 +281,29 @@ def _check_each_param_once(optimizer: torch.optim.Optimizer) -> None:
             seen[param] = (g, k)
 
 
+def _refuse_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse the optimizer's steps until a `load_state_dict`: its wrapper was collected
+    with an overlapped step pending, which left params and state apart (step pre-hooks
+    run in its own `step()` and in any wrapper's)."""
+
+    name = type(optimizer).__name__  # the hooks hold no reference to it: no cycle
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError(
+            f"this {name}'s CPUOffloadOptimizer was collected with an "
+            "overlapped step pending: the chunks that had run updated their params but not "
+            "their state, the others nothing, and that cannot be finished. Restore the "
+            "model and this optimizer from a checkpoint (load_state_dict clears this)"
+        )
+
+    def loaded(_: torch.optim.Optimizer) -> None:
+        step_hook.remove()
+        load_hook.remove()
+
+    step_hook = optimizer.register_step_pre_hook(refuse)
+    load_hook = optimizer.register_load_state_dict_post_hook(loaded)
+
+
 def _refuse_differentiable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse `differentiable=True`: its step is part of the autograd graph (through the
     params and the state), which the chunked step's detached stand-ins and host homes cut."""
@@ -527,6 +550,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(optimizer).__name__} has none (it would take the serial path)"
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._params, self._streams)
+            self._overlap.dropped_pending.append(functools.partial(_refuse_steps, optimizer))
         self._insist_on_backward_loads = load_in_backward is True
         # Default with overlap (not "auto"): the backward loads what the forward first waits for.
         self._load_first_wait = (

@@ -263,7 +263,11 @@ class ForwardOverlap:
         self._warned_slow_path = False
         self._warned_no_forward_end = False
         handles = _register_hooks(model, self.owners, fast_path, weakref.ref(self))
-        self._remove_hooks = weakref.finalize(self, _remove, handles, self._reads)
+        self.dropped_pending: list[Callable[[], None]] = []
+        """Called if this object is collected with a step pending (none may hold it)."""
+        self._remove_hooks = weakref.finalize(
+            self, _remove, handles, self._reads, self.dropped_pending
+        )
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
 
     def close(self) -> None:
@@ -1048,17 +1052,25 @@ def _register_hooks(
     return handles
 
 
-def _remove(handles: list[RemovableHandle], reads: _PendingReads) -> None:
+def _remove(
+    handles: list[RemovableHandle],
+    reads: _PendingReads,
+    dropped_pending: Sequence[Callable[[], None]] = (),
+) -> None:
     for handle in handles:
         handle.remove()
     if reads.step_pending:  # the optimizer was dropped (collected) with a step pending
         warnings.warn(
             "a CPUOffloadOptimizer with forward overlap was collected with a step pending: "
-            "that step's remaining chunks never ran, so some params and state missed their "
-            "last update. Call wait_for_optimizer_step() or close() before dropping it",
+            "the chunks that had run updated their params, but their state never went "
+            "home, and the others never ran, so params and state disagree; the wrapped "
+            "optimizer refuses to step until load_state_dict. Call "
+            "wait_for_optimizer_step() or close() before dropping it",
             RuntimeWarning,
             stacklevel=2,
         )
+        for dropped in dropped_pending:
+            dropped()
     reads.pop()
 
 

@@ -376,6 +376,39 @@ def test_a_wrapper_closed_or_collected_on_another_thread_leaves_no_mode_on_the_t
     assert not torch.nn.modules.module._global_forward_pre_hooks  # and the drain goes too
 
 
+def test_an_optimizer_whose_wrapper_was_dropped_with_a_step_pending_refuses_to_step():
+    # The chunks that had run left their params updated and their state in staging slots
+    # (never home), the others nothing: a new wrapper on the same optimizer, or the optimizer
+    # itself, went on stepping from params and state one step apart.
+    import copy
+
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=1, overlap_forward=model)
+    run(model, opt, batches(1))
+    opt.wait_for_optimizer_step()
+    checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    run(model, opt, batches(2))  # its last step pending, its first chunks run in step()
+    with pytest.warns(RuntimeWarning, match="collected with a step pending.*params and state"):
+        del opt
+        gc.collect()
+    model(batches(1)[0]).sum().backward()
+    with pytest.raises(RuntimeError, match=r"AdamW's CPUOffloadOptimizer was collected with"):
+        inner.step()
+    again = CPUOffloadOptimizer(inner, chunk_bytes=1, overlap_forward=model)
+    with pytest.raises(RuntimeError, match=r"load_state_dict clears this"):
+        again.step()
+    model.load_state_dict(checkpoint[0])
+    again.load_state_dict(checkpoint[1])
+    plain_model = make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    run(plain_model, plain, batches(3))
+    run(model, again, batches(3)[1:])
+    again.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_dropped_wrapper_leaves_no_hooks_on_the_optimizer_it_wrapped():
     # the optimizer outlives its wrapper (wrapped anew): each wrapper left two hooks on it
     model = make_model()
