@@ -297,11 +297,11 @@ def _refuse_steps(optimizer: torch.optim.Optimizer) -> None:
         )
 
     def loaded(_: torch.optim.Optimizer) -> None:
+        # Only the step hook goes: torch iterates the load hooks' own dict around this one.
         step_hook.remove()
-        load_hook.remove()
 
     step_hook = optimizer.register_step_pre_hook(refuse)
-    load_hook = optimizer.register_load_state_dict_post_hook(loaded)
+    optimizer.register_load_state_dict_post_hook(loaded)
 
 
 def _refuse_differentiable(optimizer: torch.optim.Optimizer) -> None:

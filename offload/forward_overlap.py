@@ -733,9 +733,9 @@ class _PendingReads(TorchFunctionMode):
         _take_off_stack([self, *(mode for mode in orphans if mode is not self)], here)
 
 
-def _take_off_stack(leaving: list[_PendingReads], here: int) -> None:
-    """Take `leaving` off this thread's stack; those not on it (inside their own dispatch,
-    which torch takes them off for) stay orphans of this thread."""
+def _take_off_stack(leaving: list[_PendingReads], here: int, keep_late: bool = True) -> None:
+    """Take `leaving` off this thread's stack; with `keep_late`, those not on it (inside
+    their own dispatch, which torch takes them off for) stay orphans of this thread."""
     ids = {id(mode) for mode in leaving}
     found = set()
     for mode in [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]:
@@ -743,7 +743,7 @@ def _take_off_stack(leaving: list[_PendingReads], here: int) -> None:
             found.add(id(mode))
         else:
             torch._C._push_on_torch_function_stack(mode)
-    late = [m for m in leaving if id(m) not in found and m._thread == here]
+    late = [m for m in leaving if id(m) not in found and m._thread == here and keep_late]
     for mode in leaving:
         if mode not in late:
             mode._thread = None
@@ -765,21 +765,26 @@ def _orphan(thread: int, modes: list[_PendingReads]) -> None:
 
 
 def _drain_orphans(module: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():  # traced by Dynamo: the next eager call drains
+        return
     here = threading.get_ident()
-    if here in _ORPHANS:  # a racy read is fine: the lock decides below
-        with _ORPHANS_LOCK:
-            orphans = _ORPHANS.pop(here, [])
-        _take_off_stack(orphans, here)
     global _DRAIN_HOOK
     with _ORPHANS_LOCK:
+        orphans = _ORPHANS.pop(here, [])
+        # A thread that ended took its stack with it (and its id may be taken again).
+        alive = {thread.ident for thread in threading.enumerate()}
+        for ended in [t for t in _ORPHANS if t not in alive]:
+            del _ORPHANS[ended]
         if not _ORPHANS and _DRAIN_HOOK is not None:
             _DRAIN_HOOK.remove()
             _DRAIN_HOOK = None
+    # A module call is outside any mode's dispatch: what is not on the stack is gone.
+    _take_off_stack(orphans, here, keep_late=False)
 
 
 _ORPHANS: dict[int, list[_PendingReads]] = {}
 """Per thread, pending-read modes switched off where they could not be taken off its stack."""
-_ORPHANS_LOCK = threading.Lock()
+_ORPHANS_LOCK = threading.RLock()  # a collection inside it may run another finalizer
 _DRAIN_HOOK: RemovableHandle | None = None
 
 

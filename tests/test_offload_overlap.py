@@ -376,6 +376,32 @@ def test_a_wrapper_closed_or_collected_on_another_thread_leaves_no_mode_on_the_t
     assert not torch.nn.modules.module._global_forward_pre_hooks  # and the drain goes too
 
 
+def test_a_mode_orphaned_on_a_thread_that_ended_lets_the_drain_hook_go():
+    # A training thread returned with a step pending, and the main thread closed the
+    # optimizer: the orphan was kept under the ended thread's id, so the global hook that
+    # drains orphans stayed for the process (and a new thread given that id re-orphaned it).
+    import threading
+
+    from offload import forward_overlap
+
+    box = {}
+
+    def train():
+        model = make_model()
+        box["opt"] = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1, overlap_forward=model
+        )
+        run(model, box["opt"], batches(2))
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    box.pop("opt").close()
+    torch.nn.Linear(2, 2)(torch.ones(1, 2))  # any module call
+    assert not forward_overlap._ORPHANS
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
 def test_an_optimizer_whose_wrapper_was_dropped_with_a_step_pending_refuses_to_step():
     # The chunks that had run left their params updated and their state in staging slots
     # (never home), the others nothing: a new wrapper on the same optimizer, or the optimizer
@@ -398,7 +424,11 @@ def test_an_optimizer_whose_wrapper_was_dropped_with_a_step_pending_refuses_to_s
     again = CPUOffloadOptimizer(inner, chunk_bytes=1, overlap_forward=model)
     with pytest.raises(RuntimeError, match=r"load_state_dict clears this"):
         again.step()
+    seen = []  # a load hook registered after the refusal's runs too
+    inner.register_load_state_dict_post_hook(lambda _: seen.append(1))
     model.load_state_dict(checkpoint[0])
+    inner.load_state_dict(checkpoint[1])  # through the optimizer itself: it steps again
+    assert seen == [1]
     again.load_state_dict(checkpoint[1])
     plain_model = make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
