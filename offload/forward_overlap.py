@@ -1060,7 +1060,7 @@ def _register_hooks(
 def _remove(
     handles: list[RemovableHandle],
     reads: _PendingReads,
-    dropped_pending: Sequence[Callable[[], None]] = (),
+    dropped_pending: Sequence[Callable[[], None]],
 ) -> None:
     for handle in handles:
         handle.remove()

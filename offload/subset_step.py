@@ -381,6 +381,8 @@ class ElementwiseGroupStep(GroupStep):
         these stand-ins whose bucket torch steps with a buffer still to be made
         (`_per_tensor_buckets`): the chunk's call then takes torch's own mixed path (its
         momentum per tensor, the rest foreach: nesterov adds into the grads in place)."""
+        if not self._fresh_momentum:  # every step but those making a buffer: per chunk
+            return []
         buckets = {(self._group_of[p], t.dtype, t.device) for p, t in stand_ins}
         unmade = []
         for group, dtype, device in buckets:
