@@ -487,9 +487,12 @@ def test_gpu_fp64_reference(kind, name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA, triton")
 def test_gpu_zeropower_is_its_products_launched_one_by_one():
-    from muon.ns_triton import CONFIGS
+    from muon.ns_triton import CONFIGS, LARGE_CONFIG, MEDIUM_CONFIG, SMALL_CONFIG
 
-    _check_zeropower_launches_once("cuda", list(CONFIGS.values()))
+    # The defaults and the tall tiles, pointer and TMA: every config compiles its kernels
+    # for each case, and all 23 took more than 400 s on an H200.
+    names = [LARGE_CONFIG, MEDIUM_CONFIG, SMALL_CONFIG, "b256x128k64w8s3g1", "b256x128k64w8s3g8tma"]
+    _check_zeropower_launches_once("cuda", [CONFIGS[name] for name in names])
 
 
 @pytest.mark.gpu
