@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -128,3 +129,40 @@ def timed_window(
         per_step = [b - a for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
     sync(device)
     return per_step, time.perf_counter() - start_s
+
+
+class GcPauses:
+    """Python's garbage collections while entered: (generation, ms) each, in order.
+
+    A full collection (generation 2) walks every tracked object of the process, which
+    holds the trainer's host thread for tens to hundreds of ms: a step that has one shows
+    as a lone slow step in a window whose median it leaves alone.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, float]] = []
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.events.append((info["generation"], 1e3 * (time.perf_counter() - self._started)))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def full_collections(pauses: GcPauses, steps_done: list[int]) -> dict[str, list]:
+    """The full collections among `pauses`: the step each fell in (`steps_done[k]`: how
+    many events had been recorded when step k returned) and its ms."""
+    full_steps, full_ms = [], []
+    for index, (generation, ms) in enumerate(pauses.events):
+        if generation == 2:
+            full_steps.append(next(k for k, done in enumerate(steps_done) if done > index))
+            full_ms.append(ms)
+    return {"steps": full_steps, "ms": full_ms}

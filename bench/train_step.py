@@ -93,7 +93,7 @@ from bench.machine import describe, probe
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize
 from bench.phases import PHASES, PhaseMarks, decoder_layers_and_head
 from bench.report import write_json
-from bench.timing import timed_window
+from bench.timing import GcPauses, full_collections, timed_window
 from bench.train import free_port
 from muon_offload import OptimizerConfig, setup_optimizer
 from offload import CPUOffloadOptimizer
@@ -469,7 +469,14 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if args.phases:
         marks = PhaseMarks(*decoder_layers_and_head(model), device)
     returns: list[float] = []
-    per_step, window_s = timed_window(lambda: returns.append(step()), steps, device)
+    gc_seen: list[int] = []  # per step: the collections recorded when it returned
+
+    def window_step() -> None:
+        returns.append(step())
+        gc_seen.append(len(pauses.events))
+
+    with GcPauses() as pauses:
+        per_step, window_s = timed_window(window_step, steps, device)
     getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
     result: dict[str, Any] = {
         "machine": machine,
@@ -495,6 +502,8 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         # memory shows here, before and within the window.
         "alloc_retries_before_window": retries_window - retries_before,
         "alloc_retries_in_window": alloc_retries(device) - retries_window,
+        # Full collections hold the host: the window's steps they fell in (from 0), and ms.
+        "gc_full_in_window": full_collections(pauses, gc_seen),
     }
     # The first 30 steps' mean, the search and warmup included (what "auto" costs a run);
     # the search's steps are timed together, so each counts as their mean.
@@ -527,6 +536,14 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if close is not None:
         close()
     return result
+
+
+def describe_gc(full: dict[str, list]) -> str:
+    """The window's full collections, for a run's line ("" without any)."""
+    if not full["steps"]:
+        return ""
+    at = ", ".join(f"{k} ({ms:.0f} ms)" for k, ms in zip(full["steps"], full["ms"], strict=True))
+    return f"; full gc in the window's steps {at}"
 
 
 def alloc_retries(device: torch.device) -> int:
@@ -943,7 +960,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{arm.name}: {r['error']} ({took})", flush=True)
         else:
             print(
-                f"{arm.name}: step {r['step_ms']:.1f} ms ({took}); {describe(r['machine'])}",
+                f"{arm.name}: step {r['step_ms']:.1f} ms ({took}); {describe(r['machine'])}"
+                + describe_gc(r["gc_full_in_window"]),
                 flush=True,
             )
     results = merge_runs(runs)

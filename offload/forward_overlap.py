@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from offload.residency import StepTimer
 from offload.step_schedule import StepSchedule
 from offload.streams import CopyStreams
+from offload.subset_step import dtensor_local
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
@@ -664,7 +665,7 @@ class _PendingReads(TorchFunctionMode):
         held += [
             (local, c)
             for t, c in itertools.chain(overlap._param_chunk.items(), held)
-            if (local := _local_of(t)) is not None
+            if (local := dtensor_local(t)) is not None
         ]
         # Grads that are views of one buffer (Megatron's, zeroed through it before the
         # forward): a call given the buffer waits for the last chunk reading any of them.
@@ -685,7 +686,7 @@ class _PendingReads(TorchFunctionMode):
         # optimizer, so their ids are not checked (`_held`): torch 2.11's Dynamo, tracing
         # this mode in a compiled forward, fails to fake the slab views it would find there.
         written_back = len(overlap.chunk_done)
-        homes = [*state_homes, *(_local_of(t) for t in state_homes)]
+        homes = [*state_homes, *(dtensor_local(t) for t in state_homes)]
         self.chunk_of |= {id(t): written_back for t in homes if t is not None}
         self.step_pending, self.landed, self.active = True, -1, True
         modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
@@ -860,12 +861,6 @@ def _latest_chunk(
             if chunk > latest and _is_it(held, value):
                 latest = chunk
     return latest
-
-
-def _local_of(t: Tensor) -> Tensor | None:
-    """A DTensor's local tensor (what its `to_local()` views), else None. Private API
-    (`DTensor._local_tensor`; `to_local()` makes a new view at each call; torch 2.11, 2.13)."""
-    return getattr(t, "_local_tensor", None)
 
 
 def _unwrapped(values: Iterable[Any]) -> list[Tensor]:

@@ -43,6 +43,7 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Collection, Hashable, Sequence
@@ -219,8 +220,9 @@ class StepSchedule:
     overlap: bool
     """The step runs with the next forward."""
 
-    @property
+    @functools.cached_property
     def staged(self) -> tuple[int, ...]:
+        """The chunks with a staging slot, in step order (read by every backward hook)."""
         return tuple(c for c, slot in enumerate(self.slots) if slot >= 0)
 
     @property

@@ -176,8 +176,19 @@ def _is_lr_scheduler_patch(own_step: Any, class_step: Any) -> bool:
 
 def local_tensor(t: Tensor) -> Tensor:
     """The tensor this rank holds: a DTensor's local shard, else `t` itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    local = dtensor_local(t)
+    return t if local is None else local
+
+
+def dtensor_local(t: Tensor) -> Tensor | None:
+    """A DTensor's local shard itself (what its `to_local()` views), else None.
+
+    Private API (`DTensor._local_tensor`; torch 2.11 and 2.13), read here only:
+    `to_local()` builds a new view through an autograd function at each call, which the
+    chunked step made a few hundred times a step on the trainer's thread (grads and
+    params stepped through their shards never need that view's autograd edge).
+    """
+    return getattr(t, "_local_tensor", None)
 
 
 def version(t: Tensor) -> int:

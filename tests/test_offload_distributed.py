@@ -505,3 +505,41 @@ def _reads_after_step_worker(rank: int, world: int, read: str) -> None:
 @pytest.mark.parametrize("read", ["weight", "state"])
 def test_fsdp2_reads_between_step_and_forward_that_run_muon_exchanges_warn_and_stay_exact(read):
     run_on_ranks(_reads_after_step_worker, 2, read)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_chunked_step_reads_shards_without_to_local(monkeypatch, overlap):
+    # DTensor.to_local() builds a view through an autograd function at every call; the
+    # chunked step made a few per param on the trainer's thread, every step. It reads the
+    # shard itself: an offloaded iteration calls to_local() as often as a plain one does.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from bench.train import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        calls = []
+        to_local = DTensor.to_local
+        monkeypatch.setattr(
+            DTensor, "to_local", lambda *a, **k: calls.append(1) or to_local(*a, **k)
+        )
+        counts = {}
+        for offloaded in (False, True):
+            model = _shard(_model(0), mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+            if offloaded:
+                optimizer = CPUOffloadOptimizer(
+                    optimizer, chunk_bytes=1, overlap_forward=model if overlap else None
+                )
+            _train(model, optimizer, rank=0, steps=2)
+            calls.clear()
+            _train(model, optimizer, rank=0, steps=2)
+            getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
+            counts[offloaded] = len(calls)
+        assert counts[True] == counts[False]
+    finally:
+        dist.destroy_process_group()

@@ -285,3 +285,56 @@ def test_first_steps_means_over_other_step_counts_get_no_ratio(capsys):
     auto = next(line for line in lines if line.startswith("adamw/auto"))
     assert "1.250x" in offload
     assert "x" not in auto.split("ms")[1].split("(")[0] and "over its first" not in auto
+
+
+def test_a_full_collection_is_named_with_the_window_step_it_fell_in():
+    """A lone slow step in a window may be Python's full collection holding the host:
+    the bench records which step had one, and how long it took."""
+    import gc
+
+    from bench.timing import GcPauses, full_collections
+
+    seen = []
+    with GcPauses() as pauses:
+        for k in range(4):
+            gc.collect(0)  # a young collection: not a full one
+            if k == 2:
+                gc.collect()
+            seen.append(len(pauses.events))
+    full = full_collections(pauses, seen)
+    assert full["steps"] == [2]
+    assert len(full["ms"]) == 1 and full["ms"][0] > 0
+    assert gc.callbacks.count(pauses._callback) == 0
+
+
+def test_each_run_records_its_full_collections_in_the_window(monkeypatch):
+    import gc
+
+    import torch.distributed as dist
+
+    from bench import train_step
+    from bench.train import free_port
+
+    timed = train_step.timed_window
+
+    def collecting(step, steps, device):  # the window's second step collects fully
+        calls = iter(range(steps))
+        return timed(lambda: (next(calls) == 1 and gc.collect(), step()), steps, device)
+
+    monkeypatch.setattr(train_step, "timed_window", collecting)
+    args = train_step.parse_args(
+        ["--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "8"]
+        + ["--steps", "3", "--warmup", "1"]
+    )
+    (arm,) = selected_arms("plain/none", [], "")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        result = train_step.measure(arm, args, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    full = result["gc_full_in_window"]
+    assert full["steps"][-1:] == [1] and full["ms"][-1] > 0
+    assert train_step.describe_gc(full).startswith("; full gc in the window's steps")
+    assert train_step.describe_gc({"steps": [], "ms": []}) == ""
