@@ -157,12 +157,19 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
 
-def full_collections(pauses: GcPauses, steps_done: list[int]) -> dict[str, list]:
-    """The full collections among `pauses`: the step each fell in (`steps_done[k]`: how
-    many events had been recorded when step k returned) and its ms."""
-    full_steps, full_ms = [], []
-    for index, (generation, ms) in enumerate(pauses.events):
-        if generation == 2:
-            full_steps.append(next(k for k, done in enumerate(steps_done) if done > index))
-            full_ms.append(ms)
-    return {"steps": full_steps, "ms": full_ms}
+def full_collections(pauses: GcPauses, step_events: list[tuple[int, int]]) -> dict[str, list]:
+    """The full collections among `pauses` that fell inside a step (`step_events[k]`: how
+    many events had been recorded when step k started and when it returned): the step
+    each fell in and its ms; and the ms of those outside every step (the window's set-up
+    and tail, which no step's time holds)."""
+    steps, ms, outside = [], [], []
+    for index, (generation, took) in enumerate(pauses.events):
+        if generation != 2:
+            continue
+        step = next((k for k, (a, b) in enumerate(step_events) if a <= index < b), None)
+        if step is None:
+            outside.append(took)
+        else:
+            steps.append(step)
+            ms.append(took)
+    return {"steps": steps, "ms": ms, "outside_steps_ms": outside}

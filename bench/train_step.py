@@ -469,11 +469,12 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if args.phases:
         marks = PhaseMarks(*decoder_layers_and_head(model), device)
     returns: list[float] = []
-    gc_seen: list[int] = []  # per step: the collections recorded when it returned
+    gc_seen: list[tuple[int, int]] = []  # per step: collections recorded at its start, end
 
     def window_step() -> None:
+        before = len(pauses.events)
         returns.append(step())
-        gc_seen.append(len(pauses.events))
+        gc_seen.append((before, len(pauses.events)))
 
     with GcPauses() as pauses:
         per_step, window_s = timed_window(window_step, steps, device)
@@ -540,10 +541,16 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
 
 def describe_gc(full: dict[str, list]) -> str:
     """The window's full collections, for a run's line ("" without any)."""
-    if not full["steps"]:
-        return ""
-    at = ", ".join(f"{k} ({ms:.0f} ms)" for k, ms in zip(full["steps"], full["ms"], strict=True))
-    return f"; full gc in the window's steps {at}"
+    text = ""
+    if full["steps"]:
+        at = ", ".join(
+            f"{k} ({ms:.0f} ms)" for k, ms in zip(full["steps"], full["ms"], strict=True)
+        )
+        text += f"; full gc in the window's steps {at}"
+    if full["outside_steps_ms"]:
+        between = ", ".join(f"{ms:.0f}" for ms in full["outside_steps_ms"])
+        text += f"; full gc between steps ({between} ms)"
+    return text
 
 
 def alloc_retries(device: torch.device) -> int:

@@ -296,14 +296,18 @@ def test_a_full_collection_is_named_with_the_window_step_it_fell_in():
 
     seen = []
     with GcPauses() as pauses:
+        gc.collect()  # before any step: the window's set-up
         for k in range(4):
+            before = len(pauses.events)
             gc.collect(0)  # a young collection: not a full one
             if k == 2:
                 gc.collect()
-            seen.append(len(pauses.events))
+            seen.append((before, len(pauses.events)))
+        gc.collect()  # after the last step: the window's tail
     full = full_collections(pauses, seen)
     assert full["steps"] == [2]
     assert len(full["ms"]) == 1 and full["ms"][0] > 0
+    assert len(full["outside_steps_ms"]) == 2
     assert gc.callbacks.count(pauses._callback) == 0
 
 
@@ -316,12 +320,18 @@ def test_each_run_records_its_full_collections_in_the_window(monkeypatch):
     from bench.train import free_port
 
     timed = train_step.timed_window
+    step = torch.optim.AdamW.step
 
-    def collecting(step, steps, device):  # the window's second step collects fully
+    def collecting_step(self, *args, **kwargs):  # inside each step: a full collection
+        gc.collect()
+        return step(self, *args, **kwargs)
+
+    def window(step, steps, device):  # and one between the window's steps
         calls = iter(range(steps))
         return timed(lambda: (next(calls) == 1 and gc.collect(), step()), steps, device)
 
-    monkeypatch.setattr(train_step, "timed_window", collecting)
+    monkeypatch.setattr(torch.optim.AdamW, "step", collecting_step)
+    monkeypatch.setattr(train_step, "timed_window", window)
     args = train_step.parse_args(
         ["--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "8"]
         + ["--steps", "3", "--warmup", "1"]
@@ -335,6 +345,7 @@ def test_each_run_records_its_full_collections_in_the_window(monkeypatch):
     finally:
         dist.destroy_process_group()
     full = result["gc_full_in_window"]
-    assert full["steps"][-1:] == [1] and full["ms"][-1] > 0
+    assert full["steps"] == [0, 1, 2] and min(full["ms"]) > 0
+    assert len(full["outside_steps_ms"]) == 1
     assert train_step.describe_gc(full).startswith("; full gc in the window's steps")
-    assert train_step.describe_gc({"steps": [], "ms": []}) == ""
+    assert train_step.describe_gc({"steps": [], "ms": [], "outside_steps_ms": []}) == ""
