@@ -212,7 +212,8 @@ class ForwardOverlap:
         # FSDP2 units hold every param: a unit's forward reads only all-gathered copies,
         # so the mode leaves the stack at the forward's start (nothing for torch.compile
         # to trace; the forward's end finishes the step), but in the first overlapped
-        # forward of each plan that runs to its end: there it finds reads outside a unit's
+        # training forward (train mode, grads on) of each plan that runs to its end (an
+        # evaluation may skip reads training makes): there it finds reads outside a unit's
         # forward (a term over another unit's sharded params, a state counter), and each
         # makes the owner whose hook ran last wait for the chunk it read from then on (-1:
         # before any owner's, the forward's start). Where it found one, the mode stays on
@@ -229,6 +230,8 @@ class ForwardOverlap:
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
+        self._root = weakref.ref(model)
+        self._training_forward = False  # the forward now running trains (see _after_forward)
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
         self._module_chunk: list[int] = []
@@ -564,15 +567,19 @@ class ForwardOverlap:
             self._wait_for_chunk(self._start_chunk, self._chunk_needs[self._start_chunk])
         if self._hooks_see_forward:
             self._tracing = self._trace_reads
+            root = self._root()
+            self._training_forward = torch.is_grad_enabled() and (root is None or root.training)
             if not self._tracing and not self._reads_outside_units:
                 self._reads.leave_stack()
 
     def _after_forward(self, args: Any, output: Any) -> None:
         # A forward that raised (torch calls this hook from its handler, with no output)
-        # may not have reached the reads it was to find: the next one looks again.
+        # may not have reached the reads it was to find: the next one looks again. So
+        # does the next after an evaluation (eval() or no grad, say right after the first
+        # step), which may skip reads that only training makes (a penalty term).
         raised = output is None and sys.exc_info()[1] is not None
         self._in_forward = False
-        if self._tracing and not raised:
+        if self._tracing and not raised and self._training_forward:
             self._trace_reads = False
         self._tracing = False
         if self._in_flight:

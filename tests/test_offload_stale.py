@@ -83,6 +83,17 @@ class BodyLocalNormInRoot(FunctionalHead):
         return self.head(self.body(self.embed(tokens))) + 1e-3 * norm
 
 
+class BodyNormInRootWhenTraining(FunctionalHead):
+    """`BodyNormInRoot`'s term (read before the body runs) in training only, a penalty:
+    an evaluation skips it."""
+
+    def forward(self, tokens):
+        norm = 0.0
+        if self.training:
+            norm = sum(_full(p.square().sum()) for p in self.body.parameters())
+        return self.head(self.body(self.embed(tokens))) + 1e-3 * norm
+
+
 class HeadTermAfterSkippedLayer(nn.Module):
     """The root's forward adds a term over the head's weight after the body, whose last
     layer runs in every other forward only (LayerDrop; in the first forward after a step,
@@ -503,6 +514,23 @@ def _fsdp_worker(rank: int, world: int) -> None:
         runs.append(_train(m, o, _rank_tokens(rank, 4), after_step=bad_batch_once))
     assert runs[0] == runs[1]
     _assert_same_local(plain_model, plain, model, overlapped)
+
+    # an evaluation right after the first step (eval(), no grad) skips a read that only
+    # training makes: the next training forward looks for it
+    def evaluate_once(m, o, done=[]):  # noqa: B006 - one evaluation per model
+        if m not in done:
+            done.append(m)
+            m.eval()
+            with torch.no_grad():
+                m(data[0])
+            m.train()
+
+    pair = _fsdp_pair(BodyNormInRootWhenTraining, mesh)
+    long = _rank_tokens(rank, 4)
+    assert _train(*pair[:2], long, after_step=evaluate_once) == _train(
+        *pair[2:], long, after_step=evaluate_once
+    )
+    _assert_same_local(*pair)
 
     # with no unit at the root, the root's read comes before any owner's hook: the
     # forward's start waits for it
