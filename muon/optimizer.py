@@ -1111,6 +1111,18 @@ class _InFlight:
     exchange_s: float | None
 
 
+def _captured(option: Any) -> Any:
+    """A group option as a later `step_params` reads it: tensors copied, also inside a tuple
+    or list (`betas=[0.9, 0.95]` from a config file, raised in place by a warmup), which
+    the trainer may change while an overlapped offload's chunks are pending. (offload's
+    adapter does the same for torch optimizers; the packages do not import each other.)"""
+    if isinstance(option, Tensor):
+        return option.clone()
+    if type(option) in (tuple, list):
+        return type(option)(map(_captured, option))
+    return option
+
+
 class MuonStep:
     """One step of `Muon`, to be run unit by unit (the subset-step protocol).
 
@@ -1130,7 +1142,7 @@ class MuonStep:
         self._opt = optimizer
         self._plan = plan
         groups = optimizer.param_groups
-        self._groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._groups = [{k: _captured(v) for k, v in g.items() if k != "params"} for g in groups]
         self._params = [p for p, _ in optimizer._muon_params()]
         self._grads = [_local_grad(p) for p in self._params]
         self._active = frozenset(i for i, g in enumerate(self._grads) if g is not None)

@@ -1321,3 +1321,37 @@ def test_a_group_torch_steps_per_tensor_is_stepped_so_in_every_chunk(case, dtype
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         for key, value in plain.state[a].items():
             assert torch.equal(opt.state[b][key], value), key
+
+
+def test_muons_adamw_betas_list_edited_in_place_after_step_takes_effect_next_step():
+    # betas as a list (a TOML / YAML / JSON config gives one), raised in place after each
+    # step (a beta2 warmup): the pending chunks of an overlapped step read the list as it
+    # was when step() ran, as a plain step does (they read the edited one: every param
+    # differed from plain Muon)
+    from muon import Muon, muon_param_groups
+
+    def train(overlap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Module()  # embed and head go to AdamW, the head read last
+        model.embed = torch.nn.Embedding(50, 32)
+        model.mid = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(6)])
+        model.head = torch.nn.Linear(32, 50, bias=False)
+        model.forward = lambda tokens: model.head(model.mid(model.embed(tokens)))
+        groups = muon_param_groups(model, adamw_options={"lr": 1e-2, "betas": [0.9, 0.95]})
+        assert [len(g["params"]) for g in groups] == [6, 2]
+        opt = Muon(groups, lr=0.02)
+        if overlap:
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=4096, staging_slots=2, overlap_forward=model)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            tokens = torch.randint(50, (4, 8), generator=gen)
+            model(tokens).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            for group in opt.param_groups:
+                if group["algorithm"] == "adamw":
+                    group["betas"][1] = min(0.999, group["betas"][1] + 0.01)
+        model(tokens).sum()  # the last step's chunks land
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(map(torch.equal, train(False), train(True)))
