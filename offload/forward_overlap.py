@@ -256,10 +256,12 @@ class ForwardOverlap:
         self._up_front = -1  # the last chunk enqueued when `start` returns
         self._ahead_of: Sequence[int] = ()  # per chunk: the last enqueued once it is needed
         self._advancing = threading.RLock()
-        # The autocast and inference mode `step()` was called in: its chunks run in them
-        # wherever they run.
+        # The autocast, inference mode and default dtype `step()` was called in: its
+        # chunks run in them wherever they run.
         self._autocast: dict[str, Any] = {"enabled": False}
         self._inference_mode = False
+        self._default_dtype = torch.get_default_dtype()
+        self._step_modes: tuple[Any, ...] = ()  # the torch function modes step() ran in
         self._reads = _PendingReads(weakref.ref(self))
         fast_path = _fast_path_modules(model)
         self._fast_path = fast_path
@@ -351,6 +353,8 @@ class ForwardOverlap:
             "dtype": torch.get_autocast_dtype(device_type),
         }
         self._inference_mode = torch.is_inference_mode_enabled()
+        self._default_dtype = torch.get_default_dtype()
+        self._step_modes = _function_modes()
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
             for grad in grads:
@@ -368,23 +372,28 @@ class ForwardOverlap:
         """Enqueue the pending step's chunks up to index `last`.
 
         Called from forward hooks and from reads inside a forward too, so the trainer's
-        grad mode and torch.func transforms are switched off, autocast and inference mode
-        are as `step()` found them, and torch.compile never traces it (a read inside compiled
-        code would compile the update): the update must not change with where it runs, and
-        equals the step run inside `step()`. Outside `step()` (`in_step`), the JIT tracer
-        and the dispatch modes are off too (`_unrecorded`): those around `step()` see the
-        chunks it runs, those around a forward none. One thread at a time (a checkpointing
-        thread may wait for the step while the trainer's forward advances it).
+        grad mode and torch.func transforms are switched off, autocast, inference mode and
+        the default dtype are as `step()` found them, and torch.compile never traces it (a
+        read inside compiled code would compile the update): the update must not change
+        with where it runs, and equals the step run inside `step()`. Outside `step()`
+        (`in_step`), the JIT tracer and the dispatch modes are off too (`_unrecorded`):
+        those around `step()` see the chunks it runs, those around a forward none; of the
+        torch function modes, only those on the stack at `step()` too stay on (one around
+        the whole loop, `torch.set_default_device`'s), as `step()` would have run them.
+        One thread at a time (a checkpointing thread may wait for the step while the
+        trainer's forward advances it).
         """
         if self._pending is None or self._enqueued > last:
             return
         with (
             self._advancing,
+            contextlib.nullcontext() if in_step else _function_modes_kept(self._step_modes),
             torch.inference_mode(self._inference_mode),
             torch.no_grad(),
             torch.autocast(self._streams.device.type, **self._autocast),
             _outside_transforms(),
             contextlib.nullcontext() if in_step else _unrecorded(),
+            _default_dtype(self._default_dtype),
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
@@ -424,14 +433,15 @@ class ForwardOverlap:
     def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._reading_owner = index
         if self._watch_inputs:
-            watched = _first_grad_tensor((*args, *kwargs.values()))
-            if watched is not None:
-                # Hooked now, not held: inside a checkpointed block the input is freed as
-                # the forward goes on (holding every owner's input to the forward's end
-                # kept a plain Llama's checkpointed activations alive).
-                watch = self._watch
-                watched.register_hook(_backward_reached_hook(weakref.ref(self), watch))
-                watch.hooked += 1
+            with _function_modes_kept(()):  # the user's modes see the forward's calls only
+                watched = _first_grad_tensor((*args, *kwargs.values()))
+                if watched is not None:
+                    # Hooked now, not held: inside a checkpointed block the input is freed
+                    # as the forward goes on (holding every owner's input to the forward's
+                    # end kept a plain Llama's checkpointed activations alive).
+                    watch = self._watch
+                    watched.register_hook(_backward_reached_hook(weakref.ref(self), watch))
+                    watch.hooked += 1
         if not self._in_flight or not self._module_chunk:
             return
         module = self.owners[index][0]
@@ -831,6 +841,51 @@ def _unrecorded() -> Iterator[None]:
             yield
     finally:
         torch._C._set_tracing_state(tracing)
+
+
+def _function_modes() -> tuple[Any, ...]:
+    """This thread's torch function modes, bottom first."""
+    return tuple(torch._C._get_function_stack_at(i) for i in range(_depth()))
+
+
+@contextlib.contextmanager
+def _function_modes_kept(kept: Collection[Any]) -> Iterator[None]:
+    """Of this thread's torch function modes, only those among `kept` on, in their order,
+    and all of them back after. A mode entered around the forward (an op logger, or this
+    module's pending-read mode) would otherwise see the update's ops as the forward's; a
+    mode that was on at `step()` as well (`torch.set_default_device`'s) makes the update
+    as `step()` would have. Private API (`torch._C`'s torch function stack; torch 2.11,
+    2.13), as in `_PendingReads.push`."""
+    if _depth() == 0:
+        yield
+        return
+    keep = {id(mode) for mode in kept}
+    modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
+    for mode in modes:
+        if id(mode) in keep:
+            torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        for _ in range(_depth()):
+            torch._C._pop_torch_function_stack()
+        for mode in modes:
+            torch._C._push_on_torch_function_stack(mode)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` (what `step()` saw: the step's new state,
+    AdamW's `step` counters say, takes it), and back after."""
+    now = torch.get_default_dtype()
+    if now == dtype:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(now)
 
 
 def _depth() -> int:

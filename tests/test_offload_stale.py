@@ -1300,3 +1300,62 @@ def test_a_flop_counter_around_step_sees_the_chunks_step_runs():
         counted[model] = counter.get_total_flops()
     pairs[3].wait_for_optimizer_step()
     assert 0 < counted[pairs[2]] <= counted[pairs[0]]
+
+
+def test_chunks_run_in_the_forward_make_state_in_the_default_dtype_of_step():
+    # the first step's state is made by chunks run in the next forward: under a default
+    # dtype set there (a float64 evaluation helper), AdamW's `step` counters came out
+    # float64 where the plain step makes them float32
+    def step_dtypes(overlap: bool) -> list[torch.dtype]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if overlap:
+            opt = CPUOffloadOptimizer(opt, chunk_bytes=1024, staging_slots=2, overlap_forward=model)
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        torch.set_default_dtype(torch.float64)
+        try:
+            model(torch.randn(8, 16, dtype=torch.float32))
+        finally:
+            torch.set_default_dtype(torch.float32)
+        return [s["step"].dtype for s in opt.state_dict()["state"].values()]
+
+    plain = step_dtypes(False)
+    assert plain == [torch.float32] * 6 and step_dtypes(True) == plain
+
+
+class _OpLog(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _logged_training(overlap: bool, around_forward: _OpLog) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 4))
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1024,
+        overlap_forward=model if overlap else None,
+    )
+    for _ in range(3):
+        with around_forward:
+            y = model(torch.ones(8, 16))
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+
+
+def test_a_function_mode_around_the_forward_sees_the_forwards_calls_only():
+    # an op logger around the forward logged the update's ops (the chunks the forward ran)
+    # as the forward's: 4 calls a forward without overlap, 31 with
+    plain, overlapped = _OpLog(), _OpLog()
+    _logged_training(False, plain)
+    _logged_training(True, overlapped)
+    assert overlapped.ops == plain.ops == ["ones", "linear", "tanh", "linear", "linear"] * 3
