@@ -237,31 +237,39 @@ def test_an_arm_run_several_times_takes_every_figure_from_all_its_runs():
     assert merged["failed_runs"] == ["OutOfMemoryError", "Timeout"]
 
 
-def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
-    """Each arm times --steps steps however long its warmup took, so the medians a ratio
-    compares are over as many steps (a time budget gave a slow arm fewer)."""
-    import itertools
-    import types
-
+def _measure_tiny_plain_arm(warmup: int) -> dict:
+    """`bench.train_step.measure` of the plain/none arm, a tiny model, 3 timed steps, in
+    this process (a one-rank gloo group), where a test's monkeypatches hold."""
     import torch.distributed as dist
 
     from bench import train_step
     from bench.train import free_port
 
-    clock = itertools.count(step=100.0)  # every reading 100 s after the last: a slow arm
-    monkeypatch.setattr(train_step, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     args = train_step.parse_args(
         ["--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "8"]
-        + ["--steps", "3", "--warmup", "2"]
+        + ["--steps", "3", "--warmup", str(warmup)]
     )
     (arm,) = selected_arms("plain/none", [], "")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
-        result = train_step.measure(arm, args, torch.device("cpu"))
+        return train_step.measure(arm, args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
+    """Each arm times --steps steps however long its warmup took, so the medians a ratio
+    compares are over as many steps (a time budget gave a slow arm fewer)."""
+    import itertools
+    import types
+
+    from bench import train_step
+
+    clock = itertools.count(step=100.0)  # every reading 100 s after the last: a slow arm
+    monkeypatch.setattr(train_step, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    result = _measure_tiny_plain_arm(warmup=2)
     assert result["timed_steps"] == 3 and len(result["step_ms_all"]) == 3
     assert result["warmup_steps"] == 2
     assert result["first_30_steps"] == 5  # the "first 30 steps' mean" says over how many
@@ -314,10 +322,7 @@ def test_a_full_collection_is_named_with_the_window_step_it_fell_in():
 def test_each_run_records_its_full_collections_in_the_window(monkeypatch):
     import gc
 
-    import torch.distributed as dist
-
     from bench import train_step
-    from bench.train import free_port
 
     timed = train_step.timed_window
     step = torch.optim.AdamW.step
@@ -332,19 +337,7 @@ def test_each_run_records_its_full_collections_in_the_window(monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", collecting_step)
     monkeypatch.setattr(train_step, "timed_window", window)
-    args = train_step.parse_args(
-        ["--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "8"]
-        + ["--steps", "3", "--warmup", "1"]
-    )
-    (arm,) = selected_arms("plain/none", [], "")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        result = train_step.measure(arm, args, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-    full = result["gc_full_in_window"]
+    full = _measure_tiny_plain_arm(warmup=1)["gc_full_in_window"]
     assert full["steps"] == [0, 1, 2] and min(full["ms"]) > 0
     assert len(full["outside_steps_ms"]) == 1
     assert train_step.describe_gc(full).startswith("; full gc in the window's steps")
