@@ -334,11 +334,16 @@ class ElementwiseGroupStep(GroupStep):
                     state[param][key] = own
         self._release(params)
         for param in self._finished(slices):
-            self._flat_grads.pop(param, None)
+            flat = self._flat_grads.pop(param, None)
+            grad = self._grads[param]
+            local = None if grad is None else local_tensor(grad)
+            if flat is not None and local is not None and _writable_copy(flat, local):
+                # a copy (a grad with no flat view): what the step wrote into it in place
+                # (foreach SGD's nesterov adds the momentum into the grads) goes back
+                local.copy_(flat.view(local.shape))
             # A shorter shard's trailing slices are empty, and still step (on the first step
             # they create their slice's state): they get an empty grad.
-            grad = self._grads[param]
-            self._grads[param] = None if grad is None else local_tensor(grad).new_empty(0)
+            self._grads[param] = None if local is None else local.new_empty(0)
 
     def _stand_in(self, param: Tensor, piece: ParamSlice | None) -> tuple[Tensor, dict[str, Any]]:
         """`param`'s stand-in (a flat view for a slice) with its grad, and its state entries."""
@@ -459,6 +464,15 @@ def _kept_dtype(kept: Any, shape: torch.Size, dtype: torch.dtype) -> torch.dtype
     if isinstance(kept, Tensor) and local_tensor(kept).shape == shape:
         return kept.dtype
     return dtype
+
+
+def _writable_copy(flat: Tensor, grad: Tensor) -> bool:
+    """Whether `flat` is a copy of `grad` (not a view of it) that can be written back: an
+    expanded grad (a stride of 0) holds one element in many places, and takes no write."""
+    if flat.data_ptr() == grad.data_ptr():
+        return False
+    sizes = zip(grad.stride(), grad.shape, strict=True)
+    return all(stride != 0 or size <= 1 for stride, size in sizes)
 
 
 def _is_offloaded(value: Any) -> bool:

@@ -1355,3 +1355,30 @@ def test_muons_adamw_betas_list_edited_in_place_after_step_takes_effect_next_ste
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(map(torch.equal, train(False), train(True)))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sliced_params_column_major_grad_holds_what_foreach_nesterov_adds(overlap):
+    # torch's foreach SGD with nesterov adds the momentum into each grad in place; a param
+    # cut into slices whose grad has no flat view (column-major) stepped a flat copy, and
+    # p.grad after step() (a grad-norm log) was not what torch's step leaves there
+    def run(offload: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, foreach=True)
+        if offload:
+            opt = CPUOffloadOptimizer(
+                opt, chunk_bytes=4096, overlap_forward=model if overlap else None
+            )
+        gen, seen = torch.Generator().manual_seed(1), []
+        for _ in range(3):
+            loss = model(torch.randn(8, 64, generator=gen)).square().mean()
+            (grad,) = torch.autograd.grad(loss, [model.weight])
+            model.weight.grad = grad.t().contiguous().t()  # the same values, column-major
+            opt.step()
+            seen.append(model.weight.grad.clone())  # waits for a pending step's chunks
+        if offload:
+            opt.close()
+        return [*seen, model.weight.detach().clone()]
+
+    assert all(map(torch.equal, run(False), run(True)))
