@@ -15,12 +15,15 @@ from torch import nn
 # "router" (a router named `gate` is found by module: `_moe_gates`) and state-space
 # models' log decay rates (Mamba's `A_log`, channels x states: a table of scalars, not a
 # linear map).
+# Words are looked for in a param's own name and its module's (the name's last two parts),
+# not in the modules above: a wrapper attribute named `embedder` or `normalizer` holding a
+# whole backbone would send every matrix in it to AdamW.
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
-    r"embed",
+    r"(^|\.)[^.]*embed[^.]*(\.[^.]+)?$",
     r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",
-    r"norm",
-    r"bias",
-    r"router",
+    r"(^|\.)[^.]*norm[^.]*(\.[^.]+)?$",
+    r"(^|\.)[^.]*bias[^.]*$",
+    r"(^|\.)[^.]*router[^.]*(\.[^.]+)?$",
     r"(^|\.)A_log$",
 )
 # Names of params that usually hold several logical matrices (q|k|v, gate|up): Phi3's
@@ -108,8 +111,9 @@ def muon_param_groups(
     A param goes to AdamW if it has fewer than 2 or more than 3 dims, its matrices are
     vectors (a side of at most 1: a ViT's class token (1, 1, d), RWKV's time-mix
     weights, whose orthogonalization would only normalize them), its name
-    matches one of `adamw_patterns` (regular expressions, `re.search`; by default
-    embeddings, the output head, norms, biases and routers), it is an MoE router's (a
+    matches one of `adamw_patterns` (regular expressions, `re.search` over the dotted name;
+    by default embeddings, the output head, norms, biases and routers, looked for in the
+    param's own name and its module's only, not in a wrapper's above them), it is an MoE router's (a
     module `gate` beside `experts`), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
     3d and their transposes: a conv weight is a kernel, not a stack of matrices), or
@@ -124,7 +128,9 @@ def muon_param_groups(
     that no `row_blocks` pattern matches is orthogonalized as one matrix, with one
     warning per call listing them (for gate weights, with the row_blocks to pass).
     `adamw_options` (lr, betas, eps, weight_decay) go into the AdamW group. Every
-    trainable param lands in exactly one group; empty groups are left out. Frozen params
+    trainable param lands in exactly one group; empty groups are left out; a call that
+    leaves none to Muon warns, and FSDP1 modules (whose params it flattens) are refused:
+    build the groups on an FSDP2 (`fully_shard`) or unwrapped model. Frozen params
     (`requires_grad=False` now) are left out, as transformers' Trainer leaves them: one
     unfrozen later is never stepped, so build the groups (and the optimizer) after
     unfreezing, or add it with `optimizer.add_param_group`.
@@ -154,6 +160,7 @@ def muon_param_groups(
                 raise ValueError(
                     f"{where} pattern {pattern!r} is no regular expression: {error}"
                 ) from None
+    _refuse_flattened(model)
     not_muon: dict[str, list[str]] = {}  # names a row_blocks pattern matches outside Muon
     plain: list[nn.Parameter] = []
     unsplit_fused: list[str] = []
@@ -208,10 +215,33 @@ def muon_param_groups(
     )
     if adamw:
         groups.append({"params": adamw, "algorithm": "adamw", **dict(adamw_options or {})})
+    if adamw and not plain and not fused:
+        warnings.warn(
+            f"muon_param_groups: all {len(adamw)} trainable params go to AdamW, none to Muon "
+            "(Muon takes 2-D and 3-D matrices whose names match no adamw_patterns): check "
+            "that the model's params have their real shapes (DeepSpeed ZeRO-3 empties them)",
+            stacklevel=2,
+        )
     grouped = sum(len(g["params"]) for g in groups)
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert grouped == trainable, f"{grouped} params grouped, {trainable} trainable"
     return groups
+
+
+def _refuse_flattened(model: nn.Module) -> None:
+    """FSDP1 (`FullyShardedDataParallel`) flattens each unit's params into one 1-D
+    `FlatParameter` shard: every matrix would go to AdamW, silently."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel
+    flattened = [name or "(the root)" for name, m in model.named_modules() if isinstance(m, fsdp1)]
+    if flattened:
+        raise ValueError(
+            f"muon_param_groups: {flattened[:3]} are FSDP1 (FullyShardedDataParallel) modules, "
+            "which flatten their params into 1-D shards: Muon, which orthogonalizes each "
+            "matrix whole, could take none of them. Shard with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), which keeps each param's shape"
+        )
 
 
 def _unsplit_fused_warning(names: Sequence[str], gates: Mapping[str, tuple[int, ...]]) -> str:

@@ -582,3 +582,53 @@ def test_a_wrapper_that_hides_get_output_embeddings_still_sends_the_head_to_adam
     teacher, student = LM(), LM()
     muon, _ = muon_param_groups(nn.ModuleDict({"teacher": teacher, "student": student}))
     assert [p for p in muon["params"]] == [teacher.mlp.weight, student.mlp.weight]
+
+
+def _backbone() -> nn.Module:
+    backbone = nn.Module()
+    backbone.embed_tokens = nn.Embedding(50, 32)
+    backbone.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
+    backbone.norm = nn.LayerNorm(32)
+    return backbone
+
+
+@pytest.mark.parametrize("attribute", ["embedder", "normalizer", "debiased", "router_model"])
+def test_a_wrapper_named_like_an_adamw_pattern_keeps_its_matrices_for_muon(attribute):
+    # the default patterns searched the whole dotted name: a sentence-embedding or reward
+    # wrapper holding its backbone as `embedder` sent every matrix in it to AdamW, silently
+    wrapper = nn.Module()
+    setattr(wrapper, attribute, _backbone())
+    wrapper.proj = nn.Linear(32, 8, bias=False)
+    groups = muon_param_groups(wrapper)
+    muon = [p for g in groups if g.get("algorithm", "muon") == "muon" for p in g["params"]]
+    matrices = [*getattr(wrapper, attribute).layers.parameters(), wrapper.proj.weight]
+    assert {id(p) for p in muon} == {id(p) for p in matrices}
+
+
+def test_fsdp1_modules_are_refused_by_name():
+    # FSDP1 flattens a unit's params into 1-D shards: every param went to AdamW, silently
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from bench.train import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = FullyShardedDataParallel(
+            _backbone(), use_orig_params=True, device_id=torch.device("cpu")
+        )
+        with pytest.raises(ValueError, match=r"\['\(the root\)'\] are FSDP1"):
+            muon_param_groups(model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_param_going_to_adamw_is_warned_about():
+    # DeepSpeed ZeRO-3 empties params to 1-D placeholders: none for Muon, and no word
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.zeros(0))
+    model.other = nn.Parameter(torch.zeros(5))
+    with pytest.warns(UserWarning, match="all 2 trainable params go to AdamW, none to Muon"):
+        muon_param_groups(model)
