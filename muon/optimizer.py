@@ -356,6 +356,11 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
+        if param_group.get("algorithm", "muon") == "muon" and "betas" in param_group:
+            raise ValueError(  # else ignored: the group's matrices would be orthogonalized
+                f"param group {index} sets betas, which only AdamW groups read, but is a Muon "
+                "group (algorithm defaults to 'muon'): add algorithm='adamw', or drop betas"
+            )
         params = param_group["params"]
         if not isinstance(params, set):  # torch refuses a set, unordered
             params = [params] if isinstance(params, Tensor) else list(params)
@@ -500,6 +505,19 @@ class Muon(torch.optim.Optimizer):
 
     def _check_loaded_state(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict.get("param_groups", [])
+        for index, group in enumerate(saved_groups):
+            missing = [
+                key
+                for key in (*_MUON_KEYS, "ns_coefficients", "ns_steps")
+                if group.get("algorithm", "muon") == "muon" and key not in group
+            ]
+            if missing:  # the first step raised a bare KeyError
+                raise ValueError(
+                    f"param group {index} of the state_dict loads into a Muon group but "
+                    f"lacks {missing}, which Muon reads: it was saved by another optimizer "
+                    "(torch.optim.AdamW's has none). Load it into an optimizer whose group is "
+                    "algorithm='adamw', or do not load it (Muon starts from zero momentum)"
+                )
         if [len(g["params"]) for g in saved_groups] != [
             len(g["params"]) for g in self.param_groups
         ]:

@@ -632,3 +632,26 @@ def test_every_param_going_to_adamw_is_warned_about():
     model.other = nn.Parameter(torch.zeros(5))
     with pytest.warns(UserWarning, match="all 2 trainable params go to AdamW, none to Muon"):
         muon_param_groups(model)
+
+
+def test_betas_in_a_group_left_muon_are_refused():
+    # algorithm="adamw" forgotten: the betas were ignored and the embedding orthogonalized
+    linear, embedding = nn.Linear(8, 8, bias=False), nn.Embedding(10, 8)
+    with pytest.raises(ValueError, match="param group 1 sets betas, which only AdamW groups"):
+        Muon([{"params": [linear.weight]}, {"params": [embedding.weight], "betas": (0.9, 0.95)}])
+    Muon([{"params": [linear.weight]}, {"params": [embedding.weight], "algorithm": "adamw"}])
+
+
+def test_an_adamw_checkpoint_loaded_into_a_muon_group_is_refused_at_the_load():
+    # switching from AdamW pretraining to Muon: the load succeeded and the first step
+    # raised a bare KeyError: 'momentum'
+    p, q = (nn.Parameter(torch.randn(6, 4)) for _ in range(2))
+    adamw = torch.optim.AdamW([p])
+    p.grad = torch.randn(6, 4)
+    adamw.step()
+    muon = Muon([q])
+    with pytest.raises(ValueError, match=r"param group 0 .* lacks \['momentum'"):
+        muon.load_state_dict(adamw.state_dict())
+    q.grad = torch.randn(6, 4)
+    muon.step()  # nothing was loaded
+    assert set(muon.state[q]) == {"momentum_buffer"}
