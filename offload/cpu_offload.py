@@ -632,22 +632,28 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """Refuse, before anything changes, a step the wrapper cannot take exactly."""
         self._refuse_a_patched_step()
         _refuse_differentiable(self.optimizer)
-        current = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if len(current) != len(self._params) or any(
-            a is not b for a, b in zip(current, self._params, strict=True)
-        ):
-            raise RuntimeError(
-                f"the wrapped {type(self.optimizer).__name__}'s params changed after wrapping "
-                f"({len(self._params)} params then, {len(current)} now): CPUOffloadOptimizer "
-                "plans its host slabs once. Call add_param_group on the optimizer before "
-                "wrapping it, or wrap a new optimizer (load the old one's state_dict into it)"
-            )
+        self._refuse_changed_params()
         moved = next((i for i, p in enumerate(self._params) if p.device != self.device), None)
         if moved is not None:
             raise RuntimeError(
                 f"param {moved} is on {self._params[moved].device} but was on {self.device} "
                 "when its optimizer was wrapped: move the model first, then build and wrap the "
                 "optimizer (CPUOffloadOptimizer plans its staging for one device)"
+            )
+
+    def _refuse_changed_params(self) -> None:
+        """The wrapped optimizer's params, in its groups' order, are those it was wrapped
+        with: the slabs, and a load's pairing of saved state to params, follow that order."""
+        current = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(current) != len(self._params) or any(
+            a is not b for a, b in zip(current, self._params, strict=True)
+        ):
+            raise RuntimeError(
+                f"the wrapped {type(self.optimizer).__name__}'s params changed after wrapping "
+                f"({len(self._params)} params then, {len(current)} now, or reordered): "
+                "CPUOffloadOptimizer plans its host slabs once. Call add_param_group on the "
+                "optimizer before wrapping it, or wrap a new optimizer (load the old one's "
+                "state_dict into it)"
             )
 
     def _refuse_sparse_grads_the_step_refuses(self, sparse: set[Tensor]) -> None:
@@ -854,6 +860,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         (before the wrapper's) once the state is in its homes.
         """
         self.wait_for_optimizer_step()
+        self._refuse_changed_params()  # saved state pairs with params by their position
         self._executor.drop_loaded_ahead()
         state_dict = state_dict.copy()
         own_hooks = self._optimizer_load_state_dict_pre_hooks.values()

@@ -1382,3 +1382,23 @@ def test_a_sliced_params_column_major_grad_holds_what_foreach_nesterov_adds(over
         return [*seen, model.weight.detach().clone()]
 
     assert all(map(torch.equal, run(False), run(True)))
+
+
+def test_a_load_after_the_groups_params_were_reordered_is_refused_before_anything_loads():
+    # the load paired saved tensor state with the params' order at wrapping and the inner
+    # optimizer's `step` with the groups' order now: each param got one saved entry's
+    # moments and another's step, silently (the next step refused)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(2)))
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=4096)
+    model(torch.randn(2, 8)).square().mean().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["params"].reverse()
+    with pytest.raises(RuntimeError, match="params changed after wrapping .* or reordered"):
+        opt.load_state_dict(saved)
+    opt.param_groups[0]["params"].reverse()
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][index][key], value), (index, key)
