@@ -505,6 +505,10 @@ class Muon(torch.optim.Optimizer):
 
     def _check_loaded_state(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict.get("param_groups", [])
+        if [len(g["params"]) for g in saved_groups] != [
+            len(g["params"]) for g in self.param_groups
+        ]:
+            return  # torch's load says how the groups differ
         for index, group in enumerate(saved_groups):
             missing = [
                 key
@@ -518,10 +522,6 @@ class Muon(torch.optim.Optimizer):
                     "(torch.optim.AdamW's has none). Load it into an optimizer whose group is "
                     "algorithm='adamw', or do not load it (Muon starts from zero momentum)"
                 )
-        if [len(g["params"]) for g in saved_groups] != [
-            len(g["params"]) for g in self.param_groups
-        ]:
-            return  # torch's load says how the groups differ
         ids = (i for g in saved_groups for i in g["params"])
         params = (p for g in self.param_groups for p in g["params"])
         for index, (i, p) in enumerate(zip(ids, params, strict=True)):

@@ -15,15 +15,17 @@ from torch import nn
 # "router" (a router named `gate` is found by module: `_moe_gates`) and state-space
 # models' log decay rates (Mamba's `A_log`, channels x states: a table of scalars, not a
 # linear map).
-# Words are looked for in a param's own name and its module's (the name's last two parts),
-# not in the modules above: a wrapper attribute named `embedder` or `normalizer` holding a
-# whole backbone would send every matrix in it to AdamW.
+# Words are looked for in a param's own name, its module's and that module's parent's
+# (list indices skipped: `patch_embed.0.weight`, DBRX's `router.layer.weight`, DETR's
+# `bbox_embed.layers.0.weight`), not in the modules above: a wrapper attribute named
+# `embedder` or `normalizer` holding a whole backbone would send every matrix in it to
+# AdamW.
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
-    r"(^|\.)[^.]*embed[^.]*(\.[^.]+)?$",
+    r"(^|\.)[^.]*embed[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",
-    r"(^|\.)[^.]*norm[^.]*(\.[^.]+)?$",
-    r"(^|\.)[^.]*bias[^.]*$",
-    r"(^|\.)[^.]*router[^.]*(\.[^.]+)?$",
+    r"(^|\.)[^.]*norm[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
+    r"(^|\.)[^.]*bias[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
+    r"(^|\.)[^.]*router[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)A_log$",
 )
 # Names of params that usually hold several logical matrices (q|k|v, gate|up): Phi3's
@@ -113,8 +115,8 @@ def muon_param_groups(
     weights, whose orthogonalization would only normalize them), its name
     matches one of `adamw_patterns` (regular expressions, `re.search` over the dotted name;
     by default embeddings, the output head, norms, biases and routers, looked for in the
-    param's own name and its module's only, not in a wrapper's above them), it is an MoE router's (a
-    module `gate` beside `experts`), a module of a type in
+    param's own name, its module's and that module's parent's, not in a wrapper's above),
+    it is an MoE router's (a module `gate` beside `experts`), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
     3d and their transposes: a conv weight is a kernel, not a stack of matrices), or
     the `get_output_embeddings()` of the model or of any of its modules (as transformers'
@@ -233,8 +235,11 @@ def _refuse_flattened(model: nn.Module) -> None:
     `FlatParameter` shard: every matrix would go to AdamW, silently."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    fsdp1 = FullyShardedDataParallel
-    flattened = [name or "(the root)" for name, m in model.named_modules() if isinstance(m, fsdp1)]
+    flattened = [
+        name or "(the root)"
+        for name, m in model.named_modules()
+        if isinstance(m, FullyShardedDataParallel) and any(p.requires_grad for p in m.parameters())
+    ]
     if flattened:
         raise ValueError(
             f"muon_param_groups: {flattened[:3]} are FSDP1 (FullyShardedDataParallel) modules, "

@@ -212,8 +212,8 @@ class ForwardOverlap:
         # FSDP2 units hold every param: a unit's forward reads only all-gathered copies,
         # so the mode leaves the stack at the forward's start (nothing for torch.compile
         # to trace; the forward's end finishes the step), but in the first overlapped
-        # training forward (train mode, grads on) of each plan that runs to its end (an
-        # evaluation may skip reads training makes): there it finds reads outside a unit's
+        # forward with grads on of each plan that runs to its end (an evaluation may
+        # skip reads training makes): there it finds reads outside a unit's
         # forward (a term over another unit's sharded params, a state counter), and each
         # makes the owner whose hook ran last wait for the chunk it read from then on (-1:
         # before any owner's, the forward's start). Where it found one, the mode stays on
@@ -230,8 +230,7 @@ class ForwardOverlap:
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
-        self._root = weakref.ref(model)
-        self._training_forward = False  # the forward now running trains (see _after_forward)
+        self._training_forward = False  # the forward now running has grads on (_after_forward)
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
         self._module_chunk: list[int] = []
@@ -261,6 +260,7 @@ class ForwardOverlap:
         self._autocast: dict[str, Any] = {"enabled": False}
         self._inference_mode = False
         self._default_dtype = torch.get_default_dtype()
+        self._step_thread: int | None = None  # the thread that called step()
         self._step_modes: tuple[Any, ...] = ()  # the torch function modes step() ran in
         self._reads = _PendingReads(weakref.ref(self))
         fast_path = _fast_path_modules(model)
@@ -353,8 +353,8 @@ class ForwardOverlap:
             "dtype": torch.get_autocast_dtype(device_type),
         }
         self._inference_mode = torch.is_inference_mode_enabled()
-        self._default_dtype = torch.get_default_dtype()
-        self._step_modes = _function_modes()
+        self._default_dtype, self._step_thread = torch.get_default_dtype(), threading.get_ident()
+        self._step_modes = tuple(m for m in _function_modes() if not isinstance(m, _PendingReads))
         streams.wait(side, streams.mark(streams.current()))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
             for grad in grads:
@@ -379,7 +379,9 @@ class ForwardOverlap:
         (`in_step`), the JIT tracer and the dispatch modes are off too (`_unrecorded`):
         those around `step()` see the chunks it runs, those around a forward none; of the
         torch function modes, only those on the stack at `step()` too stay on (one around
-        the whole loop, `torch.set_default_device`'s), as `step()` would have run them.
+        the whole loop, `torch.set_default_device`'s), as `step()` would have run them (a
+        chunk a read runs, from inside the pending-read mode, finds them set aside by
+        torch's dispatch, and runs with none).
         One thread at a time (a checkpointing thread may wait for the step while the
         trainer's forward advances it).
         """
@@ -393,7 +395,7 @@ class ForwardOverlap:
             torch.autocast(self._streams.device.type, **self._autocast),
             _outside_transforms(),
             contextlib.nullcontext() if in_step else _unrecorded(),
-            _default_dtype(self._default_dtype),
+            _default_dtype(self._default_dtype, self._step_thread),
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
@@ -577,15 +579,14 @@ class ForwardOverlap:
             self._wait_for_chunk(self._start_chunk, self._chunk_needs[self._start_chunk])
         if self._hooks_see_forward:
             self._tracing = self._trace_reads
-            root = self._root()
-            self._training_forward = torch.is_grad_enabled() and (root is None or root.training)
+            self._training_forward = torch.is_grad_enabled()
             if not self._tracing and not self._reads_outside_units:
                 self._reads.leave_stack()
 
     def _after_forward(self, args: Any, output: Any) -> None:
         # A forward that raised (torch calls this hook from its handler, with no output)
         # may not have reached the reads it was to find: the next one looks again. So
-        # does the next after an evaluation (eval() or no grad, say right after the first
+        # does the next after one without grads (an evaluation right after the first
         # step), which may skip reads that only training makes (a penalty term).
         raised = output is None and sys.exc_info()[1] is not None
         self._in_forward = False
@@ -867,18 +868,21 @@ def _function_modes_kept(kept: Collection[Any]) -> Iterator[None]:
     try:
         yield
     finally:
-        for _ in range(_depth()):
-            torch._C._pop_torch_function_stack()
+        # a kept mode taken off meanwhile (a finalizer's `_remove`) stays off
+        still = {id(torch._C._pop_torch_function_stack()) for _ in range(_depth())}
         for mode in modes:
-            torch._C._push_on_torch_function_stack(mode)
+            if id(mode) not in keep or id(mode) in still:
+                torch._C._push_on_torch_function_stack(mode)
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def _default_dtype(dtype: torch.dtype, thread: int | None) -> Iterator[None]:
     """torch's default dtype set to `dtype` (what `step()` saw: the step's new state,
-    AdamW's `step` counters say, takes it), and back after."""
+    AdamW's `step` counters say, takes it), and back after; on `thread` (the one that
+    called `step()`) only: the setting is the process's, and another thread waiting for
+    the step would switch it under the trainer's feet."""
     now = torch.get_default_dtype()
-    if now == dtype:
+    if now == dtype or threading.get_ident() != thread:
         yield
         return
     torch.set_default_dtype(dtype)

@@ -587,7 +587,9 @@ def test_a_wrapper_that_hides_get_output_embeddings_still_sends_the_head_to_adam
 def _backbone() -> nn.Module:
     backbone = nn.Module()
     backbone.embed_tokens = nn.Embedding(50, 32)
-    backbone.layers = nn.ModuleList(nn.Linear(32, 32, bias=False) for _ in range(2))
+    backbone.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    for layer in backbone.layers:
+        layer.mlp = nn.Sequential(nn.Linear(32, 32, bias=False))
     backbone.norm = nn.LayerNorm(32)
     return backbone
 
@@ -655,3 +657,21 @@ def test_an_adamw_checkpoint_loaded_into_a_muon_group_is_refused_at_the_load():
     q.grad = torch.randn(6, 4)
     muon.step()  # nothing was loaded
     assert set(muon.state[q]) == {"momentum_buffer"}
+
+
+def test_words_in_a_params_module_or_its_parent_still_route_to_adamw():
+    # looking at the last two names only sent DBRX's and JetMoe's routers
+    # (`router.layer.weight`), DETR's box heads (`bbox_embed.layers.0.weight`) and
+    # `patch_embed.0.weight` to Muon
+    model = nn.Module()
+    model.router = nn.Module()
+    model.router.layer = nn.Linear(8, 4, bias=False)
+    model.bbox_embed = nn.Module()
+    model.bbox_embed.layers = nn.ModuleList([nn.Linear(8, 8, bias=False)])
+    model.patch_embed = nn.Sequential(nn.Linear(8, 8, bias=False))
+    model.rel_pos_bias = nn.Linear(8, 4, bias=False)
+    model.body = nn.Linear(8, 8, bias=False)
+    groups = muon_param_groups(model)
+    assert [g["params"] for g in groups if g.get("algorithm", "muon") == "muon"] == [
+        [model.body.weight]
+    ]

@@ -549,6 +549,17 @@ def _fsdp_worker(rank: int, world: int) -> None:
     _train(model, overlapped, data, after_step=lambda m, o: depths.append(-1))
     assert depths == [0, -1, 1, -1, 0, -1]
 
+    # ... also trained in eval() (dropout off): a forward with grads ends the look (one
+    # in train mode only, as it was, never ended it: the mode stayed on in every forward)
+    plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
+    model.eval()
+    depths = []
+    model.body[0].register_forward_pre_hook(
+        lambda *_: depths.append(torch._C._len_torch_function_stack())
+    )
+    _train(model, overlapped, data, after_step=lambda m, o: depths.append(-1))
+    assert depths == [0, -1, 1, -1, 0, -1]
+
     # compiled: Dynamo meets the mode in the traced forward only, and the result is exact
     plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
     compiled = torch.compile(model, backend="aot_eager")
@@ -1359,3 +1370,89 @@ def test_a_function_mode_around_the_forward_sees_the_forwards_calls_only():
     _logged_training(False, plain)
     _logged_training(True, overlapped)
     assert overlapped.ops == plain.ops == ["ones", "linear", "tanh", "linear", "linear"] * 3
+
+
+def _slowed_adam(monkeypatch, before_update) -> None:
+    """torch's AdamW updates call `before_update()` first (a chunk, held where a test says)."""
+    import torch.optim.adam as adam
+
+    for name in ("_single_tensor_adam", "_multi_tensor_adam"):
+        update = getattr(adam, name)
+
+        def called(*args, update=update, **kwargs):
+            before_update()
+            return update(*args, **kwargs)
+
+        monkeypatch.setattr(adam, name, called)
+
+
+def _four_layers(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 4))
+
+
+def test_a_thread_waiting_for_the_step_leaves_the_trainers_default_dtype(monkeypatch):
+    # the default dtype is the process's: a checkpoint thread running the pending chunks
+    # set step()'s under the trainer, and on leaving put back what it found, over what the
+    # trainer had set meanwhile
+    import threading
+
+    entered, proceed = threading.Event(), threading.Event()
+
+    def held_on_the_checkpoint_thread():
+        if threading.current_thread().name == "checkpoint":
+            entered.set()
+            proceed.wait(10)
+
+    _slowed_adam(monkeypatch, held_on_the_checkpoint_thread)
+    model = _four_layers()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=1024, overlap_forward=model
+    )
+    model(torch.randn(8, 16)).square().mean().backward()
+    opt.step()
+    seen = []
+    torch.set_default_dtype(torch.float64)
+    try:
+        waiter = threading.Thread(target=opt.wait_for_optimizer_step, name="checkpoint")
+        waiter.start()
+        assert entered.wait(10)
+        seen.append(torch.get_default_dtype())
+        torch.set_default_dtype(torch.float32)
+        proceed.set()
+        waiter.join()
+        seen.append(torch.get_default_dtype())
+    finally:
+        proceed.set()
+        torch.set_default_dtype(torch.float32)
+    assert seen == [torch.float64, torch.float32]
+    opt.close()
+
+
+def test_a_kept_mode_taken_off_while_a_chunk_runs_stays_off(monkeypatch):
+    # another overlapped optimizer's pending-read mode, on the stack at this one's step()
+    # (kept), taken off by its wrapper's finalizer while this one's chunk ran: the chunk's
+    # way out pushed it back, where nothing would take it off
+    collect = []
+    _slowed_adam(monkeypatch, lambda: collect and collect.pop()())
+    models = [_four_layers(1), _four_layers(2)]
+    opts = [
+        CPUOffloadOptimizer(
+            torch.optim.AdamW(m.parameters(), foreach=True), chunk_bytes=1024, overlap_forward=m
+        )
+        for m in models
+    ]
+    for model in models:
+        model(torch.randn(8, 16)).sum().backward()
+    for opt in opts:
+        opt.step()
+    dropped = [opts.pop(0)]  # its last reference goes inside the other's chunk
+    collect.append(lambda: (dropped.clear(), gc.collect()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dropped wrapper says its step was pending
+        for _ in range(3):
+            models[1](torch.randn(8, 16))
+            models[0](torch.randn(8, 16))
+    opts[0].close()
+    gc.collect()
+    assert torch._C._len_torch_function_stack() == 0
