@@ -614,7 +614,8 @@ class _PendingReads(TorchFunctionMode):
     Every torch call that may read data pays the look-up while the mode is on the stack,
     so it is kept short: a dict hit per argument (one level into lists), the rest only on
     a hit; metadata reads (`.shape`, `.device`) return before it.
-    It sits at the bottom of the stack, so a user's mode entered before `step()` and
+    It sits at the bottom of the stack (above `torch.set_default_device`'s context, which
+    must stay lowest), so a user's mode entered before `step()` and
     left after it still leaves its own context. The mode stack is per thread: `finish`
     from another thread only switches it off, and the thread that pushed it takes it off
     at its next push, pop or forward. Private API (`torch._C`'s torch function stack:
@@ -674,7 +675,8 @@ class _PendingReads(TorchFunctionMode):
         state_scalars: Mapping[Tensor, Sequence[Tensor]],
         state_homes: Collection[Tensor],
     ) -> None:
-        """On, for `overlap`'s pending step: at the bottom of this thread's stack."""
+        """On, for `overlap`'s pending step: at the bottom of this thread's stack (above the
+        default device's context)."""
         self._remove()
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
         held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
@@ -708,8 +710,13 @@ class _PendingReads(TorchFunctionMode):
         self.chunk_of |= {id(t): written_back for t in homes if t is not None}
         self.step_pending, self.landed, self.active = True, -1, True
         modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
-        torch._C._push_on_torch_function_stack(self)
-        for mode in modes:
+        # Under `torch.set_default_device`'s context, which must stay at the very bottom
+        # (`set_default_device(None)` asserts so on leaving it); not under a `with
+        # torch.device(...)` block's, whose exit pops the top mode, whatever it is.
+        # Private API (`torch._GLOBAL_DEVICE_CONTEXT`; torch 2.11, 2.13).
+        default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+        bottom = 1 if modes and default is not None and modes[0] is default else 0
+        for mode in [*modes[:bottom], self, *modes[bottom:]]:
             torch._C._push_on_torch_function_stack(mode)
         self._thread = threading.get_ident()
 

@@ -1456,3 +1456,26 @@ def test_a_kept_mode_taken_off_while_a_chunk_runs_stays_off(monkeypatch):
     opts[0].close()
     gc.collect()
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_the_default_device_can_be_unset_while_a_step_is_pending():
+    # the pending-read mode went below torch's device context, which asserts on leaving
+    # that it is the lowest: torch.set_default_device(None) raised AssertionError
+    model = _four_layers()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), chunk_bytes=512, overlap_forward=model
+    )
+    torch.set_default_device("cpu")
+    try:
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    finally:
+        torch.set_default_device(None)
+    with torch.device("cpu"):  # whose exit pops the top mode
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    from offload.forward_overlap import _function_modes
+
+    assert [type(m).__name__ for m in _function_modes()] == ["_PendingReads"]
+    opt.close()
+    assert torch._C._len_torch_function_stack() == 0
