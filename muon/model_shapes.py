@@ -3,7 +3,8 @@
 Three sources give the same thing, a tuple of `ParamShape` in the order
 `named_parameters()` would yield them: a Hugging Face style `config.json`
 (dense and MoE decoders: Qwen3 / Qwen3-MoE / Llama-like attention, DeepSeek
-MLA), a live `nn.Module`, or a built-in preset. Names follow Hugging Face, so
+MLA; another `model_type` is refused, `MODELED_TYPES`), a live `nn.Module`, or a
+built-in preset. Names follow Hugging Face, so
 `muon.muon_param_groups`' AdamW rules (embed, lm_head, norm, bias, a router
 `gate` beside `experts`) classify them; routed experts are 3-D stacks (E, out, in) named
 `...mlp.experts.{gate,up,down}_proj`, as `muon.Muon` takes them.
@@ -199,10 +200,22 @@ def _moe(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
 
 
 _REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# The `model_type`s whose params `from_config` lays out as transformers builds them; a config
+# without one is taken as Llama-like.
+MODELED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     """Params of a decoder-only model from Hugging Face config keys (see `PRESETS`)."""
+    model_type = config.get("model_type")
+    if model_type is not None and model_type not in MODELED_TYPES:
+        raise ValueError(
+            f"config's model_type {model_type!r} is not one whose params this planner lays "
+            f"out ({', '.join(MODELED_TYPES)}): its matrices would be guessed as a Llama's "
+            "(GPT-NeoX's fused query_key_value, say, planned as q, k, v). Plan from the "
+            "model itself: muon_offload.estimate.estimate(muon.model_shapes.from_module("
+            "model), ...)"
+        )
     missing = [key for key in _REQUIRED_SIZES if key not in config]
     if missing:
         raise ValueError(f"config is missing keys {missing}")

@@ -363,6 +363,12 @@ def test_cli_json_sweep_config(tmp_path, capsys):
         assert main(["--config", str(tmp_path / name), "--fsdp", "2"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(tmp_path / name) in err, err
+    # a family the planner does not lay out: planned as a Llama (GPT-NeoX's fused
+    # query_key_value as q, k, v; Muon state 33% over), with exit 0
+    neox = json.loads(config.read_text()) | {"model_type": "gpt_neox"}
+    (tmp_path / "neox.json").write_text(json.dumps(neox))
+    assert main(["--config", str(tmp_path / "neox.json"), "--fsdp", "2"]) == 2
+    assert "model_type 'gpt_neox' is not one whose params" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
