@@ -565,7 +565,9 @@ _FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "type": _one_of(OPTIMIZER_TYPES),
     "offload": _one_of(OFFLOAD_MODES),
     "ns_schedule": muon_checks.check_ns_schedule,
-    "adjust_lr_fn": muon_checks.check_adjust_lr_fn,
+    # Muon's None means "original": a config names it (it listed None, which the field's
+    # type then refused)
+    "adjust_lr_fn": _one_of(tuple(f for f in muon_checks.ADJUST_LR_FNS if f is not None)),
     "lr": muon_checks.check_lr,
     "weight_decay": muon_checks.check_weight_decay,
     "betas": muon_checks.check_betas,

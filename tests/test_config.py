@@ -56,6 +56,8 @@ class Net(torch.nn.Module):
         ({"offload_load_in_backward": 1.5}, "should be of type bool | int | None"),
         ({"ns_schedule": "newton"}, "ns_schedule should be one of"),
         ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn should be one of"),
+        # the choices named are those the field takes (it listed Muon's None, then refused it)
+        ({"adjust_lr_fn": "none"}, r"one of \['original', 'match_rms_adamw'\] but is: 'none'"),
         ({"lr": -1.0}, "lr should be >= 0"),
         ({"offload": "optimizer", "offload_chunk_bytes": 0}, "offload_chunk_bytes"),
         ({"offload": "optimizer", "offload_staging_slots": 0}, "offload_staging_slots"),
