@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import json
 import re
@@ -215,10 +216,14 @@ class OptimizerConfig:
             )
         values = document[table]
         names = [f.name for f in dataclasses.fields(cls)]
-        unknown = set(values) - set(names)
+        unknown = sorted(set(values) - set(names))
         if unknown:
+            meant = {key: difflib.get_close_matches(key, names, n=1) for key in unknown}
+            hints = [f"{key!r} (did you mean {near[0]!r}?)" for key, near in meant.items() if near]
             raise ValueError(
-                f"unknown keys in [{table}] of {path}: {sorted(unknown)}; the fields are {names}"
+                f"unknown keys in [{table}] of {path}: {unknown}"
+                + (f"; {', '.join(hints)}" if hints else "")
+                + f"; the fields are {names}"
             )
         if "betas" in values:
             if not isinstance(values["betas"], list):  # a TOML array; tuple() of "0.9, 0.95"

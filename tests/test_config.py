@@ -237,6 +237,9 @@ def test_config_from_cli_flags_and_toml(tmp_path):
     path.write_text("[optimizer]\nlearning_rate = 0.01\n")
     with pytest.raises(ValueError, match="learning_rate"):
         OptimizerConfig.from_toml(str(path))
+    path.write_text("[optimizer]\nmomentun = 0.9\n")  # a typo gets the field it meant
+    with pytest.raises(ValueError, match=r"'momentun' \(did you mean 'momentum'\?\)"):
+        OptimizerConfig.from_toml(str(path))
 
 
 def _fake_world(size: int) -> None:
