@@ -202,7 +202,10 @@ def _moe(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
 _REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # The `model_type`s whose params `from_config` lays out as transformers builds them; a config
 # without one is taken as Llama-like.
-MODELED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+MODELED_TYPES = (
+    "llama", "mistral", "ministral", "granite", "helium", "qwen2", "qwen3", "qwen3_moe",
+    "qwen3_vl_text", "mixtral", "deepseek_v2", "deepseek_v3",
+)  # fmt: skip
 
 
 def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
@@ -213,8 +216,8 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
             f"config's model_type {model_type!r} is not one whose params this planner lays "
             f"out ({', '.join(MODELED_TYPES)}): its matrices would be guessed as a Llama's "
             "(GPT-NeoX's fused query_key_value, say, planned as q, k, v). Plan from the "
-            "model itself: muon_offload.estimate.estimate(muon.model_shapes.from_module("
-            "model), ...)"
+            "model itself, built on the meta device: muon_offload.estimate.estimate(model, "
+            "...), which also reads its row_blocks"
         )
     missing = [key for key in _REQUIRED_SIZES if key not in config]
     if missing:

@@ -616,9 +616,9 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
     return estimate(shapes, mesh, settings, time_limit_s=args.time_limit_s, fsdp_modules=wrapped)
 
 
-MAX_FSDP = 1 << 17
-"""The largest shard group planned: the plan holds per-rank shard bounds, and 10**7 ranks
-(a typo) ran out of a 24 GB host's memory before `--time-limit-s` stopped it."""
+MAX_RANKS = 1 << 17
+"""The largest mesh planned: the plan holds per-rank bounds and owners, and 10**7 ranks (a
+typo) ran out of a 24 GB host's memory before `--time-limit-s` stopped it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -631,10 +631,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chunks and args.sweep_fsdp:
         parse.error("--chunks lists one mesh's chunks: give --fsdp, not --sweep-fsdp")
     for size in args.sweep_fsdp or [args.fsdp]:
-        if size > MAX_FSDP:  # a typo'd size grew past 24 GB before the time limit said so
+        if size * args.replicate > MAX_RANKS:  # a typo'd size outgrew 24 GB before the limit
             parse.error(
-                f"an FSDP size of {size} is past what this planner plans ({MAX_FSDP}): its "
-                "memory grows with the shard group (about 6 GB at 10**6)"
+                f"fsdp {size} x replicate {args.replicate} is past the {MAX_RANKS} ranks this "
+                "planner plans: its memory grows with the mesh (about 6 GB at 10**6)"
             )
     defaults = parse.parse_args(["--preset", next(iter(PRESETS))])
     offload_flags = [

@@ -378,8 +378,9 @@ def test_cli_json_sweep_config(tmp_path, capsys):
         (["--offload-overlap-forward", "--offload-slots", "2"], "--offload-slots, "),
         (["--offload", "--sweep-fsdp", "8,16", "--chunks"], "--chunks lists one mesh's"),
         # a typo'd size: 10**7 ran a 24 GB host out of memory before the time limit
-        (["--fsdp", "10000000"], "an FSDP size of 10000000 is past what this planner plans"),
-        (["--sweep-fsdp", "8,1000000"], "an FSDP size of 1000000 is past"),
+        (["--fsdp", "10000000"], "fsdp 10000000 x replicate 1 is past the 131072 ranks"),
+        (["--sweep-fsdp", "8,1000000"], "fsdp 1000000 x replicate 1 is past"),
+        (["--fsdp", "8", "--replicate", "10000000"], "fsdp 8 x replicate 10000000 is past"),
     ],
 )
 def test_cli_refuses_flags_it_would_ignore(flags, said, capsys):
