@@ -709,15 +709,14 @@ class _PendingReads(TorchFunctionMode):
         homes = [*state_homes, *(dtensor_local(t) for t in state_homes)]
         self.chunk_of |= {id(t): written_back for t in homes if t is not None}
         self.step_pending, self.landed, self.active = True, -1, True
-        modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
+        modes = _function_modes()
         # Under `torch.set_default_device`'s context, which must stay at the very bottom
         # (`set_default_device(None)` asserts so on leaving it); not under a `with
         # torch.device(...)` block's, whose exit pops the top mode, whatever it is.
         # Private API (`torch._GLOBAL_DEVICE_CONTEXT`; torch 2.11, 2.13).
         default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
         bottom = 1 if modes and default is not None and modes[0] is default else 0
-        for mode in [*modes[:bottom], self, *modes[bottom:]]:
-            torch._C._push_on_torch_function_stack(mode)
+        _restack([*modes[:bottom], self, *modes[bottom:]])
         self._thread = threading.get_ident()
 
     def landed_through(self, chunk: int) -> None:
@@ -763,12 +762,9 @@ def _take_off_stack(leaving: list[_PendingReads], here: int, keep_late: bool = T
     """Take `leaving` off this thread's stack; with `keep_late`, those not on it (inside
     their own dispatch, which torch takes them off for) stay orphans of this thread."""
     ids = {id(mode) for mode in leaving}
-    found = set()
-    for mode in [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]:
-        if id(mode) in ids:
-            found.add(id(mode))
-        else:
-            torch._C._push_on_torch_function_stack(mode)
+    modes = _function_modes()
+    found = {id(mode) for mode in modes if id(mode) in ids}
+    _restack([mode for mode in modes if id(mode) not in ids])
     late = [m for m in leaving if id(m) not in found and m._thread == here and keep_late]
     for mode in leaving:
         if mode not in late:
@@ -856,6 +852,15 @@ def _function_modes() -> tuple[Any, ...]:
     return tuple(torch._C._get_function_stack_at(i) for i in range(_depth()))
 
 
+def _restack(modes: Sequence[Any]) -> None:
+    """This thread's torch function mode stack made `modes`, bottom first. Private API
+    (`torch._C`'s torch function stack; torch 2.11, 2.13), as in `_PendingReads`."""
+    for _ in range(_depth()):
+        torch._C._pop_torch_function_stack()
+    for mode in modes:
+        torch._C._push_on_torch_function_stack(mode)
+
+
 @contextlib.contextmanager
 def _function_modes_kept(kept: Collection[Any]) -> Iterator[None]:
     """Of this thread's torch function modes, only those among `kept` on, in their order,
@@ -863,23 +868,19 @@ def _function_modes_kept(kept: Collection[Any]) -> Iterator[None]:
     module's pending-read mode) would otherwise see the update's ops as the forward's; a
     mode that was on at `step()` as well (`torch.set_default_device`'s) makes the update
     as `step()` would have. Private API (`torch._C`'s torch function stack; torch 2.11,
-    2.13), as in `_PendingReads.push`."""
+    2.13), through `_restack`."""
     if _depth() == 0:
         yield
         return
     keep = {id(mode) for mode in kept}
-    modes = [torch._C._pop_torch_function_stack() for _ in range(_depth())][::-1]
-    for mode in modes:
-        if id(mode) in keep:
-            torch._C._push_on_torch_function_stack(mode)
+    modes = _function_modes()
+    _restack([mode for mode in modes if id(mode) in keep])
     try:
         yield
     finally:
         # a kept mode taken off meanwhile (a finalizer's `_remove`) stays off
-        still = {id(torch._C._pop_torch_function_stack()) for _ in range(_depth())}
-        for mode in modes:
-            if id(mode) not in keep or id(mode) in still:
-                torch._C._push_on_torch_function_stack(mode)
+        still = {id(mode) for mode in _function_modes()}
+        _restack([mode for mode in modes if id(mode) not in keep or id(mode) in still])
 
 
 @contextlib.contextmanager
