@@ -46,18 +46,22 @@ def busy_between(intervals: Sequence[tuple[float, float]], lo: float, hi: float)
     return union_ms(clipped) * 1e3 / max(hi - lo, 1e-9)
 
 
-def summarize(events: list[dict[str, Any]], steps: int, bins: int) -> dict[str, Any]:
+def summarize(
+    events: list[dict[str, Any]], steps: int, bins: int, kernels: int = 12
+) -> dict[str, Any]:
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
     if not device:
         raise SystemExit("no CUDA activity in this trace (a CPU run?)")
     lanes: dict[int, list[tuple[float, float]]] = defaultdict(list)
     kernel_us: Counter[int] = Counter()
+    kernel_names: dict[int, Counter[str]] = defaultdict(Counter)
     copies: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # count, bytes, us
     for e in device:
         stream = int(e.get("args", {}).get("stream", e.get("tid", -1)))
         lanes[stream].append((e["ts"], e["ts"] + e["dur"]))
         if e["cat"] == "kernel":
             kernel_us[stream] += e["dur"]
+            kernel_names[stream][e["name"][:60]] += e["dur"]
         elif e["cat"] == "gpu_memcpy":
             c = copies[f"{e['name']} (stream {stream})"]
             c[0] += 1
@@ -128,6 +132,10 @@ def summarize(events: list[dict[str, Any]], steps: int, bins: int) -> dict[str, 
             ],
         },
         "compute_busy_ms_per_step": union_ms(compute_ivs) / steps,
+        # the compute stream's kernels by name: a phase slowed by the copies shows here
+        "compute_kernels_ms_per_step": {
+            name: us / 1e3 / steps for name, us in kernel_names[compute].most_common(kernels)
+        },
         "runtime_calls": {
             name: {
                 "count_per_step": r[0] / steps,
@@ -158,6 +166,9 @@ def print_summary(name: str, s: dict[str, Any]) -> None:
             f"  {copy:<45} {c['count_per_step']:6.0f}x {c['gib_per_step']:6.2f} GiB "
             f"{c['ms_per_step']:7.1f} ms {c['gb_per_s']:6.1f} GB/s"
         )
+    print("  compute stream's kernels by ms a step:")
+    for kernel, ms in s["compute_kernels_ms_per_step"].items():
+        print(f"    {ms:7.2f}  {kernel}")
     print("  longest compute gaps (at ms, ms, other streams' busy fraction):")
     for g in s["compute_gaps"]["longest"]:
         print(f"    {g['at_ms']:8.1f} {g['ms']:6.1f}  {g['others_busy']}")
@@ -177,11 +188,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("traces", nargs="+", type=Path)
     parser.add_argument("--steps", type=int, default=2, help="steps the trace holds")
     parser.add_argument("--bins", type=int, default=120, help="timeline columns")
+    parser.add_argument("--kernels", type=int, default=12, help="kernel names listed")
     parser.add_argument("--json", type=Path, help="write the summaries here")
     args = parser.parse_args(argv)
     out = {}
     for path in args.traces:
-        out[path.name] = summarize(load_events(path), args.steps, args.bins)
+        out[path.name] = summarize(load_events(path), args.steps, args.bins, args.kernels)
         print_summary(path.name, out[path.name])
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
