@@ -228,6 +228,10 @@ class ForwardOverlap:
         self._warned_rank_local_reads = False
         self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
+        self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
+        # The stream the last wait was on, and the last chunk it has waited for this step.
+        self._waited_on: torch.Stream | None = None
+        self._waited_through = -1
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
         self._training_forward = False  # the forward now running has grads on (_after_forward)
@@ -362,6 +366,7 @@ class ForwardOverlap:
         self._pending = pending
         self._enqueued = 0
         self._in_flight = True
+        self._waited_on, self._waited_through = None, -1  # the events are recorded anew
         self._warn_if_forward_never_ended()
         self._watch_inputs, self._watch = self.backward_reached is not None, _Watch()
         self.advance(self._up_front, in_step=True)
@@ -417,6 +422,12 @@ class ForwardOverlap:
         while measuring, timed on the trainer's stream: what the overlap leaves exposed."""
         streams, done, timer = self._streams, self.chunk_done[chunk], self.timer
         current = streams.current()
+        if current == self._waited_on:
+            if chunk <= self._waited_through and timer is None and module is None:
+                return  # this stream waited for it already (a plain model's next module)
+            self._waited_through = max(self._waited_through, chunk)
+        else:
+            self._waited_on, self._waited_through = current, chunk
         before = timer.mark(current) if timer is not None else None
         streams.wait(current, done)
         self._reads.landed_through(chunk)
@@ -435,7 +446,9 @@ class ForwardOverlap:
     def _before_module(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._reading_owner = index
         if self._watch_inputs:
-            with _function_modes_kept(()):  # the user's modes see the forward's calls only
+            # The user's modes see the forward's calls only. torch._C.DisableTorchFunction
+            # (torch 2.11, 2.13): setting the mode stack aside and back cost more.
+            with torch._C.DisableTorchFunction():
                 watched = _first_grad_tensor((*args, *kwargs.values()))
                 if watched is not None:
                     # Hooked now, not held: inside a checkpointed block the input is freed
@@ -447,7 +460,11 @@ class ForwardOverlap:
         if not self._in_flight or not self._module_chunk:
             return
         module = self.owners[index][0]
-        if self._module_chunk[index] > self._reads.landed and _fsdp_gathered(module):
+        if (
+            self._owner_is_unit[index]
+            and self._module_chunk[index] > self._reads.landed
+            and _fsdp_gathered(module)
+        ):
             name = self._owner_names[index]
             raise RuntimeError(
                 f"module {name!r} ({type(module).__name__}) was all-gathered "
@@ -456,6 +473,12 @@ class ForwardOverlap:
                 "optimizer.wait_for_optimizer_step() before unshard(), or prefetch with "
                 "set_modules_to_forward_prefetch (which waits)"
             )
+        if not self._owner_is_unit[index]:
+            chunk = self._module_chunk[index]
+            if chunk >= 0:
+                self.advance(self._ahead_of[chunk])
+                self._wait_for_chunk(chunk, self._module_needs[index])
+            return
         indices = self._gathered_with(index)
         chunk = max(self._module_chunk[i] for i in indices)
         if chunk < 0:
