@@ -85,6 +85,7 @@ def summarize(
             r[0] += 1
             r[1] += e["dur"]
             r[2] = max(r[2], e["dur"])
+    trainer_copies = _trainer_copy_waits(events, compute)
     width = (end - start) / bins
     timeline = {
         stream: "".join(
@@ -144,9 +145,50 @@ def summarize(
             }
             for name, r in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]
         },
+        "trainer_copies": {
+            "count_per_step": len(trainer_copies) / steps,
+            "waited_ms_per_step": sum(w for w, _ in trainer_copies) / 1e3 / steps,
+            "longest_ms": max((w for w, _ in trainer_copies), default=0.0) / 1e3,
+            "waited_behind_ms_per_step": sum(w for w, behind in trainer_copies if behind)
+            / 1e3
+            / steps,
+        },
         "timeline": timeline,
         "timeline_bin_ms": width / 1e3,
     }
+
+
+def _trainer_copy_waits(events: list[dict[str, Any]], compute: int) -> list[tuple[float, bool]]:
+    """Per host <-> device copy on the compute stream (the trainer's own: FSDP2's, an
+    `.item()`): how long (us) it started after it could have (the later of its stream's
+    previous work ending and its launch call returning), and whether another stream's copy
+    was running at its ready time (it queued in the copy engine behind ours)."""
+    launched = {
+        e["args"]["correlation"]: e["ts"] + e["dur"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    on_compute = sorted(
+        (e for e in events if e.get("cat") in DEVICE_CATEGORIES and _stream(e) == compute),
+        key=lambda e: e["ts"],
+    )
+    copy_ivs = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") == "gpu_memcpy" and _stream(e) != compute and "DtoD" not in e["name"]
+    )
+    waits, previous_end = [], float("-inf")
+    for e in on_compute:
+        if e["cat"] == "gpu_memcpy" and "DtoD" not in e["name"]:
+            ready = max(previous_end, launched.get(e.get("args", {}).get("correlation"), 0.0))
+            behind = any(lo <= ready < hi for lo, hi in copy_ivs)
+            waits.append((max(0.0, e["ts"] - ready), behind))
+        previous_end = max(previous_end, e["ts"] + e["dur"])
+    return waits
+
+
+def _stream(event: dict[str, Any]) -> int:
+    return int(event.get("args", {}).get("stream", event.get("tid", -1)))
 
 
 def print_summary(name: str, s: dict[str, Any]) -> None:
@@ -172,6 +214,13 @@ def print_summary(name: str, s: dict[str, Any]) -> None:
     print("  longest compute gaps (at ms, ms, other streams' busy fraction):")
     for g in s["compute_gaps"]["longest"]:
         print(f"    {g['at_ms']:8.1f} {g['ms']:6.1f}  {g['others_busy']}")
+    t = s["trainer_copies"]
+    print(
+        f"  the compute stream's own host<->device copies: {t['count_per_step']:.0f} a step, "
+        f"started {t['waited_ms_per_step']:.1f} ms after they could have "
+        f"({t['waited_behind_ms_per_step']:.1f} ms while another stream copied; "
+        f"longest {t['longest_ms']:.1f} ms)"
+    )
     print("  host CUDA calls (per step: count, ms; longest single call ms):")
     for call, r in s["runtime_calls"].items():
         print(

@@ -47,3 +47,48 @@ def test_summary_of_a_copy_bound_trace(tmp_path):
         s["compute_gaps"]["longest"][0]["others_busy"][20] == 0.8
     )  # copies cover 1.6 of each 2 ms gap
     assert s["runtime_calls"]["cudaMemcpyAsync"]["count_per_step"] == 0.5
+
+
+def test_a_trainer_copy_queued_behind_another_streams_copy_is_counted(tmp_path):
+    def event(cat, name, ts, dur, stream, correlation=None):
+        args = {"stream": stream, "bytes": 1000}
+        if correlation is not None:
+            args["correlation"] = correlation
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    h2d = "Memcpy HtoD (Pinned -> Device)"
+    events = [
+        event("kernel", "k", 0.0, 1000.0, 7),
+        event("gpu_memcpy", h2d, 500.0, 4000.0, 20),  # a load on a side stream
+        # the trainer's copy, launched at 900 us and ready at 1000 (its stream's kernel
+        # ends), starts when the load is done: 3.5 ms late, behind the load
+        event("gpu_memcpy", h2d, 4500.0, 10.0, 7, correlation=1),
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaMemcpyAsync",
+            "ts": 890.0,
+            "dur": 10.0,
+            "args": {"correlation": 1},
+        },
+        # another, launched late (at 6 ms), starts at once: no wait
+        event("gpu_memcpy", h2d, 6005.0, 10.0, 7, correlation=2),
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaMemcpyAsync",
+            "ts": 5990.0,
+            "dur": 10.0,
+            "args": {"correlation": 2},
+        },
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    copies = summarize(load_events(path), steps=1, bins=4)["trainer_copies"]
+
+    assert copies["count_per_step"] == 2
+    assert copies["waited_ms_per_step"] == 3.5 + 0.005
+    assert copies["waited_behind_ms_per_step"] == 3.5
+    assert copies["longest_ms"] == 3.5
