@@ -230,8 +230,7 @@ class ForwardOverlap:
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
         # The stream the last wait was on, and the last chunk it has waited for this step.
-        self._waited_on: torch.Stream | None = None
-        self._waited_through = -1
+        self._waited: tuple[torch.Stream | None, int] = (None, -1)
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
         self._training_forward = False  # the forward now running has grads on (_after_forward)
@@ -366,7 +365,7 @@ class ForwardOverlap:
         self._pending = pending
         self._enqueued = 0
         self._in_flight = True
-        self._waited_on, self._waited_through = None, -1  # the events are recorded anew
+        self._waited = (None, -1)  # the events are recorded anew
         self._warn_if_forward_never_ended()
         self._watch_inputs, self._watch = self.backward_reached is not None, _Watch()
         self.advance(self._up_front, in_step=True)
@@ -422,15 +421,16 @@ class ForwardOverlap:
         while measuring, timed on the trainer's stream: what the overlap leaves exposed."""
         streams, done, timer = self._streams, self.chunk_done[chunk], self.timer
         current = streams.current()
-        if current == self._waited_on:
-            if chunk <= self._waited_through and timer is None and module is None:
-                return  # this stream waited for it already (a plain model's next module)
-            self._waited_through = max(self._waited_through, chunk)
-        else:
-            self._waited_on, self._waited_through = current, chunk
+        waited_on, waited_through = self._waited
+        same_stream = current == waited_on
+        if same_stream and chunk <= waited_through and timer is None and module is None:
+            return  # this stream waited for it already (a plain model's next module)
         before = timer.mark(current) if timer is not None else None
         streams.wait(current, done)
         self._reads.landed_through(chunk)
+        # Set once the wait is made (an interrupt inside it leaves the record as it was), in
+        # one assignment (a thread finishing the step reads it whole).
+        self._waited = (current, max(waited_through, chunk) if same_stream else chunk)
         if timer is not None:
             timer.waited(chunk, needs, before, timer.mark(current))
         if done is not None and module is not None:
@@ -447,7 +447,9 @@ class ForwardOverlap:
         self._reading_owner = index
         if self._watch_inputs:
             # The user's modes see the forward's calls only. torch._C.DisableTorchFunction
-            # (torch 2.11, 2.13): setting the mode stack aside and back cost more.
+            # (torch 2.11, 2.13): setting the mode stack aside and back cost more. A tensor
+            # subclass's own __torch_function__ does not see these reads either (DTensor
+            # has none).
             with torch._C.DisableTorchFunction():
                 watched = _first_grad_tensor((*args, *kwargs.values()))
                 if watched is not None:

@@ -1070,3 +1070,47 @@ def test_a_compiled_transformers_llama_with_a_pending_step_runs_and_is_bitwise()
     (plain_losses, plain_params), (losses, params) = runs
     assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+
+
+def test_a_wait_interrupted_midway_is_made_again_by_the_next_forward(monkeypatch):
+    """Ctrl-C inside a module's wait for its chunk (the step stays pending: no after-hook
+    runs for a KeyboardInterrupt): the forward run again waits for that chunk, rather than
+    taking the interrupted wait as made (a plain model's later modules skip a wait their
+    stream made already)."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=600, overlap_forward=model
+    )
+    tokens = batches(1)[0]
+    model(tokens).square().mean().backward()
+    opt.step()
+    overlap = opt._overlap
+    first = overlap._module_chunk[0]  # the embedding's chunk, waited for first
+    streams_type = type(opt._streams)
+    real_wait, real_wait_for_chunk = streams_type.wait, type(overlap)._wait_for_chunk
+    waited, waiting = [], []
+
+    def wait_for_chunk(self, chunk, *args, **kwargs):
+        waiting.append(chunk)
+        try:
+            real_wait_for_chunk(self, chunk, *args, **kwargs)
+        finally:
+            waiting.pop()
+
+    def interrupted(self, stream, event):
+        if waiting and waiting[-1] == first:
+            raise KeyboardInterrupt
+        real_wait(self, stream, event)
+
+    def recorded(self, stream, event):
+        waited.extend(waiting[-1:])
+        real_wait(self, stream, event)
+
+    monkeypatch.setattr(type(overlap), "_wait_for_chunk", wait_for_chunk)
+    monkeypatch.setattr(streams_type, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model(tokens)
+    monkeypatch.setattr(streams_type, "wait", recorded)
+    model(tokens)
+    assert first in waited
+    opt.close()
