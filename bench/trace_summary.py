@@ -57,7 +57,7 @@ def summarize(
     kernel_names: dict[int, Counter[str]] = defaultdict(Counter)
     copies: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # count, bytes, us
     for e in device:
-        stream = int(e.get("args", {}).get("stream", e.get("tid", -1)))
+        stream = _stream(e)
         lanes[stream].append((e["ts"], e["ts"] + e["dur"]))
         if e["cat"] == "kernel":
             kernel_us[stream] += e["dur"]

@@ -461,12 +461,14 @@ class ForwardOverlap:
                     watch.hooked += 1
         if not self._in_flight or not self._module_chunk:
             return
+        if not self._owner_is_unit[index]:  # a plain model's module: its own chunk only
+            chunk = self._module_chunk[index]
+            if chunk >= 0:
+                self.advance(self._ahead_of[chunk])
+                self._wait_for_chunk(chunk, self._module_needs[index])
+            return
         module = self.owners[index][0]
-        if (
-            self._owner_is_unit[index]
-            and self._module_chunk[index] > self._reads.landed
-            and _fsdp_gathered(module)
-        ):
+        if self._module_chunk[index] > self._reads.landed and _fsdp_gathered(module):
             name = self._owner_names[index]
             raise RuntimeError(
                 f"module {name!r} ({type(module).__name__}) was all-gathered "
@@ -475,12 +477,6 @@ class ForwardOverlap:
                 "optimizer.wait_for_optimizer_step() before unshard(), or prefetch with "
                 "set_modules_to_forward_prefetch (which waits)"
             )
-        if not self._owner_is_unit[index]:
-            chunk = self._module_chunk[index]
-            if chunk >= 0:
-                self.advance(self._ahead_of[chunk])
-                self._wait_for_chunk(chunk, self._module_needs[index])
-            return
         indices = self._gathered_with(index)
         chunk = max(self._module_chunk[i] for i in indices)
         if chunk < 0:
