@@ -36,7 +36,6 @@ from offload.residency import (
     StepTimer,
     choose_residency,
     largest_fitting_total,
-    largest_free_backward,
     leading_units,
     median_error_ms,
     median_predicted_stall_ms,
@@ -97,7 +96,6 @@ class AutoResidency:
         # Set by the first choice:
         self._base: ResidencyChoice | None = None  # the stall model's
         self._backward_cap = 0
-        self._free_backward = 0
         self._shape: StepShape | None = None
         self._profiles: Sequence[StepProfile] = ()
 
@@ -214,19 +212,11 @@ class AutoResidency:
         def fits(split: Split) -> bool:
             return held(split) <= budget
 
-        room = room_bytes() if shape.overlap else None
-        free_backward = 0
-        if room is not None:
-            free_backward = largest_free_backward(
-                shape.chunk_bytes, backward, lambda loads: held(Split(0, loads)) <= room
-            )
-            _, (free_backward,) = self._agree([], [free_backward])
-            free_backward = int(free_backward)
-        largest = largest_fitting_total(shape.unit_bytes, backward, fits, free_backward)
+        largest = largest_fitting_total(shape.unit_bytes, backward, fits)
         _, (limit,) = self._agree([], [largest])
         limit = int(limit)
         model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, limit)
-        splits = search_splits(shape.unit_bytes, backward, limit, free_backward)
+        splits = search_splits(shape.unit_bytes, backward, limit)
         (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
         splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
         default = None
@@ -239,20 +229,20 @@ class AutoResidency:
             capped = isinstance(self.backward, int) and default.backward_load_bytes > backward
             if default.total > 0 and not capped and (default_fits or self.budget_bytes is None):
                 splits = with_default(splits, default)
-        first = split_total(int(total), shape.unit_bytes, backward, free_backward)
+        first = split_total(int(total), shape.unit_bytes, backward)
         _, (first_fits,) = self._agree([], [fits(first)])
         if not first_fits:
             smaller = [s for s in splits if s.total <= first.total]
             first = max(smaller, key=_total, default=Split(0, 0))
         self._base = model
         self._backward_cap = backward
-        self._free_backward = free_backward
         self.budget_bytes = budget
         self._shape, self._profiles = shape, profiles
         if not (shape.overlap and self.timer.timed):
             # Nothing to search with: the model's choice.
             self._settle(first, shape, profiles)
             return self._run(first)
+        room = room_bytes()
         # Resident state is held through the forward, at the peak: only loads are free.
         candidates = [measured.split, *splits]
         within = [
@@ -316,7 +306,6 @@ class AutoResidency:
             predicted_stall_ms=median_predicted_stall_ms(profiles, shape.chunk_bytes, split.total),
             backward_load_bytes=split.backward_load_bytes,
             backward_cap_bytes=self._backward_cap,
-            free_backward_bytes=self._free_backward,
             budget_bytes=self.budget_bytes,
             probes=tuple(self._probes),
             checked=checked,

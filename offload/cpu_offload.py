@@ -1550,15 +1550,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
         logger.info(
             "gpu_resident_bytes='auto' chose %d bytes (%d units) resident and %d loaded in "
-            "the backward (%d of them held under the run's peak), of %d bytes of state, "
-            "holding %d bytes of GPU memory for state with the staging (budget %d; the host "
-            "slabs keep room for all the state); the "
+            "the backward, of %d bytes of state, holding %d bytes of GPU memory for state "
+            "with the staging (budget %d; the host slabs keep room for all the state); the "
             "trainer stalled %.1f ms a step for the offloaded step, predicted %.1f ms with "
             "this choice%s",
             choice.resident_bytes,
             choice.resident_units,
             choice.backward_load_bytes,
-            choice.free_backward_bytes,
             choice.state_bytes,
             choice.held_bytes,
             choice.budget_bytes,

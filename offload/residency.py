@@ -15,9 +15,8 @@ trainer's own small copies queued behind the step's, so with forward overlap on 
 "auto" searches instead (`next_split`): it runs the most state the budget keeps off the
 forward's path for a few steps (the fastest step it can get), then bisects for the
 least total whose step is within `NEAR_FASTEST` of the fastest measured
-(`settled_split`). Of a total, the backward loads what fits in the room under the
-run's peak, then leading units stay resident, then the backward loads the rest, as far
-as its measured length carries (`split_total`).
+(`settled_split`). Of a total, the backward loads what its measured length carries
+(`split_total`); the rest stays resident.
 """
 
 from __future__ import annotations
@@ -114,7 +113,6 @@ class ResidencyChoice:
     predicted_stall_ms: float  # what the model predicts is left with `resident_bytes`
     backward_load_bytes: int = 0  # state the backward loads (whole chunks), as planned
     backward_cap_bytes: int = 0  # what the backward could load, as measured
-    free_backward_bytes: int = 0  # of that, what it holds under the run's peak
     budget_bytes: int = 0  # GPU memory "auto" could hold: resident state and staging
     held_bytes: int = 0  # GPU memory the chosen plan holds: resident state and staging
     probes: tuple[Probe, ...] = ()  # the search's splits and their steps, in the order tried
@@ -156,38 +154,17 @@ def median_error_ms(steps: Sequence[float]) -> float:
     return sigma * math.sqrt(math.pi / 2 / len(steps))
 
 
-def split_total(
-    total: int, unit_bytes: Sequence[int], backward_cap: int, free_backward: int
-) -> Split:
-    """Of the first `total` bytes of the step: the backward loads what it holds in the
-    room under the run's peak (`free_backward`, as far as it carries: `backward_cap`); of
-    the rest, the leading units that fit stay resident, and the backward loads what is
-    left, as far as it carries.
+def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Split:
+    """Of the first `total` bytes of the step, the backward loads what it can carry
+    (`backward_cap`); the leading units that fit in the rest stay resident.
 
-    Past that room, a resident byte is worth more than one the backward loads, for the
-    same memory at the peak: the loaded byte still goes home through the forward, over a
-    link the forward's overlapped step fills, and adds its load to the backward's; the
-    resident byte moves neither way."""
-    free = min(total, backward_cap, free_backward)
-    resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= total - free)
-    return Split(resident, min(total - resident, backward_cap))
-
-
-def largest_free_backward(
-    chunk_bytes: Sequence[int], backward_cap: int, free: Callable[[int], bool]
-) -> int:
-    """The most the backward may load, in whole chunks from the first and at most
-    `backward_cap`, that is `free` (held in the room under the peak), bisected: loading
-    more chunks holds more."""
-    ends = [end for end in itertools.accumulate(chunk_bytes) if end <= backward_cap]
-    free_count, above = 0, len(ends) + 1  # ends[:free_count] are free, ends[above - 1:] not
-    while above - free_count > 1:
-        middle = (free_count + above) // 2
-        if free(ends[middle - 1]):
-            free_count = middle
-        else:
-            above = middle
-    return ends[free_count - 1] if free_count else 0
+    Loads first: a resident unit saves the link but not its update, which the forward
+    still waits for. Where the update is compute (Muon), resident-first splits measured
+    far slower than loads of the same bytes; with AdamW no slower
+    (`bench/measured/train_step_hf_b4_*_split_shape_ab_h100.log`)."""
+    backward = min(total, backward_cap)
+    resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= total - backward)
+    return Split(resident, backward)
 
 
 FINE_TOTALS = 16
@@ -195,10 +172,7 @@ FINE_TOTALS = 16
 
 
 def largest_fitting_total(
-    unit_bytes: Sequence[int],
-    backward_cap: int,
-    fits: Callable[[Split], bool],
-    free_backward: int,
+    unit_bytes: Sequence[int], backward_cap: int, fits: Callable[[Split], bool]
 ) -> int:
     """The largest total whose split (`split_total`) `fits`, as the search's grid (each
     `SEARCH_STEPS`-th of the state) finds it scanned down from the whole state, then
@@ -210,7 +184,7 @@ def largest_fitting_total(
     grid = sorted({*range(step, state, step), state}, reverse=True)
     found, above = 0, state + 1
     for total in grid:
-        split = split_total(total, unit_bytes, backward_cap, free_backward)
+        split = split_total(total, unit_bytes, backward_cap)
         if split.total > 0 and fits(split):
             found = split.total
             break
@@ -218,22 +192,20 @@ def largest_fitting_total(
     between = [t for t in itertools.accumulate(unit_bytes) if found < t < above and t <= state]
     pick = max(1, -(-len(between) // FINE_TOTALS))
     for total in sorted(between[::-1][::pick], reverse=True):
-        split = split_total(total, unit_bytes, backward_cap, free_backward)
+        split = split_total(total, unit_bytes, backward_cap)
         if split.total > found and fits(split):
             return split.total
     return found
 
 
-def search_splits(
-    unit_bytes: Sequence[int], backward_cap: int, limit: int, free_backward: int
-) -> list[Split]:
+def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> list[Split]:
     """The splits the search may try, by growing total: multiples of a `SEARCH_STEPS`-th
     of the state, and `limit`; each total split by `split_total` (totals that split
     alike are one)."""
     step = max(1, -(-sum(unit_bytes) // SEARCH_STEPS))
     splits: list[Split] = []
     for total in [*range(step, limit, step), limit]:
-        split = split_total(total, unit_bytes, backward_cap, free_backward)
+        split = split_total(total, unit_bytes, backward_cap)
         if split.total > (splits[-1].total if splits else 0):
             splits.append(split)
     return splits

@@ -14,7 +14,6 @@ from fake_step_timer import FakeStepTimer
 
 from muon import Muon, muon_param_groups
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
-from offload.chunk_plan import unit_sizes
 from offload.residency import (
     AUTO_MEASURED_STEPS,
     AUTO_WARMUP_STEPS,
@@ -631,19 +630,13 @@ def _kept(opt: CPUOffloadOptimizer) -> int:
 STATE_BYTES = sum(2 * 4 * p.numel() for p in make_model().parameters())  # AdamW: 2 fp32
 
 
-@pytest.mark.parametrize("room", [0, 2**40], ids=["no-room", "room-for-all"])
-def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(
-    caplog, monkeypatch, room
-):
+def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     """With overlap, "auto" runs the most state its budget keeps off the forward's path
-    (loaded in the backward as far as the room under the peak holds it, then resident,
-    then loaded in the backward up to what its measured length carries), then bisects for
-    the least whose step is near the fastest, a few steps each; every re-plan keeps the
-    host slabs and the update exact."""
-    from offload import cpu_offload
+    (loaded in the backward up to what its measured length carries, the rest resident),
+    then bisects for the least whose step is near the fastest, a few steps each; every
+    re-plan keeps the host slabs and the update exact."""
     from offload.residency import BACKWARD_LOAD_SHARE, MAX_PROBES, NEAR_FASTEST
 
-    monkeypatch.setattr(cpu_offload, "room_under_peak_bytes", lambda device: room)
     slabs = []
     with caplog.at_level("INFO", logger="offload.cpu_offload"):
         opt = _search_auto(
@@ -660,43 +653,24 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(
     assert totals[0] == 0 and 3 <= len(totals) <= 1 + MAX_PROBES
     assert totals[1] == max(totals) > STATE_BYTES // 2  # the most first: the fastest step
     default = Split(0, opt._default_backward_bytes())  # also tried, as it is
-    # the share of 10 ms * 200 bytes/ms at most loaded in the backward
-    cap = int(BACKWARD_LOAD_SHARE * 10.0 * 200.0)
-    assert choice.backward_cap_bytes == cap
-    free = choice.free_backward_bytes
-    assert (free == 0) == (room == 0) and free <= cap
-    units = [u.bytes for u in unit_sizes(opt._units_key, opt._specs)]
-    unit_ends = set(itertools.accumulate(units, initial=0))
     for probe in probes[1:]:
+        # the share of 10 ms * 200 bytes/ms at most loaded in the backward
+        cap = int(BACKWARD_LOAD_SHARE * 10.0 * 200.0)
         if probe.split != default:
-            split = probe.split
-            # the free loads first, then whole leading units, then loads of the rest
-            assert min(free, split.total) <= split.backward_load_bytes <= cap
-            assert split.resident_bytes in unit_ends
-            next_unit = min((e for e in unit_ends if e > split.resident_bytes), default=None)
-            assert next_unit is None or split.total - min(free, split.total) < next_unit
+            assert probe.split.backward_load_bytes == min(cap, probe.split.total)
     assert default in [p.split for p in probes]
     fastest = min(p.iteration_ms for p in probes)
     near = [p for p in probes if p.iteration_ms <= (1 + NEAR_FASTEST) * fastest]
-    # of those, the fastest held under the peak (loads only), else the least
-    free_near = [p for p in near if p.split.resident_bytes == 0 and room > 0]
-    settled = min(free_near, key=lambda p: p.iteration_ms, default=None) or min(
-        near, key=lambda p: p.split.total
-    )
-    settled = settled.split
+    settled = min(near, key=lambda p: p.split.total).split
     assert choice.resident_bytes == settled.resident_bytes
     # what the plan loads: the leading chunks within the split's bytes
-    assert choice.backward_load_bytes == _loaded_in_backward(opt)
+    assert 0 < choice.backward_load_bytes == _loaded_in_backward(opt)
     assert choice.backward_load_bytes <= settled.backward_load_bytes
     assert choice.held_bytes == opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
+    # bisected down to a neighbour that was not near the fastest
+    assert any(p.split.total < settled.total for p in probes if p not in near)
     assert opt.gpu_resident_bytes == choice.resident_bytes
-    if room == 0:
-        # bisected down to a neighbour that was not near the fastest
-        assert any(p.split.total < settled.total for p in probes if p not in near)
-        assert opt.plan.resident_bytes > 0
-    else:  # the default loads the whole state under the peak, as fast as any
-        assert settled == default and default.backward_load_bytes == STATE_BYTES
-        assert opt.chunks_loaded_in_backward == len(opt.plan.chunks)
+    assert opt.plan.resident_bytes > 0 and opt.chunks_loaded_in_backward > 0
     assert len(slabs) >= 3 and all(s == slabs[0] for s in slabs)  # never re-pinned
     assert "loaded in the backward" in caplog.text and "steps tried" in caplog.text
 
@@ -952,7 +926,7 @@ def test_auto_by_default_holds_no_more_than_keeping_the_whole_state_would():
     assert choice.budget_bytes == everything
     largest = max(choice.probes, key=lambda p: p.split.total).split
     assert opt._held_bytes(largest) <= everything
-    assert largest == Split(choice.state_bytes, 0)  # no loads are free: all of it resident
+    assert largest.total < choice.state_bytes  # the ring takes a share of the budget
 
 
 def test_auto_keeps_less_when_its_steps_vary_more_than_the_splits_differ():
@@ -1033,10 +1007,7 @@ def test_a_failed_auto_replan_lets_go_of_what_it_allocated(monkeypatch):
     """A re-plan that fails at the backward's extra slot, after the new resident slabs and
     ring were allocated: those go with the failure, not held beside the next plan."""
     import offload.executor as executor
-    from offload import cpu_offload
 
-    # the backward's loads fit under the peak: the first split tried loads 3000 bytes
-    monkeypatch.setattr(cpu_offload, "room_under_peak_bytes", lambda device: 2**40)
     model = make_model()
     opt = _overlapped_auto(model, lambda opt: 100.0, load_in_backward=3000)
     made, failing = [], [False]

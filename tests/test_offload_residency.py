@@ -23,7 +23,6 @@ from offload.residency import (
     StepProfile,
     choose_residency,
     largest_fitting_total,
-    largest_free_backward,
     leading_units,
     median_error_ms,
     near_fastest,
@@ -165,53 +164,32 @@ def test_a_steps_first_wait_counts_from_the_steps_start():
     assert [w.stall_ms for w in profile.waits] == [pytest.approx(49.01), 5.0]
 
 
-def test_a_total_loads_what_is_free_in_the_backward_then_stays_resident_then_loads():
+def test_a_total_is_loaded_in_the_backward_as_far_as_it_carries_the_rest_resident():
     units = [100, 300, 50, 50]
-    # nothing free under the peak: leading units first, the backward loads the rest
-    assert split_total(0, units, 200, 0) == Split(0, 0)
-    assert split_total(80, units, 200, 0) == Split(0, 80)  # below the first unit
-    assert split_total(150, units, 200, 0) == Split(100, 50)
-    assert split_total(450, units, 200, 0) == Split(450, 0)
-    assert split_total(420, units, 0, 0) == Split(400, 0)  # nothing in the backward
-    # 150 free: loaded in the backward first, whole units in the rest
-    assert split_total(150, units, 200, 150) == Split(0, 150)
-    assert split_total(350, units, 200, 150) == Split(100, 200)  # 200 left: one unit
-    assert split_total(500, units, 100, 150) == Split(400, 100)  # the cap bounds the free
-    assert split_total(500, units, 100, 150).total == 500
-
-
-def test_the_free_backward_loads_are_the_most_leading_chunks_in_the_room():
-    chunks = [100, 100, 100, 100]
-    asked = []
-
-    def free(loads):
-        asked.append(loads)
-        return loads <= 250
-
-    assert largest_free_backward(chunks, 400, free) == 200
-    assert len(asked) <= 3  # bisected
-    assert largest_free_backward(chunks, 150, lambda loads: True) == 100  # the cap
-    assert largest_free_backward(chunks, 400, lambda loads: False) == 0
-    assert largest_free_backward(chunks, 50, lambda loads: True) == 0  # no whole chunk
+    assert split_total(0, units, 200) == Split(0, 0)
+    assert split_total(150, units, 200) == Split(0, 150)  # all of it in the backward
+    assert split_total(350, units, 200) == Split(100, 200)  # 150 left: one unit fits
+    assert split_total(420, units, 0) == Split(400, 0)  # nothing in the backward
+    assert split_total(500, units, 100) == Split(400, 100)
+    assert split_total(500, units, 100).total == 500
 
 
 def test_the_search_tries_eighths_of_the_state_up_to_the_limit():
     units = [100] * 16  # 1600 bytes: steps of 200
-    splits = search_splits(units, 200, 1000, 200)
+    splits = search_splits(units, 200, limit=1000)
     assert [s.total for s in splits] == [200, 400, 600, 800, 1000]
     assert splits[0] == Split(0, 200) and splits[2] == Split(400, 200)
-    assert search_splits(units, 200, 1000, 0)[2] == Split(600, 0)  # nothing free
-    assert [s.total for s in search_splits(units, 250, 1100, 250)] == [
+    assert [s.total for s in search_splits(units, 250, limit=1100)] == [
         200,
         350,
         550,
         750,
         950,
-        1050,  # the backward's free 250, then whole units of 100
+        1050,  # the backward's 250, then whole units of 100
     ]
-    assert search_splits(units, 0, 0, 0) == []
+    assert search_splits(units, 0, limit=0) == []
     # totals that split alike are tried once
-    assert [s.total for s in search_splits([800, 800], 0, 1600, 0)] == [800, 1600]
+    assert [s.total for s in search_splits([800, 800], 0, limit=1600)] == [800, 1600]
 
 
 def _probes(*pairs):
@@ -373,11 +351,11 @@ def test_plans_with_room_for_all_share_one_host_layout_whatever_stays_resident()
 def test_the_largest_fitting_total_is_scanned_down_not_bisected():
     units = [100, 300, 50, 50]
     # of what a bisection would try only 100 fits: found by scanning down
-    assert largest_fitting_total(units, 0, lambda split: split.total == 100, 0) == 100
-    assert largest_fitting_total(units, 0, lambda split: split.total != 500, 0) == 450
-    assert largest_fitting_total(units, 0, lambda split: False, 0) == 0
-    # with the backward's 60 free: 450 leaves 390 for whole units, 100 of them fit
-    assert largest_fitting_total(units, 60, lambda split: split.total < 450, 60) == 160
+    assert largest_fitting_total(units, 0, lambda split: split.total == 100) == 100
+    assert largest_fitting_total(units, 0, lambda split: split.total != 500) == 450
+    assert largest_fitting_total(units, 0, lambda split: False) == 0
+    # with the backward's 60: 450 leaves 390 for whole units, 100 of them fit
+    assert largest_fitting_total(units, 60, lambda split: split.total < 450) == 160
 
 
 def test_the_largest_fitting_total_finds_loads_in_the_backward_below_the_first_unit():
@@ -388,7 +366,7 @@ def test_the_largest_fitting_total_finds_loads_in_the_backward_below_the_first_u
     def fits(split):
         return split.backward_load_bytes <= 300 and split.resident_bytes == 0
 
-    assert largest_fitting_total(units, 600, fits, 0) == 300
+    assert largest_fitting_total(units, 600, fits) == 300
 
 
 def test_the_largest_fitting_total_plans_a_bounded_number_of_splits():
@@ -399,7 +377,7 @@ def test_the_largest_fitting_total_plans_a_bounded_number_of_splits():
         return split.total <= 7_777
 
     units = [10] * 1000  # 10_000 bytes
-    assert largest_fitting_total(units, 0, fits, 0) >= 7_777 - 10 * -(-125 // FINE_TOTALS)
+    assert largest_fitting_total(units, 0, fits) >= 7_777 - 10 * -(-125 // FINE_TOTALS)
     assert len(asked) <= SEARCH_STEPS + 1 + FINE_TOTALS
 
 
@@ -427,7 +405,7 @@ class _SplitTimer:
         return 1000.0
 
     def load_bytes_per_ms(self):
-        return 0.5  # "auto"'s backward carries 0.65 x 500: three chunks of 100
+        return 0.5  # "auto"'s backward carries 0.65 x 500 bytes
 
 
 def _settle_auto(step_ms, room):
@@ -448,20 +426,6 @@ def _total(split):
     return split.total
 
 
-def test_auto_keeps_state_resident_past_what_the_backward_loads_under_the_peak():
-    """200 bytes of loads fit under the peak; past them a split keeps leading units
-    resident, which makes the step faster per byte than loading them in the backward."""
-
-    def step_ms(split):
-        return max(60.0, 100.0 - split.resident_bytes / 10 - split.backward_load_bytes / 40)
-
-    choice = _settle_auto(step_ms, room=200)
-    tried = [p.split for p in choice.probes]
-    assert tried[1] == Split(600, 200)  # the whole budget: 200 free loads, the rest resident
-    assert all(s.backward_load_bytes <= 200 for s in tried)
-    assert Split(choice.resident_bytes, choice.backward_load_bytes) == Split(400, 200)
-
-
 def test_auto_counts_no_resident_state_as_free_under_the_peak():
     """Resident state is held through the forward, at the peak, however much room the step
     finds under it: of the splits near the fastest, the one that loads nothing and keeps
@@ -471,5 +435,5 @@ def test_auto_counts_no_resident_state_as_free_under_the_peak():
         return 100.0 - split.resident_bytes / 1000  # 0.5 % faster with everything kept
 
     choice = _settle_auto(step_ms, room=10**6)
-    assert [p.split for p in choice.probes] == [Split(0, 0), Split(500, 300)]
+    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 0)
