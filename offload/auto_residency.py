@@ -89,7 +89,7 @@ class AutoResidency:
         self._probes: list[Probe] = []
         self._splits: list[Split] = []
         self._default: Split | None = None  # the split the optimizer runs without "auto"
-        self._free: set[Split] = set()  # splits held in the room under the peak
+        self._free: set[Split] = set()  # load-only splits held in the room under the peak
         self._probe_start = 0
         self._current = Split(0, 0)
         self._settled: Split | None = None  # what the search settled on, being checked

@@ -366,9 +366,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             the backward loads what its length carries and the leading units of the
             rest stay resident; then, on a GPU, run the most the budget allows a few
             steps, then the default's backward loads (as without "auto"), and
-            bisect for the least amount (of those held within the room under the peak,
-            the fastest) whose step is as fast as the fastest, within
-            `residency.NEAR_FASTEST` or the steps' own spread
+            bisect for the least amount (of those that only load in the backward and
+            are held within the room under the peak, the fastest) whose step is as
+            fast as the fastest, within `residency.NEAR_FASTEST` or the steps' own spread
             (`residency.NOISE_SIGMAS`, at most `residency.NOISE_CAP`;
             `offload.auto_residency`); the steps after it settles are checked, and if
             they are not as fast as the fastest split measured it takes that one instead. Without
