@@ -231,6 +231,7 @@ class ForwardOverlap:
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
         # The stream the last wait was on, and the last chunk it has waited for this step.
         self._waited: tuple[torch.Stream | None, int] = (None, -1)
+        self._trainer_stream: torch.Stream | None = None  # current at `step()`
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
         self._training_forward = False  # the forward now running has grads on (_after_forward)
@@ -358,7 +359,8 @@ class ForwardOverlap:
         self._inference_mode = torch.is_inference_mode_enabled()
         self._default_dtype, self._step_thread = torch.get_default_dtype(), threading.get_ident()
         self._step_modes = tuple(m for m in _function_modes() if not isinstance(m, _PendingReads))
-        streams.wait(side, streams.mark(streams.current()))
+        self._trainer_stream = streams.current()
+        streams.wait(side, streams.mark(self._trainer_stream))
         if side is not None:  # grads the trainer drops must outlive the side stream's reads
             for grad in grads:
                 grad.record_stream(side)
@@ -409,10 +411,14 @@ class ForwardOverlap:
                     self._enqueued += 1
 
     def finish(self) -> None:
-        """Enqueue every pending chunk; the trainer's stream waits for the last update."""
+        """Enqueue every pending chunk; the current stream, and the trainer's, wait for the
+        last update (nothing waits for reads once this returns)."""
         self.advance(len(self.chunk_done))
         if self._in_flight and self.chunk_done:
-            self._wait_for_chunk(len(self.chunk_done) - 1, self._step_bytes)
+            last = len(self.chunk_done) - 1
+            self._wait_for_chunk(last, self._step_bytes)
+            if self._streams.current() != self._trainer_stream:
+                self._streams.wait(self._trainer_stream, self.chunk_done[last])
         self._in_flight = False
         self._reads.pop()
 
@@ -427,7 +433,10 @@ class ForwardOverlap:
             return  # this stream waited for it already (a plain model's next module)
         before = timer.mark(current) if timer is not None else None
         streams.wait(current, done)
-        self._reads.landed_through(chunk)
+        if current == self._trainer_stream:
+            # What landed is recorded for the trainer's stream only: a read on another
+            # stream that waited leaves the trainer's own unhooked reads to wait too.
+            self._reads.landed_through(chunk)
         # Set once the wait is made (an interrupt inside it leaves the record as it was), in
         # one assignment (a thread finishing the step reads it whole).
         self._waited = (current, max(waited_through, chunk) if same_stream else chunk)

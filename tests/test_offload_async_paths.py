@@ -27,6 +27,7 @@ class _Wait:
     record: int  # the event's records so far
     record_step: int  # the overlapped step its latest record was made in
     step: int  # the overlapped step pending at the wait
+    stream: _Stream  # the stream that waits
 
 
 _STEPS = [0]  # overlapped steps started
@@ -39,7 +40,7 @@ class _Stream:
 
     def wait_event(self, event: _Event) -> None:
         assert isinstance(event, _Event), event
-        _WAITS.append(_Wait(event, event.records, event.step, _STEPS[0]))
+        _WAITS.append(_Wait(event, event.records, event.step, _STEPS[0], self))
 
 
 class _Event:
@@ -149,4 +150,63 @@ def test_the_asynchronous_branches_are_bitwise_equal_and_wait_for_recorded_event
         waits = [w for w in _WAITS if id(w.event) in done]
         assert waits and all(w.record > 0 and w.record_step == w.step for w in waits)
     assert async_branches()  # the trainer's stream is current again
+    opt.close()
+
+
+def _pending_step(model: torch.nn.Module) -> CPUOffloadOptimizer:
+    """AdamW on `model` with overlap, its second step pending."""
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randint(0, 40, (3, 4), generator=gen)).square().mean().backward()
+        opt.step()
+    return opt
+
+
+def _waited_for(stream: _Stream, event: _Event) -> bool:
+    """`stream` waited for `event`'s record in the step now pending."""
+    return any(
+        w.stream is stream and w.event is event and w.record_step == w.step == _STEPS[0]
+        for w in _WAITS
+    )
+
+
+def test_a_read_on_another_stream_leaves_the_trainers_stream_to_wait_for_itself(
+    async_branches,
+):
+    """A read on another stream (an EMA on a side stream) waits there; the trainer's
+    stream, reading the param where no hook sees it (a tied or functional read), still
+    waits for its update."""
+    model = _model()
+    opt = _pending_step(model)
+    head = model[-1].weight
+    done = opt._overlap.chunk_done[opt._overlap._param_chunk[head]]
+    trainer, side = torch.accelerator.current_stream(), torch.Stream()
+    torch.accelerator.set_stream(side)
+    torch.mul(head, 1.0)
+    torch.accelerator.set_stream(trainer)
+    assert _waited_for(side, done) and not _waited_for(trainer, done)
+    torch.add(head, 0.0)
+    assert _waited_for(trainer, done)
+    opt.close()
+
+
+def test_a_step_finished_on_another_stream_makes_the_trainers_stream_wait(async_branches):
+    """`zero_grad(set_to_none=False)` under another stream finishes the pending step there;
+    nothing waits for reads after that, so the trainer's stream waits for the last update
+    too."""
+    model = _model()
+    opt = _pending_step(model)
+    last = opt._overlap.chunk_done[-1]
+    trainer, side = torch.accelerator.current_stream(), torch.Stream()
+    torch.accelerator.set_stream(side)
+    opt.zero_grad(set_to_none=False)
+    torch.accelerator.set_stream(trainer)
+    assert _waited_for(side, last) and _waited_for(trainer, last)
     opt.close()
