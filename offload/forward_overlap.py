@@ -231,7 +231,8 @@ class ForwardOverlap:
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
         # The stream the last wait was on, and the last chunk it has waited for this step.
         self._waited: tuple[torch.Stream | None, int] = (None, -1)
-        self._trainer_stream: torch.Stream | None = None  # current at `step()`
+        # current at `step()`, or the forward's after it (`_before_forward`)
+        self._trainer_stream: torch.Stream | None = None
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
         self._training_forward = False  # the forward now running has grads on (_after_forward)
@@ -423,8 +424,8 @@ class ForwardOverlap:
         self._reads.pop()
 
     def _wait_for_chunk(self, chunk: int, needs: int, module: nn.Module | None = None) -> None:
-        """The trainer's stream (and `module`'s all-gather streams) wait for `chunk`'s update;
-        while measuring, timed on the trainer's stream: what the overlap leaves exposed."""
+        """The current stream (and `module`'s all-gather streams) wait for `chunk`'s update;
+        while measuring, timed there: on the trainer's, what the overlap leaves exposed."""
         streams, done, timer = self._streams, self.chunk_done[chunk], self.timer
         current = streams.current()
         waited_on, waited_through = self._waited
@@ -604,6 +605,12 @@ class ForwardOverlap:
         if not self._in_flight:
             self._reads.pop()  # still on this thread's stack if another thread finished
             return
+        current = self._streams.current()
+        if current != self._trainer_stream:
+            # The forward runs on another stream than `step()` did: it becomes the
+            # trainer's, ordered after what that one waited for (chunks marked landed).
+            self._streams.wait(current, self._streams.mark(self._trainer_stream))
+            self._trainer_stream = current
         if self._start_chunk >= 0:
             self.advance(self._ahead_of[self._start_chunk])
             self._wait_for_chunk(self._start_chunk, self._chunk_needs[self._start_chunk])

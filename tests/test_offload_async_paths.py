@@ -210,3 +210,100 @@ def test_a_step_finished_on_another_stream_makes_the_trainers_stream_wait(async_
     torch.accelerator.set_stream(trainer)
     assert _waited_for(side, last) and _waited_for(trainer, last)
     opt.close()
+
+
+def _train_on_streams(model, opt, batches, step_stream=None, forward_stream=None) -> None:
+    """Iterations with the forward and backward on `forward_stream` and `step()` on
+    `step_stream` (None: the default stream)."""
+    default = torch.accelerator.current_stream()
+    for batch in batches:
+        opt.zero_grad()
+        torch.accelerator.set_stream(forward_stream or default)
+        model(batch).square().mean().backward()
+        torch.accelerator.set_stream(step_stream or default)
+        opt.step()
+        torch.accelerator.set_stream(default)
+    if isinstance(opt, CPUOffloadOptimizer):
+        opt.wait_for_optimizer_step()
+
+
+@pytest.mark.parametrize("where", ["step", "forward"])
+def test_a_forward_on_another_stream_than_step_becomes_the_trainers_stream(
+    async_branches, monkeypatch, where
+):
+    """`step()` on one stream and the forward on another: the forward's stream takes over
+    as the trainer's (after the first's waits), so its hooks' waits mark chunks landed and
+    the reads they cover cost the mode nothing, as on one stream; bitwise equal."""
+    reads = []
+    wait_for_read = ForwardOverlap._wait_for_read
+    monkeypatch.setattr(
+        ForwardOverlap, "_wait_for_read", lambda self, c: reads.append(c) or wait_for_read(self, c)
+    )
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 40, (3, 4), generator=gen) for _ in range(4)]
+    counts = []
+    for side in (None, torch.Stream()):
+        plain_model, model = _model(), _model()
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+        opt = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_bytes=512,
+            staging_slots=2,
+            overlap_forward=model,
+        )
+        reads.clear()
+        on = {"step_stream": side} if where == "step" else {"forward_stream": side}
+        _train_on_streams(model, opt, batches, **on)
+        counts.append(len(reads))
+        _train_on_streams(plain_model, plain, batches)
+        assert_equal(plain_model, plain, model, opt)
+        opt.close()
+    assert counts == [0, 0]  # the hooks cover every read of this model
+
+
+@pytest.mark.parametrize("where", ["step", "forward"])
+def test_fsdp2_prefetch_with_the_forward_on_another_stream_than_step(async_branches, where):
+    """FSDP2 all-gathers the next layer in this one's pre-forward
+    (`set_modules_to_forward_prefetch`), after this layer's hook made the forward's
+    stream wait for both chunks: with the forward and `step()` on different streams
+    that is not refused as an all-gather made before its update; bitwise equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from bench.train import free_port
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def sharded() -> torch.nn.Module:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(6)))
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            for layer, after in zip(model[:-1], model[1:], strict=True):
+                layer.set_modules_to_forward_prefetch([after])
+            return model
+
+        plain_model, model = sharded(), sharded()
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+        opt = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_bytes=1,
+            staging_slots=2,
+            overlap_forward=model,
+        )
+        gen = torch.Generator().manual_seed(3)
+        batches = [torch.randn(3, 12, generator=gen) for _ in range(4)]
+        side = torch.Stream()
+        on = {"step_stream": side} if where == "step" else {"forward_stream": side}
+        _train_on_streams(model, opt, batches, **on)
+        _train_on_streams(plain_model, plain, batches)
+        for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+        opt.close()
+    finally:
+        torch.distributed.destroy_process_group()
