@@ -3,12 +3,13 @@ with the ranks' tracebacks."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,6 +38,20 @@ def run_on_ranks(body: Callable[..., None], world: int, *args: Any, backend: str
                     if text:
                         reports.append(f"--- {name}\n{text}")
             pytest.fail("\n".join([f"a rank failed: {err}", *reports]))
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo process group of this process alone (world 1), for the block's length."""
+    from bench.train import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _rank_main(

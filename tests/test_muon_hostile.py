@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.distributed as dist
+from spawn_ranks import one_rank_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -609,22 +610,14 @@ def test_a_wrapper_named_like_an_adamw_pattern_keeps_its_matrices_for_muon(attri
 
 def test_fsdp1_modules_are_refused_by_name():
     # FSDP1 flattens a unit's params into 1-D shards: every param went to AdamW, silently
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from bench.train import free_port
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
+    with one_rank_group():
         model = FullyShardedDataParallel(
             _backbone(), use_orig_params=True, device_id=torch.device("cpu")
         )
         with pytest.raises(ValueError, match=r"\['\(the root\)'\] are FSDP1"):
             muon_param_groups(model)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_param_going_to_adamw_is_warned_about():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from spawn_ranks import one_rank_group
 from test_offload_audit import assert_equal
 
 import offload.streams
@@ -153,14 +154,19 @@ def test_the_asynchronous_branches_are_bitwise_equal_and_wait_for_recorded_event
     opt.close()
 
 
-def _pending_step(model: torch.nn.Module) -> CPUOffloadOptimizer:
-    """AdamW on `model` with overlap, its second step pending."""
-    opt = CPUOffloadOptimizer(
+def _overlapped(model: torch.nn.Module, chunk_bytes: int = 512) -> CPUOffloadOptimizer:
+    """AdamW on `model` with forward overlap, a ring of 2."""
+    return CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=512,
+        chunk_bytes=chunk_bytes,
         staging_slots=2,
         overlap_forward=model,
     )
+
+
+def _pending_step(model: torch.nn.Module) -> CPUOffloadOptimizer:
+    """AdamW on `model` with overlap, its second step pending."""
+    opt = _overlapped(model)
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
         opt.zero_grad()
@@ -245,12 +251,7 @@ def test_a_forward_on_another_stream_than_step_becomes_the_trainers_stream(
     for side in (None, torch.Stream()):
         plain_model, model = _model(), _model()
         plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-        opt = CPUOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            chunk_bytes=512,
-            staging_slots=2,
-            overlap_forward=model,
-        )
+        opt = _overlapped(model)
         reads.clear()
         on = {"step_stream": side} if where == "step" else {"forward_stream": side}
         _train_on_streams(model, opt, batches, **on)
@@ -270,12 +271,7 @@ def test_fsdp2_prefetch_with_the_forward_on_another_stream_than_step(async_branc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from bench.train import free_port
-
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
+    with one_rank_group():
         mesh = init_device_mesh("cpu", (1,))
 
         def sharded() -> torch.nn.Module:
@@ -290,12 +286,7 @@ def test_fsdp2_prefetch_with_the_forward_on_another_stream_than_step(async_branc
 
         plain_model, model = sharded(), sharded()
         plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-        opt = CPUOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            chunk_bytes=1,
-            staging_slots=2,
-            overlap_forward=model,
-        )
+        opt = _overlapped(model, chunk_bytes=1)
         gen = torch.Generator().manual_seed(3)
         batches = [torch.randn(3, 12, generator=gen) for _ in range(4)]
         side = torch.Stream()
@@ -305,5 +296,3 @@ def test_fsdp2_prefetch_with_the_forward_on_another_stream_than_step(async_branc
         for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
             assert torch.equal(a.full_tensor(), b.full_tensor())
         opt.close()
-    finally:
-        torch.distributed.destroy_process_group()

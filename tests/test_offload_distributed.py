@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fake_step_timer import FakeStepTimer
-from spawn_ranks import run_on_ranks
+from spawn_ranks import one_rank_group, run_on_ranks
 
 from offload import CPUOffloadOptimizer
 
@@ -515,12 +515,7 @@ def test_the_chunked_step_reads_shards_without_to_local(monkeypatch, overlap):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from bench.train import free_port
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
+    with one_rank_group():
         mesh = init_device_mesh("cpu", (1,))
         calls = []
         to_local = DTensor.to_local
@@ -541,5 +536,3 @@ def test_the_chunked_step_reads_shards_without_to_local(monkeypatch, overlap):
             getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
             counts[offloaded] = len(calls)
         assert counts[True] == counts[False]
-    finally:
-        dist.destroy_process_group()

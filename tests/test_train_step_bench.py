@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spawn_ranks import one_rank_group
 
 from bench.train_step import _storage_bytes, device_state_tensors, selected_arms
 
@@ -240,23 +241,15 @@ def test_an_arm_run_several_times_takes_every_figure_from_all_its_runs():
 def _measure_tiny_plain_arm(warmup: int) -> dict:
     """`bench.train_step.measure` of the plain/none arm, a tiny model, 3 timed steps, in
     this process (a one-rank gloo group), where a test's monkeypatches hold."""
-    import torch.distributed as dist
-
     from bench import train_step
-    from bench.train import free_port
 
     args = train_step.parse_args(
         ["--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "8"]
         + ["--steps", "3", "--warmup", str(warmup)]
     )
     (arm,) = selected_arms("plain/none", [], "")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
+    with one_rank_group():
         return train_step.measure(arm, args, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_slow_arm_times_as_many_steps_as_every_other_arm(monkeypatch):
