@@ -349,30 +349,38 @@ class ForwardOverlap:
         between steps, and a logger may hold, and the slabs they are views of) wait for the
         whole step to be written back. `runs_collectives`: the chunks' updates communicate
         (`SubsetStep.runs_collectives`)."""
-        self.runs_collectives = runs_collectives
-        self._in_forward = False  # a forward interrupted by a BaseException ran no after-hook
-        streams, side = self._streams, self.side_stream
-        device_type = streams.device.type
-        self._autocast = {
-            "enabled": torch.is_autocast_enabled(device_type),
-            "dtype": torch.get_autocast_dtype(device_type),
-        }
-        self._inference_mode = torch.is_inference_mode_enabled()
-        self._default_dtype, self._step_thread = torch.get_default_dtype(), threading.get_ident()
-        self._step_modes = tuple(m for m in _function_modes() if not isinstance(m, _PendingReads))
-        self._trainer_stream = streams.current()
-        streams.wait(side, streams.mark(self._trainer_stream))
-        if side is not None:  # grads the trainer drops must outlive the side stream's reads
-            for grad in grads:
-                grad.record_stream(side)
-        self._pending = pending
-        self._enqueued = 0
-        self._in_flight = True
-        self._waited = (None, -1)  # the events are recorded anew
-        self._warn_if_forward_never_ended()
-        self._watch_inputs, self._watch = self.backward_reached is not None, _Watch()
-        self.advance(self._up_front, in_step=True)
-        self._reads.push(self, state_scalars, state_homes)
+        # One step at a time: a thread finishing the last step (`finish`) ends before
+        # this one starts, or it would end this one's reads.
+        with self._advancing:
+            self.runs_collectives = runs_collectives
+            self._in_forward = False  # a forward interrupted by a BaseException ran no after-hook
+            streams, side = self._streams, self.side_stream
+            device_type = streams.device.type
+            self._autocast = {
+                "enabled": torch.is_autocast_enabled(device_type),
+                "dtype": torch.get_autocast_dtype(device_type),
+            }
+            self._inference_mode = torch.is_inference_mode_enabled()
+            self._default_dtype, self._step_thread = (
+                torch.get_default_dtype(),
+                threading.get_ident(),
+            )
+            self._step_modes = tuple(
+                m for m in _function_modes() if not isinstance(m, _PendingReads)
+            )
+            self._trainer_stream = streams.current()
+            streams.wait(side, streams.mark(self._trainer_stream))
+            if side is not None:  # grads the trainer drops must outlive the side stream's reads
+                for grad in grads:
+                    grad.record_stream(side)
+            self._pending = pending
+            self._enqueued = 0
+            self._in_flight = True
+            self._waited = (None, -1)  # the events are recorded anew
+            self._warn_if_forward_never_ended()
+            self._watch_inputs, self._watch = self.backward_reached is not None, _Watch()
+            self.advance(self._up_front, in_step=True)
+            self._reads.push(self, state_scalars, state_homes)
 
     @torch.compiler.disable
     def advance(self, last: int, in_step: bool = False) -> None:
@@ -414,14 +422,15 @@ class ForwardOverlap:
     def finish(self) -> None:
         """Enqueue every pending chunk; the current stream, and the trainer's, wait for the
         last update (nothing waits for reads once this returns)."""
-        self.advance(len(self.chunk_done))
-        if self._in_flight and self.chunk_done:
-            last = len(self.chunk_done) - 1
-            self._wait_for_chunk(last, self._step_bytes)
-            if self._streams.current() != self._trainer_stream:
-                self._streams.wait(self._trainer_stream, self.chunk_done[last])
-        self._in_flight = False
-        self._reads.pop()
+        with self._advancing:  # not interleaved with `start` on another thread
+            self.advance(len(self.chunk_done))
+            if self._in_flight and self.chunk_done:
+                last = len(self.chunk_done) - 1
+                self._wait_for_chunk(last, self._step_bytes)
+                if self._streams.current() != self._trainer_stream:
+                    self._streams.wait(self._trainer_stream, self.chunk_done[last])
+            self._in_flight = False
+            self._reads.pop()
 
     def _wait_for_chunk(self, chunk: int, needs: int, module: nn.Module | None = None) -> None:
         """The current stream (and `module`'s all-gather streams) wait for `chunk`'s update;

@@ -857,6 +857,43 @@ def test_a_step_finished_by_another_thread_leaves_no_mode_behind():
     _assert_same(plain_model, plain, model, overlapped)
 
 
+def test_a_step_waited_for_on_another_thread_as_the_next_starts_keeps_its_reads_waited(
+    monkeypatch,
+):
+    # a checkpointing thread inside wait_for_optimizer_step() while the trainer's step()
+    # finished that step and started the next: the thread then ended the next step's read
+    # tracking, and its chunks went unwaited
+    import threading
+
+    from offload.forward_overlap import ForwardOverlap
+
+    _no_mode_left_by_earlier_tests()
+    _, _, model, overlapped = _pair(TiedEmbedFirst)
+    tokens = _tokens(1)[0]
+    model(tokens).square().mean().backward()
+    overlapped.step()  # pending; its grads stay for the next step()
+    inside, go = threading.Event(), threading.Event()
+    wait_for_chunk = ForwardOverlap._wait_for_chunk
+
+    def paused_in_the_checkpointer(self, *args, **kwargs):
+        if threading.current_thread() is checkpointer:
+            inside.set()
+            go.wait(10)
+        return wait_for_chunk(self, *args, **kwargs)
+
+    monkeypatch.setattr(ForwardOverlap, "_wait_for_chunk", paused_in_the_checkpointer)
+    checkpointer = threading.Thread(target=overlapped.wait_for_optimizer_step)
+    checkpointer.start()
+    assert inside.wait(10)
+    threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
+    overlapped.step()  # finishes the last step and starts the next, or waits for the other
+    checkpointer.join(10)
+    assert overlapped._overlap._reads.step_pending  # the trainer's step is still guarded
+    overlapped.wait_for_optimizer_step()  # takes this thread's orphaned mode off too
+    assert torch._C._len_torch_function_stack() == 0
+    overlapped.close()
+
+
 def test_a_mode_switched_off_by_another_thread_again_and_again_is_one_orphan():
     # each finish() from another thread (a checkpoint's state reads, a monitor polling)
     # registered the trainer's mode as an orphan once more: the registry grew until the
