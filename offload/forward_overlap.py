@@ -231,7 +231,8 @@ class ForwardOverlap:
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
         # The stream the last wait was on, and the last chunk it has waited for this step.
         self._waited: tuple[torch.Stream | None, int] = (None, -1)
-        # current at `step()`, or the forward's after it (`_before_forward`)
+        # current at `step()`, and the forward's after it (`_before_forward`)
+        self._step_stream: torch.Stream | None = None
         self._trainer_stream: torch.Stream | None = None
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
@@ -368,7 +369,7 @@ class ForwardOverlap:
             self._step_modes = tuple(
                 m for m in _function_modes() if not isinstance(m, _PendingReads)
             )
-            self._trainer_stream = streams.current()
+            self._step_stream = self._trainer_stream = streams.current()
             streams.wait(side, streams.mark(self._trainer_stream))
             if side is not None:  # grads the trainer drops must outlive the side stream's reads
                 for grad in grads:
@@ -427,8 +428,15 @@ class ForwardOverlap:
             if self._in_flight and self.chunk_done:
                 last = len(self.chunk_done) - 1
                 self._wait_for_chunk(last, self._step_bytes)
-                if self._streams.current() != self._trainer_stream:
-                    self._streams.wait(self._trainer_stream, self.chunk_done[last])
+                # Nothing waits for reads once this returns: the forward's stream and the
+                # one `step()` ran on wait too, wherever this runs.
+                current = self._streams.current()
+                others = [self._trainer_stream]
+                if self._step_stream != self._trainer_stream:
+                    others.append(self._step_stream)
+                for stream in others:
+                    if stream != current:
+                        self._streams.wait(stream, self.chunk_done[last])
             self._in_flight = False
             self._reads.pop()
 

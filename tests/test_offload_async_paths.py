@@ -48,11 +48,13 @@ class _Event:
     def __init__(self, device: torch.device | None = None) -> None:
         self.records = 0
         self.step = -1
+        self.stream: _Stream | None = None  # the stream of its latest record
 
     def record(self, stream: _Stream) -> None:
         assert isinstance(stream, _Stream), stream
         self.records += 1
         self.step = _STEPS[0]
+        self.stream = stream
 
     def synchronize(self) -> None:
         pass
@@ -247,7 +249,7 @@ def test_a_forward_on_another_stream_than_step_becomes_the_trainers_stream(
     )
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 40, (3, 4), generator=gen) for _ in range(4)]
-    counts = []
+    default, counts = torch.accelerator.current_stream(), []
     for side in (None, torch.Stream()):
         plain_model, model = _model(), _model()
         plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
@@ -260,6 +262,25 @@ def test_a_forward_on_another_stream_than_step_becomes_the_trainers_stream(
         assert_equal(plain_model, plain, model, opt)
         opt.close()
     assert counts == [0, 0]  # the hooks cover every read of this model
+    # the forward's stream waited for a mark of the one `step()` ran on
+    forward, step = (default, side) if where == "step" else (side, default)
+    assert any(w.stream is forward and w.event.stream is step for w in _WAITS)
+
+
+def test_a_forward_on_another_stream_ends_the_step_for_the_steps_stream_too(async_branches):
+    """An evaluation forward on another stream while a step is pending finishes the step
+    there: the stream `step()` ran on, where training goes on, waits for the last update
+    too (nothing waits for reads after that)."""
+    model = _model()
+    opt = _pending_step(model)
+    last = opt._overlap.chunk_done[-1]
+    trainer, side = torch.accelerator.current_stream(), torch.Stream()
+    torch.accelerator.set_stream(side)
+    with torch.no_grad():
+        model(torch.randint(0, 40, (3, 4)))
+    torch.accelerator.set_stream(trainer)
+    assert _waited_for(side, last) and _waited_for(trainer, last)
+    opt.close()
 
 
 @pytest.mark.parametrize("where", ["step", "forward"])

@@ -884,14 +884,18 @@ def test_a_step_waited_for_on_another_thread_as_the_next_starts_keeps_its_reads_
     monkeypatch.setattr(ForwardOverlap, "_wait_for_chunk", paused_in_the_checkpointer)
     checkpointer = threading.Thread(target=overlapped.wait_for_optimizer_step)
     checkpointer.start()
-    assert inside.wait(10)
-    threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
-    overlapped.step()  # finishes the last step and starts the next, or waits for the other
-    checkpointer.join(10)
-    assert overlapped._overlap._reads.step_pending  # the trainer's step is still guarded
-    overlapped.wait_for_optimizer_step()  # takes this thread's orphaned mode off too
+    try:
+        assert inside.wait(10)
+        threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
+        overlapped.step()  # finishes the last step and starts the next, or waits for it
+        checkpointer.join(10)
+        assert not checkpointer.is_alive()
+        assert overlapped._overlap._reads.step_pending  # the trainer's step is still guarded
+    finally:
+        go.set()
+        overlapped.wait_for_optimizer_step()  # takes this thread's orphaned mode off too
+        overlapped.close()
     assert torch._C._len_torch_function_stack() == 0
-    overlapped.close()
 
 
 def test_a_mode_switched_off_by_another_thread_again_and_again_is_one_orphan():
