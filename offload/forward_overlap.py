@@ -682,6 +682,7 @@ class _PendingReads(TorchFunctionMode):
         self._overlap = overlap
         self.step_pending = False
         self.active = False  # off while the step itself runs (`suspended`)
+        self._suspended_by: int | None = None  # the thread running the step meanwhile
         self.chunk_of: dict[int, int] = {}  # id(param, grad, state tensor) -> its chunk
         # id -> the grad or state tensor: one the trainer or the optimizer dropped is freed,
         # and a new tensor may take its id
@@ -696,7 +697,11 @@ class _PendingReads(TorchFunctionMode):
         # Metadata reads (`.device`, `.shape`) return first, untouched: traced by Dynamo
         # into a transformers Llama's forward (torch 2.13), what follows broke the graph
         # there and `inputs_embeds.device` came back as a `torch.Size`.
-        if not self.active or not _touches_data(func):
+        if not self.active and (
+            self._suspended_by is None or self._suspended_by == threading.get_ident()
+        ):
+            return func(*args, **kwargs)  # off, or the step's own reads and writes
+        if not _touches_data(func):
             return func(*args, **kwargs)
         if func in _BACKWARDS:
             overlap = self._overlap()
@@ -717,11 +722,14 @@ class _PendingReads(TorchFunctionMode):
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        active, self.active = self.active, False
+        """Off for the step's own reads and writes, on the thread that runs it (under the
+        overlap's lock); another thread's reads meanwhile still wait, for that lock."""
+        saved = self.active, self._suspended_by
+        self.active, self._suspended_by = False, threading.get_ident()
         try:
             yield
         finally:
-            self.active = active
+            self.active, self._suspended_by = saved
 
     def push(
         self,

@@ -898,6 +898,44 @@ def test_a_step_waited_for_on_another_thread_as_the_next_starts_keeps_its_reads_
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_a_read_while_another_thread_runs_the_step_waits_for_it(monkeypatch):
+    # a checkpointing thread's wait_for_optimizer_step() ran the pending chunks with the
+    # mode switched off for every thread: the trainer's functional read of a param then
+    # went through unwaited and saw its weights from before the step
+    import threading
+
+    from offload.executor import StepExecutor
+
+    _no_mode_left_by_earlier_tests()
+    _, _, model, overlapped = _pair(FunctionalHead)
+    model(_tokens(1)[0]).square().mean().backward()
+    overlapped.step()  # pending: the first chunk ran in step(), the rest wait
+    inside, go = threading.Event(), threading.Event()
+    step_chunks = StepExecutor._step_chunks
+
+    def paused_in_the_checkpointer(self, *args, **kwargs):
+        if threading.current_thread() is checkpointer:
+            inside.set()
+            go.wait(10)
+        return step_chunks(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepExecutor, "_step_chunks", paused_in_the_checkpointer)
+    checkpointer = threading.Thread(target=overlapped.wait_for_optimizer_step)
+    checkpointer.start()
+    try:
+        assert inside.wait(10)
+        threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
+        read = torch.add(model.head.weight, 0.0)  # waits for the step, or reads it stale
+        checkpointer.join(10)
+        assert not checkpointer.is_alive()
+        assert torch.equal(read, model.head.weight.detach())
+    finally:
+        go.set()
+        overlapped.wait_for_optimizer_step()
+        overlapped.close()
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_a_mode_switched_off_by_another_thread_again_and_again_is_one_orphan():
     # each finish() from another thread (a checkpoint's state reads, a monitor polling)
     # registered the trainer's mode as an orphan once more: the registry grew until the
