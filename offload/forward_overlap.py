@@ -421,8 +421,8 @@ class ForwardOverlap:
                     self._enqueued += 1
 
     def finish(self) -> None:
-        """Enqueue every pending chunk; the current stream, and the trainer's, wait for the
-        last update (nothing waits for reads once this returns)."""
+        """Enqueue every pending chunk; the current stream, the trainer's and the one `step()`
+        ran on wait for the last update (nothing waits for reads once this returns)."""
         with self._advancing:  # not interleaved with `start` on another thread
             self.advance(len(self.chunk_done))
             if self._in_flight and self.chunk_done:
@@ -579,6 +579,7 @@ class ForwardOverlap:
         their forward's collectives, and every rank hangs. Said once, before it can."""
         if (
             self._in_forward
+            or self._reads.suspended_elsewhere()  # that thread runs the chunks
             or not self.runs_collectives
             or self._warned_rank_local_reads
             or self._pending is None
@@ -672,7 +673,8 @@ class _PendingReads(TorchFunctionMode):
     must stay lowest), so a user's mode entered before `step()` and
     left after it still leaves its own context. The mode stack is per thread: `finish`
     from another thread only switches it off, and the thread that pushed it takes it off
-    at its next push, pop or forward. Private API (`torch._C`'s torch function stack:
+    at its next push, pop or forward. While the step's chunks run (`suspended`), it is off
+    for the thread running them only. Private API (`torch._C`'s torch function stack:
     `_len_torch_function_stack`, `_get_function_stack_at`, `_pop_torch_function_stack`,
     `_push_on_torch_function_stack`; torch 2.11 and 2.13).
     """
@@ -681,7 +683,7 @@ class _PendingReads(TorchFunctionMode):
         super().__init__()
         self._overlap = overlap
         self.step_pending = False
-        self.active = False  # off while the step itself runs (`suspended`)
+        self.active = False  # off while the step itself runs (`suspended`: on its thread)
         self._suspended_by: int | None = None  # the thread running the step meanwhile
         self.chunk_of: dict[int, int] = {}  # id(param, grad, state tensor) -> its chunk
         # id -> the grad or state tensor: one the trainer or the optimizer dropped is freed,
@@ -697,9 +699,9 @@ class _PendingReads(TorchFunctionMode):
         # Metadata reads (`.device`, `.shape`) return first, untouched: traced by Dynamo
         # into a transformers Llama's forward (torch 2.13), what follows broke the graph
         # there and `inputs_embeds.device` came back as a `torch.Size`.
-        if not self.active and (
-            self._suspended_by is None or self._suspended_by == threading.get_ident()
-        ):
+        # Compiled code passes through while another thread runs the step, as Dynamo
+        # cannot trace `threading.get_ident` (torch 2.13), and a graph could not wait.
+        if not self.active and (torch.compiler.is_compiling() or not self.suspended_elsewhere()):
             return func(*args, **kwargs)  # off, or the step's own reads and writes
         if not _touches_data(func):
             return func(*args, **kwargs)
@@ -719,6 +721,10 @@ class _PendingReads(TorchFunctionMode):
                 if overlap is not None:
                     overlap._wait_for_read(chunk)
         return func(*args, **kwargs)
+
+    def suspended_elsewhere(self) -> bool:
+        """Another thread runs the step's chunks now (this one's reads wait for it)."""
+        return self._suspended_by is not None and self._suspended_by != threading.get_ident()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

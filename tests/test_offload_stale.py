@@ -7,9 +7,12 @@ read that the overlap does not know of shows up as a difference from the plain r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -898,18 +901,13 @@ def test_a_step_waited_for_on_another_thread_as_the_next_starts_keeps_its_reads_
     assert torch._C._len_torch_function_stack() == 0
 
 
-def test_a_read_while_another_thread_runs_the_step_waits_for_it(monkeypatch):
-    # a checkpointing thread's wait_for_optimizer_step() ran the pending chunks with the
-    # mode switched off for every thread: the trainer's functional read of a param then
-    # went through unwaited and saw its weights from before the step
-    import threading
-
+@contextlib.contextmanager
+def _chunks_running_on_another_thread(monkeypatch, overlapped) -> Iterator[threading.Event]:
+    """A checkpointing thread's `wait_for_optimizer_step()` runs `overlapped`'s pending
+    chunks, paused inside the first until the event yielded is set; the block runs
+    meanwhile. The thread has ended when the block ends."""
     from offload.executor import StepExecutor
 
-    _no_mode_left_by_earlier_tests()
-    _, _, model, overlapped = _pair(FunctionalHead)
-    model(_tokens(1)[0]).square().mean().backward()
-    overlapped.step()  # pending: the first chunk ran in step(), the rest wait
     inside, go = threading.Event(), threading.Event()
     step_chunks = StepExecutor._step_chunks
 
@@ -924,16 +922,61 @@ def test_a_read_while_another_thread_runs_the_step_waits_for_it(monkeypatch):
     checkpointer.start()
     try:
         assert inside.wait(10)
-        threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
-        read = torch.add(model.head.weight, 0.0)  # waits for the step, or reads it stale
+        yield go
+        go.set()
         checkpointer.join(10)
         assert not checkpointer.is_alive()
-        assert torch.equal(read, model.head.weight.detach())
     finally:
         go.set()
-        overlapped.wait_for_optimizer_step()
+        overlapped.wait_for_optimizer_step()  # takes this thread's orphaned mode off too
         overlapped.close()
     assert torch._C._len_torch_function_stack() == 0
+
+
+def _pending_functional_head() -> tuple[nn.Module, CPUOffloadOptimizer]:
+    _no_mode_left_by_earlier_tests()
+    _, _, model, overlapped = _pair(FunctionalHead)
+    model(_tokens(1)[0]).square().mean().backward()
+    overlapped.step()  # pending: the first chunk ran in step(), the rest wait
+    return model, overlapped
+
+
+def test_a_read_while_another_thread_runs_the_step_waits_for_it(monkeypatch):
+    # a checkpointing thread's wait_for_optimizer_step() ran the pending chunks with the
+    # mode switched off for every thread: the trainer's functional read of a param then
+    # went through unwaited and saw its weights from before the step
+    model, overlapped = _pending_functional_head()
+    with _chunks_running_on_another_thread(monkeypatch, overlapped) as go:
+        threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
+        read = torch.add(model.head.weight, 0.0)  # waits for the step, or reads it stale
+    assert torch.equal(read, model.head.weight.detach())
+
+
+def test_a_read_waiting_for_another_threads_step_is_not_warned_as_running_it(monkeypatch):
+    # the read waits for the thread that runs the chunks, and runs none itself: warning
+    # that its rank runs the step's collectives alone was false, and used up the warning
+    model, overlapped = _pending_functional_head()
+    overlapped._overlap.runs_collectives = True  # as distributed Muon's chunks do
+    with _chunks_running_on_another_thread(monkeypatch, overlapped) as go:
+        threading.Timer(1.0, go.set).start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.add(model.head.weight, 0.0)
+
+
+def test_compiled_code_while_another_thread_runs_the_step_keeps_its_full_graph(monkeypatch):
+    # the mode's check of which thread runs the step called threading.get_ident(), which
+    # Dynamo cannot trace: a fullgraph function compiled then raised
+    model, overlapped = _pending_functional_head()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def scaled(x):
+        return torch.add(x, 1.0).sin() * 2
+
+    x = torch.randn(4, 4)
+    with _chunks_running_on_another_thread(monkeypatch, overlapped):
+        assert torch._C._len_torch_function_stack() == 1  # the mode, switched off
+        assert torch.equal(scaled(x), torch.add(x, 1.0).sin() * 2)
 
 
 def test_a_mode_switched_off_by_another_thread_again_and_again_is_one_orphan():
