@@ -866,34 +866,45 @@ def test_a_step_waited_for_on_another_thread_as_the_next_starts_keeps_its_reads_
     # a checkpointing thread inside wait_for_optimizer_step() while the trainer's step()
     # finished that step and started the next: the thread then ended the next step's read
     # tracking, and its chunks went unwaited
-    import threading
-
     from offload.forward_overlap import ForwardOverlap
 
     _no_mode_left_by_earlier_tests()
     _, _, model, overlapped = _pair(TiedEmbedFirst)
-    tokens = _tokens(1)[0]
-    model(tokens).square().mean().backward()
+    model(_tokens(1)[0]).square().mean().backward()
     overlapped.step()  # pending; its grads stay for the next step()
+    paused = _checkpointer_paused_in(monkeypatch, overlapped, ForwardOverlap, "_wait_for_chunk")
+    with paused as (go, checkpointer):
+        threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
+        overlapped.step()  # finishes the last step and starts the next, or waits for it
+        checkpointer.join(10)
+        assert overlapped._overlap._reads.step_pending  # the trainer's step is still guarded
+
+
+@contextlib.contextmanager
+def _checkpointer_paused_in(
+    monkeypatch, overlapped, owner: type, method: str
+) -> Iterator[tuple[threading.Event, threading.Thread]]:
+    """A checkpointing thread's `wait_for_optimizer_step()` on `overlapped`, paused at its
+    first call of `owner.method` until the event yielded is set; the block runs meanwhile
+    (given the event and the thread). The optimizer is closed when the block ends."""
     inside, go = threading.Event(), threading.Event()
-    wait_for_chunk = ForwardOverlap._wait_for_chunk
+    real = getattr(owner, method)
 
     def paused_in_the_checkpointer(self, *args, **kwargs):
         if threading.current_thread() is checkpointer:
             inside.set()
             go.wait(10)
-        return wait_for_chunk(self, *args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ForwardOverlap, "_wait_for_chunk", paused_in_the_checkpointer)
+    monkeypatch.setattr(owner, method, paused_in_the_checkpointer)
     checkpointer = threading.Thread(target=overlapped.wait_for_optimizer_step)
     checkpointer.start()
     try:
         assert inside.wait(10)
-        threading.Timer(1.0, go.set).start()  # the checkpointer goes on in a second
-        overlapped.step()  # finishes the last step and starts the next, or waits for it
+        yield go, checkpointer
+        go.set()
         checkpointer.join(10)
         assert not checkpointer.is_alive()
-        assert overlapped._overlap._reads.step_pending  # the trainer's step is still guarded
     finally:
         go.set()
         overlapped.wait_for_optimizer_step()  # takes this thread's orphaned mode off too
@@ -903,34 +914,14 @@ def test_a_step_waited_for_on_another_thread_as_the_next_starts_keeps_its_reads_
 
 @contextlib.contextmanager
 def _chunks_running_on_another_thread(monkeypatch, overlapped) -> Iterator[threading.Event]:
-    """A checkpointing thread's `wait_for_optimizer_step()` runs `overlapped`'s pending
-    chunks, paused inside the first until the event yielded is set; the block runs
-    meanwhile. The thread has ended when the block ends."""
+    """`_checkpointer_paused_in` the first chunk's update of the pending step."""
     from offload.executor import StepExecutor
 
-    inside, go = threading.Event(), threading.Event()
-    step_chunks = StepExecutor._step_chunks
-
-    def paused_in_the_checkpointer(self, *args, **kwargs):
-        if threading.current_thread() is checkpointer:
-            inside.set()
-            go.wait(10)
-        return step_chunks(self, *args, **kwargs)
-
-    monkeypatch.setattr(StepExecutor, "_step_chunks", paused_in_the_checkpointer)
-    checkpointer = threading.Thread(target=overlapped.wait_for_optimizer_step)
-    checkpointer.start()
-    try:
-        assert inside.wait(10)
+    with _checkpointer_paused_in(monkeypatch, overlapped, StepExecutor, "_step_chunks") as (
+        go,
+        _,
+    ):
         yield go
-        go.set()
-        checkpointer.join(10)
-        assert not checkpointer.is_alive()
-    finally:
-        go.set()
-        overlapped.wait_for_optimizer_step()  # takes this thread's orphaned mode off too
-        overlapped.close()
-    assert torch._C._len_torch_function_stack() == 0
 
 
 def _pending_functional_head() -> tuple[nn.Module, CPUOffloadOptimizer]:
