@@ -158,9 +158,7 @@ def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Spl
     """Of the first `total` bytes of the step, the backward loads what it can carry
     (`backward_cap`); the leading units that fit in the rest stay resident.
 
-    Loads first, as measured: with Muon, resident-first splits ran far slower than loads
-    of about the same bytes (the cause is not established); with AdamW the same or
-    faster (`bench/measured/train_step_hf_b4_*_split_shape_ab_h100.log`)."""
+    Loads first, chosen by measurement (docs/design.md, "auto")."""
     backward = min(total, backward_cap)
     resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= total - backward)
     return Split(resident, backward)
