@@ -609,9 +609,10 @@ class StepExecutor:
             return []
         state = self.optimizer.state
         (layout,) = self.plan.chunks
+        # A dtype whose state tensors are all empty has no staging numel in the plan.
         staging = {
-            dtype: torch.empty(n, dtype=dtype, device=self.device)
-            for dtype, n in self.plan.slot_numel.items()
+            dtype: torch.empty(self.plan.slot_numel.get(dtype, 0), dtype=dtype, device=self.device)
+            for dtype in {view.spec.dtype for view in layout.views}
         }
         staged = []
         for view in layout.views:

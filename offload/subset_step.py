@@ -525,9 +525,11 @@ class GroupSubsetStep:
             self._layouts[key] = _meta_state_layout(self.optimizer, group, local, grad_dtype)
         layout = self._layouts[key]
         own = self.optimizer.state.get(param)
-        if getattr(param, "grad_dtype", param.dtype) is None and own:  # torch 2.13
-            # its state goes on in the dtype it was made in (the first grad's, for SGD's
-            # momentum), as torch updates it in place, whatever the grads' dtype now
+        if own:
+            # State that exists goes on in the dtype it was made in, as torch updates it in
+            # place: Adagrad's, made at construction, after `model.to(torch.bfloat16)`; one
+            # assigned by hand; SGD's momentum made from a grad of another dtype
+            # (`p.grad_dtype = None`, torch 2.13)
             layout = {
                 k: (shape, _kept_dtype(own.get(k), shape, dtype))
                 for k, (shape, dtype) in layout.items()

@@ -1402,3 +1402,75 @@ def test_a_load_after_the_groups_params_were_reordered_is_refused_before_anythin
     for index, state in before["state"].items():
         for key, value in state.items():
             assert torch.equal(after["state"][index][key], value), (index, key)
+
+
+def _adagrad_then_cast(dtype: torch.dtype):
+    def make(model: torch.nn.Module, wrap) -> torch.optim.Optimizer:
+        opt = wrap(torch.optim.Adagrad(model.parameters(), lr=0.1))  # makes `sum` now, fp32
+        model.to(dtype)
+        return opt
+
+    return make
+
+
+def _sgd_with_fp64_momentum_by_hand(model: torch.nn.Module, wrap) -> torch.optim.Optimizer:
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for p in model.parameters():
+        opt.state[p]["momentum_buffer"] = torch.full(p.shape, 1 / 3, dtype=torch.float64)
+    return opt
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _adagrad_then_cast(torch.bfloat16),
+        _adagrad_then_cast(torch.float64),
+        _sgd_with_fp64_momentum_by_hand,
+    ],
+    ids=["adagrad_then_bf16", "adagrad_then_fp64", "sgd_fp64_momentum_by_hand"],
+)
+@pytest.mark.parametrize("options", [{}, {"chunk_bytes": 64}], ids=["one_chunk", "sliced"])
+def test_state_made_before_the_first_step_keeps_its_dtype_as_torch_keeps_it(make, options):
+    # The first plan laid state out by a dry run in the param's dtype: the state torch
+    # made at construction (Adagrad's `sum`, before `model.to(torch.bfloat16)`) or one
+    # assigned by hand was cast to it, and every step from the first went elsewhere.
+    def run(wrap):
+        model = _linear()
+        opt = make(model, wrap)
+        dtype = model.weight.dtype
+        for seed in range(3):
+            torch.manual_seed(100 + seed)
+            model(torch.randn(2, 32, dtype=dtype)).float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    (plain_model, plain), (model, opt) = (
+        run(lambda o: o),
+        run(lambda o: CPUOffloadOptimizer(o, **options)),
+    )
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain.state[a].items():
+            assert opt.state[b][key].dtype == value.dtype, key
+            assert torch.equal(opt.state[b][key], value), key
+
+
+@pytest.mark.parametrize("make", [torch.optim.Rprop, torch.optim.ASGD])
+def test_the_serial_path_steps_a_dtype_whose_params_are_all_empty(make):
+    # Its state has no elements, so the plan stages none of that dtype: staging the state
+    # for the serial step raised a bare KeyError (torch.float64)
+    def run(wrap):
+        params = [
+            torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(0))),
+            torch.nn.Parameter(torch.zeros(0, dtype=torch.float64)),
+        ]
+        opt = wrap(make(params))
+        for step in range(2):
+            for p in params:
+                p.grad = torch.full_like(p, 0.5 + step)
+            opt.step()
+        return params, opt
+
+    (plain_params, plain), (params, opt) = run(lambda o: o), run(CPUOffloadOptimizer)
+    assert_equal(torch.nn.ParameterList(plain_params), plain, torch.nn.ParameterList(params), opt)
