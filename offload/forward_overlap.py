@@ -617,6 +617,17 @@ class ForwardOverlap:
             self.advance(self._ahead_of[chunk])
             self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
+    def _before_state_dict(self) -> None:
+        """`model.state_dict()` or `load_state_dict()` (a checkpoint, a rollback) reads or
+        writes every param it covers, so the step lands first. The pending-read mode
+        would wait for each, but inside an FSDP2 forward it is off the stack, and a
+        forward interrupted by a BaseException (Ctrl-C), for which torch runs no forward
+        hook, leaves it off: the handler's checkpoint held weights from before the step,
+        and its rollback was overwritten by the pending chunks."""
+        if self._in_flight:
+            self.warn_if_rank_local(len(self.chunk_done))
+            self.finish()
+
     def _before_forward(self) -> None:
         self._reading_owner = -1
         self._in_forward = True
@@ -1163,8 +1174,9 @@ def _register_hooks(
     overlap: weakref.ref[ForwardOverlap],
 ) -> list[RemovableHandle]:
     """A pre-hook on each owner module (prepended: before FSDP2's unshard) and each
-    `fast_path` module, and a pre-hook and a forward hook (also called when the forward
-    raises) on the model, calling into `overlap` while it lives."""
+    `fast_path` module, a pre-hook and a forward hook (also called when the forward
+    raises an Exception) on the model, and state-dict and load pre-hooks on every module,
+    calling into `overlap` while it lives."""
     handles: list[RemovableHandle] = []
     hooked = [
         (module, _OverlapHook(overlap, "_before_module", i, with_inputs=True))
@@ -1181,6 +1193,11 @@ def _register_hooks(
         module = model
         handles.append(model.register_forward_pre_hook(before, prepend=True))
         handles.append(model.register_forward_hook(after, always_call=True))
+        # on every module: `state_dict()` may be called on any of them
+        state_dict = _OverlapHook(overlap, "_before_state_dict", with_inputs=False)
+        for module in model.modules():
+            handles.append(module.register_state_dict_pre_hook(state_dict))
+            handles.append(module.register_load_state_dict_pre_hook(state_dict))
     except RuntimeError as error:  # a torch.jit.script-ed module takes no hooks
         for handle in handles:
             handle.remove()

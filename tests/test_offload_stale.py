@@ -123,6 +123,10 @@ class _BadBatch(Exception):
     pass
 
 
+def _press_ctrl_c(*_):
+    raise KeyboardInterrupt
+
+
 def _raise_bad_batch(*_):
     raise _BadBatch
 
@@ -585,6 +589,35 @@ def _fsdp_worker(rank: int, world: int) -> None:
     for ref, got in zip(*saved, strict=True):
         for key, value in ref.items():
             assert torch.equal(value, got[key]), key
+    _assert_same_local(plain_model, plain, model, overlapped)
+
+    # ... and in a Ctrl-C handler: torch runs no forward hook for a BaseException, so a
+    # forward interrupted by one never finished the step, and the mode was off the stack
+    # (FSDP2, after the plan's first forward): the checkpoint held the weights from before
+    # the step, and the rollback was overwritten by the pending chunks
+    def interrupted_forward(m, o, into, calls=[]):  # noqa: B006 - counts the steps
+        calls.append(m)
+        if calls.count(m) != 2:
+            return
+        handle = m.embed.register_forward_pre_hook(_press_ctrl_c)
+        try:
+            m(data[0])
+        except KeyboardInterrupt:
+            snapshot(m, o, into)
+            m.load_state_dict(good)
+        finally:
+            handle.remove()
+
+    plain_model, plain, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
+    good = {k: v.detach().clone() for k, v in plain_model.state_dict().items()}
+    saved = [[], []]
+    losses = [
+        _train(m, o, data, after_step=lambda m, o, i=i: interrupted_forward(m, o, saved[i]))
+        for i, (m, o) in enumerate(((plain_model, plain), (model, overlapped)))
+    ]
+    assert losses[0] == losses[1]
+    for key, value in saved[0][0].items():
+        assert torch.equal(value, saved[1][0][key]), key
     _assert_same_local(plain_model, plain, model, overlapped)
 
     # a param's, grad's or state's local shard while a step is pending (`to_local()` and
