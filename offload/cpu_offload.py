@@ -44,6 +44,7 @@ from offload.step_plan import BackwardLoads, OffloadedStep, plan_offloaded_step
 from offload.step_schedule import StepSchedule
 from offload.streams import CopyStreams
 from offload.subset_step import (
+    GroupSubsetStep,
     SlicingSubsetStep,
     StateLayout,
     SubsetStep,
@@ -523,7 +524,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
         self._grad_unseen: list[Tensor] = []  # `_watch_grad_dtypes`
-        self._state_loaded = False  # since the last plan: its options may keep other state
+        # State loaded, or replaced by hand in another dtype, since the last plan: planned
+        # anew from the state as it is (a load's options may keep other state).
+        self._plan_from_state = False
         self._auto: AutoResidency | None = None
         self._host_room_for_all = gpu_resident_bytes == "auto"
         # A byte count for the backward's loads, or None (the ring's chunks, or "auto"'s).
@@ -913,7 +916,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.optimizer.__setstate__(before)
             raise
-        self._state_loaded = True
+        self._plan_from_state = True
         try:
             self._copy_loaded_state(offloaded, param_of)
         except BaseException as error:  # the homes hold part of it: neither state is whole
@@ -958,27 +961,33 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _copy_loaded_state(
         self, offloaded: Mapping[tuple[Any, str], Tensor], param_of: Mapping[Any, Tensor]
     ) -> None:
-        """The loaded state tensors into their homes (in place), or held on the host until
-        the first step homes them."""
+        """The loaded state tensors into their homes (in place), or, where a tensor has no
+        home of its dtype (none yet, or one in the dtype of the state before the load),
+        held on the host until the next step plans one."""
         views = self._executor.homes
         for (index, key), value in offloaded.items():
             param = param_of[index]
+            dtype = self._loaded_dtype(param, key, value)
             view = views.get((param, key))
-            if view is None:  # no slab yet: held on the host until the first step adopts it
-                # in the dtype the step keeps it in (Muon: fp32 momentum for bf16 params),
-                # else as torch's load gives it: floating state takes the param's
-                layout = self._layout(param)
-                if layout is not None and key in layout:
-                    dtype = layout[key][1]
-                else:
-                    cast = key != "step" and param.is_floating_point()
-                    dtype = param.dtype if cast else value.dtype
+            if view is not None and view.home.dtype == dtype:
+                view.home.copy_(local_tensor(value))
+                self.optimizer.state[param][key] = view.home_state
+            else:
                 held = torch.empty_like(local_tensor(value), device="cpu", dtype=dtype)
                 held.copy_(local_tensor(value))
                 self.optimizer.state[param][key] = as_state(param, held)
-            else:
-                view.home.copy_(local_tensor(value))
-                self.optimizer.state[param][key] = view.home_state
+
+    def _loaded_dtype(self, param: Tensor, key: str, value: Tensor) -> torch.dtype:
+        """The dtype the wrapped optimizer's own load gives a state tensor: one with a subset
+        step of its own keeps it in its layout's (Muon: fp32 momentum for bf16 params);
+        torch's cast floating state but `step` to the param's dtype (whatever dtype their
+        step would make it in: SGD's momentum, from a grad of another dtype)."""
+        if self._subset is not None and not isinstance(self._subset, GroupSubsetStep):
+            layout = self._layout(param)
+            if key in layout:
+                return layout[key][1]
+        cast = key != "step" and param.is_floating_point()
+        return param.dtype if cast else value.dtype
 
     def _check_complete_state(
         self,
@@ -1059,10 +1068,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             fix = "assign a tensor like the one it replaces, or edit that one in place"
             _check_state_shape(index, key, value, home.home.shape, fix)
             if value.dtype != home.home.dtype:
-                raise ValueError(
-                    f"state {key!r} of param {index} was replaced by a {value.dtype} tensor, "
-                    f"expected {home.home.dtype} ({fix})"
-                )
+                # torch goes on with it in its dtype (a load casts floating state to the
+                # param's): the next plan homes it so (`state_layout` keeps existing dtypes)
+                self._plan_from_state = True
+                continue
             home.home.copy_(local_tensor(value))
             state[param][key] = home.home_state
 
@@ -1146,7 +1155,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Counted once the checks have passed: a refused step is no step of "auto"'s (on
             # every rank alike: a rank counting one its peers took would decide before them).
             auto.step_started(streams.current())
-            if executor.plan is not None:
+            # Not while state loaded or given another dtype waits to be planned anew (below):
+            # a split re-planned from the last plan's specs would cast it into their homes.
+            if executor.plan is not None and not self._plan_from_state:
                 self._run_auto(auto)
         self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout, sparse)
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
@@ -1270,7 +1281,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             resplit = any(self._specs[self._index[p]].splittable for p in sparse)
             if (
                 not resplit
-                and not self._state_loaded
+                and not self._plan_from_state
                 and not self._unhomed_state()
                 and not self._sliced_param_relaid()
                 and not self._grad_dtype_changed()
@@ -1278,12 +1289,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 return
         specs = self._specs_of(subset, layout)
         if self._executor.plan is not None and specs == self._specs and not regrouped:
-            self._state_loaded = False  # unhomed state the step does not keep
+            self._plan_from_state = False  # unhomed state the step does not keep
             self._watch_grad_dtypes()
             return
         self._check_state_shapes(specs)  # before anything moves: a refused step changes nothing
         self._check_state_apart()
-        self._state_loaded = False
+        self._plan_from_state = False
         self._watch_grad_dtypes()
         if self._executor.plan is not None:
             self.wait_for_optimizer_step()  # the new homes copy the old ones
@@ -1715,6 +1726,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if executor.plan is None and self._unhomed_state():  # loaded before the first step
             self._build_serial_plan()
         self._take_replaced_state()
+        if self._plan_from_state:  # state of another dtype than its home's, loaded or assigned
+            self._build_serial_plan()
+            self._plan_from_state = False
         self._check_host_memory_for_new_state()
         staged = executor.stage_all()
         try:

@@ -514,7 +514,8 @@ class GroupSubsetStep:
 
     def state_layout(self, param: Tensor) -> StateLayout:
         """State the optimizer will keep for `param`, found by a dry run on the meta device
-        with its group's options as they are now (loaded from a state_dict, say)."""
+        with its group's options as they are now (loaded from a state_dict, say); a state
+        tensor the param has already keeps its dtype."""
         group = self._group(param)
         local = local_tensor(param)
         # SGD's momentum is a copy of the grad: in its dtype where the param takes a grad of
@@ -526,10 +527,10 @@ class GroupSubsetStep:
         layout = self._layouts[key]
         own = self.optimizer.state.get(param)
         if own:
-            # State that exists goes on in the dtype it was made in, as torch updates it in
-            # place: Adagrad's, made at construction, after `model.to(torch.bfloat16)`; one
-            # assigned by hand; SGD's momentum made from a grad of another dtype
-            # (`p.grad_dtype = None`, torch 2.13)
+            # State that exists goes on in its dtype, as torch updates it in place: Adagrad's,
+            # made at construction, after `model.to(torch.bfloat16)`; one assigned by hand
+            # or loaded (a load casts floating state to the param's dtype); SGD's momentum
+            # made from a grad of another dtype (`p.grad_dtype = None`, torch 2.13)
             layout = {
                 k: (shape, _kept_dtype(own.get(k), shape, dtype))
                 for k, (shape, dtype) in layout.items()

@@ -630,6 +630,50 @@ def _kept(opt: CPUOffloadOptimizer) -> int:
 STATE_BYTES = sum(2 * 4 * p.numel() for p in make_model().parameters())  # AdamW: 2 fp32
 
 
+def test_state_of_another_dtype_given_where_auto_re_plans_is_homed_in_it():
+    # "auto" re-planned from the last plan's specs before the step planned anew from the
+    # state: an fp64 momentum assigned by hand at that step went into its fp32 home
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_STEPS_AT_MOST, AUTO_WARMUP_STEPS
+
+    replanned_at = []
+
+    def run(wrap):
+        model = make_model()
+        opt = wrap(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+        gen = torch.Generator().manual_seed(1)
+        for step in range(AUTO_STEPS_AT_MOST + 1):
+            if step == AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:  # where it re-planned first
+                for p in model.parameters():
+                    opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].double()
+            opt.zero_grad()
+            model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+            opt.step()
+        return model, opt
+
+    def offloaded(model, inner):
+        opt = CPUOffloadOptimizer(
+            inner,
+            chunk_bytes=1000,
+            staging_slots=2,
+            overlap_forward=model,
+            gpu_resident_bytes="auto",
+        )
+        opt._auto.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
+        real_replan = opt._replan
+        opt._replan = lambda *args: replanned_at.append(opt._auto._steps) or real_replan(*args)
+        return opt
+
+    (plain_model, plain), (model, opt) = run(lambda m, o: o), run(offloaded)
+    assert replanned_at  # the search ran
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert opt.state[b]["momentum_buffer"].dtype == torch.float64
+        assert torch.equal(plain.state[a]["momentum_buffer"], opt.state[b]["momentum_buffer"])
+
+
 def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     """With overlap, "auto" runs the most state its budget keeps off the forward's path
     (loaded in the backward up to what its measured length carries, the rest resident),

@@ -1474,3 +1474,61 @@ def test_the_serial_path_steps_a_dtype_whose_params_are_all_empty(make):
 
     (plain_params, plain), (params, opt) = run(lambda o: o), run(CPUOffloadOptimizer)
     assert_equal(torch.nn.ParameterList(plain_params), plain, torch.nn.ParameterList(params), opt)
+
+
+def _reload(model: torch.nn.Module, opt, step: int) -> None:
+    """A checkpoint round trip after the step: torch's load casts floating state to the
+    param's dtype."""
+    if step == 1:
+        opt.load_state_dict(opt.state_dict())
+
+
+def _fp64_momentum(model: torch.nn.Module, opt, step: int) -> None:
+    """fp64 momentum assigned by hand after the first step: torch goes on with it."""
+    if step == 0:
+        for p in model.parameters():
+            opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].double()
+
+
+def _momentum_sgd_of(params) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize(
+    ("make", "edit"),
+    [
+        (_momentum_sgd_of, _reload),
+        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), _reload),
+        (torch.optim.Rprop, _reload),  # the serial path
+        (_momentum_sgd_of, _fp64_momentum),
+    ],
+    ids=["sgd_reloaded", "adagrad_reloaded", "serial_rprop_reloaded", "sgd_fp64_by_hand"],
+)
+@pytest.mark.parametrize("options", [{}, {"chunk_bytes": 64}], ids=["one_chunk", "sliced"])
+def test_state_given_another_dtype_after_steps_goes_on_in_it_as_torch(make, edit, options):
+    # After `model.to(torch.bfloat16)` the state stays fp32, in torch and in its homes; a
+    # load then casts it to bf16, which the homes took back in fp32. State assigned by
+    # hand in another dtype after the first step was refused where torch goes on with it.
+    def run(wrap):
+        model = _linear()
+        opt = wrap(make(model.parameters()))
+        for step in range(4):
+            if step == 1 and edit is _reload:
+                model.to(torch.bfloat16)
+            dtype = model.weight.dtype
+            torch.manual_seed(100 + step)
+            model(torch.randn(2, 32, dtype=dtype)).float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            edit(model, opt, step)
+        return model, opt
+
+    (plain_model, plain), (model, opt) = (
+        run(lambda o: o),
+        run(lambda o: CPUOffloadOptimizer(o, **options)),
+    )
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain.state[a].items():
+            assert opt.state[b][key].dtype == value.dtype, key
+            assert torch.equal(opt.state[b][key], value), key
