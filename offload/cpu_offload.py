@@ -570,6 +570,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         waited = weakref.WeakMethod(self.wait_for_optimizer_step)
         if self._overlap is not None:
             self._overlap.written_back = lambda: (waited() or _nothing)()
+            this = weakref.ref(self)
+            self._overlap.interrupted = lambda: getattr(this(), "_interrupted", None)
         # The wrapped optimizer's own state_dict() and load_state_dict() (a trainer that
         # checkpoints `.optimizer`) see the last step whole, as the wrapper's do.
         # Removed by close(), or once this wrapper is collected (the optimizer may outlive it).

@@ -13,7 +13,9 @@ holding it has stepped:
   module's weight, `model.state_dict()` / `load_state_dict()`, an in-place edit.
   Inside an FSDP2 forward it is on only in each plan's first overlapped forward, which
   teaches the hooks the reads they do not see, and in every later one where that forward
-  found such a read (see `ForwardOverlap.__init__`).
+  found such a read (see `ForwardOverlap.__init__`); a module's `state_dict()` and
+  `load_state_dict()` put it back (a Ctrl-C inside the forward ran no hook to end the
+  step).
 """
 
 from __future__ import annotations
@@ -254,6 +256,8 @@ class ForwardOverlap:
         self.written_back: Callable[[], None] | None = None
         """Blocks the host until the finished step's state is home (written back): what a
         read of a state tensor held from an earlier step waits for."""
+        self.interrupted: Callable[[], str | None] | None = None
+        """Why the last step is only partly applied (a chunk raised), or None."""
         self._watch_inputs = False  # in the first forward after a step
         self._watch = _Watch()  # that forward's hooks on its owner modules' inputs
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
@@ -437,6 +441,16 @@ class ForwardOverlap:
                 for stream in others:
                     if stream != current:
                         self._streams.wait(stream, self.chunk_done[last])
+                done = self.chunk_done[last]
+                if self._in_forward and done is not None:
+                    # Finished inside a forward (a checkpoint thread's wait): the units it
+                    # has not reached wait no more, and FSDP2 orders their all-gather
+                    # streams after the trainer's once per forward, at its start.
+                    gathers = {
+                        s for module, _ in self.owners for s in fsdp_all_gather_streams(module)
+                    }
+                    for stream in gathers:
+                        stream.wait_event(done)
             self._in_flight = False
             self._reads.pop()
 
@@ -618,13 +632,31 @@ class ForwardOverlap:
             self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
     def _before_state_dict(self) -> None:
-        """`model.state_dict()` or `load_state_dict()` (a checkpoint, a rollback) reads or
-        writes every param it covers, so the step lands first. The pending-read mode
-        would wait for each, but inside an FSDP2 forward it is off the stack, and a
-        forward interrupted by a BaseException (Ctrl-C), for which torch runs no forward
-        hook, leaves it off: the handler's checkpoint held weights from before the step,
-        and its rollback was overwritten by the pending chunks."""
-        if self._in_flight:
+        """`state_dict()` of a module of the model (a checkpoint): as `_before_load_state_dict`,
+        and said where the step was interrupted inside a chunk (its params hold part of it:
+        a checkpoint on Ctrl-C), as the optimizer's own `state_dict()` says."""
+        message = self.interrupted() if self.interrupted is not None else None
+        if message is not None:
+            warnings.warn(
+                f"state_dict() of the model returns params that are not a whole step's: {message}",
+                stacklevel=user_stacklevel(),
+            )
+        self._before_load_state_dict()
+
+    def _before_load_state_dict(self) -> None:
+        """A module's `state_dict()` or `load_state_dict()` (a checkpoint, a rollback) reads
+        or writes every param it covers while a step may be pending. The pending-read mode
+        waits for each, but inside an FSDP2 forward it is off the stack, and a forward
+        interrupted by a BaseException (Ctrl-C) runs no forward hook to end the step: the
+        handler's checkpoint held weights from before the step, and its rollback was
+        overwritten by the pending chunks. So the mode goes back on the trainer's stack
+        until the step lands (inside a forward still running, the hooks still order the
+        rest); on another thread, whose reads it does not see, the step lands now."""
+        if not self._in_flight or self._reads.on_this_stack():
+            return
+        if self._in_forward and threading.get_ident() == self._step_thread:
+            self._reads.reenter()
+        else:
             self.warn_if_rank_local(len(self.chunk_done))
             self.finish()
 
@@ -787,7 +819,18 @@ class _PendingReads(TorchFunctionMode):
         written_back = len(overlap.chunk_done)
         homes = [*state_homes, *(dtensor_local(t) for t in state_homes)]
         self.chunk_of |= {id(t): written_back for t in homes if t is not None}
-        self.step_pending, self.landed, self.active = True, -1, True
+        self.step_pending, self.landed = True, -1
+        self._stack()
+
+    def reenter(self) -> None:
+        """Back on, on this thread's stack, while the step is pending (after `leave_stack`)."""
+        if self.step_pending and not self.active:
+            self._remove()  # where it was left an orphan, say
+            self._stack()
+
+    def _stack(self) -> None:
+        """On, at the bottom of this thread's stack."""
+        self.active = True
         modes = _function_modes()
         # Under `torch.set_default_device`'s context, which must stay at the very bottom
         # (`set_default_device(None)` asserts so on leaving it); not under a `with
@@ -1195,9 +1238,10 @@ def _register_hooks(
         handles.append(model.register_forward_hook(after, always_call=True))
         # on every module: `state_dict()` may be called on any of them
         state_dict = _OverlapHook(overlap, "_before_state_dict", with_inputs=False)
+        load = _OverlapHook(overlap, "_before_load_state_dict", with_inputs=False)
         for module in model.modules():
             handles.append(module.register_state_dict_pre_hook(state_dict))
-            handles.append(module.register_load_state_dict_pre_hook(state_dict))
+            handles.append(module.register_load_state_dict_pre_hook(load))
     except RuntimeError as error:  # a torch.jit.script-ed module takes no hooks
         for handle in handles:
             handle.remove()

@@ -17,6 +17,7 @@ import torch
 from spawn_ranks import one_rank_group
 from test_offload_audit import assert_equal
 
+import offload.forward_overlap
 import offload.streams
 from offload import CPUOffloadOptimizer
 from offload.forward_overlap import ForwardOverlap
@@ -316,4 +317,40 @@ def test_fsdp2_prefetch_with_the_forward_on_another_stream_than_step(async_branc
         _train_on_streams(plain_model, plain, batches)
         for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
             assert torch.equal(a.full_tensor(), b.full_tensor())
+        opt.close()
+
+
+def test_a_step_finished_inside_an_fsdp2_forward_orders_the_all_gathers_after_it(
+    async_branches, monkeypatch
+):
+    """`wait_for_optimizer_step()` inside the forward (a pre-hook's, or a checkpoint
+    thread's) lands the step, and the units the forward has not reached wait no more:
+    their all-gather streams, which FSDP2 orders after the trainer's stream once per
+    forward, at its start, must wait for the last update themselves."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    gather = _Stream()  # FSDP2's all-gather streams (none on the CPU)
+    monkeypatch.setattr(
+        offload.forward_overlap,
+        "fsdp_all_gather_streams",
+        lambda module: [gather] if isinstance(module, FSDPModule) else [],
+    )
+    with one_rank_group():
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(6)))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = _overlapped(model, chunk_bytes=1)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 12, generator=gen)).square().mean().backward()
+            opt.step()
+        last = opt._overlap.chunk_done[-1]
+        model[1].register_forward_pre_hook(lambda *_: opt.wait_for_optimizer_step())
+        model(torch.randn(3, 12, generator=gen))
+        assert _waited_for(gather, last)
         opt.close()

@@ -386,6 +386,9 @@ def test_a_step_interrupted_mid_chunk_leaves_state_home_and_the_next_step_refuse
     # A "checkpoint on Ctrl-C" handler is told that what it saves is part of a step.
     with pytest.warns(UserWarning, match=r"not whole: the last step\(\) was interrupted"):
         opt.state_dict()
+    if overlap:  # and so is one saving the model's (its hooks are the overlap's)
+        with pytest.warns(UserWarning, match=r"model returns params that are not a whole step"):
+            model.state_dict()
 
     # The way out: restore both from the checkpoint, then the run is plain AdamW's.
     model.load_state_dict(checkpoint[0])

@@ -123,6 +123,19 @@ class _BadBatch(Exception):
     pass
 
 
+class SnapshotInSecondForward(HeadTermAfterSkippedLayer):
+    """`HeadTermAfterSkippedLayer`'s read of the head outside its unit, always made, and a
+    layer's `state_dict()` taken in the second forward (the plan's first overlapped one,
+    which looks for such reads) before the body runs."""
+
+    def forward(self, tokens):
+        self.calls += 1
+        if self.calls == 2:
+            self.body[0].state_dict()
+        term = _full(self.head.weight.square().sum())
+        return self.head(self.body(self.embed(tokens))) + 1e-3 * term
+
+
 def _press_ctrl_c(*_):
     raise KeyboardInterrupt
 
@@ -619,6 +632,13 @@ def _fsdp_worker(rank: int, world: int) -> None:
     for key, value in saved[0][0].items():
         assert torch.equal(value, saved[1][0][key]), key
     _assert_same_local(plain_model, plain, model, overlapped)
+
+    # a layer's state_dict() inside the forward that looks for reads outside the units
+    # (the pre-hook finished the step there: the look missed the head's read after it,
+    # and every later forward read the head's shard before its update)
+    pair = _fsdp_pair(SnapshotInSecondForward, mesh, shard=_fsdp_head_apart)
+    assert _train(*pair[:2], _rank_tokens(rank, 4)) == _train(*pair[2:], _rank_tokens(rank, 4))
+    _assert_same_local(*pair)
 
     # a param's, grad's or state's local shard while a step is pending (`to_local()` and
     # `full_tensor()` read it, not the DTensor: a logger's norms, an EMA), and an edit of
