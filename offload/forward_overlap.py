@@ -631,12 +631,13 @@ class ForwardOverlap:
             self.advance(self._ahead_of[chunk])
             self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
-    def _before_state_dict(self) -> None:
+    def _before_state_dict(self, prefix: str, keep_vars: bool) -> None:
         """`state_dict()` of a module of the model (a checkpoint): as `_before_load_state_dict`,
         and said where the step was interrupted inside a chunk (its params hold part of it:
-        a checkpoint on Ctrl-C), as the optimizer's own `state_dict()` says."""
+        a checkpoint on Ctrl-C), as the optimizer's own `state_dict()` says (once a call:
+        the module it was called on has no prefix, unless the caller gave one)."""
         message = self.interrupted() if self.interrupted is not None else None
-        if message is not None:
+        if message is not None and not prefix:
             warnings.warn(
                 f"state_dict() of the model returns params that are not a whole step's: {message}",
                 stacklevel=user_stacklevel(),
@@ -1237,7 +1238,7 @@ def _register_hooks(
         handles.append(model.register_forward_pre_hook(before, prepend=True))
         handles.append(model.register_forward_hook(after, always_call=True))
         # on every module: `state_dict()` may be called on any of them
-        state_dict = _OverlapHook(overlap, "_before_state_dict", with_inputs=False)
+        state_dict = _OverlapHook(overlap, "_before_state_dict", with_inputs=True)
         load = _OverlapHook(overlap, "_before_load_state_dict", with_inputs=False)
         for module in model.modules():
             handles.append(module.register_state_dict_pre_hook(state_dict))
