@@ -88,6 +88,7 @@ from muon.options import (
     check_ns_steps,
     check_ns_steps_of_schedule,
     check_row_blocks,
+    check_spread_model,
     ns_dtype_from,
 )
 from muon.planning import (
@@ -321,6 +322,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype = ns_dtype_from(ns_dtype)
         check_bucket_cap_bytes(bucket_cap_bytes)
         check_max_inflight(max_inflight)
+        check_spread_model(spread_model)
         check_collect_timings(collect_timings)
         defaults = {
             "lr": lr,
@@ -587,6 +589,7 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype_from(self.ns_dtype)
         check_bucket_cap_bytes(self.bucket_cap_bytes)
         check_max_inflight(self.max_inflight)
+        check_spread_model(self.spread_model)
         check_collect_timings(self.collect_timings)
         _check_each_param_once(self.param_groups)
         # Every group's grads and momentum before any group steps: a refused step changes
@@ -771,7 +774,10 @@ class Muon(torch.optim.Optimizer):
         rank shares (by mesh, not by where its params are in this rank's groups)."""
         laid_out = "no: see that rank's error" if refused is not None else "yes"
         refusal = ("local shards laid out as torch.chunk's", laid_out)
-        description = dataclasses.replace(description, settings=(*description.settings, refusal))
+        # Not the plan's (its key), but the step's: the order of the exchanges, and the
+        # settings each matrix's owner updates it with for every rank.
+        agreed = (("max_inflight", self.max_inflight), *self._muon_group_settings(), refusal)
+        description = dataclasses.replace(description, settings=(*description.settings, *agreed))
         meshes = {_mesh_key(p.device_mesh): p for p, _ in entries if isinstance(p, DTensor)}
         axes = []  # per mesh: the groups of its axes that hold several ranks, its device
         for _, p in sorted(meshes.items(), key=lambda item: item[0]):
@@ -790,6 +796,20 @@ class Muon(torch.optim.Optimizer):
             for i in range(len(group["params"]))
         )
         check_ranks_agree(dataclasses.replace(description, labels=labels), axes, len(meshes))
+
+    def _muon_group_settings(self) -> tuple[tuple[str, Any], ...]:
+        """(name, value) of each setting a Muon group's update reads, comparable across
+        ranks (a tensor lr by its values)."""
+        return tuple(
+            (f"param group {g}'s {key}", _comparable(group.get(key)))
+            for g, group in enumerate(self.param_groups)
+            if group["algorithm"] == "muon"
+            for key in _MUON_STEP_KEYS
+        )
+
+
+def _comparable(value: Any) -> Any:
+    return tuple(value.flatten().tolist()) if isinstance(value, Tensor) else value
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -819,6 +839,15 @@ _OWN_GROUP_KEYS = ("algorithm", "row_blocks", "ns_algorithm", "replica_owners")
 # Hyperparameters every group has, and those only a Muon group reads.
 _COMMON_KEYS = ("lr", "weight_decay", "eps")
 _MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", "ns_algorithm", "replica_owners")
+# What a Muon group's update reads (`_MUON_KEYS` but the plan's own, which it checks).
+_MUON_STEP_KEYS = (
+    *_COMMON_KEYS,
+    "momentum",
+    "nesterov",
+    "adjust_lr_fn",
+    "ns_coefficients",
+    "ns_steps",
+)
 
 
 def _validate_hyperparameters(values: dict[str, Any]) -> None:
@@ -899,6 +928,9 @@ def _check_group(group: dict[str, Any]) -> None:
         check_betas(group["betas"])
         for key in _ADAMW_OPTIONS:
             check_adamw_flag(group.get(key, False), key)
+        # Unread here, but read once the group is switched to Muon: valid values only.
+        for key in _MUON_KEYS:
+            CHECKS[key](group[key], key)
         return
     if algorithm != "muon":
         raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from muon.newton_schulz import ALGORITHMS as NS_ALGORITHMS
 from muon.ns_schedules import SCHEDULES, NewtonSchulzSchedule
-from muon.planning import REPLICA_OWNERS
+from muon.planning import REPLICA_OWNERS, SpreadModel
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # dtypes on the wire and in Newton-Schulz, also by name (TOML and the CLI cannot
@@ -176,6 +176,16 @@ def check_replica_bytes_per_s(value: Any, name: str = "replica_bytes_per_s") -> 
         raise ValueError(f"{name} should be > 0 but is: {value}")
 
 
+def check_spread_model(value: Any, name: str = "spread_model") -> None:
+    """A `SpreadModel` with rates > 0 and a step count >= 1."""
+    if not isinstance(value, SpreadModel):
+        raise TypeError(f"{name} should be a muon.SpreadModel but is: {value!r}")
+    for field in ("ns_flops_per_s", "replica_bytes_per_s"):
+        if not _number(getattr(value, field), f"{name}.{field}") > 0:
+            raise ValueError(f"{name}.{field} should be > 0 but is: {getattr(value, field)}")
+    _count(value.ns_steps, f"{name}.ns_steps", 1)
+
+
 def check_row_blocks(value: Any, rows: int, name: str = "row_blocks") -> None:
     """None, or the row counts (each >= 1) of a fused param's logical matrices, summing
     to its `rows`."""
@@ -204,6 +214,7 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
     "max_inflight": check_max_inflight,
     "collect_timings": check_collect_timings,
     "replica_owners": check_replica_owners,
+    "spread_model": check_spread_model,
 }
 """Checks by `Muon` argument or group key (ns_coefficients and row_blocks are checked
 where a schedule or a param's shape is known)."""

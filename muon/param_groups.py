@@ -163,6 +163,13 @@ def muon_param_groups(
                     f"{where} pattern {pattern!r} is no regular expression: {error}"
                 ) from None
     _refuse_flattened(model)
+    lazy = next((name for name, p in model.named_parameters() if nn.parameter.is_lazy(p)), None)
+    if lazy is not None:  # its shape, which chooses its group, is not known yet
+        raise ValueError(
+            f"param {lazy} is uninitialized (a lazy module's, e.g. nn.LazyLinear), so its "
+            "shape, which chooses Muon or AdamW, is not known yet: run the model's forward "
+            "once first, then build the groups"
+        )
     not_muon: dict[str, list[str]] = {}  # names a row_blocks pattern matches outside Muon
     plain: list[nn.Parameter] = []
     unsplit_fused: list[str] = []

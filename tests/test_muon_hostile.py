@@ -668,3 +668,53 @@ def test_words_in_a_params_module_or_its_parent_still_route_to_adamw():
     assert [g["params"] for g in groups if g.get("algorithm", "muon") == "muon"] == [
         [model.body.weight]
     ]
+
+
+def test_a_lazy_modules_param_is_refused_naming_it():
+    # its shape is not known yet: it went to AdamW, and AdamW stepped the matrix for good
+    model = nn.Sequential(nn.Linear(8, 8), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"param 1\.weight is uninitialized .*forward once"):
+        muon_param_groups(model)
+    with pytest.raises(ValueError, match=r"param 1\.weight is uninitialized"):
+        setup_optimizer(model, OptimizerConfig(type="muon"))
+
+
+@pytest.mark.parametrize(
+    ("spread_model", "error", "message"),
+    [
+        ("fast", TypeError, r"spread_model should be a muon\.SpreadModel but is: 'fast'"),
+        (None, TypeError, r"spread_model should be a muon\.SpreadModel but is: None"),
+        ({"replica_bytes_per_s": 0}, ValueError, r"replica_bytes_per_s should be > 0 but is: 0"),
+        ({"ns_flops_per_s": -1.0}, ValueError, r"ns_flops_per_s should be > 0 but is: -1\.0"),
+        ({"ns_steps": 0}, ValueError, r"spread_model.*\.ns_steps should be >= 1 but is: 0"),
+    ],
+    ids=["string", "none", "zero_rate", "negative_flops", "no_steps"],
+)
+def test_a_spread_model_of_the_wrong_type_or_range_is_refused_naming_it(
+    spread_model, error, message
+):
+    # accepted, it failed under HSDP at the first step: an AttributeError, or dividing by 0
+    from muon import SpreadModel
+
+    if isinstance(spread_model, dict):
+        spread_model = SpreadModel(**spread_model)
+    with pytest.raises(error, match=message):
+        Muon([nn.Parameter(_randn(4, 4))], spread_model=spread_model)
+    opt = Muon([nn.Parameter(_randn(4, 4))])
+    opt.spread_model = spread_model  # between steps, as the settings may be
+    with pytest.raises(error, match=message):
+        opt.step()
+    if isinstance(spread_model, SpreadModel):
+        with pytest.raises(error, match=message):
+            OptimizerConfig(type="muon", muon_options={"spread_model": spread_model})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("momentum", 5.0), ("nesterov", "yes"), ("adjust_lr_fn", "bogus"), ("ns_algorithm", "x")],
+)
+def test_an_adamw_groups_muon_settings_are_checked_as_a_muon_groups(key, value):
+    # unread by AdamW, they were accepted, and read once the group was switched to Muon
+    group = {"params": [nn.Parameter(_randn(6, 4))], "algorithm": "adamw", key: value}
+    with pytest.raises((TypeError, ValueError), match=rf"param group 0: {key} should be"):
+        Muon([group]).step()

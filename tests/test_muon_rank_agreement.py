@@ -73,6 +73,10 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
         options["bucket_cap_bytes"] = 300
     if case == "ns_dtype" and odd:
         options["ns_dtype"] = torch.float32
+    if case == "max_inflight" and odd:  # the exchanges' order: they paired up wrongly
+        options["max_inflight"] = 1
+    if case == "momentum" and odd:  # each rank's shard took its own momentum
+        options["momentum"] = 0.5
     opt = Muon(named, lr=0.1, **options)
     with pytest.raises(ValueError) as raised:
         opt.step()
@@ -88,6 +92,8 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
         if odd_first
         else "bucket_cap_bytes: 1000000 vs 300",
         "ns_dtype": "ns_dtype: torch.bfloat16 vs torch.float32",
+        "max_inflight": "max_inflight: 2 vs 1",
+        "momentum": "param group 0's momentum: 0.95 vs 0.5",
     }[case]
     assert expected in message, message
     # refused before anything stepped, on every rank
@@ -100,6 +106,8 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
         (2, "frozen middle param", (2,)),
         (2, "bucket_cap_bytes", (2,)),
         (3, "ns_dtype", (3,)),
+        (2, "max_inflight", (2,)),
+        (3, "momentum", (3,)),
         (4, "bucket_cap_bytes", (2, 2)),
     ],
 )
