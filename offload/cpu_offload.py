@@ -544,6 +544,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """What "auto" chose, once it has settled (None before, and for a byte budget)."""
         self._closed = False
         self._interrupted: str | None = None  # why step() is refused after an interrupted step
+        self._step_interrupted: str | None = None  # that, where a chunk raised: params part-updated
         self._hooks_for_lr_scheduler()
         self._overlap: ForwardOverlap | None = None
         if overlap_forward is not None:
@@ -571,7 +572,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.written_back = lambda: (waited() or _nothing)()
             this = weakref.ref(self)
-            self._overlap.interrupted = lambda: getattr(this(), "_interrupted", None)
+            self._overlap.interrupted = lambda: getattr(this(), "_step_interrupted", None)
         # The wrapped optimizer's own state_dict() and load_state_dict() (a trainer that
         # checkpoints `.optimizer`) see the last step whole, as the wrapper's do.
         # Removed by close(), or once this wrapper is collected (the optimizer may outlive it).
@@ -874,7 +875,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         state_dict = _after_pre_hooks(self.optimizer, _load_hooks(self.optimizer)[0], state_dict)
         with _load_hooks_set_aside(self.optimizer):
             self._load_state_dict(state_dict)
-        self._interrupted = None
+        self._interrupted = self._step_interrupted = None
         for post_hook in _load_hooks(self.optimizer)[1]:  # a pre-hook may have added one
             post_hook(self.optimizer)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -1070,8 +1071,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             fix = "assign a tensor like the one it replaces, or edit that one in place"
             _check_state_shape(index, key, value, home.home.shape, fix)
             if value.dtype != home.home.dtype:
-                # torch goes on with it in its dtype (a load casts floating state to the
-                # param's): the next plan homes it so (`state_layout` keeps existing dtypes)
+                layout = self._layout(param)  # None on the serial path, planned from the state
+                if layout is not None and layout[key][1] != value.dtype:  # an own subset step's
+                    raise ValueError(
+                        f"state {key!r} of param {index} was replaced by a {value.dtype} "
+                        f"tensor, expected {home.home.dtype} ({fix})"
+                    )
+                # torch's optimizers go on with it in its dtype (a load casts floating state
+                # to the param's): the next plan homes it so (their layout keeps the dtype
+                # of state that exists)
                 self._plan_from_state = True
                 continue
             home.home.copy_(local_tensor(value))
@@ -1157,9 +1165,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Counted once the checks have passed: a refused step is no step of "auto"'s (on
             # every rank alike: a rank counting one its peers took would decide before them).
             auto.step_started(streams.current())
-            # Not while state loaded or given another dtype waits to be planned anew (below):
-            # a split re-planned from the last plan's specs would cast it into their homes.
-            if executor.plan is not None and not self._plan_from_state:
+            if executor.plan is not None:
+                if self._plan_from_state:
+                    # State loaded or given another dtype is planned anew first: a split
+                    # re-planned from the last plan's specs would cast it into their homes.
+                    self._ensure_plan(
+                        subset, units_key, regrouped, self._subset.state_layout, sparse
+                    )
                 self._run_auto(auto)
         self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout, sparse)
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
@@ -1238,6 +1250,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             "clears this), or, to go on from here, close() this optimizer and wrap the inner "
             "one anew"
         )
+        self._step_interrupted = self._interrupted
 
     def _backward_reached(self, passed: int, watched: int) -> None:
         """The backward passed the `passed`-th of `watched` owner modules (see

@@ -631,13 +631,14 @@ class ForwardOverlap:
             self.advance(self._ahead_of[chunk])
             self._wait_for_chunk(chunk, self._chunk_needs[chunk])
 
-    def _before_state_dict(self, prefix: str, keep_vars: bool) -> None:
+    def _before_state_dict(self, at_root: bool, prefix: str, keep_vars: bool) -> None:
         """`state_dict()` of a module of the model (a checkpoint): as `_before_load_state_dict`,
         and said where the step was interrupted inside a chunk (its params hold part of it:
-        a checkpoint on Ctrl-C), as the optimizer's own `state_dict()` says (once a call:
-        the module it was called on has no prefix, unless the caller gave one)."""
+        a checkpoint on Ctrl-C), as the optimizer's own `state_dict()` says: once a call,
+        at the module it was called on (no prefix) or at the overlap's root (reached from
+        a module above it, or given a prefix)."""
         message = self.interrupted() if self.interrupted is not None else None
-        if message is not None and not prefix:
+        if message is not None and (at_root or not prefix):
             warnings.warn(
                 f"state_dict() of the model returns params that are not a whole step's: {message}",
                 stacklevel=user_stacklevel(),
@@ -653,13 +654,14 @@ class ForwardOverlap:
         overwritten by the pending chunks. So the mode goes back on the trainer's stack
         until the step lands (inside a forward still running, the hooks still order the
         rest); on another thread, whose reads it does not see, the step lands now."""
-        if not self._in_flight or self._reads.on_this_stack():
-            return
-        if self._in_forward and threading.get_ident() == self._step_thread:
-            self._reads.reenter()
-        else:
-            self.warn_if_rank_local(len(self.chunk_done))
-            self.finish()
+        with self._advancing:  # not while another thread finishes the step
+            if not self._in_flight or self._reads.on_this_stack():
+                return
+            if self._in_forward and threading.get_ident() == self._step_thread:
+                self._reads.reenter()
+            else:
+                self.warn_if_rank_local(len(self.chunk_done))
+                self.finish()
 
     def _before_forward(self) -> None:
         self._reading_owner = -1
@@ -1238,9 +1240,10 @@ def _register_hooks(
         handles.append(model.register_forward_pre_hook(before, prepend=True))
         handles.append(model.register_forward_hook(after, always_call=True))
         # on every module: `state_dict()` may be called on any of them
-        state_dict = _OverlapHook(overlap, "_before_state_dict", with_inputs=True)
         load = _OverlapHook(overlap, "_before_load_state_dict", with_inputs=False)
         for module in model.modules():
+            at_root = module is model
+            state_dict = _OverlapHook(overlap, "_before_state_dict", at_root, with_inputs=True)
             handles.append(module.register_state_dict_pre_hook(state_dict))
             handles.append(module.register_load_state_dict_pre_hook(load))
     except RuntimeError as error:  # a torch.jit.script-ed module takes no hooks

@@ -24,7 +24,10 @@ through the GPU in chunks. The contract:
   (state a later step creates anyway, SGD's momentum turned on, is planned a home
   at the next step). The wrapper lays out a state tensor shaped like the param as
   the param is laid out (as
-  `zeros_like(p, memory_format=torch.preserve_format)` does).
+  `zeros_like(p, memory_format=torch.preserve_format)` does). A state_dict loaded
+  into the wrapper gives each state tensor the layout's dtype (`muon.Muon`'s load
+  keeps its momentum fp32), and a state tensor assigned by hand in another dtype is
+  refused: the optimizer's own step may cast it, or refuse it.
 - Optional, `runs_collectives`: true when `step_params` of some unit runs
   collectives (Muon's exchanges), so that a step left pending must be advanced alike
   on every rank (the wrapper warns where a read outside the forward advances it).

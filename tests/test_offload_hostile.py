@@ -386,9 +386,12 @@ def test_a_step_interrupted_mid_chunk_leaves_state_home_and_the_next_step_refuse
     # A "checkpoint on Ctrl-C" handler is told that what it saves is part of a step.
     with pytest.warns(UserWarning, match=r"not whole: the last step\(\) was interrupted"):
         opt.state_dict()
-    if overlap:  # and so is one saving the model's (its hooks are the overlap's)
-        with pytest.warns(UserWarning, match=r"model returns params that are not a whole step"):
-            model.state_dict()
+    if overlap:  # and so is one saving the model's (its hooks are the overlap's), once
+        for prefix in ("", "wrapped."):  # a wrapper above the model gives one (DDP's)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                model.state_dict(prefix=prefix)
+            assert ["not a whole step" in str(w.message) for w in said] == [True], prefix
 
     # The way out: restore both from the checkpoint, then the run is plain AdamW's.
     model.load_state_dict(checkpoint[0])
@@ -1535,3 +1538,18 @@ def test_state_given_another_dtype_after_steps_goes_on_in_it_as_torch(make, edit
         for key, value in plain.state[a].items():
             assert opt.state[b][key].dtype == value.dtype, key
             assert torch.equal(opt.state[b][key], value), key
+
+
+def test_muons_momentum_replaced_by_hand_in_another_dtype_is_refused_naming_it():
+    # Muon's own step casts such a momentum to fp32 (and an AdamW group's moments of
+    # another dtype make it raise): the wrapper, planning anew, kept the old home's values
+    model = _linear()
+    opt = CPUOffloadOptimizer(Muon(muon_param_groups(model), lr=0.02))
+    _backward(model)
+    opt.step()
+    opt.state[model.weight]["momentum_buffer"] = torch.ones(8, 32, dtype=torch.float64)
+    _backward(model, 1)
+    with pytest.raises(
+        ValueError, match=r"'momentum_buffer' of param 0 was replaced by a torch.float64 tensor"
+    ):
+        opt.step()
