@@ -798,18 +798,14 @@ class Muon(torch.optim.Optimizer):
         check_ranks_agree(dataclasses.replace(description, labels=labels), axes, len(meshes))
 
     def _muon_group_settings(self) -> tuple[tuple[str, Any], ...]:
-        """(name, value) of each setting a Muon group's update reads, comparable across
-        ranks (a tensor lr by its values)."""
+        """(name, value) of each setting a Muon group's update reads (numbers, flags,
+        names, schedules: the groups are validated, no tensor among them)."""
         return tuple(
-            (f"param group {g}'s {key}", _comparable(group.get(key)))
+            (f"param group {g}'s {key}", group.get(key))
             for g, group in enumerate(self.param_groups)
             if group["algorithm"] == "muon"
             for key in _MUON_STEP_KEYS
         )
-
-
-def _comparable(value: Any) -> Any:
-    return tuple(value.flatten().tolist()) if isinstance(value, Tensor) else value
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -928,9 +924,11 @@ def _check_group(group: dict[str, Any]) -> None:
         check_betas(group["betas"])
         for key in _ADAMW_OPTIONS:
             check_adamw_flag(group.get(key, False), key)
-        # Unread here, but read once the group is switched to Muon: valid values only.
+        # Unread here, but read once the group is switched to Muon: valid values only (a
+        # group loaded from a torch.optim.AdamW checkpoint has none of them).
         for key in _MUON_KEYS:
-            CHECKS[key](group[key], key)
+            if key in group:
+                CHECKS[key](group[key], key)
         return
     if algorithm != "muon":
         raise ValueError(f"algorithm should be 'muon' or 'adamw' but is: {algorithm!r}")
@@ -941,6 +939,12 @@ def _check_group(group: dict[str, Any]) -> None:
                 f"has no {key}); it applies to algorithm='adamw' groups"
             )
     for key in _MUON_KEYS:
+        if key not in group:  # switched from AdamW, as loaded from a torch.optim.AdamW checkpoint
+            raise ValueError(
+                f"{key} is missing, which a Muon group reads (a group switched to "
+                f"algorithm='muon' from one loaded from a torch AdamW checkpoint has none): "
+                f"set the group's {key!r}"
+            )
         CHECKS[key](group[key], key)
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
     check_ns_coefficients(coefficients)

@@ -718,3 +718,17 @@ def test_an_adamw_groups_muon_settings_are_checked_as_a_muon_groups(key, value):
     group = {"params": [nn.Parameter(_randn(6, 4))], "algorithm": "adamw", key: value}
     with pytest.raises((TypeError, ValueError), match=rf"param group 0: {key} should be"):
         Muon([group]).step()
+
+
+def test_a_group_from_a_torch_adamw_checkpoint_steps_and_switched_to_muon_says_what_it_lacks():
+    # it has no Muon settings: the check of an AdamW group's raised a bare KeyError
+    model = nn.Sequential(nn.Linear(8, 8, bias=False))
+    saved = torch.optim.AdamW(model.parameters()).state_dict()
+    opt = Muon([{"params": list(model.parameters()), "algorithm": "adamw"}], lr=0.02)
+    opt.load_state_dict(saved)
+    assert "momentum" not in opt.param_groups[0]
+    model(_randn(2, 8)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["algorithm"] = "muon"
+    with pytest.raises(ValueError, match=r"param group 0: momentum is missing.*set the group's"):
+        opt.step()
