@@ -1410,6 +1410,15 @@ def test_a_load_after_the_groups_params_were_reordered_is_refused_before_anythin
             assert torch.equal(after["state"][index][key], value), (index, key)
 
 
+def _assert_same_in_dtypes(plain_model, plain, model, opt) -> None:
+    """Params, and every state tensor in its dtype, bitwise equal."""
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain.state[a].items():
+            assert opt.state[b][key].dtype == value.dtype, key
+            assert torch.equal(opt.state[b][key], value), key
+
+
 def _adagrad_then_cast(dtype: torch.dtype):
     def make(model: torch.nn.Module, wrap) -> torch.optim.Optimizer:
         opt = wrap(torch.optim.Adagrad(model.parameters(), lr=0.1))  # makes `sum` now, fp32
@@ -1451,15 +1460,7 @@ def test_state_made_before_the_first_step_keeps_its_dtype_as_torch_keeps_it(make
             opt.zero_grad()
         return model, opt
 
-    (plain_model, plain), (model, opt) = (
-        run(lambda o: o),
-        run(lambda o: CPUOffloadOptimizer(o, **options)),
-    )
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-        for key, value in plain.state[a].items():
-            assert opt.state[b][key].dtype == value.dtype, key
-            assert torch.equal(opt.state[b][key], value), key
+    _assert_same_in_dtypes(*run(lambda o: o), *run(lambda o: CPUOffloadOptimizer(o, **options)))
 
 
 @pytest.mark.parametrize("make", [torch.optim.Rprop, torch.optim.ASGD])
@@ -1529,15 +1530,7 @@ def test_state_given_another_dtype_after_steps_goes_on_in_it_as_torch(make, edit
             edit(model, opt, step)
         return model, opt
 
-    (plain_model, plain), (model, opt) = (
-        run(lambda o: o),
-        run(lambda o: CPUOffloadOptimizer(o, **options)),
-    )
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-        for key, value in plain.state[a].items():
-            assert opt.state[b][key].dtype == value.dtype, key
-            assert torch.equal(opt.state[b][key], value), key
+    _assert_same_in_dtypes(*run(lambda o: o), *run(lambda o: CPUOffloadOptimizer(o, **options)))
 
 
 def test_muons_momentum_replaced_by_hand_in_another_dtype_is_refused_naming_it():
