@@ -938,13 +938,15 @@ def _check_group(group: dict[str, Any]) -> None:
                 f"{key}={group[key]!r} is not supported by a Muon group (torch.optim.Muon "
                 f"has no {key}); it applies to algorithm='adamw' groups"
             )
+    # switched from AdamW, as loaded from a torch.optim.AdamW checkpoint
+    missing = [key for key in _MUON_STEP_KEYS if key not in group]
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} missing, which a Muon group reads (a group switched to "
+            "algorithm='muon' from one loaded from a torch AdamW checkpoint has none): set "
+            "them in the group"
+        )
     for key in _MUON_KEYS:
-        if key not in group:  # switched from AdamW, as loaded from a torch.optim.AdamW checkpoint
-            raise ValueError(
-                f"{key} is missing, which a Muon group reads (a group switched to "
-                f"algorithm='muon' from one loaded from a torch AdamW checkpoint has none): "
-                f"set the group's {key!r}"
-            )
         CHECKS[key](group[key], key)
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
     check_ns_coefficients(coefficients)

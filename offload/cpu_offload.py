@@ -1072,7 +1072,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             _check_state_shape(index, key, value, home.home.shape, fix)
             if value.dtype != home.home.dtype:
                 layout = self._layout(param)  # None on the serial path, planned from the state
-                if layout is not None and layout[key][1] != value.dtype:  # an own subset step's
+                kept = layout is not None and key in layout  # else dropped at the re-plan
+                if kept and layout[key][1] != value.dtype:  # an own subset step's
                     raise ValueError(
                         f"state {key!r} of param {index} was replaced by a {value.dtype} "
                         f"tensor, expected {home.home.dtype} ({fix})"

@@ -730,5 +730,8 @@ def test_a_group_from_a_torch_adamw_checkpoint_steps_and_switched_to_muon_says_w
     model(_randn(2, 8)).sum().backward()
     opt.step()
     opt.param_groups[0]["algorithm"] = "muon"
-    with pytest.raises(ValueError, match=r"param group 0: momentum is missing.*set the group's"):
+    with pytest.raises(
+        ValueError,
+        match=r"param group 0: momentum, nesterov, adjust_lr_fn, ns_coefficients, ns_steps missing",
+    ):
         opt.step()

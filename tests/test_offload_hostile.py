@@ -1546,3 +1546,25 @@ def test_muons_momentum_replaced_by_hand_in_another_dtype_is_refused_naming_it()
         ValueError, match=r"'momentum_buffer' of param 0 was replaced by a torch.float64 tensor"
     ):
         opt.step()
+
+
+def test_state_the_options_no_longer_read_replaced_in_another_dtype_steps_as_torch():
+    # amsgrad turned off: max_exp_avg_sq is still homed but no longer in the layout, and
+    # its replacement raised a bare KeyError looking up its dtype there
+    def run(wrap):
+        model = _linear()
+        opt = wrap(torch.optim.AdamW(model.parameters(), lr=0.1, amsgrad=True))
+        for step in range(3):
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                opt.param_groups[0]["amsgrad"] = False
+                opt.state[model.weight]["max_exp_avg_sq"] = torch.ones(8, 32, dtype=torch.float64)
+        return model, opt
+
+    plain_model, plain, model, opt = *run(lambda o: o), *run(CPUOffloadOptimizer)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain.state[a][key], opt.state[b][key]), key
