@@ -655,7 +655,10 @@ class ForwardOverlap:
         until the step lands (inside a forward still running, the hooks still order the
         rest); on another thread, whose reads it does not see, the step lands now."""
         with self._advancing:  # not while another thread finishes the step
-            if not self._in_flight or self._reads.on_this_stack():
+            # Inside the step's own chunk on this thread (a signal handler's checkpoint):
+            # landing the step would re-enter it; the params are mid-update, as they are
+            # when such a handler interrupts any optimizer's step.
+            if not self._in_flight or self._reads.on_this_stack() or self._reads.suspended_here():
                 return
             if self._in_forward and threading.get_ident() == self._step_thread:
                 self._reads.reenter()
@@ -767,6 +770,10 @@ class _PendingReads(TorchFunctionMode):
                 if overlap is not None:
                     overlap._wait_for_read(chunk)
         return func(*args, **kwargs)
+
+    def suspended_here(self) -> bool:
+        """This thread runs the step's chunks now (a call from inside one)."""
+        return self._suspended_by == threading.get_ident()
 
     def suspended_elsewhere(self) -> bool:
         """Another thread runs the step's chunks now (this one's reads wait for it)."""

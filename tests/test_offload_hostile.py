@@ -1568,3 +1568,40 @@ def test_state_the_options_no_longer_read_replaced_in_another_dtype_steps_as_tor
         assert torch.equal(a, b)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(plain.state[a][key], opt.state[b][key]), key
+
+
+def test_a_checkpoint_of_the_model_from_inside_a_chunk_lets_the_step_go_on(monkeypatch):
+    # a signal handler saving the model while a chunk updates (on the trainer's thread):
+    # the state-dict hook landed the step from inside it ("generator already executing"),
+    # which interrupted the step for good
+    from offload import subset_step
+
+    def train(model, opt, checkpoint_in_call=None):
+        calls, step = [0], subset_step.step_without_hooks
+
+        def step_and_checkpoint(stepped, *args, **kwargs):
+            result = step(stepped, *args, **kwargs)
+            calls[0] += 1
+            if calls[0] == checkpoint_in_call:
+                model.state_dict()
+            return result
+
+        monkeypatch.setattr(subset_step, "step_without_hooks", step_and_checkpoint)
+        for seed in range(3):
+            opt.zero_grad()
+            model(torch.ones(1, 8) * seed).sum().backward()
+            opt.step()
+        monkeypatch.undo()
+
+    plain_model, model = _three_linears(), _three_linears()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=64,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    train(plain_model, plain)
+    train(model, opt, checkpoint_in_call=9)  # a chunk the second step's forward runs
+    opt.wait_for_optimizer_step()
+    _assert_same_in_dtypes(plain_model, plain, model, opt)
