@@ -401,6 +401,9 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     declares nothing; a name that is none of the module's params is refused.
     """
     by_blocks: dict[tuple[int, ...], list[str]] = {}
+    # A param reached by several names (an alias of its module, a module shared by two
+    # parents) is named as `muon_param_groups` names it: by the first.
+    first_name = {id(p): name for name, p in model.named_parameters()}
     for module_name, module in model.named_modules():
         declared = getattr(module, "row_blocks", None)
         if declared is None:
@@ -416,7 +419,6 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
             )
         params = dict(module.named_parameters(remove_duplicate=False))  # aliases too
         for param_name, rows in declared.items():
-            full = f"{module_name}.{param_name}" if module_name else param_name
             if param_name not in params:
                 where = f"module {module_name!r}" if module_name else "the model"
                 raise ValueError(
@@ -424,9 +426,12 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
                     f"{param_name!r}, which is none of its params ({sorted(params)}); name "
                     "the param as module.named_parameters() names it"
                 )
-            if params[param_name].requires_grad:  # a frozen one is in no group
-                by_blocks.setdefault(tuple(rows), []).append(re.escape(full))
-    return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items()}
+            param = params[param_name]
+            names = by_blocks.setdefault(tuple(rows), [])
+            full = re.escape(first_name[id(param)])
+            if param.requires_grad and full not in names:  # a frozen one is in no group
+                names.append(full)
+    return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items() if names}
 
 
 def _is_row_counts(rows: Any) -> bool:

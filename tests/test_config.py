@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from muon import Muon
 from muon_offload import OptimizerConfig, model_row_blocks, setup_optimizer
@@ -167,10 +168,28 @@ def test_row_blocks_naming_no_param_of_the_module_are_refused_naming_it():
 
 
 def test_row_blocks_may_name_a_param_by_an_alias_of_its_module():
+    # named by the alias, the pattern matched no name muon_param_groups gives the param
+    # (it takes the first): the blocks were dropped, or refused as a pattern never written
     net = Net()
     net.attn[0].fused = net.attn[0].qkv  # one module under two names
     net.attn[0].row_blocks = {"fused.weight": (16, 8, 8)}
     assert list(model_row_blocks(net).values()) == [(16, 8, 8)]
+    opt = setup_optimizer(net, OptimizerConfig(type="muon"))
+    (group,) = [
+        g for g in opt.param_groups if any(p is net.attn[0].qkv.weight for p in g["params"])
+    ]
+    assert group["row_blocks"] == (16, 8, 8)
+
+    class Shared(nn.Module):  # the second parent of a shared module declares the blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Module(), nn.Module()
+            self.a.proj = self.b.qkv = nn.Linear(16, 32, bias=False)
+            self.b.row_blocks = {"qkv.weight": (16, 8, 8)}
+
+    shared = Shared()
+    (group,) = setup_optimizer(shared, OptimizerConfig(type="muon")).param_groups
+    assert group["row_blocks"] == (16, 8, 8)
 
 
 def test_row_blocks_collected_from_modules():
