@@ -123,12 +123,20 @@ def _num_experts(config: Mapping[str, Any]) -> int:
     return 0
 
 
+# Counts and sizes `from_config` reads where a config has them.
+_OPTIONAL_COUNTS = (
+    "moe_intermediate_size", "num_experts", "n_routed_experts", "num_local_experts",
+    "n_shared_experts", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "decoder_sparse_step", "first_k_dense_replace", "moe_layer_freq",
+)  # fmt: skip
+
+
 def _is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
     """Qwen-MoE (`decoder_sparse_step`, `mlp_only_layers`) and DeepSeek (`first_k_dense_replace`,
     `moe_layer_freq`) rules for which decoder layers hold routed experts."""
     return (
         _num_experts(config) > 0
-        and layer not in config.get("mlp_only_layers", ())
+        and layer not in (config.get("mlp_only_layers") or ())
         and (layer + 1) % (config.get("decoder_sparse_step") or 1) == 0
         and layer >= (config.get("first_k_dense_replace") or 0)
         and layer % (config.get("moe_layer_freq") or 1) == 0
@@ -226,6 +234,22 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
         value = config.get(key)
         if value is not None and (type(value) is not int or value < 1):
             raise ValueError(f"config's {key} should be a whole number >= 1 but is: {value!r}")
+    for key in _OPTIONAL_COUNTS:  # 0 (or null): none
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ValueError(f"config's {key} should be a whole number >= 0 but is: {value!r}")
+    only = config.get("mlp_only_layers")
+    if only is not None and (
+        not isinstance(only, (list, tuple)) or not all(type(n) is int for n in only)
+    ):
+        raise ValueError(f"config's mlp_only_layers should be a list of layer numbers: {only!r}")
+    dense = [n for n in range(config["num_hidden_layers"]) if not _is_moe_layer(config, n)]
+    needed = ["intermediate_size"] if dense or not config.get("moe_intermediate_size") else []
+    if config.get("kv_lora_rank"):
+        needed += ["qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    missing = [key for key in needed if not config.get(key)]
+    if missing:
+        raise ValueError(f"config is missing keys {missing}")
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     shapes = [ParamShape("model.embed_tokens.weight", (vocab, hidden))]
     for layer in range(config["num_hidden_layers"]):

@@ -308,6 +308,40 @@ def test_a_config_whose_sizes_make_no_model_is_refused_naming_the_key(key, value
         from_config({**TINY_DENSE, key: value})
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"intermediate_size": None}, "config is missing keys ['intermediate_size']"),
+        (
+            {"model_type": "deepseek_v3", "kv_lora_rank": 16},
+            "config is missing keys ['qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim']",
+        ),
+        (
+            {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": -5},
+            "config's moe_intermediate_size should be a whole number >= 0 but is: -5",
+        ),
+        (
+            {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": "32"},
+            "config's moe_intermediate_size should be a whole number >= 0 but is: '32'",
+        ),
+        ({"mlp_only_layers": 3}, "config's mlp_only_layers should be a list of layer numbers"),
+    ],
+    ids=["no_intermediate_size", "mla_without_head_dims", "negative_moe", "string_moe", "int_list"],
+)
+def test_a_config_missing_or_misgiving_a_key_it_plans_with_is_refused_naming_it(edit, message):
+    # a KeyError, a TypeError or torch's negative-dimension error from deep in the planning
+    import re
+
+    config = {k: v for k, v in {**TINY_DENSE, **edit}.items() if v is not None}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        from_config(config)
+
+
+def test_a_null_mlp_only_layers_is_none_as_transformers_reads_it():
+    config = {**TINY_DENSE, "model_type": "qwen3_moe", "num_experts": 4}
+    assert from_config({**config, "mlp_only_layers": None}) == from_config(config)
+
+
 def test_the_planner_caps_buckets_for_offload_as_setup_optimizer_does():
     # --offload planned Muon's default 512 MiB buckets, while setup_optimizer caps them
     # to the chunks (the offloaded step's peak at fsdp 8, 64 MiB chunks: 3.06 vs 2.80 GiB)
