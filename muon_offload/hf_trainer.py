@@ -67,6 +67,10 @@ _ARGS_THE_CONFIG_REPLACES = {
 }
 
 
+# `optim` values whose training_step passes `learning_rate` to `backward()` (transformers 5.x).
+_BACKWARD_STEPPING_OPTIMS = ("lomo", "adalomo")
+
+
 def _unused_args(args: transformers.TrainingArguments, config: OptimizerConfig) -> list[str]:
     """TrainingArguments' optimizer settings set away from their defaults and from what
     `config` sets: the Trainer's own optimizer would use them, this one does not."""
@@ -110,6 +114,14 @@ class Trainer(transformers.Trainer):
             )
         self.optimizer_config = optimizer_config
         super().__init__(*args, **kwargs)
+        optim = str(getattr(self.args.optim, "value", self.args.optim))
+        if optim in _BACKWARD_STEPPING_OPTIMS:
+            raise ValueError(
+                f"TrainingArguments(optim={optim!r}): the Trainer's training_step then hands "
+                "the learning rate to loss.backward() (LOMO steps inside the backward), "
+                "which the optimizer optimizer_config builds does not take; leave optim at "
+                "its default"
+            )
         unused = _unused_args(self.args, optimizer_config)
         if unused:
             warnings.warn(

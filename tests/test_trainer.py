@@ -175,6 +175,11 @@ def test_the_trainers_own_optimizer_settings_are_told_apart_from_the_configs(tmp
         build(optimizers=(None, object()))
     with pytest.raises(TypeError, match="optimizer_config should be an OptimizerConfig"):
         build(config={"type": "muon"})
+    # LOMO's training_step hands the lr to backward(): it warned "not used", then every
+    # step failed in backward()
+    for optim in ("lomo", "adalomo"):
+        with pytest.raises(ValueError, match=rf"TrainingArguments\(optim='{optim}'\)"):
+            build(args={"optim": optim})
 
 
 def test_resuming_with_another_optimizer_type_says_the_config_differs(tmp_path):
