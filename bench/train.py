@@ -313,8 +313,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.json.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         parser.error(f"--json {args.json}: cannot create its folder: {err}")
-    if args.json.is_dir() or not os.access(args.json.parent, os.W_OK):
-        parser.error(f"--json {args.json}: not a writable file path")
+    if args.json.is_dir():
+        parser.error(f"--json {args.json}: not a writable file path (a folder)")
+    existed = args.json.exists()
+    try:  # opened, as the end of the run will: a folder's permissions do not say (/sys)
+        with open(args.json, "a"):
+            pass
+    except OSError as err:
+        parser.error(f"--json {args.json}: not a writable file path: {err}")
+    if not existed:
+        args.json.unlink()
     return args
 
 

@@ -148,6 +148,8 @@ def test_offloaded_training_matches_plain_bitwise():
         (["--offload", "none", "--compare"], "--compare runs with and without offload"),
         (["--json", "{file}/run.json"], "cannot create its folder"),
         (["--json", "{dir}"], "not a writable file path"),
+        # a folder's permissions did not say: the run trained, then lost its results
+        (["--json", "/proc/muon-offload-demo.json"], "not a writable file path"),
         # these failed in the spawned ranks, with a traceback each
         (["--heads", "3"], "model flags (--dim, --heads, --kv-heads, --moe-*, ...): dim 64"),
         (["--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k should be in [1, 2]: 3"),
@@ -162,6 +164,11 @@ def test_demo_flags_fail_before_training_in_one_line(tmp_path, capsys, argv, mes
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in error and error.startswith("python -m bench.train: error:")
+
+
+def test_the_demo_leaves_no_file_behind_where_it_checks_one_can_be_written(tmp_path):
+    path = tmp_path / "run.json"
+    assert parse_args(["--json", str(path)]).json == path and not path.exists()
 
 
 def test_demo_help_shows_defaults_and_results_are_named_per_run():
