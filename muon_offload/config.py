@@ -196,7 +196,8 @@ class OptimizerConfig:
 
     @classmethod
     def from_toml(cls, path: str, table: str = "optimizer") -> OptimizerConfig:
-        """Read the `[optimizer]` table of a TOML file.
+        """Read the `[optimizer]` table of a TOML file (`table`: its name, dotted for a
+        nested one, `"train.optimizer"`).
 
         A missing table or an unknown key in it is an error; other tables (a
         trainer's own) are left alone.
@@ -208,13 +209,15 @@ class OptimizerConfig:
 
         with open(path, "rb") as f:
             document = tomllib.load(f)
-        if not isinstance(document.get(table), dict):
-            tables = sorted(k for k, v in document.items() if isinstance(v, dict))
+        values: Any = document
+        for part in table.split("."):
+            values = values.get(part) if isinstance(values, dict) else None
+        if not isinstance(values, dict):
+            tables = sorted(_table_names(document))
             raise ValueError(
                 f"{path} has no [{table}] table (found tables {tables}); put the optimizer "
                 f"fields under [{table}]"
             )
-        values = document[table]
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(names))
         if unknown:
@@ -233,6 +236,18 @@ class OptimizerConfig:
                 )
             values["betas"] = tuple(values["betas"])
         return cls(**values)
+
+
+def _table_names(document: dict[str, Any], prefix: str = "") -> list[str]:
+    """The tables of a TOML document, nested ones dotted; an array of tables `[[name]]`."""
+    names = []
+    for key, value in document.items():
+        if isinstance(value, dict):
+            names.append(prefix + key)
+            names += _table_names(value, f"{prefix}{key}.")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            names.append(f"[{prefix}{key}]")
+    return names
 
 
 # Fields that only one type or offload mode reads: (the field that picks, its value, a

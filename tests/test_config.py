@@ -259,6 +259,13 @@ def test_config_from_cli_flags_and_toml(tmp_path):
     path.write_text("[optimizer]\nmomentun = 0.9\n")  # a typo gets the field it meant
     with pytest.raises(ValueError, match=r"'momentun' \(did you mean 'momentum'\?\)"):
         OptimizerConfig.from_toml(str(path))
+    # a trainer's own layout: the table nested in its own (it was told to put the fields
+    # under the very table they were under)
+    path.write_text('[train]\nsteps = 10\n[train.optimizer]\ntype = "muon"\n')
+    assert OptimizerConfig.from_toml(str(path), table="train.optimizer").type == "muon"
+    path.write_text('[train.optim]\ntype = "muon"\n[[runs]]\nseed = 1\n')
+    with pytest.raises(ValueError, match=r"found tables \['\[runs\]', 'train', 'train.optim'\]"):
+        OptimizerConfig.from_toml(str(path), table="train.optimizer")
 
 
 def _fake_world(size: int) -> None:
