@@ -315,14 +315,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--json {args.json}: cannot create its folder: {err}")
     if args.json.is_dir():
         parser.error(f"--json {args.json}: not a writable file path (a folder)")
-    existed = args.json.exists()
+    target = args.json.resolve()  # where a link leads: the file the run will write
+    existed = target.exists()
     try:  # opened, as the end of the run will: a folder's permissions do not say (/sys)
-        with open(args.json, "a"):
+        with open(target, "a"):
             pass
     except OSError as err:
         parser.error(f"--json {args.json}: not a writable file path: {err}")
     if not existed:
-        args.json.unlink()
+        target.unlink()
     return args
 
 

@@ -249,7 +249,7 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
         needed += ["qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
     missing = [key for key in needed if not config.get(key)]
     if missing:
-        raise ValueError(f"config is missing keys {missing}")
+        raise ValueError(f"config is missing keys {missing} (or gives 0)")
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     shapes = [ParamShape("model.embed_tokens.weight", (vocab, hidden))]
     for layer in range(config["num_hidden_layers"]):

@@ -209,9 +209,11 @@ class OptimizerConfig:
 
         with open(path, "rb") as f:
             document = tomllib.load(f)
-        values: Any = document
-        for part in table.split("."):
-            values = values.get(part) if isinstance(values, dict) else None
+        values: Any = document.get(table)  # a quoted key with a dot (["a.b"]) first
+        if values is None:
+            values = document
+            for part in table.split("."):
+                values = values.get(part) if isinstance(values, dict) else None
         if not isinstance(values, dict):
             tables = sorted(_table_names(document))
             raise ValueError(
@@ -419,6 +421,7 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     # A param reached by several names (an alias of its module, a module shared by two
     # parents) is named as `muon_param_groups` names it: by the first.
     first_name = {id(p): name for name, p in model.named_parameters()}
+    declared_at: dict[int, tuple[str, tuple[int, ...]]] = {}  # by param: (name, rows) first seen
     for module_name, module in model.named_modules():
         declared = getattr(module, "row_blocks", None)
         if declared is None:
@@ -442,6 +445,13 @@ def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
                     "the param as module.named_parameters() names it"
                 )
             param = params[param_name]
+            where = f"{module_name}.{param_name}" if module_name else param_name
+            earlier = declared_at.setdefault(id(param), (where, tuple(rows)))
+            if earlier[1] != tuple(rows):
+                raise ValueError(
+                    f"param {first_name[id(param)]} is declared with row_blocks {earlier[1]} "
+                    f"as {earlier[0]} and {tuple(rows)} as {where}: declare one layout"
+                )
             names = by_blocks.setdefault(tuple(rows), [])
             full = re.escape(first_name[id(param)])
             if param.requires_grad and full not in names:  # a frozen one is in no group

@@ -190,6 +190,9 @@ def test_row_blocks_may_name_a_param_by_an_alias_of_its_module():
     shared = Shared()
     (group,) = setup_optimizer(shared, OptimizerConfig(type="muon")).param_groups
     assert group["row_blocks"] == (16, 8, 8)
+    shared.a.row_blocks = {"proj.weight": (8, 24)}  # two layouts of one param: refused
+    with pytest.raises(ValueError, match=r"\(8, 24\) as a.proj.weight and \(16, 8, 8\) as b.qkv"):
+        model_row_blocks(shared)
 
 
 def test_row_blocks_collected_from_modules():
@@ -262,6 +265,8 @@ def test_config_from_cli_flags_and_toml(tmp_path):
     # a trainer's own layout: the table nested in its own (it was told to put the fields
     # under the very table they were under)
     path.write_text('[train]\nsteps = 10\n[train.optimizer]\ntype = "muon"\n')
+    assert OptimizerConfig.from_toml(str(path), table="train.optimizer").type == "muon"
+    path.write_text('["train.optimizer"]\ntype = "muon"\n')  # a quoted key with a dot
     assert OptimizerConfig.from_toml(str(path), table="train.optimizer").type == "muon"
     path.write_text('[train.optim]\ntype = "muon"\n[[runs]]\nseed = 1\n')
     with pytest.raises(ValueError, match=r"found tables \['\[runs\]', 'train', 'train.optim'\]"):

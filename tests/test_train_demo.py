@@ -169,6 +169,10 @@ def test_demo_flags_fail_before_training_in_one_line(tmp_path, capsys, argv, mes
 def test_the_demo_leaves_no_file_behind_where_it_checks_one_can_be_written(tmp_path):
     path = tmp_path / "run.json"
     assert parse_args(["--json", str(path)]).json == path and not path.exists()
+    link = tmp_path / "latest.json"  # a link to where the results go: kept, target not made
+    link.symlink_to(tmp_path / "real.json")
+    parse_args(["--json", str(link)])
+    assert link.is_symlink() and not (tmp_path / "real.json").exists()
 
 
 def test_demo_help_shows_defaults_and_results_are_named_per_run():
