@@ -1144,6 +1144,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         auto = self._auto
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
+            if self._executor.plan is None:
+                self._overlap.check_holds(self._params, stepping=True)
         self._take_replaced_state()
         executor = self._executor
         if executor.loaded_ahead and executor.edited_since_loaded_ahead():

@@ -203,14 +203,8 @@ class ForwardOverlap:
     def __init__(self, model: nn.Module, params: Sequence[Tensor], streams: CopyStreams) -> None:
         self._streams = streams
         self.owners = param_owners(model)
-        held = {p for _, own in self.owners for p in own}
-        if not any(p in held for p in params):
-            raise ValueError(
-                f"overlap_forward ({type(model).__name__}) holds none of the {len(params)} "
-                "params being optimized, so its forward never reaches a chunk and no step "
-                "would overlap: pass the model whose forward reads them (the root module you "
-                "fully_shard, or the plain module), or leave overlap_forward None"
-            )
+        self._model = weakref.ref(model)
+        self.check_holds(params)
         # FSDP2 units hold every param: a unit's forward reads only all-gathered copies,
         # so the mode leaves the stack at the forward's start (nothing for torch.compile
         # to trace; the forward's end finishes the step), but in the first overlapped
@@ -285,6 +279,29 @@ class ForwardOverlap:
             self, _remove, handles, self._reads, self.dropped_pending
         )
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
+
+    def check_holds(self, params: Sequence[Tensor], stepping: bool = False) -> None:
+        """Refuse a model that holds none of `params`: its forward would never reach a
+        chunk. At the first step (`stepping`) that means params replaced since the
+        optimizer was built: `fully_shard` makes new ones, and the optimizer would step
+        the old, which get no grads, while the model trains nothing."""
+        model = self._model()
+        held = {id(p) for p in model.parameters()} if model is not None else set()
+        if model is None or any(id(p) in held for p in params):
+            return
+        if stepping:
+            raise ValueError(
+                f"overlap_forward ({type(model).__name__}) holds none of the {len(params)} "
+                "params being optimized any more: its params were replaced since the "
+                "optimizer was built (fully_shard(model) makes new ones), and stepping the "
+                "old ones would train nothing. Build the optimizer after fully_shard"
+            )
+        raise ValueError(
+            f"overlap_forward ({type(model).__name__}) holds none of the {len(params)} "
+            "params being optimized, so its forward never reaches a chunk and no step "
+            "would overlap: pass the model whose forward reads them (the root module you "
+            "fully_shard, or the plain module), or leave overlap_forward None"
+        )
 
     def close(self) -> None:
         """Remove the hooks; the model's forward no longer calls into this object."""

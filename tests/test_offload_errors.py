@@ -419,3 +419,25 @@ def test_a_load_state_dict_interrupted_while_copying_says_so_at_the_next_step(mo
         opt.step()
     opt.load_state_dict(saved)  # loaded whole: steps again
     opt.step()
+
+
+def test_an_optimizer_built_before_fully_shard_is_refused_at_its_first_step():
+    # fully_shard makes new params: the optimizer stepped the old ones, which got no grad,
+    # and nothing trained, silently
+    from spawn_ranks import one_rank_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with one_rank_group():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(torch.randn(2, 8)).sum().backward()
+        with pytest.raises(
+            ValueError, match=r"replaced since the optimizer was built.*after fully"
+        ):
+            opt.step()
+        opt.close()
