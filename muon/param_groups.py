@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from muon.optimizer import _user_stacklevel  # warnings point at the caller, past setup_optimizer
+
 # Names of params Muon should not orthogonalize even though they are matrices:
 # embeddings and the output head (Keller Jordan, Moonlight: a weight whose module is
 # named lm_head, head, output, classifier or score), norms, biases, MoE routers named
@@ -214,7 +216,9 @@ def muon_param_groups(
             )
     if unsplit_fused:
         unsplit_gates = {name: gates[name] for name in unsplit_fused if name in gates}
-        warnings.warn(_unsplit_fused_warning(unsplit_fused, unsplit_gates), stacklevel=2)
+        warnings.warn(
+            _unsplit_fused_warning(unsplit_fused, unsplit_gates), stacklevel=_user_stacklevel()
+        )
     groups: list[dict[str, Any]] = []
     if plain:
         groups.append({"params": plain})
@@ -229,7 +233,7 @@ def muon_param_groups(
             f"muon_param_groups: all {len(adamw)} trainable params go to AdamW, none to Muon "
             "(Muon takes 2-D and 3-D matrices whose names match no adamw_patterns): check "
             "that the model's params have their real shapes (DeepSpeed ZeRO-3 empties them)",
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
     grouped = sum(len(g["params"]) for g in groups)
     trainable = sum(1 for p in model.parameters() if p.requires_grad)

@@ -265,6 +265,9 @@ def test_fused_params_without_row_blocks_are_warned_about_once_per_call():
         "'experts.gate_up_proj'] look fused"
     )
     assert "orthogonalizes each as one matrix" in message and "row_blocks=" in message
+    with pytest.warns(UserWarning, match="look fused") as record:  # at the caller's line,
+        setup_optimizer(model, OptimizerConfig(type="muon"))  # not inside setup_optimizer
+    assert [w.filename for w in record if "look fused" in str(w.message)] == [__file__]
     declared = {r"qkv_proj\.weight$": (8, 8, 8), r"in_proj_weight$": (24,)}
     with pytest.warns(UserWarning, match=r"\['experts.gate_up_proj'\] look fused"):
         muon_param_groups(model, row_blocks=declared)
