@@ -778,15 +778,7 @@ class Muon(torch.optim.Optimizer):
         # settings each matrix's owner updates it with for every rank.
         agreed = (("max_inflight", self.max_inflight), *self._muon_group_settings(), refusal)
         description = dataclasses.replace(description, settings=(*description.settings, *agreed))
-        meshes = {_mesh_key(p.device_mesh): p for p, _ in entries if isinstance(p, DTensor)}
-        axes = []  # per mesh: the groups of its axes that hold several ranks, its device
-        for _, p in sorted(meshes.items(), key=lambda item: item[0]):
-            mesh = p.device_mesh
-            if mesh.get_coordinate() is None:  # not this rank's: `_layout` said so
-                continue
-            groups = [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]
-            if groups:
-                axes.append((groups, p.to_local().device))
+        axes, meshes = _agreement_axes(entries)
         if not axes:
             return
         labels = tuple(  # in `_muon_params`' order
@@ -795,7 +787,16 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon"
             for i in range(len(group["params"]))
         )
-        check_ranks_agree(dataclasses.replace(description, labels=labels), axes, len(meshes))
+        check_ranks_agree(dataclasses.replace(description, labels=labels), axes, meshes)
+
+    def check_ranks_agree_on(self, settings: Sequence[tuple[str, Any]]) -> None:
+        """Refuse, on every rank of this optimizer's meshes at once, `settings` (name,
+        value) that differ between ranks: a caller's that order this optimizer's exchanges
+        (the offload wrapper's chunks). A collective over the Muon params' meshes: every
+        rank of them calls it at the same point."""
+        axes, meshes = _agreement_axes(self._muon_params())
+        if axes:
+            check_ranks_agree(PlanDescription((), tuple(settings)), axes, meshes)
 
     def _muon_group_settings(self) -> tuple[tuple[str, Any], ...]:
         """(name, value) of each setting a Muon group's update reads (numbers, flags,
@@ -806,6 +807,24 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon"
             for key in _MUON_STEP_KEYS
         )
+
+
+def _agreement_axes(
+    entries: Sequence[tuple[Tensor, int]],
+) -> tuple[list[tuple[list[dist.ProcessGroup], torch.device]], int]:
+    """Per mesh of the Muon params `entries` this rank is in (in an order every rank shares:
+    by mesh, not by where its params are in this rank's groups), the groups of its axes
+    that hold several ranks and its device; and how many meshes the params have."""
+    meshes = {_mesh_key(p.device_mesh): p for p, _ in entries if isinstance(p, DTensor)}
+    axes = []
+    for _, p in sorted(meshes.items(), key=lambda item: item[0]):
+        mesh = p.device_mesh
+        if mesh.get_coordinate() is None:  # not this rank's: `_layout` said so
+            continue
+        groups = [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]
+        if groups:
+            axes.append((groups, p.to_local().device))
+    return axes, len(meshes)
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:

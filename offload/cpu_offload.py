@@ -1323,9 +1323,37 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._specs = specs
         self._units_key = units_key
         self._build(self._planned_now(), keep_host_slabs=False)
+        if first_plan:
+            self._agree_on_the_chunks(subset)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
             self._warn_if_nothing_loaded_in_backward()
+
+    def _agree_on_the_chunks(self, subset: SubsetStep) -> None:
+        """Where the chunks' updates communicate (distributed Muon), every rank must make
+        the same calls in the same order, so the same chunks (the same settings give the
+        same, from rank-invariant bytes): ranks wrapped with another chunk_bytes, residency,
+        backward loads or overlap exchanged Muon's buckets out of step, silently where the
+        buckets matched in size. Refused on every rank where they differ, at the first
+        plan (later ones follow agreed choices: "auto"'s), by the optimizer's own check
+        (`check_ranks_agree_on`, optional in the protocol), over its ranks."""
+        agree = getattr(self._subset, "check_ranks_agree_on", None)
+        if agree is None or not getattr(subset, "runs_collectives", False):
+            return
+        plan, schedule = self._executor.plan, self._executor.schedule
+        chunks = tuple(
+            (c.params, tuple((s.param, s.start, s.stop) for s in c.slices), c.resident)
+            for c in plan.chunks
+        )
+        agree(
+            (
+                ("offload chunk_bytes", self.chunk_bytes),
+                ("offload overlap_forward", self._overlap is not None),
+                ("offload gpu_resident_bytes", self._resident_budget),
+                ("offload chunks loaded in the backward", tuple(schedule.loaded_in_backward)),
+                ("offload chunks (params, slices, resident)", chunks),
+            )
+        )
 
     def _grad_dtype_changed(self) -> bool:
         """Whether a param that takes grads of any dtype, planned without a grad or state

@@ -31,6 +31,9 @@ through the GPU in chunks. The contract:
 - Optional, `runs_collectives`: true when `step_params` of some unit runs
   collectives (Muon's exchanges), so that a step left pending must be advanced alike
   on every rank (the wrapper warns where a read outside the forward advances it).
+  Then the optimizer's optional `check_ranks_agree_on(settings)` refuses, on every
+  rank it exchanges with, (name, value) settings that differ between them: the wrapper
+  gives it its chunks at the first plan, which order the calls.
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
   declares it can update slices of one-param units (`SlicingSubsetStep`), so a
   large param never makes a staging slot larger than a chunk.

@@ -536,3 +536,34 @@ def test_the_chunked_step_reads_shards_without_to_local(monkeypatch, overlap):
             getattr(optimizer, "wait_for_optimizer_step", lambda: None)()
             counts[offloaded] = len(calls)
         assert counts[True] == counts[False]
+
+
+def _muon_wrapped_apart(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from muon import Muon
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(12, 12, bias=False) for _ in range(4)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = [p.full_tensor() for p in model.parameters()]
+    opt = CPUOffloadOptimizer(
+        Muon(model.parameters(), lr=1e-2, bucket_cap_bytes=300),
+        chunk_bytes=300 if rank == 0 else 2000,
+    )
+    model(torch.randn(3, 12)).square().mean().backward()
+    with pytest.raises(ValueError, match=r"offload chunk_bytes: 300 vs 2000"):
+        opt.step()
+    assert all(
+        torch.equal(a, b.full_tensor()) for a, b in zip(before, model.parameters(), strict=True)
+    )
+
+
+def test_ranks_that_wrap_distributed_muon_with_other_chunks_are_refused_on_every_rank():
+    # their chunks ordered Muon's exchanges apart: buckets of one size paired up wrongly,
+    # and every rank trained on silently with wrong params
+    run_on_ranks(_muon_wrapped_apart, 2)
