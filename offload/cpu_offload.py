@@ -968,17 +968,28 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         home of its dtype (none yet, or one in the dtype of the state before the load),
         held on the host until the next step plans one."""
         views = self._executor.homes
+        # The state_dict may hold the homes themselves (this optimizer's own, its entries
+        # moved to other params): every source is read before any home is written.
+        slabs = [*self._executor.host_slabs.values(), *self._executor.resident_slabs.values()]
+        in_slabs = {slab.untyped_storage().data_ptr() for slab in slabs}
+        copies = []
         for (index, key), value in offloaded.items():
-            param = param_of[index]
+            param, source = param_of[index], local_tensor(value)
             dtype = self._loaded_dtype(param, key, value)
             view = views.get((param, key))
             if view is not None and view.home.dtype == dtype:
-                view.home.copy_(local_tensor(value))
+                if source.untyped_storage().data_ptr() in in_slabs and not _same_view(
+                    source, view.home
+                ):
+                    source = source.clone()
+                copies.append((view.home, source))
                 self.optimizer.state[param][key] = view.home_state
             else:
-                held = torch.empty_like(local_tensor(value), device="cpu", dtype=dtype)
-                held.copy_(local_tensor(value))
+                held = torch.empty_like(source, device="cpu", dtype=dtype)
+                held.copy_(source)
                 self.optimizer.state[param][key] = as_state(param, held)
+        for home, source in copies:
+            home.copy_(source)
 
     def _loaded_dtype(self, param: Tensor, key: str, value: Tensor) -> torch.dtype:
         """The dtype the wrapped optimizer's own load gives a state tensor: one with a subset
@@ -1838,6 +1849,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             backward=None,
         )
         self._build(step, ring=False, keep_host_slabs=False)
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """`a` and `b` view the same elements alike (copying one into the other is a no-op)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _remove_handles(handles: Sequence[RemovableHandle]) -> None:

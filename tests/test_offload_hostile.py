@@ -1605,3 +1605,24 @@ def test_a_checkpoint_of_the_model_from_inside_a_chunk_lets_the_step_go_on(monke
     train(model, opt, checkpoint_in_call=9)  # a chunk the second step's forward runs
     opt.wait_for_optimizer_step()
     _assert_same_in_dtypes(plain_model, plain, model, opt)
+
+
+@pytest.mark.parametrize("source", [[1, 0, 2], [0, 0, 1]], ids=["swapped", "shifted"])
+def test_its_own_state_dict_loaded_with_entries_moved_loads_as_given(source):
+    # state_dict() hands out views of the homes: copied home by home, a home written
+    # first was read later as another param's source
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(3)))
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for seed in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).sum().backward()
+        opt.step()
+    saved = opt.state_dict()
+    given = copy.deepcopy(saved["state"])
+    moved = {new: saved["state"][old] for new, old in enumerate(source)}
+    opt.load_state_dict({"state": moved, "param_groups": saved["param_groups"]})
+    loaded = opt.state_dict()["state"]
+    for new, old in enumerate(source):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded[new][key], given[old][key]), (new, key)
