@@ -100,7 +100,14 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"the model config {path} should be a JSON object but is a JSON list or value"
         )
-    return config.get("text_config", config)
+    text = config.get("text_config")
+    if text is None:
+        return config
+    if not isinstance(text, dict):
+        raise ValueError(
+            f"the model config {path}'s text_config should be a JSON object but is: {text!r}"
+        )
+    return text
 
 
 def from_preset(name: str) -> tuple[ParamShape, ...]:
@@ -268,9 +275,10 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     return tuple(shapes)
 
 
-FSDP_WRAPS = ("per-layer", "torchtitan", "root")
+FSDP_WRAPS = ("per-layer", "torchtitan", "root", "none")
 """How a run applies `fully_shard` (`fsdp_modules`): each layer and the root; torchtitan's,
-which also makes the modules after the last layer (final norm, head) one unit; the root."""
+which also makes the modules after the last layer (final norm, head) one unit; the root;
+none (a plain module, one device)."""
 
 
 def fsdp_modules(shapes: Sequence[ParamShape], wrap: str) -> tuple[str, ...]:
@@ -278,6 +286,8 @@ def fsdp_modules(shapes: Sequence[ParamShape], wrap: str) -> tuple[str, ...]:
     named by a number (`model.layers.3`) inside no numbered module (not its experts)."""
     if wrap not in FSDP_WRAPS:
         raise ValueError(f"wrap should be one of {list(FSDP_WRAPS)} but is: {wrap!r}")
+    if wrap == "none":  # a plain module: each module owns its own params
+        return ()
     modules: dict[str, None] = {"": None}
     if wrap == "root":
         return tuple(modules)

@@ -481,8 +481,8 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     p.add_argument(
         "--wrap", choices=FSDP_WRAPS, default="per-layer",
         help="the modules the run gives fully_shard (each layer and the root; torchtitan's, "
-        "the final norm and head a unit too; the root only): with forward overlap the "
-        "chunks follow the forward's first use",
+        "the final norm and head a unit too; the root only; none: a plain module on one "
+        "device): with forward overlap the chunks follow the forward's first use",
     )  # fmt: skip
     p.add_argument("--sweep-fsdp", type=_sizes, help="comma-separated FSDP sizes, e.g. 8,16,32,64")
     p.add_argument(
@@ -630,6 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parse.error("--chunks lists the offloaded step's chunks: give --offload too")
     if args.chunks and args.sweep_fsdp:
         parse.error("--chunks lists one mesh's chunks: give --fsdp, not --sweep-fsdp")
+    if args.wrap == "none" and (args.sweep_fsdp or args.fsdp * args.replicate > 1):
+        parse.error("--wrap none plans a plain module on one device: give --fsdp 1")
     for size in args.sweep_fsdp or [args.fsdp]:
         if size * args.replicate > MAX_RANKS:  # a typo'd size outgrew 24 GB before the limit
             parse.error(

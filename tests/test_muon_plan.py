@@ -20,6 +20,7 @@ from muon.model_shapes import (
     from_module,
     from_preset,
     fsdp_modules,
+    load_config,
     meta_module,
 )
 from muon.planning import MuonPlan, ParamLayout, transient_peak_numel
@@ -760,7 +761,8 @@ def test_overlapped_chunks_of_a_plain_module_are_the_estimates():
     pytest.importorskip("transformers")
     from bench import hf_llama
 
-    _overlapped_plan(hf_llama.build_hf_llama("hf-llama-tiny", torch.device("cpu")), 1, ())
+    model = hf_llama.build_hf_llama("hf-llama-tiny", torch.device("cpu"))
+    _overlapped_plan(model, 1, fsdp_modules(from_module(model), "none"))  # --wrap none
 
 
 def _fsdp_overlapped_plan(rank: int, world: int, wrap: str) -> None:
@@ -788,8 +790,34 @@ def test_fsdp_modules_of_each_wrap():
     assert fsdp_modules(shapes, "per-layer") == ("", *layers)
     assert fsdp_modules(shapes, "torchtitan") == ("", *layers, "model.norm", "lm_head")
     assert fsdp_modules(shapes, "root") == ("",)
+    assert fsdp_modules(shapes, "none") == ()  # a plain module: the CLI planned it as units
     with pytest.raises(ValueError, match="wrap should be one of"):
         fsdp_modules(shapes, "per-block")
+
+
+def test_the_cli_plans_a_plain_module_on_one_device_only(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_DENSE))
+    with pytest.raises(SystemExit):
+        main(["--config", str(config), "--fsdp", "2", "--wrap", "none"])
+    assert "--wrap none plans a plain module on one device" in capsys.readouterr().err
+    flags = ["--config", str(config), "--fsdp", "1", "--offload", "--offload-overlap-forward"]
+    assert main([*flags, "--wrap", "none", "--chunks", "--json"]) == 0
+    shapes = from_config(TINY_DENSE)
+    rows = json.loads(capsys.readouterr().out)["offload_chunks"]
+    settings = StepSettings(offload_overlap_forward=True)
+    model = estimate(shapes, MeshSpec(1), settings, fsdp_modules=())
+    chunks = model.largest_peak(offload=True).offload_plan.chunks
+    assert [r["params"] for r in rows] == [[model.param_names[i] for i in c.params] for c in chunks]
+
+
+@pytest.mark.parametrize("text_config", [5, [1, 2]])
+def test_a_text_config_that_is_no_object_is_refused_naming_it(tmp_path, text_config):
+    # an AttributeError from deep in the planning
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_DENSE, "text_config": text_config}))
+    with pytest.raises(ValueError, match=r"text_config should be a JSON object but is"):
+        load_config(config)
 
 
 def test_fsdp_modules_the_model_does_not_have_are_refused_by_name():
