@@ -1333,37 +1333,51 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         first_plan = self._executor.plan is None
         self._specs = specs
         self._units_key = units_key
-        self._build(self._planned_now(), keep_host_slabs=False)
-        if first_plan:
-            self._agree_on_the_chunks(subset)
+        agree = self._rank_agreement(subset) if first_plan else None
+        if agree is not None:  # before planning: CUDA's default backward loads agree on room
+            agree(self._step_options())
+        step = self._planned_now()
+        if agree is not None:  # refused, nothing is built: the next step checks again
+            agree(self._step_chunks(step))
+        self._build(step, keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
             self._warn_if_nothing_loaded_in_backward()
 
-    def _agree_on_the_chunks(self, subset: SubsetStep) -> None:
+    def _rank_agreement(
+        self, subset: SubsetStep
+    ) -> Callable[[Sequence[tuple[str, Any]]], None] | None:
         """Where the chunks' updates communicate (distributed Muon), every rank must make
-        the same calls in the same order, so the same chunks (the same settings give the
-        same, from rank-invariant bytes): ranks wrapped with another chunk_bytes, residency,
-        backward loads or overlap exchanged Muon's buckets out of step, silently where the
-        buckets matched in size. Refused on every rank where they differ, at the first
-        plan (later ones follow agreed choices: "auto"'s), by the optimizer's own check
-        (`check_ranks_agree_on`, optional in the protocol), over its ranks."""
+        the same calls in the same order, so plan the same chunks: ranks wrapped with
+        another chunk_bytes, residency, backward loads or overlap exchanged Muon's buckets
+        out of step, silently where the buckets matched in size. The optimizer's own check
+        refuses settings that differ on every rank of its exchanges at once
+        (`check_ranks_agree_on`, optional in the protocol); None where nothing is to agree.
+        Asked at the first plan: later ones follow choices the ranks agree on ("auto"'s)."""
         agree = getattr(self._subset, "check_ranks_agree_on", None)
-        if agree is None or not getattr(subset, "runs_collectives", False):
-            return
-        plan, schedule = self._executor.plan, self._executor.schedule
-        chunks = tuple(
-            (c.params, tuple((s.param, s.start, s.stop) for s in c.slices), c.resident)
-            for c in plan.chunks
-        )
-        agree(
+        return agree if getattr(subset, "runs_collectives", False) else None
+
+    def _step_options(self) -> tuple[tuple[str, Any], ...]:
+        """The options that choose the chunks and whether planning them communicates."""
+        return (
+            ("offload chunk_bytes", self.chunk_bytes),
+            ("offload overlap_forward", self._overlap is not None),
+            ("offload gpu_resident_bytes", "auto" if self._auto else self._resident_budget),
             (
-                ("offload chunk_bytes", self.chunk_bytes),
-                ("offload overlap_forward", self._overlap is not None),
-                ("offload gpu_resident_bytes", self._resident_budget),
-                ("offload chunks loaded in the backward", tuple(schedule.loaded_in_backward)),
-                ("offload chunks (params, slices, resident)", chunks),
-            )
+                "offload load_in_backward",
+                "first waits" if self._load_first_wait else self._backward_loads_chosen(),
+            ),
+        )
+
+    def _step_chunks(self, step: OffloadedStep) -> tuple[tuple[str, Any], ...]:
+        """The chunks `step` runs: their units (slices by param: their ranges are each
+        rank's), residency, and which the backward loads."""
+        chunks = tuple(
+            (c.params, tuple(s.param for s in c.slices), c.resident) for c in step.plan.chunks
+        )
+        return (
+            ("offload chunks loaded in the backward", tuple(step.schedule.loaded_in_backward)),
+            ("offload chunks (params, sliced params, resident)", chunks),
         )
 
     def _grad_dtype_changed(self) -> bool:

@@ -538,7 +538,7 @@ def test_the_chunked_step_reads_shards_without_to_local(monkeypatch, overlap):
         assert counts[True] == counts[False]
 
 
-def _muon_wrapped_apart(rank: int, world: int) -> None:
+def _muon_wrapped_apart(rank: int, world: int, option: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -551,19 +551,23 @@ def _muon_wrapped_apart(rank: int, world: int) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     before = [p.full_tensor() for p in model.parameters()]
-    opt = CPUOffloadOptimizer(
-        Muon(model.parameters(), lr=1e-2, bucket_cap_bytes=300),
-        chunk_bytes=300 if rank == 0 else 2000,
-    )
+    options, message = {
+        "chunk_bytes": ({"chunk_bytes": 300 if rank == 0 else 2000}, "chunk_bytes: 300 vs 2000"),
+        "auto": ({"gpu_resident_bytes": "auto" if rank == 0 else 0}, "bytes: 'auto' vs 0"),
+        "overlap": ({"overlap_forward": model if rank == 0 else None}, "forward: True vs False"),
+    }[option]
+    opt = CPUOffloadOptimizer(Muon(model.parameters(), lr=1e-2, bucket_cap_bytes=300), **options)
     model(torch.randn(3, 12)).square().mean().backward()
-    with pytest.raises(ValueError, match=r"offload chunk_bytes: 300 vs 2000"):
-        opt.step()
+    for _ in range(2):  # and again: a refused plan was kept, and the retry stepped it
+        with pytest.raises(ValueError, match=rf"offload [a-z_]*{message}"):
+            opt.step()
     assert all(
         torch.equal(a, b.full_tensor()) for a, b in zip(before, model.parameters(), strict=True)
     )
 
 
-def test_ranks_that_wrap_distributed_muon_with_other_chunks_are_refused_on_every_rank():
+@pytest.mark.parametrize("option", ["chunk_bytes", "auto", "overlap"])
+def test_ranks_that_wrap_distributed_muon_with_other_chunks_are_refused_on_every_rank(option):
     # their chunks ordered Muon's exchanges apart: buckets of one size paired up wrongly,
-    # and every rank trained on silently with wrong params
-    run_on_ranks(_muon_wrapped_apart, 2)
+    # and every rank trained on silently with wrong params ("auto" on one rank hung later)
+    run_on_ranks(_muon_wrapped_apart, 2, option)
