@@ -611,6 +611,10 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
     """The estimate the parsed arguments ask for (at `fsdp` if given)."""
     shapes = model_shapes(args)
     mesh = MeshSpec(args.fsdp if fsdp is None else fsdp, args.replicate, args.ep, args.expert_shard)
+    if args.wrap == "none" and mesh.fsdp * mesh.replicate > 1:
+        raise ValueError(
+            "--wrap none plans a plain module on one device: give --fsdp 1 and --replicate 1"
+        )
     wrapped = fsdp_modules(shapes, args.wrap)
     settings = settings_from(args, fsdp)
     return estimate(shapes, mesh, settings, time_limit_s=args.time_limit_s, fsdp_modules=wrapped)
@@ -630,8 +634,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parse.error("--chunks lists the offloaded step's chunks: give --offload too")
     if args.chunks and args.sweep_fsdp:
         parse.error("--chunks lists one mesh's chunks: give --fsdp, not --sweep-fsdp")
-    if args.wrap == "none" and (args.sweep_fsdp or args.fsdp * args.replicate > 1):
-        parse.error("--wrap none plans a plain module on one device: give --fsdp 1")
     for size in args.sweep_fsdp or [args.fsdp]:
         if size * args.replicate > MAX_RANKS:  # a typo'd size outgrew 24 GB before the limit
             parse.error(

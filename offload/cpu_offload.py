@@ -556,6 +556,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap = ForwardOverlap(overlap_forward, self._params, self._streams)
             self._overlap.dropped_pending.append(functools.partial(_refuse_steps, optimizer))
         self._insist_on_backward_loads = load_in_backward is True
+        self._backward_option = load_in_backward  # as given: the ranks of Muon agree on it
         # Default with overlap (not "auto"): the backward loads what the forward first waits for.
         self._load_first_wait = (
             load_in_backward is None and self._overlap is not None and self._auto is None
@@ -1363,10 +1364,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             ("offload chunk_bytes", self.chunk_bytes),
             ("offload overlap_forward", self._overlap is not None),
             ("offload gpu_resident_bytes", "auto" if self._auto else self._resident_budget),
-            (
-                "offload load_in_backward",
-                "first waits" if self._load_first_wait else self._backward_loads_chosen(),
-            ),
+            ("offload load_in_backward", self._backward_option),
         )
 
     def _step_chunks(self, step: OffloadedStep) -> tuple[tuple[str, Any], ...]:

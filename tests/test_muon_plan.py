@@ -798,9 +798,9 @@ def test_fsdp_modules_of_each_wrap():
 def test_the_cli_plans_a_plain_module_on_one_device_only(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_DENSE))
-    with pytest.raises(SystemExit):
-        main(["--config", str(config), "--fsdp", "2", "--wrap", "none"])
-    assert "--wrap none plans a plain module on one device" in capsys.readouterr().err
+    for mesh in (["--fsdp", "2"], ["--replicate", "2"], ["--sweep-fsdp", "1,2"]):
+        assert main(["--config", str(config), *mesh, "--wrap", "none"]) == 2
+        assert "--wrap none plans a plain module on one device" in capsys.readouterr().err
     flags = ["--config", str(config), "--fsdp", "1", "--offload", "--offload-overlap-forward"]
     assert main([*flags, "--wrap", "none", "--chunks", "--json"]) == 0
     shapes = from_config(TINY_DENSE)

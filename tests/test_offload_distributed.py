@@ -555,6 +555,14 @@ def _muon_wrapped_apart(rank: int, world: int, option: str) -> None:
         "chunk_bytes": ({"chunk_bytes": 300 if rank == 0 else 2000}, "chunk_bytes: 300 vs 2000"),
         "auto": ({"gpu_resident_bytes": "auto" if rank == 0 else 0}, "bytes: 'auto' vs 0"),
         "overlap": ({"overlap_forward": model if rank == 0 else None}, "forward: True vs False"),
+        "auto_backward": (  # "auto" planned the same first chunks, then decided apart
+            {
+                "overlap_forward": model,
+                "gpu_resident_bytes": "auto",
+                "load_in_backward": None if rank == 0 else False,
+            },
+            "load_in_backward: None vs False",
+        ),
     }[option]
     opt = CPUOffloadOptimizer(Muon(model.parameters(), lr=1e-2, bucket_cap_bytes=300), **options)
     model(torch.randn(3, 12)).square().mean().backward()
@@ -566,7 +574,7 @@ def _muon_wrapped_apart(rank: int, world: int, option: str) -> None:
     )
 
 
-@pytest.mark.parametrize("option", ["chunk_bytes", "auto", "overlap"])
+@pytest.mark.parametrize("option", ["chunk_bytes", "auto", "overlap", "auto_backward"])
 def test_ranks_that_wrap_distributed_muon_with_other_chunks_are_refused_on_every_rank(option):
     # their chunks ordered Muon's exchanges apart: buckets of one size paired up wrongly,
     # and every rank trained on silently with wrong params ("auto" on one rank hung later)
