@@ -1158,6 +1158,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap.finish()  # the rest of an overlapped previous step
             if self._executor.plan is None:
                 self._overlap.check_holds(self._params, stepping=True)
+            self._overlap.refuse_gathered_units()
         self._take_replaced_state()
         executor = self._executor
         if executor.loaded_ahead and executor.edited_since_loaded_ahead():

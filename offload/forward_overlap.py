@@ -280,6 +280,23 @@ class ForwardOverlap:
         )
         self._remove_hooks.atexit = False  # at exit a pending step no longer matters
 
+    def refuse_gathered_units(self) -> None:
+        """At `step()`: an FSDP2 unit still all-gathered would not gather again in the next
+        forward, which would read its weights from before this step (with or without
+        offload). After a backward FSDP2 reshards every unit; a forward without one since
+        (an evaluation between backward() and step()) leaves the root gathered. Refused,
+        naming the unit, before anything steps."""
+        for index, (module, _) in enumerate(self.owners):
+            if self._owner_is_unit[index] and _fsdp_gathered(module):
+                raise RuntimeError(
+                    f"module {self._owner_names[index]!r} ({type(module).__name__}) is "
+                    "all-gathered at step(), so the next forward would read its weights from "
+                    "before this step. A forward since the backward (an evaluation between "
+                    "backward() and step()), set_reshard_after_backward(False) or unshard() "
+                    "leaves it so: evaluate after step(), or call reshard() on the FSDP2 "
+                    "modules before step()"
+                )
+
     def check_holds(self, params: Sequence[Tensor], stepping: bool = False) -> None:
         """Refuse a model that holds none of `params`: its forward would never reach a
         chunk. At the first step (`stepping`) that means params replaced since the

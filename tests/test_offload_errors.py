@@ -441,3 +441,28 @@ def test_an_optimizer_built_before_fully_shard_is_refused_at_its_first_step():
         ):
             opt.step()
         opt.close()
+
+
+def test_a_unit_left_all_gathered_at_step_is_refused_naming_it():
+    # an evaluation between backward() and step() leaves FSDP2's root all-gathered: the
+    # next forward read its weights from before the step (plain FSDP2 does too), and the
+    # overlap blamed an unshard() the trainer never made, or from the first step said nothing
+    from spawn_ranks import one_rank_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with one_rank_group():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[1], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+        model(torch.randn(2, 8)).sum().backward()
+        with torch.no_grad():
+            model(torch.randn(2, 8))  # an evaluation
+        with pytest.raises(RuntimeError, match=r"'\(the root\)' .* is all-gathered at step\(\)"):
+            opt.step()
+        model.reshard()  # the way out
+        opt.step()
+        opt.close()
