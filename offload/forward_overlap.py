@@ -225,6 +225,11 @@ class ForwardOverlap:
         self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
+        optimized = {id(p) for p in params}
+        self._owner_stepped = [  # per owner, the optimizer's params its all-gather holds
+            [p for p in waited if id(p) in optimized]
+            for waited in _with_shared_all_gathers([m for m, _ in self.owners])
+        ]
         # The stream the last wait was on, and the last chunk it has waited for this step.
         self._waited: tuple[torch.Stream | None, int] = (None, -1)
         # current at `step()`, and the forward's after it (`_before_forward`)
@@ -287,7 +292,9 @@ class ForwardOverlap:
         (an evaluation between backward() and step()) leaves the root gathered. Refused,
         naming the unit, before anything steps."""
         for index, (module, _) in enumerate(self.owners):
-            if self._owner_is_unit[index] and _fsdp_gathered(module):
+            # A unit whose params this step leaves alone (frozen, kept gathered) goes stale never.
+            stepped = any(p.grad is not None for p in self._owner_stepped[index])
+            if self._owner_is_unit[index] and stepped and _fsdp_gathered(module):
                 raise RuntimeError(
                     f"module {self._owner_names[index]!r} ({type(module).__name__}) is "
                     "all-gathered at step(), so the next forward would read its weights from "

@@ -466,3 +466,18 @@ def test_a_unit_left_all_gathered_at_step_is_refused_naming_it():
         model.reshard()  # the way out
         opt.step()
         opt.close()
+
+        # a frozen unit kept gathered on purpose (a frozen encoder) steps nothing: not refused
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        model[0].requires_grad_(False)
+        fully_shard(model[0], mesh=mesh, reshard_after_forward=False)
+        model[0].set_reshard_after_backward(False)
+        fully_shard(model, mesh=mesh)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = CPUOffloadOptimizer(torch.optim.AdamW(trained), overlap_forward=model)
+        for _ in range(2):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
