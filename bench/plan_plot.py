@@ -78,7 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser(prog="python -m bench.plan_plot")
     p.add_argument("--out", required=True, help="PNG path")
     args = p.parse_args(argv)
-    model = estimate_from(args)
+    try:
+        model = estimate_from(args)
+    except ValueError as error:  # one line, as the planner's own CLI says it
+        p.error(str(error))
     mesh, s = model.mesh, model.settings
     title = (
         f"{args.preset or args.config}: fsdp {mesh.fsdp} x replicate {mesh.replicate}, "

@@ -801,6 +801,12 @@ def test_the_cli_plans_a_plain_module_on_one_device_only(tmp_path, capsys):
     for mesh in (["--fsdp", "2"], ["--replicate", "2"], ["--sweep-fsdp", "1,2"]):
         assert main(["--config", str(config), *mesh, "--wrap", "none"]) == 2
         assert "--wrap none plans a plain module on one device" in capsys.readouterr().err
+    from bench import plan_plot  # the planner's arguments too: a traceback there
+
+    with pytest.raises(SystemExit) as exit_info:
+        plan_plot.main(["--config", str(config), "--fsdp", "2", "--wrap", "none", "--out", "x"])
+    assert exit_info.value.code == 2
+    assert "--wrap none plans a plain module" in capsys.readouterr().err
     flags = ["--config", str(config), "--fsdp", "1", "--offload", "--offload-overlap-forward"]
     assert main([*flags, "--wrap", "none", "--chunks", "--json"]) == 0
     shapes = from_config(TINY_DENSE)
