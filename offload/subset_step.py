@@ -24,10 +24,13 @@ through the GPU in chunks. The contract:
   (state a later step creates anyway, SGD's momentum turned on, is planned a home
   at the next step). The wrapper lays out a state tensor shaped like the param as
   the param is laid out (as
-  `zeros_like(p, memory_format=torch.preserve_format)` does). A state_dict loaded
-  into the wrapper gives each state tensor the layout's dtype (`muon.Muon`'s load
-  keeps its momentum fp32), and a state tensor assigned by hand in another dtype is
-  refused: the optimizer's own step may cast it, or refuse it.
+  `zeros_like(p, memory_format=torch.preserve_format)` does). For an optimizer that
+  implements the protocol itself, a state_dict loaded into the wrapper gives each
+  state tensor its layout's dtype (`muon.Muon`'s load keeps its momentum fp32), and a
+  state tensor its layout keeps, assigned by hand in another dtype, is refused: its own
+  step may cast it, or refuse it. Under `GroupSubsetStep` (torch's optimizers) a load
+  casts floating state to the param's dtype, as torch's does, and a tensor assigned by
+  hand goes on in its dtype, planned anew.
 - Optional, `runs_collectives`: true when `step_params` of some unit runs
   collectives (Muon's exchanges), so that a step left pending must be advanced alike
   on every rank (the wrapper warns where a read outside the forward advances it).
