@@ -611,6 +611,12 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
     """The estimate the parsed arguments ask for (at `fsdp` if given)."""
     shapes = model_shapes(args)
     mesh = MeshSpec(args.fsdp if fsdp is None else fsdp, args.replicate, args.ep, args.expert_shard)
+    expert_flags = (mesh.ep > 1, args.expert_shard != "auto")
+    if any(expert_flags) and not any(len(s.shape) == 3 for s in shapes):
+        raise ValueError(
+            "--ep and --expert-shard lay out expert stacks, and this model has none (no 3-D "
+            "params): drop them"
+        )
     if args.wrap == "none" and mesh.fsdp * mesh.replicate > 1:
         raise ValueError(
             "--wrap none plans a plain module on one device: give --fsdp 1 and --replicate 1"
@@ -648,6 +654,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if offload_flags and not args.offload:
         parse.error(f"{', '.join(offload_flags)} set the offloaded step: give --offload too")
+    replica_flags = [
+        flag
+        for flag, name in (("--replica-owners", "replica_owners"), ("--replica-gbs", "replica_gbs"))
+        if getattr(args, name) != getattr(defaults, name)
+    ]
+    if replica_flags and args.replicate == 1:
+        parse.error(f"{', '.join(replica_flags)} choose HSDP's owners: give --replicate too")
     try:
         if args.sweep_fsdp:
             models = [estimate_from(args, size) for size in args.sweep_fsdp]

@@ -817,6 +817,25 @@ def test_the_cli_plans_a_plain_module_on_one_device_only(tmp_path, capsys):
     assert [r["params"] for r in rows] == [[model.param_names[i] for i in c.params] for c in chunks]
 
 
+def test_cli_flags_that_would_do_nothing_are_refused(tmp_path, capsys):
+    # accepted silently: --ep on a dense model, HSDP's owner flags on one replica
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_DENSE))
+    for flags, told in (
+        (["--fsdp", "2", "--ep", "2"], "--ep and --expert-shard lay out expert stacks"),
+        (["--fsdp", "2", "--expert-shard", "rows"], "this model has none"),
+        (["--fsdp", "2", "--replica-owners", "spread"], "choose HSDP's owners: give --replicate"),
+        (["--fsdp", "2", "--replica-gbs", "50"], "--replica-gbs choose HSDP's owners"),
+    ):
+        try:
+            code = main(["--config", str(config), *flags])
+        except SystemExit as exit_info:
+            code = exit_info.code
+        assert code == 2 and told in capsys.readouterr().err, flags
+    assert main(["--config", str(config), "--fsdp", "2", "--replicate", "2",
+                 "--replica-owners", "spread"]) == 0  # fmt: skip
+
+
 @pytest.mark.parametrize("text_config", [5, [1, 2]])
 def test_a_text_config_that_is_no_object_is_refused_naming_it(tmp_path, text_config):
     # an AttributeError from deep in the planning
