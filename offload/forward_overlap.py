@@ -292,9 +292,10 @@ class ForwardOverlap:
         (an evaluation between backward() and step()) leaves the root gathered. Refused,
         naming the unit, before anything steps."""
         for index, (module, _) in enumerate(self.owners):
+            if not (self._owner_is_unit[index] and _fsdp_gathered(module)):
+                continue  # the usual case: no grad scanned on the step's host path
             # A unit whose params this step leaves alone (frozen, kept gathered) goes stale never.
-            stepped = any(p.grad is not None for p in self._owner_stepped[index])
-            if self._owner_is_unit[index] and stepped and _fsdp_gathered(module):
+            if any(p.grad is not None for p in self._owner_stepped[index]):
                 raise RuntimeError(
                     f"module {self._owner_names[index]!r} ({type(module).__name__}) is "
                     "all-gathered at step(), so the next forward would read its weights from "
