@@ -594,12 +594,17 @@ class Muon(torch.optim.Optimizer):
         _check_each_param_once(self.param_groups)
         # Every group's grads and momentum before any group steps: a refused step changes
         # nothing.
-        for index, group in enumerate(self.param_groups):
-            _check_grads(group, index)
-            if group["algorithm"] == "muon":
-                self._check_momentum(group, index)
+        try:
+            for index, group in enumerate(self.param_groups):
+                _check_grads(group, index)
+                if group["algorithm"] == "muon":
+                    self._check_momentum(group, index)
+            refused = None
+        except ValueError as error:  # this rank's grads or state: its peers' may pass
+            refused = error
+        plan = self._muon_plan(refused)
         self._warn_adamw_momentum()
-        return MuonStep(self, self._muon_plan())
+        return MuonStep(self, plan)
 
     def _check_momentum(self, group: dict[str, Any], index: int) -> None:
         """A momentum buffer assigned by hand: of the param's shape and placements, or
@@ -687,11 +692,12 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]
         )
 
-    def _muon_plan(self) -> MuonPlan:
+    def _muon_plan(self, refused: ValueError | None = None) -> MuonPlan:
         """The plan for the current Muon params, rebuilt only when they or what shapes the
         plan (groups, row blocks, the params' shapes, dtypes, devices and placements,
         ns_dtype, bucket cap, groups forced to Gram Newton-Schulz and their schedules)
-        change."""
+        change. `refused`: this rank's error from checking its grads and state, raised
+        after the ranks agree where the plan is built (its peers wait there)."""
         entries = self._muon_params()
         params = tuple(p for p, _ in entries)
         gram = tuple(
@@ -738,9 +744,8 @@ class Muon(torch.optim.Optimizer):
         ):
             try:
                 layouts = [_layout(p, self.param_groups[g]["row_blocks"], g) for p, g in entries]
-                refused = None
             except ValueError as error:  # this rank's shards: its peers' may pass
-                layouts, refused = [], error
+                layouts, refused = [], refused or error
             try:
                 self._check_ranks_agree(description, entries, refused)
             except ValueError:
@@ -760,6 +765,8 @@ class Muon(torch.optim.Optimizer):
             )
             self._plan_params = params
             self._plan_key = key
+        if refused is not None:  # planned before: no agreement runs to tell the peers
+            raise refused
         return self._plan
 
     def _check_ranks_agree(
@@ -770,10 +777,11 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """Refuse, on every rank at once, a plan the ranks of a mesh of its params do not
         all build alike (`rank_agreement`), or that some refuse (`refused`: a shard laid
-        out unlike torch.chunk's, on some ranks only). Each mesh's axes in an order every
-        rank shares (by mesh, not by where its params are in this rank's groups)."""
-        laid_out = "no: see that rank's error" if refused is not None else "yes"
-        refusal = ("local shards laid out as torch.chunk's", laid_out)
+        out unlike torch.chunk's, a grad or momentum buffer refused, on some ranks only).
+        Each mesh's axes in an order every rank shares (by mesh, not by where its params
+        are in this rank's groups)."""
+        laid_out = "no, see the error on that rank" if refused is not None else "yes"
+        refusal = ("local shards, grads and momentum accepted", laid_out)
         # Not the plan's (its key), but the step's: the order of the exchanges, and the
         # settings each matrix's owner updates it with for every rank.
         agreed = (("max_inflight", self.max_inflight), *self._muon_group_settings(), refusal)

@@ -19,7 +19,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -86,6 +86,32 @@ def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size
             f"state {key!r} of param {param} has shape {tuple(shape)}, expected "
             f"{tuple(expected)} ({fix})"
         )
+
+
+def _refused_on_every_rank(
+    agree: Callable[[Sequence[tuple[str, Any]]], None] | None,
+    settings: Sequence[tuple[str, Any]],
+    work: Callable[[], _T],
+) -> _T:
+    """`work()`, whose ValueError (this rank's state or plan refused) is raised on every
+    rank `agree` runs over, with `settings` checked alike: a rank that raised alone would
+    leave its peers waiting in the next agreement. No agreement where `agree` is None."""
+    if agree is None:
+        return work()
+    refused = None
+    try:
+        result = work()
+    except ValueError as error:
+        refused = error
+    outcome = ("offload plan accepted", "no, see the error on that rank" if refused else "yes")
+    try:
+        agree((*settings, outcome))
+    except ValueError:
+        if refused is None:
+            raise
+    if refused is not None:  # this rank's own error, whatever its peers said
+        raise refused
+    return result
 
 
 def _placed_as(value: Tensor, param: Tensor, name: str) -> Tensor:
@@ -256,6 +282,8 @@ def _with_sparse_grads(params: Sequence[Tensor]) -> list[Tensor]:
 
 
 # torch.optim's optimizers whose step takes sparse grads unfused (the others raise in it).
+_T = TypeVar("_T")
+
 _TAKES_SPARSE_GRADS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
 
 
@@ -1323,8 +1351,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._plan_from_state = False  # unhomed state the step does not keep
             self._watch_grad_dtypes()
             return
-        self._check_state_shapes(specs)  # before anything moves: a refused step changes nothing
-        self._check_state_apart()
+        first_plan = self._executor.plan is None
+        agree = self._rank_agreement(subset) if first_plan else None
+
+        def check_state() -> None:  # before anything moves: a refused step changes nothing
+            self._check_state_shapes(specs)
+            self._check_state_apart()
+
+        _refused_on_every_rank(agree, self._step_options(), check_state)
         self._plan_from_state = False
         self._watch_grad_dtypes()
         if self._executor.plan is not None:
@@ -1332,14 +1366,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._executor.drop_loaded_ahead()
             if self._host_room_for_all:  # one host layout: the old GPU state goes home first
                 self._give_back_gpu_state()
-        first_plan = self._executor.plan is None
         self._specs = specs
         self._units_key = units_key
-        agree = self._rank_agreement(subset) if first_plan else None
-        if agree is not None:  # before planning: CUDA's default backward loads agree on room
-            agree(self._step_options())
-        step = self._planned_now()
-        if agree is not None:  # refused, nothing is built: the next step checks again
+        # refused, nothing is built: the next step checks again
+        step = _refused_on_every_rank(agree, (), self._planned_now)
+        if agree is not None:
             agree(self._step_chunks(step))
         self._build(step, keep_host_slabs=False)
         if first_plan and self._auto is None:

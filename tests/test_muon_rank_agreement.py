@@ -164,7 +164,7 @@ def _shard_laid_out_unlike_chunk_rank(rank: int, world: int) -> None:
     p = torch.nn.Parameter(placed(local))
     p.grad = placed(torch.ones_like(local))
     opt = Muon([p], lr=0.02)
-    expected = "is not torch.chunk's" if rank else "local shards laid out as torch.chunk's"
+    expected = "is not torch.chunk's" if rank else "local shards, grads and momentum accepted"
     with pytest.raises(ValueError, match=expected):
         opt.step()
 

@@ -579,3 +579,55 @@ def test_ranks_that_wrap_distributed_muon_with_other_chunks_are_refused_on_every
     # their chunks ordered Muon's exchanges apart: buckets of one size paired up wrongly,
     # and every rank trained on silently with wrong params ("auto" on one rank hung later)
     run_on_ranks(_muon_wrapped_apart, 2, option)
+
+
+def _muon_refused_on_one_rank(rank: int, world: int, offloaded: bool, key: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from muon import Muon
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(4)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = [p.full_tensor() for p in model.parameters()]
+    weights = [layer.weight for layer in model]
+    biases = [layer.bias for layer in model]
+    opt = Muon(
+        [{"params": weights}, {"params": biases, "algorithm": "adamw"}],
+        lr=1e-2,
+        bucket_cap_bytes=300,
+    )
+    if offloaded:
+        opt = CPUOffloadOptimizer(opt)
+    inner = getattr(opt, "optimizer", opt)
+    param = {"momentum_buffer": weights[2], "exp_avg": biases[2]}[key]
+    if rank == 1:  # state assigned by hand, shaped wrong on this rank alone
+        inner.state[param][key] = torch.zeros(5)
+    model(torch.randn(3, 12)).square().mean().backward()
+    # the refusing rank names its state; its peer, the rank that refused
+    peer = r"ranks 0 and 1 .*'yes' vs 'no, see the error on that rank'"
+    expected = rf"{key}.*\(5,\)" if rank == 1 else peer
+    with pytest.raises(ValueError, match=expected):
+        opt.step()
+    assert all(
+        torch.equal(a, b.full_tensor()) for a, b in zip(before, model.parameters(), strict=True)
+    )
+    if rank == 1:  # fixed, every rank steps on
+        del inner.state[param][key]
+    opt.step()
+    assert not torch.equal(before[0], model[0].weight.full_tensor())
+
+
+@pytest.mark.parametrize(
+    "offloaded, key", [(False, "momentum_buffer"), (True, "momentum_buffer"), (True, "exp_avg")]
+)
+def test_a_first_step_refused_on_one_rank_of_distributed_muon_is_refused_on_every_rank(
+    offloaded, key
+):
+    # the refusing rank raised before the ranks' agreement on the plan (Muon's, the offload
+    # wrapper's chunks), and its peers waited there for it (gloo: until its connection closed)
+    run_on_ranks(_muon_refused_on_one_rank, 2, offloaded, key)
