@@ -1184,9 +1184,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         auto = self._auto
         if self._overlap is not None:
             self._overlap.finish()  # the rest of an overlapped previous step
+            # A gathered unit first: a model whose units are all gathered holds only
+            # their unsharded params, and would look built after the optimizer.
+            self._overlap.refuse_gathered_units()
             if self._executor.plan is None:
                 self._overlap.check_holds(self._params, stepping=True)
-            self._overlap.refuse_gathered_units()
         self._take_replaced_state()
         executor = self._executor
         if executor.loaded_ahead and executor.edited_since_loaded_ahead():

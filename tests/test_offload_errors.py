@@ -467,6 +467,23 @@ def test_a_unit_left_all_gathered_at_step_is_refused_naming_it():
         opt.step()
         opt.close()
 
+        # every unit left gathered by set_reshard_after_backward(False): the model then
+        # holds only the unsharded params, and the first step blamed an optimizer built
+        # before fully_shard
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        fully_shard(model[1], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+        model.set_reshard_after_backward(False, recurse=True)
+        model(torch.randn(2, 8)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"is all-gathered at step\(\).*reshard"):
+            opt.step()
+        model.reshard()
+        model[1].reshard()
+        opt.step()
+        opt.close()
+
         # a frozen unit kept gathered on purpose (a frozen encoder) steps nothing: not refused
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
