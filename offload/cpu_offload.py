@@ -552,6 +552,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
         self._grad_unseen: list[Tensor] = []  # `_watch_grad_dtypes`
+        # (param, key) of state the plan does not keep, found with the plan up to date
+        self._not_kept: set[tuple[Tensor, str]] = set()
         # State loaded, or replaced by hand in another dtype, since the last plan: planned
         # anew from the state as it is (a load's options may keep other state).
         self._plan_from_state = False
@@ -968,11 +970,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The saved state split into tensors for the homes, keyed (param id, key), and what
         the wrapped optimizer loads itself (its scalars), each tensor placed as its param
         (`_placed_as`). What the step keeps (`kept`) goes home whatever its shape, which is
-        checked there (a 0-dim `exp_avg` was broadcast into the slab); a `step` counter
-        saved with shape (1,) loads as the scalar the step keeps (given to each slice of a
-        sliced param, it was stepped once a slice); other tensors of one or more dims (one
-        the options no longer keep: `max_exp_avg_sq` with amsgrad off) are held on the
-        host, as torch holds them."""
+        checked there (a 0-dim `exp_avg` was broadcast into the slab); a scalar saved with
+        shape (1,) (`step`, NAdam's `mu_product`) loads into the optimizer as it is (torch's
+        load takes it: held back, it was missing there); other tensors of one or more dims
+        (one the options no longer keep: `max_exp_avg_sq` with amsgrad off) are held on
+        the host, as torch holds them."""
         offloaded: dict[tuple[Any, str], Tensor] = {}
         light: dict[Any, dict[str, Any]] = {}
         for index, entries in saved.items():
@@ -980,10 +982,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             keeps = kept.get(param, {})
             light[index] = {}
             for key, value in entries.items():
-                if not isinstance(value, Tensor) or (value.ndim == 0 and key not in keeps):
+                if not isinstance(value, Tensor) or (value.numel() == 1 and key not in keeps):
                     light[index][key] = value
-                elif key == "step" and key not in keeps and value.numel() == 1:
-                    light[index][key] = value.reshape(())
                 else:
                     offloaded[index, key] = _placed_as(
                         value, param, f"state {key!r} of param {index}"
@@ -1350,7 +1350,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 return
         specs = self._specs_of(subset, layout)
         if self._executor.plan is not None and specs == self._specs and not regrouped:
-            self._plan_from_state = False  # unhomed state the step does not keep
+            # Unhomed state the step does not keep (a counter of shape (1,)): not asked for
+            # again, as each ask re-laid every param's state
+            self._plan_from_state = False
+            self._not_kept = self._unhomed()
             self._watch_grad_dtypes()
             return
         first_plan = self._executor.plan is None
@@ -1749,6 +1752,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for all, one host layout homes each state tensor in one place); a plan of other
         units or state lays the slabs out otherwise, and moved within them, one tensor's
         new home overwrote another's old one."""
+        self._not_kept = set()
         slot_bytes = step.plan.staging_bytes(1)
         if ring and slot_bytes > max(2 * self.chunk_bytes, OVERSIZED_UNIT_WARN_BYTES):
             mib = 2**20
@@ -1861,14 +1865,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
         check_host_memory(held + new_bytes)
 
-    def _unhomed_state(self) -> bool:
+    def _unhomed(self) -> set[tuple[Tensor, str]]:
+        """(param, key) of each state tensor (ndim >= 1) without a home."""
         homed = self._executor.homes
-        return any(
-            (p, k) not in homed
+        return {
+            (p, k)
             for p in self._params
             for k, v in self.optimizer.state.get(p, {}).items()
-            if isinstance(v, Tensor) and v.ndim >= 1
-        )
+            if isinstance(v, Tensor) and v.ndim >= 1 and (p, k) not in homed
+        }
+
+    def _unhomed_state(self) -> bool:
+        """Whether state is without a home that the plan has not found it does not keep."""
+        return bool(self._unhomed() - self._not_kept)
 
     def _build_serial_plan(self, applied: str = "") -> None:
         self._check_state_apart(applied)

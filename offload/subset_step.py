@@ -81,10 +81,11 @@ class SlicingSubsetStep(SubsetStep, Protocol):
     `step_slices(params, slices)` updates the whole params `params` (as
     `step_params`) and each slice of `slices`, with the same result, bit for bit,
     as the full step, provided every element of a param is in exactly one slice
-    per step. For a slice it reads `optimizer.state[param][key]` (ndim >= 1) as
-    that slice's state: a flat tensor of `stop - start` elements the wrapper has
-    swapped in. A param's other state (the `step` counter, ...) advances once per
-    step however many slices it is cut into. Only one-param units whose state
+    per step. For a slice it reads `optimizer.state[param][key]` (each key whose
+    tensor is shaped like the param at `begin_subset_step`) as that slice's state: a
+    flat tensor of `stop - start` elements the wrapper has swapped in. A param's other
+    state (the `step` counter, of shape () or (1,), ...) advances once per step however
+    many slices it is cut into. Only one-param units whose state
     tensors are shaped like the param may be sliced.
     """
 
@@ -293,13 +294,22 @@ class ElementwiseGroupStep(GroupStep):
     ...) in place, as torch does; a sliced param's is copied from its value at the
     step's start into each slice's stand-in, so every slice computes with the same
     counters, and the result (the same from every slice) is copied into the param's
-    own scalar tensors, in place as torch steps them.
+    own scalar tensors, in place as torch steps them. A scalar is any state not shaped
+    like the param, whatever its dims: a counter of shape (1,) (a checkpoint's, one
+    assigned by hand) given to every slice as its state was stepped once a slice.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         state = optimizer.state
         self._had_state = {p for p in self._group_of if state.get(p)}
+        # Told apart now: a slice's state, swapped in by the caller, has no param's shape.
+        self._odd_shaped = {
+            (p, k)
+            for p in self._had_state
+            for k, v in state[p].items()
+            if _is_offloaded(v) and local_tensor(v).shape != local_tensor(p).shape
+        }
         self._scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': at the step's start
         self._own_scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': their own
         self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
@@ -369,12 +379,14 @@ class ElementwiseGroupStep(GroupStep):
         if param not in self._had_state:
             return stand_in, {}
         own = self._optimizer.state[param]
-        entries = {k: local_tensor(v) for k, v in own.items() if _is_offloaded(v)}
         if piece is None:  # one stand-in: it steps the param's own scalars, as torch does
-            entries.update({k: v for k, v in own.items() if not _is_offloaded(v)})
-            return stand_in, entries
+            return stand_in, {k: local_tensor(v) if _is_offloaded(v) else v for k, v in own.items()}
+        sliced = {
+            k for k, v in own.items() if _is_offloaded(v) and (param, k) not in self._odd_shaped
+        }
+        entries = {k: local_tensor(own[k]) for k in sliced}
         if param not in self._scalars:  # its scalars at the step's start, for every slice
-            self._own_scalars[param] = {k: v for k, v in own.items() if not _is_offloaded(v)}
+            self._own_scalars[param] = {k: v for k, v in own.items() if k not in sliced}
             self._scalars[param] = {k: _copied(v) for k, v in self._own_scalars[param].items()}
         entries.update({k: _copied(v) for k, v in self._scalars[param].items()})
         return stand_in, entries
