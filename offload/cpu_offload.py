@@ -775,6 +775,26 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         optimizer: the same bits, and the same state after a skipped step."""
         return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A public setting of the wrapped optimizer's own (Muon's ns_dtype) set on the wrapper
+        # would be an attribute of the wrapper alone: the step reads the wrapped one's.
+        # (Once constructed: the constructor sets the wrapper's own, `defaults` among them.)
+        inner = self.__dict__.get("optimizer")
+        if (
+            not name.startswith("_")
+            and inner is not None
+            and name in vars(inner)
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+            and (holder := _WRAPPERS.get(inner)) is not None
+            and holder() is self
+        ):
+            raise AttributeError(
+                f"{name} is a setting of the wrapped {type(inner).__name__}, which the wrapper "
+                f"does not hold: set opt.optimizer.{name}"
+            )
+        super().__setattr__(name, value)
+
     @property
     def staging_slots(self) -> int:
         """GPU staging slots in the ring (a constructor setting: the copy streams' events

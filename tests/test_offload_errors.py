@@ -498,3 +498,24 @@ def test_a_unit_left_all_gathered_at_step_is_refused_naming_it():
             opt.step()
             opt.zero_grad()
         opt.close()
+
+
+def test_a_setting_of_the_wrapped_optimizer_set_on_the_wrapper_is_refused_naming_it():
+    # `opt.ns_dtype = ...` on the wrapper setup_optimizer returns set an attribute of the
+    # wrapper, and Muon went on with its own, silently
+    from muon import Muon
+
+    model = torch.nn.Linear(8, 8, bias=False)
+    opt = CPUOffloadOptimizer(Muon(model.parameters()))
+    for name, value in (("ns_dtype", torch.float32), ("max_inflight", 1)):
+        with pytest.raises(
+            AttributeError,
+            match=rf"{name} is a setting of the wrapped Muon.*"
+            rf"opt\.optimizer\.{name}",
+        ):
+            setattr(opt, name, value)
+    opt.optimizer.max_inflight = 1  # the way
+    opt.chunk_bytes = 2**20  # the wrapper's own, and new attributes of the user's, are set
+    opt.run_name = "a"
+    assert (opt.chunk_bytes, opt.run_name, opt.optimizer.max_inflight) == (2**20, "a", 1)
+    opt.close()
