@@ -600,7 +600,7 @@ class Muon(torch.optim.Optimizer):
                 if group["algorithm"] == "muon":
                     self._check_momentum(group, index)
             refused = None
-        except ValueError as error:  # this rank's grads or state: its peers' may pass
+        except Exception as error:  # this rank's grads or state: its peers' may pass
             refused = error
         plan = self._muon_plan(refused)
         self._warn_adamw_momentum()
@@ -692,7 +692,7 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]
         )
 
-    def _muon_plan(self, refused: ValueError | None = None) -> MuonPlan:
+    def _muon_plan(self, refused: Exception | None = None) -> MuonPlan:
         """The plan for the current Muon params, rebuilt only when they or what shapes the
         plan (groups, row blocks, the params' shapes, dtypes, devices and placements,
         ns_dtype, bucket cap, groups forced to Gram Newton-Schulz and their schedules)
@@ -773,7 +773,7 @@ class Muon(torch.optim.Optimizer):
         self,
         description: PlanDescription,
         entries: Sequence[tuple[Tensor, int]],
-        refused: ValueError | None,
+        refused: Exception | None,
     ) -> None:
         """Refuse, on every rank at once, a plan the ranks of a mesh of its params do not
         all build alike (`rank_agreement`), or that some refuse (`refused`: a shard laid

@@ -56,6 +56,7 @@ from offload.subset_step import (
 )
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bench/offload_step.py: 1.03x the copy floor with 4 slots
 DEFAULT_STAGING_SLOTS = 4  # 4 measured 3-7% faster than 3 at every chunk size
@@ -93,15 +94,16 @@ def _refused_on_every_rank(
     settings: Sequence[tuple[str, Any]],
     work: Callable[[], _T],
 ) -> _T:
-    """`work()`, whose ValueError (this rank's state or plan refused) is raised on every
-    rank `agree` runs over, with `settings` checked alike: a rank that raised alone would
-    leave its peers waiting in the next agreement. No agreement where `agree` is None."""
+    """`work()`, whose error (this rank's grads, state or settings refused) is raised on
+    every rank `agree` runs over, with `settings` checked alike: a rank that raised alone
+    would leave its peers waiting in the next agreement, or the exchanges. No agreement
+    where `agree` is None."""
     if agree is None:
         return work()
     refused = None
     try:
         result = work()
-    except ValueError as error:
+    except Exception as error:
         refused = error
     outcome = ("offload plan accepted", "no, see the error on that rank" if refused else "yes")
     try:
@@ -282,8 +284,6 @@ def _with_sparse_grads(params: Sequence[Tensor]) -> list[Tensor]:
 
 
 # torch.optim's optimizers whose step takes sparse grads unfused (the others raise in it).
-_T = TypeVar("_T")
-
 _TAKES_SPARSE_GRADS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
 
 
@@ -552,7 +552,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._units_key: tuple[tuple[int, ...], ...] | None = None
         self._stepped_whole: set[Tensor] = set()  # params never sliced (sparse grads)
         self._grad_unseen: list[Tensor] = []  # `_watch_grad_dtypes`
-        # (param, key) of state the plan does not keep, found with the plan up to date
+        # (param, key) of state not shaped like its param the plan does not keep
         self._not_kept: set[tuple[Tensor, str]] = set()
         # State loaded, or replaced by hand in another dtype, since the last plan: planned
         # anew from the state as it is (a load's options may keep other state).
@@ -1215,8 +1215,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # A state tensor held from an earlier step was edited in place after the
             # backward's loads (an edit through `state` has dropped them already).
             executor.drop_loaded_ahead()
-        # The wrapped optimizer's checks (Muon's groups and grads) may refuse the step too.
-        subset = self._subset.begin_subset_step()
+        # The wrapped optimizer's checks (Muon's groups and grads) may refuse the step too: at
+        # the first plan on every rank alike (Muon's own agreement runs only where it plans).
+        agree = self._rank_agreement() if executor.plan is None else None
+        subset = _refused_on_every_rank(agree, (), self._subset.begin_subset_step)
         units_key = self._units_key_of(subset)
         regrouped = self._executor.plan is not None and units_key != self._units_key
         if auto is not None and regrouped:
@@ -1370,14 +1372,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 return
         specs = self._specs_of(subset, layout)
         if self._executor.plan is not None and specs == self._specs and not regrouped:
-            # Unhomed state the step does not keep (a counter of shape (1,)): not asked for
-            # again, as each ask re-laid every param's state
+            # Unhomed state the step does not keep, not shaped like its param (a counter of
+            # shape (1,)): not asked for again, as each ask re-laid every param's state.
+            # State shaped like its param is (options turned on may keep it: amsgrad's).
             self._plan_from_state = False
-            self._not_kept = self._unhomed()
+            self._not_kept = {
+                (p, k)
+                for p, k in self._unhomed()
+                if local_tensor(self.optimizer.state[p][k]).shape != local_tensor(p).shape
+            }
             self._watch_grad_dtypes()
             return
         first_plan = self._executor.plan is None
-        agree = self._rank_agreement(subset) if first_plan else None
+        agree = self._rank_agreement() if first_plan else None
 
         def check_state() -> None:  # before anything moves: a refused step changes nothing
             self._check_state_shapes(specs)
@@ -1393,27 +1400,25 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._give_back_gpu_state()
         self._specs = specs
         self._units_key = units_key
-        # refused, nothing is built: the next step checks again
-        step = _refused_on_every_rank(agree, (), self._planned_now)
-        if agree is not None:
+        step = self._planned_now()
+        if agree is not None:  # refused, nothing is built: the next step checks again
             agree(self._step_chunks(step))
         self._build(step, keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
             self._warn_if_nothing_loaded_in_backward()
 
-    def _rank_agreement(
-        self, subset: SubsetStep
-    ) -> Callable[[Sequence[tuple[str, Any]]], None] | None:
+    def _rank_agreement(self) -> Callable[[Sequence[tuple[str, Any]]], None] | None:
         """Where the chunks' updates communicate (distributed Muon), every rank must make
         the same calls in the same order, so plan the same chunks: ranks wrapped with
         another chunk_bytes, residency, backward loads or overlap exchanged Muon's buckets
-        out of step, silently where the buckets matched in size. The optimizer's own check
-        refuses settings that differ on every rank of its exchanges at once
-        (`check_ranks_agree_on`, optional in the protocol); None where nothing is to agree.
-        Asked at the first plan: later ones follow choices the ranks agree on ("auto"'s)."""
-        agree = getattr(self._subset, "check_ranks_agree_on", None)
-        return agree if getattr(subset, "runs_collectives", False) else None
+        out of step, silently where the buckets matched in size; and a step one rank
+        refuses must be refused on every rank. The optimizer's own check refuses settings
+        that differ on every rank of its exchanges at once (`check_ranks_agree_on`,
+        optional in the protocol; nothing to agree where no exchange spans ranks); None
+        where the optimizer has none. Asked at the first plan: later ones follow choices
+        the ranks agree on ("auto"'s)."""
+        return getattr(self._subset, "check_ranks_agree_on", None)
 
     def _step_options(self) -> tuple[tuple[str, Any], ...]:
         """The options that choose the chunks and whether planning them communicates."""
@@ -1896,7 +1901,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         }
 
     def _unhomed_state(self) -> bool:
-        """Whether state is without a home that the plan has not found it does not keep."""
+        """Whether state is without a home that the plan may keep (`_not_kept`)."""
         return bool(self._unhomed() - self._not_kept)
 
     def _build_serial_plan(self, applied: str = "") -> None:

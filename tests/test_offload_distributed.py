@@ -631,3 +631,50 @@ def test_a_first_step_refused_on_one_rank_of_distributed_muon_is_refused_on_ever
     # the refusing rank raised before the ranks' agreement on the plan (Muon's, the offload
     # wrapper's chunks), and its peers waited there for it (gloo: until its connection closed)
     run_on_ranks(_muon_refused_on_one_rank, 2, offloaded, key)
+
+
+def _muon_planned_then_refused_on_one_rank(rank: int, world: int, before: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from muon import Muon
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(4)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    weights = [layer.weight for layer in model]
+    biases = [layer.bias for layer in model]
+    inner = Muon(
+        [{"params": weights}, {"params": biases, "algorithm": "adamw"}],
+        lr=1e-2,
+        bucket_cap_bytes=300,
+    )
+    model(torch.randn(3, 12)).square().mean().backward()
+    if before == "stepped":  # Muon's plan is built: it agrees with no peer when it refuses
+        inner.step()
+        opt = CPUOffloadOptimizer(inner)
+    else:  # the wrapper refused a first step on every rank, after Muon's plan was built
+        opt = CPUOffloadOptimizer(inner)
+        if rank == 1:
+            inner.state[biases[2]]["exp_avg"] = torch.zeros(5)
+        with pytest.raises(ValueError):
+            opt.step()
+        if rank == 1:
+            del inner.state[biases[2]]["exp_avg"]
+    if rank == 1:
+        inner.state[weights[2]]["momentum_buffer"] = torch.zeros(5)
+    peer = r"ranks 0 and 1 .*'yes' vs 'no, see the error on that rank'"
+    with pytest.raises(ValueError, match=r"momentum_buffer Tensor \(5,\)" if rank == 1 else peer):
+        opt.step()
+
+
+@pytest.mark.parametrize("before", ["stepped", "refused"])
+def test_a_first_offloaded_step_one_rank_of_a_planned_muon_refuses_is_refused_on_every_rank(
+    before,
+):
+    # Muon refused from its built plan on one rank, and its peers waited in the wrapper's
+    # first agreement (found by a review)
+    run_on_ranks(_muon_planned_then_refused_on_one_rank, 2, before)

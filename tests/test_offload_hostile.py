@@ -982,6 +982,40 @@ def test_a_counter_the_step_does_not_home_is_not_laid_out_again_every_step(monke
     twin.assert_equal()
 
 
+@pytest.mark.parametrize("chunk_bytes", [64, 2**20])
+@pytest.mark.parametrize("optimizer", ["amsgrad", "sgd"])
+def test_state_the_step_did_not_keep_is_homed_once_options_keep_it(optimizer, chunk_bytes):
+    # left without a home while the options did not keep it (amsgrad off after a load, a
+    # momentum buffer assigned with momentum 0), it was not asked for again once they did
+    # (found by a review): sliced params' slices got the whole tensor
+    if optimizer == "amsgrad":
+        twin = _Twin(
+            lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True), chunk_bytes=chunk_bytes
+        )
+        twin.step(0)
+        for opt in (twin.plain, twin.opt):
+            opt.param_groups[0]["amsgrad"] = False
+        twin.step(1)
+        for opt in (twin.plain, twin.opt):
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        key, option, value = "max_exp_avg_sq", "amsgrad", True
+    else:
+        twin = _Twin(lambda ps: torch.optim.SGD(ps, lr=1e-2), chunk_bytes=chunk_bytes)
+        twin.step(0)
+        for opt, model in ((twin.plain, twin.plain_model), (twin.opt, twin.model)):
+            for p in model.parameters():
+                opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+        key, option, value = "momentum_buffer", "momentum", 0.9
+    twin.step(2)
+    twin.step(3)  # the plan unchanged: the state is not kept
+    for opt in (twin.plain, twin.opt):
+        opt.param_groups[0][option] = value
+    twin.step(4)
+    twin.step(5)
+    twin.assert_equal()
+    assert key in {k for _, k in twin.opt._executor.homes}
+
+
 def test_state_the_options_no_longer_keep_round_trips_as_torch_keeps_it():
     # amsgrad turned off after a step: torch keeps `max_exp_avg_sq` and saves it; a load
     # that refused tensors the step does not keep refused the wrapper's own checkpoint
