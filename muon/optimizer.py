@@ -203,8 +203,10 @@ def _zeros_like_local(p: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _shard_dims(p: DTensor) -> tuple[int | None, ...]:
     """Per mesh axis, the tensor dim `p` is sharded on, or None (`_check_placements` lets
-    only Shard and Replicate through)."""
-    return tuple(q.dim % p.ndim if isinstance(q, Shard) else None for q in p.placements)
+    only Shard, Replicate and a stack's expert-dim `_StridedShard` through)."""
+    return tuple(
+        q.dim % p.ndim if isinstance(q, (Shard, _StridedShard)) else None for q in p.placements
+    )
 
 
 def _blocks(row_blocks: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -229,9 +231,17 @@ def _layout(p: Tensor, row_blocks: Sequence[int] | None, group: int) -> ParamLay
         group=group,
     )
     if layout.local_shape() != tuple(p.to_local().shape):
+        strided = any(isinstance(q, _StridedShard) for q in p.placements)
         raise ValueError(
             f"local shard {tuple(p.to_local().shape)} of a param of shape {tuple(p.shape)} is not "
             f"torch.chunk's {layout.local_shape()} for placements {p.placements}"
+            + (
+                # the plan counts each rank's experts as torch.chunk's pieces hold them
+                ": strided over the expert dim, the experts must divide evenly among the "
+                "ranks (or shard the stack with FSDP2 on another dim: shard_placement_fn)"
+                if strided
+                else ""
+            )
         )
     return layout
 
@@ -1009,18 +1019,30 @@ def _check_group(group: dict[str, Any]) -> None:
 
 def _check_placements(p: Tensor, k: int) -> None:
     """A DTensor param sharded in torch.chunk pieces (Shard) or replicated: the layouts
-    the planner cuts matrices by. Private API (`_StridedShard`, FSDP2's placement over
-    tensor parallelism; a subclass of `Shard` in some torch releases, not in 2.13)."""
-    for placement in getattr(p, "placements", ()):
+    the planner cuts matrices by; or an expert stack sharded on its expert dim alone,
+    strided too (FSDP2's default dim-0 shard over expert parallelism makes
+    `_StridedShard`): every rank holds whole matrices, updated where they are, and which
+    experts a rank holds changes no matrix's update. Private API (`_StridedShard`; a
+    subclass of `Shard` in some torch releases, not in 2.13; checked on 2.11 and 2.13)."""
+    placements = tuple(getattr(p, "placements", ()))
+    experts_only = p.ndim == 3 and all(
+        q.dim % p.ndim == 0 for q in placements if isinstance(q, (Shard, _StridedShard))
+    )
+    for placement in placements:
         strided = isinstance(placement, _StridedShard)
-        if isinstance(placement, (Shard, Replicate)) and not strided:
+        if isinstance(placement, (Shard, Replicate)) and not strided or strided and experts_only:
             continue
         why = "Muon supports Shard and Replicate placements"
         if strided:
-            why += "; strided sharding (FSDP2 over tensor parallelism) is not supported"
+            why += (
+                "; strided sharding (FSDP2 over tensor parallelism, or over expert parallelism "
+                "on another dim than the experts') is supported only on a 3-D expert stack "
+                "sharded on its expert dim alone"
+            )
         raise ValueError(
-            f"param {k} (shape {tuple(p.shape)}) has placements {tuple(p.placements)}: {why}; "
-            "shard it with FSDP2 alone, or put it in an algorithm='adamw' group"
+            f"param {k} (shape {tuple(p.shape)}) has placements {placements}: {why}; shard "
+            "it with FSDP2 alone (an expert stack: on its expert dim), or put it in an "
+            "algorithm='adamw' group"
         )
 
 

@@ -19,6 +19,7 @@ import torch
 from spawn_ranks import run_on_ranks
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from muon import Muon
 
@@ -44,6 +45,8 @@ HSDP = [
 EP_FSDP = [
     ((4, 9, 6), (Shard(0), Shard(1)), None),  # EP on experts, FSDP on rows: exchanged
     ((4, 5, 7), (Shard(0), Shard(0)), None),  # both on the expert dim: local
+    # FSDP2's default dim-0 shard over EP's (torchtitan's layout): strided, local
+    ((8, 5, 7), (_StridedShard(0, split_factor=2), Shard(0)), None),
     ((5, 7, 3), (Shard(0), Replicate()), None),
     ((10, 12), (Replicate(), Shard(0)), None),
 ]
@@ -167,12 +170,24 @@ def _worker(rank: int, world: int) -> None:
     if world == 4:
         cases.append(("hsdp", init_device_mesh("cpu", (2, 2)), HSDP))
         cases.append(("ep_fsdp", init_device_mesh("cpu", (2, 2)), EP_FSDP))
+        _check_uneven_strided_experts_refused(init_device_mesh("cpu", (2, 2)))
     for name, mesh, specs in cases:
         for config in CONFIGS:
             _check_case(mesh, specs, config, name)
     _check_fully_shard(init_device_mesh("cpu", (world,)))
     _check_whole_state_loaded(init_device_mesh("cpu", (world,)))
     _check_state_placed_otherwise_loaded(init_device_mesh("cpu", (world,)))
+
+
+def _check_uneven_strided_experts_refused(mesh) -> None:
+    """FSDP2's default shard over EP's, of experts that do not divide evenly: each rank
+    holds other experts than the plan counts (torch.chunk's), refused naming the way out."""
+    placements = (_StridedShard(0, split_factor=2), Shard(0))
+    stack = torch.nn.Parameter(_shard(_full((6, 5, 7), 0), mesh, placements))
+    stack.grad = _shard(_full((6, 5, 7), 1), mesh, placements)
+    opt = Muon([stack], lr=0.02)
+    with pytest.raises(ValueError, match="must divide evenly|'yes' vs 'no"):
+        opt.step()
 
 
 def _check_whole_state_loaded(mesh) -> None:

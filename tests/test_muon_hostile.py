@@ -138,7 +138,8 @@ def test_fsdp_over_tensor_parallel_is_refused_naming_the_param():
         with pytest.raises(
             ValueError,
             match=r"param group 0: param 0 \(shape \(12, 8\)\) has placements \(_StridedShard.*"
-            r"strided sharding \(FSDP2 over tensor parallelism\) is not supported",
+            r"strided sharding \(FSDP2 over tensor parallelism, .*\) is supported only on a "
+            r"3-D expert stack sharded on its expert dim alone",
         ):
             Muon(model.parameters())
 
