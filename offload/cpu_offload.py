@@ -1513,7 +1513,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _warn_if_nothing_resident(self, units_key: tuple[tuple[int, ...], ...]) -> None:
         """A `gpu_resident_bytes` too small for the first unit residency takes keeps nothing."""
-        if self._resident_budget == 0 or self._executor.plan.resident_bytes > 0:
+        # Whether a unit is resident, not this rank's bytes: a rank may hold none of it.
+        if self._resident_budget == 0 or any(c.resident for c in self._executor.plan.chunks):
             return
         sizes = [u.bytes for u in unit_sizes(units_key, self._specs) if u.bytes > 0]
         if not sizes:

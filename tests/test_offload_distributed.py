@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import warnings
 
 import pytest
 import torch
@@ -678,3 +679,27 @@ def test_a_first_offloaded_step_one_rank_of_a_planned_muon_refuses_is_refused_on
     # Muon refused from its built plan on one rank, and its peers waited in the wrapper's
     # first agreement (found by a review)
     run_on_ranks(_muon_planned_then_refused_on_one_rank, 2, before)
+
+
+def _resident_on_a_rank_without_experts(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from muon import Muon
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    stack = torch.nn.Parameter(distribute_tensor(torch.randn(1, 9, 6), mesh, [Shard(0)]))
+    opt = CPUOffloadOptimizer(Muon([stack]), chunk_bytes=256, gpu_resident_bytes=300)
+    stack.grad = distribute_tensor(torch.ones(1, 9, 6), mesh, [Shard(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert [c.resident for c in opt.plan.chunks] == [True]
+
+
+def test_a_rank_holding_no_expert_does_not_warn_that_its_resident_budget_keeps_nothing():
+    # rank 1 holds none of the one expert: its resident bytes are 0, and it warned
+    # "keeps no state on the GPU ... give at least 108 bytes" of a unit that is resident
+    # (found by an EP audit)
+    run_on_ranks(_resident_on_a_rank_without_experts, 2)
