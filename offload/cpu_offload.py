@@ -1229,19 +1229,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "(a group's algorithm, row_blocks, params) before the first step or once "
                 "'auto' has said what it chose"
             )
-        if auto is not None:
-            # Counted once the checks have passed: a refused step is no step of "auto"'s (on
-            # every rank alike: a rank counting one its peers took would decide before them).
+        # Counted once the checks have passed: a refused step is no step of "auto"'s (on
+        # every rank alike: a rank counting one its peers took would decide before them).
+        first_plan = executor.plan is None
+        if auto is not None and not first_plan:
             auto.step_started(streams.current())
-            if executor.plan is not None:
-                if self._plan_from_state:
-                    # State loaded or given another dtype is planned anew first: a split
-                    # re-planned from the last plan's specs would cast it into their homes.
-                    self._ensure_plan(
-                        subset, units_key, regrouped, self._subset.state_layout, sparse
-                    )
-                self._run_auto(auto)
+            if self._plan_from_state:
+                # State loaded or given another dtype is planned anew first: a split
+                # re-planned from the last plan's specs would cast it into their homes.
+                self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout, sparse)
+            self._run_auto(auto)
         self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout, sparse)
+        if auto is not None and first_plan:  # its checks are the plan's
+            auto.step_started(streams.current())
         timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
         if timer is not None:
             timer.step_started(streams.current())

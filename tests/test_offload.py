@@ -398,15 +398,16 @@ def _refuse_a_muon_step(opt: CPUOffloadOptimizer) -> None:
     group["lr"] = lr
 
 
-@pytest.mark.parametrize("refused_by", ["wrapper", "muon"])
+@pytest.mark.parametrize("refused_by", ["wrapper", "muon", "first plan"])
 def test_a_refused_step_is_not_one_of_the_steps_auto_measures(refused_by):
     # counted, it left a measured iteration of nothing, and a rank that refused a step its
-    # peers took decided a step before them (their collectives then did not match)
+    # peers took decided a step before them (their collectives then did not match); the
+    # first step's plan refused (state assigned by hand) was counted too
     model = make_model()
     inner = (
-        torch.optim.AdamW(model.parameters(), lr=1e-2)
-        if refused_by == "wrapper"
-        else Muon(muon_param_groups(model))
+        Muon(muon_param_groups(model))
+        if refused_by == "muon"
+        else torch.optim.AdamW(model.parameters(), lr=1e-2)
     )
     opt = CPUOffloadOptimizer(inner, chunk_bytes=512, gpu_resident_bytes="auto")
     gen = torch.Generator().manual_seed(1)
@@ -414,10 +415,15 @@ def test_a_refused_step_is_not_one_of_the_steps_auto_measures(refused_by):
     while opt.residency is None:
         opt.zero_grad()
         model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
-        if stepped == AUTO_WARMUP_STEPS:  # refused at a measured step, then mended
+        if refused_by == "first plan" and stepped == 0:
+            opt.state[model[0].weight]["exp_avg"] = torch.zeros(3)
+            with pytest.raises(ValueError, match="has shape"):
+                opt.step()
+            del opt.state[model[0].weight]["exp_avg"]
+        elif stepped == AUTO_WARMUP_STEPS:  # refused at a measured step, then mended
             if refused_by == "wrapper":
                 _refuse_a_step(opt, model[0].weight)
-            else:
+            elif refused_by == "muon":
                 _refuse_a_muon_step(opt)
         opt.step()
         stepped += 1
