@@ -582,7 +582,9 @@ def test_ranks_that_wrap_distributed_muon_with_other_chunks_are_refused_on_every
     run_on_ranks(_muon_wrapped_apart, 2, option)
 
 
-def _muon_refused_on_one_rank(rank: int, world: int, offloaded: bool, key: str) -> None:
+def _sharded_linears_and_muon(world: int):
+    """Four Linear(12, 12) layers fully_shard'ed over `world` ranks, and Muon over them
+    (the weights Muon's, the biases AdamW's): (model, weights, biases, optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -594,14 +596,15 @@ def _muon_refused_on_one_rank(rank: int, world: int, offloaded: bool, key: str) 
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    before = [p.full_tensor() for p in model.parameters()]
     weights = [layer.weight for layer in model]
     biases = [layer.bias for layer in model]
-    opt = Muon(
-        [{"params": weights}, {"params": biases, "algorithm": "adamw"}],
-        lr=1e-2,
-        bucket_cap_bytes=300,
-    )
+    groups = [{"params": weights}, {"params": biases, "algorithm": "adamw"}]
+    return model, weights, biases, Muon(groups, lr=1e-2, bucket_cap_bytes=300)
+
+
+def _muon_refused_on_one_rank(rank: int, world: int, offloaded: bool, key: str) -> None:
+    model, weights, biases, opt = _sharded_linears_and_muon(world)
+    before = [p.full_tensor() for p in model.parameters()]
     if offloaded:
         opt = CPUOffloadOptimizer(opt)
     inner = getattr(opt, "optimizer", opt)
@@ -635,24 +638,7 @@ def test_a_first_step_refused_on_one_rank_of_distributed_muon_is_refused_on_ever
 
 
 def _muon_planned_then_refused_on_one_rank(rank: int, world: int, before: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from muon import Muon
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(4)))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    weights = [layer.weight for layer in model]
-    biases = [layer.bias for layer in model]
-    inner = Muon(
-        [{"params": weights}, {"params": biases, "algorithm": "adamw"}],
-        lr=1e-2,
-        bucket_cap_bytes=300,
-    )
+    model, weights, biases, inner = _sharded_linears_and_muon(world)
     model(torch.randn(3, 12)).square().mean().backward()
     if before == "stepped":  # Muon's plan is built: it agrees with no peer when it refuses
         inner.step()
