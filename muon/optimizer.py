@@ -380,9 +380,13 @@ class Muon(torch.optim.Optimizer):
             param_group["params"] = params
         _set_group_defaults(param_group, self.defaults)
         super().add_param_group(param_group)
+        try:
+            _validate_group(self.param_groups[-1], index)
+            _check_sharded_matrices(self.param_groups[-1], index)
+        except BaseException:
+            self.param_groups.pop()  # refused: not added, as torch refuses a group
+            raise
         self._momentum_when_added.append(self.param_groups[-1].get("momentum"))
-        _validate_group(self.param_groups[-1], index)
-        _check_sharded_matrices(self.param_groups[-1], index)
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's (defaults, state, groups) and this optimizer's own settings, so a copy

@@ -739,3 +739,17 @@ def test_a_group_from_a_torch_adamw_checkpoint_steps_and_switched_to_muon_says_w
         match=r"param group 0: momentum, nesterov, adjust_lr_fn, ns_coefficients, ns_steps missing",
     ):
         opt.step()
+
+
+def test_a_refused_param_group_is_not_added():
+    # torch's add_param_group appended it before Muon checked it: the retry the error
+    # suggests (algorithm='adamw') was refused as a duplicate, and every step raised
+    weight, bias = nn.Parameter(_randn(8, 4)), nn.Parameter(_randn(8))
+    opt = Muon([weight], lr=0.02)
+    with pytest.raises(ValueError, match="Muon supports 2-D and 3-D params"):
+        opt.add_param_group({"params": [bias]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [bias], "algorithm": "adamw"})
+    weight.grad, bias.grad = _randn(8, 4), _randn(8)
+    opt.step()
+    assert opt.state[bias]["exp_avg"].shape == (8,)
