@@ -183,13 +183,17 @@ def muon_param_groups(
     by_module |= {id(p) for head in _output_heads(model) for p in head.parameters()}
     by_module |= _moe_gates(model)
     gates = _gate_row_blocks(model)
+    # Every name of a tied param: named_parameters() gives only its first
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
     for name, p in model.named_parameters():
         outside = "frozen" if not p.requires_grad else None
         if outside is None and (
             p.ndim not in (2, 3)
             or min(p.shape[-2:]) <= 1
             or id(p) in by_module
-            or any(re.search(pattern, name) for pattern in adamw_patterns)
+            or any(re.search(pattern, n) for n in names[id(p)] for pattern in adamw_patterns)
         ):
             adamw.append(p)
             outside = "AdamW"

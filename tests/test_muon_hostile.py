@@ -753,3 +753,19 @@ def test_a_refused_param_group_is_not_added():
     weight.grad, bias.grad = _randn(8, 4), _randn(8)
     opt.step()
     assert opt.state[bias]["exp_avg"].shape == (8,)
+
+
+def test_a_param_tied_to_a_head_goes_to_adamw_whichever_name_comes_first():
+    # named_parameters() names a tied param once, by its first registration: a raw token
+    # table registered before `lm_head` sent the shared head to Muon, untied to AdamW
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Parameter(_randn(50, 16))  # read with F.embedding
+            self.body = nn.Linear(16, 16, bias=False)
+            self.lm_head = nn.Linear(16, 50, bias=False)
+            self.lm_head.weight = self.tok
+
+    model = LM()
+    adamw = next(g for g in muon_param_groups(model) if g.get("algorithm") == "adamw")
+    assert [p is model.tok for p in adamw["params"]] == [True]
