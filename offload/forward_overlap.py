@@ -614,6 +614,9 @@ class ForwardOverlap:
         (`chunk` past the last) a state home, which holds the update once written back."""
         self.warn_if_rank_local(chunk)
         if chunk >= len(self.chunk_done):
+            # In the plan's first overlapped forward: the mode stays on in later ones, whose
+            # hooks cannot wait for a whole step
+            self._reads_outside_units |= self._tracing
             self.finish()
             if self.written_back is not None:
                 self.written_back()

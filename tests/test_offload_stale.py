@@ -119,6 +119,19 @@ class HeadTermAfterSkippedLayer(nn.Module):
         return self.head(h) + 1e-3 * term
 
 
+class HeldStateInForward(FunctionalHead):
+    """The root's forward starts with a read of optimizer state held from `opt.state` (an
+    adaptive term over the head's first moment), from the second forward on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[torch.Tensor] = []
+
+    def forward(self, tokens):
+        scale = 1 + 0.1 * sum(_full(t).sum() for t in self.held) if self.held else 1.0
+        return self.head(self.body(self.embed(tokens))) * scale
+
+
 class _BadBatch(Exception):
     pass
 
@@ -512,6 +525,20 @@ def _fsdp_worker(rank: int, world: int) -> None:
     # plan's first forward, it is waited for in every later one whatever runs before it
     pair = _fsdp_pair(HeadTermAfterSkippedLayer, mesh, shard=_fsdp_head_apart)
     assert _train(*pair[:2], _rank_tokens(rank, 5)) == _train(*pair[2:], _rank_tokens(rank, 5))
+    _assert_same_local(*pair)
+
+    # held optimizer state read in the forward: the plan's first overlapped forward lands
+    # the step there, and every later forward waits for it too (it read the moment from
+    # before the step: the mode had left the stack; found by a hostile audit)
+    def hold_state(m, o):
+        if not m.held:
+            m.held = [o.state[p]["exp_avg"] for p in m.head.parameters()]
+
+    pair = _fsdp_pair(HeldStateInForward, mesh)
+    long = _rank_tokens(rank, 5)
+    assert _train(*pair[:2], long, after_step=hold_state) == _train(
+        *pair[2:], long, after_step=hold_state
+    )
     _assert_same_local(*pair)
 
     # the plan's first overlapped forward raises before it reaches that read (a bad
