@@ -1027,7 +1027,7 @@ def _check_placements(p: Tensor, k: int) -> None:
     strided too (FSDP2's default dim-0 shard over expert parallelism makes
     `_StridedShard`): every rank holds whole matrices, updated where they are, and which
     experts a rank holds changes no matrix's update. Private API (`_StridedShard`; a
-    subclass of `Shard` in some torch releases, not in 2.13; checked on 2.11 and 2.13)."""
+    subclass of `Shard` in some torch releases, not in 2.13, the one checked)."""
     placements = tuple(getattr(p, "placements", ()))
     experts_only = p.ndim == 3 and all(
         q.dim % p.ndim == 0 for q in placements if isinstance(q, (Shard, _StridedShard))

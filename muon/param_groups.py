@@ -114,10 +114,11 @@ def muon_param_groups(
 
     A param goes to AdamW if it has fewer than 2 or more than 3 dims, its matrices are
     vectors (a side of at most 1: a ViT's class token (1, 1, d), RWKV's time-mix
-    weights, whose orthogonalization would only normalize them), its name
-    matches one of `adamw_patterns` (regular expressions, `re.search` over the dotted name;
-    by default embeddings, the output head, norms, biases and routers, looked for in the
-    param's own name, its module's and that module's parent's, not in a wrapper's above),
+    weights, whose orthogonalization would only normalize them), one of its names (a tied
+    param has several) matches one of `adamw_patterns` (regular expressions, `re.search`
+    over the dotted name; by default embeddings, the output head, norms, biases and
+    routers, looked for in the param's own name, its module's and that module's parent's,
+    not in a wrapper's above),
     it is an MoE router's (a module `gate` beside `experts`), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
     3d and their transposes: a conv weight is a kernel, not a stack of matrices), or

@@ -67,10 +67,14 @@ waits for while the plan holds at most this share of the room under the device's
 
 
 def shard_count(param: Tensor) -> int:
-    """Mesh ranks a DTensor param is sharded over (1 for a plain tensor)."""
+    """Mesh ranks a DTensor param is sharded over (1 for a plain tensor). A placement that
+    shards names a tensor dim: `Shard`, and the strided shard FSDP2 makes over another
+    sharding of a dim (torch's private `_StridedShard`, no `Shard` on torch 2.13)."""
     placements = getattr(param, "placements", ())
     mesh = getattr(param, "device_mesh", None)
-    return math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_shard())
+    return math.prod(
+        mesh.size(d) for d, pl in enumerate(placements) if isinstance(getattr(pl, "dim", None), int)
+    )
 
 
 def invariant_numel(param: Tensor) -> int:
@@ -1231,6 +1235,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         # Counted once the checks have passed: a refused step is no step of "auto"'s (on
         # every rank alike: a rank counting one its peers took would decide before them).
+        # A re-plan after the first that refuses (state assigned by hand, of the wrong
+        # shape, as options start keeping it) is counted: "auto" decided before it.
         first_plan = executor.plan is None
         if auto is not None and not first_plan:
             auto.step_started(streams.current())

@@ -455,3 +455,28 @@ def test_the_backward_spreads_its_loads_over_the_modules_before_the_last():
     assert [backward_load_share(2, passed, 5) for passed in range(5)] == [0, 1, 1, 2, 2]
     assert backward_load_share(3, 1, 1) == 3  # one module: all at once
     assert backward_load_share(0, 3, 4) == 0
+
+
+def test_a_stack_strided_over_two_axes_counts_both_as_shards():
+    # FSDP2's default shard over expert parallelism places an expert stack
+    # (_StridedShard(0), Shard(0)): on torch 2.13 _StridedShard is no Shard, its axis was
+    # not counted, and the plan sized the stack's state twice its shard (an AdamW stack
+    # sliced into chunks of which the last was empty on every rank)
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist = torch.distributed
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        placements = [_StridedShard(0, split_factor=2), Shard(0)]
+        full = (8, 4, 6)
+        stack = DTensor.from_local(
+            torch.zeros(2, 4, 6), mesh, placements, shape=full, stride=(24, 6, 1)
+        )
+        assert invariant_numel(stack) == stack.to_local().numel() == 48
+    finally:
+        dist.destroy_process_group()
