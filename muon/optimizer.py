@@ -649,7 +649,7 @@ class Muon(torch.optim.Optimizer):
                     else type(buf).__name__
                 )
                 raise ValueError(
-                    f"param group {index}: param {k} (shape {tuple(p.shape)}) has a "
+                    f"param group {index}: {_param_text(group, k)} has a "
                     f"momentum_buffer {got}, where the step keeps a float32 tensor of the "
                     f"param's shape, placed as the param ({_placements_text(p)}); assign one "
                     "such, or delete the entry to start from zeros"
@@ -1002,7 +1002,7 @@ def _check_group(group: dict[str, Any]) -> None:
             raise ValueError(f"ns_coefficients={group['ns_coefficients']!r}: {error}") from None
     row_blocks = group["row_blocks"]
     for k, p in enumerate(group["params"]):
-        where = f"param {k} (shape {tuple(p.shape)})"
+        where = _param_text(group, k)
         if p.ndim not in (2, 3):
             raise ValueError(
                 f"{where}: Muon supports 2-D and 3-D params; put it in "
@@ -1018,10 +1018,10 @@ def _check_group(group: dict[str, Any]) -> None:
             check_row_blocks(row_blocks, p.shape[-2])
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
-        _check_placements(p, k)
+        _check_placements(p, where)
 
 
-def _check_placements(p: Tensor, k: int) -> None:
+def _check_placements(p: Tensor, where: str) -> None:
     """A DTensor param sharded in torch.chunk pieces (Shard) or replicated: the layouts
     the planner cuts matrices by; or an expert stack sharded on its expert dim alone,
     strided too (FSDP2's default dim-0 shard over expert parallelism makes
@@ -1044,7 +1044,7 @@ def _check_placements(p: Tensor, k: int) -> None:
                 "sharded on its expert dim alone"
             )
         raise ValueError(
-            f"param {k} (shape {tuple(p.shape)}) has placements {placements}: {why}; shard "
+            f"{where} has placements {placements}: {why}; shard "
             "it with FSDP2 alone (an expert stack: on its expert dim), or put it in an "
             "algorithm='adamw' group"
         )
@@ -1061,8 +1061,16 @@ def _check_sharded_matrices(group: dict[str, Any], index: int) -> None:
             try:
                 check_matrix_sharding(p.shape, p.device_mesh.shape, _shard_dims(p))
             except ValueError as error:
-                where = f"param group {index}: param {k} (shape {tuple(p.shape)})"
+                where = f"param group {index}: {_param_text(group, k)}"
                 raise ValueError(f"{where}: {error}") from None
+
+
+def _param_text(group: dict[str, Any], k: int) -> str:
+    """How an error names a group's param `k`: its index, its name where the group has
+    names (`model.named_parameters()` given), and its shape."""
+    names = group.get("param_names")
+    name = f"{names[k]!r}, " if names else ""
+    return f"param {k} ({name}shape {tuple(group['params'][k].shape)})"
 
 
 def _user_stacklevel() -> int:
@@ -1094,7 +1102,7 @@ def _check_grads(group: dict[str, Any], index: int) -> None:
         grad = p.grad
         if grad is None:
             continue
-        where = f"param group {index}: param {k} (shape {tuple(p.shape)})"
+        where = f"param group {index}: {_param_text(group, k)}"
         if grad.layout != torch.strided:
             raise RuntimeError(
                 f"{where} has a {grad.layout} grad, but {algorithm} does not support sparse "

@@ -769,3 +769,14 @@ def test_a_param_tied_to_a_head_goes_to_adamw_whichever_name_comes_first():
     model = LM()
     adamw = next(g for g in muon_param_groups(model) if g.get("algorithm") == "adamw")
     assert [p is model.tok for p in adamw["params"]] == [True]
+
+
+def test_errors_name_a_param_by_its_name_where_the_group_has_names():
+    # given model.named_parameters(), errors still said "param 1 (shape (8,))"
+    model = nn.Sequential(nn.Linear(4, 8))
+    with pytest.raises(ValueError, match=r"param 1 \('0\.bias', shape \(8,\)\): Muon supports"):
+        Muon(model.named_parameters())
+    opt = Muon([("0.weight", model[0].weight)])
+    model[0].weight.grad = torch.zeros(8, 4).to_sparse()
+    with pytest.raises(RuntimeError, match=r"param 0 \('0\.weight', shape \(8, 4\)\) has a"):
+        opt.step()
