@@ -131,6 +131,30 @@ def test_update_does_not_depend_on_bucket_cap_or_offload_chunks(ns_dtype):
         assert not differ, f"cap {cap // MIB} MiB, chunk {chunk_bytes}: {len(differ)} differ"
 
 
+@pytest.mark.parametrize("shape", [(768, 2048), (2048, 768), (1024, 1024)])
+def test_an_expert_stack_split_among_ranks_updates_each_expert_as_whole(shape):
+    # Under expert parallelism each rank holds some of a stack's experts and batches only
+    # those: an expert's update must not depend on how many others launch with it (the
+    # claim was tested on CPU only; found by an EP audit)
+    experts = 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    stack = torch.randn(experts, *shape, device="cuda", generator=gen) * 0.02
+    grads = [torch.randn(experts, *shape, device="cuda", generator=gen) for _ in range(2)]
+
+    def run(pieces: int, cap: int) -> torch.Tensor:
+        params = [torch.nn.Parameter(x.clone()) for x in stack.split(experts // pieces)]
+        opt = Muon(params, lr=0.02, bucket_cap_bytes=cap)
+        for grad in grads:
+            for p, g in zip(params, grad.split(experts // pieces), strict=True):
+                p.grad = g.clone()
+            opt.step()
+        return torch.cat([p.detach() for p in params])
+
+    whole = run(1, 2**40)
+    for pieces in (2, 8):
+        assert torch.equal(run(pieces, 1), whole), pieces
+
+
 def test_nothing_but_params_and_state_is_kept_between_steps():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
