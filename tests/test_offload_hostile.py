@@ -234,14 +234,16 @@ def test_loaded_state_of_the_wrong_shape_is_refused_naming_param_and_key(stepped
         opt.load_state_dict(saved)
 
 
-def _adamw_pair(make_model, chunk_bytes: int, overlap: bool):
-    """Two copies of `make_model()`: plain AdamW on one, offloaded AdamW on the other."""
+def _adamw_pair(make_model, chunk_bytes: int, overlap: bool, **options):
+    """Two copies of `make_model()`: plain AdamW on one, offloaded AdamW (with `options`)
+    on the other."""
     plain_model, model = make_model(), make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         chunk_bytes=chunk_bytes,
         overlap_forward=model if overlap else None,
+        **options,
     )
     return plain_model, plain, model, opt
 
@@ -1679,14 +1681,7 @@ def test_a_checkpoint_of_the_model_from_inside_a_chunk_lets_the_step_go_on(monke
             opt.step()
         monkeypatch.undo()
 
-    plain_model, model = _three_linears(), _three_linears()
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=64,
-        staging_slots=2,
-        overlap_forward=model,
-    )
+    plain_model, plain, model, opt = _adamw_pair(_three_linears, 64, True, staging_slots=2)
     train(plain_model, plain)
     train(model, opt, checkpoint_in_call=9)  # a chunk the second step's forward runs
     opt.wait_for_optimizer_step()
