@@ -303,13 +303,14 @@ class ElementwiseGroupStep(GroupStep):
         super().__init__(optimizer)
         state = optimizer.state
         self._had_state = {p for p in self._group_of if state.get(p)}
-        # Told apart now: a slice's state, swapped in by the caller, has no param's shape.
-        self._odd_shaped = {
-            (p, k)
-            for p in self._had_state
-            for k, v in state[p].items()
-            if _is_offloaded(v) and local_tensor(v).shape != local_tensor(p).shape
-        }
+        # Told apart now, by size (a DTensor's state is placed as it is: global sizes, no
+        # unwrap): a slice's state, swapped in by the caller, has no param's size.
+        self._not_param_sized: set[tuple[Tensor, str]] = set()
+        for p in self._had_state:
+            numel = p.numel()
+            for k, v in state[p].items():
+                if isinstance(v, Tensor) and v.ndim and v.numel() != numel:
+                    self._not_param_sized.add((p, k))
         self._scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': at the step's start
         self._own_scalars: dict[Tensor, dict[str, Any]] = {}  # sliced params': their own
         self._left: dict[Tensor, int] = {}  # elements of a sliced param still to step
@@ -382,7 +383,9 @@ class ElementwiseGroupStep(GroupStep):
         if piece is None:  # one stand-in: it steps the param's own scalars, as torch does
             return stand_in, {k: local_tensor(v) if _is_offloaded(v) else v for k, v in own.items()}
         sliced = {
-            k for k, v in own.items() if _is_offloaded(v) and (param, k) not in self._odd_shaped
+            k
+            for k, v in own.items()
+            if _is_offloaded(v) and (param, k) not in self._not_param_sized
         }
         entries = {k: local_tensor(own[k]) for k in sliced}
         if param not in self._scalars:  # its scalars at the step's start, for every slice
