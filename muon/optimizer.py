@@ -1102,12 +1102,12 @@ def _check_grads(group: dict[str, Any], index: int) -> None:
         grad = p.grad
         if grad is None:
             continue
-        where = f"param group {index}: {_param_text(group, k)}"
+        # named only when refused: this runs for every param at every step
         if grad.layout != torch.strided:
             raise RuntimeError(
-                f"{where} has a {grad.layout} grad, but {algorithm} does not support sparse "
-                "gradients; make it dense (nn.Embedding(sparse=False)) or step that param "
-                "with torch.optim.SparseAdam"
+                f"param group {index}: {_param_text(group, k)} has a {grad.layout} grad, "
+                f"but {algorithm} does not support sparse gradients; make it dense "
+                "(nn.Embedding(sparse=False)) or step that param with torch.optim.SparseAdam"
             )
         same = isinstance(p, DTensor) == isinstance(grad, DTensor) and (
             not isinstance(p, DTensor)
@@ -1115,16 +1115,17 @@ def _check_grads(group: dict[str, Any], index: int) -> None:
         )
         if not same:
             raise ValueError(
-                f"{where} has a grad with placements {_placements_text(grad)} but the param has "
-                f"{_placements_text(p)}; reduce or redistribute the grad to the param's placements "
-                "first (p.grad = p.grad.redistribute(p.device_mesh, p.placements))"
+                f"param group {index}: {_param_text(group, k)} has a grad with placements "
+                f"{_placements_text(grad)} but the param has {_placements_text(p)}; reduce "
+                "or redistribute the grad to the param's placements first "
+                "(p.grad = p.grad.redistribute(p.device_mesh, p.placements))"
             )
         if algorithm == "AdamW" and grad.dtype != p.dtype:
             # torch's AdamW refuses it too, but mid-step: the Muon groups had stepped
             raise ValueError(
-                f"{where} has a {grad.dtype} grad for a {p.dtype} param, which AdamW (as "
-                "torch.optim.AdamW) does not step; give it a grad of the param's dtype, or "
-                "keep the param in the grad's dtype"
+                f"param group {index}: {_param_text(group, k)} has a {grad.dtype} grad for "
+                f"a {p.dtype} param, which AdamW (as torch.optim.AdamW) does not step; give "
+                "it a grad of the param's dtype, or keep the param in the grad's dtype"
             )
 
 

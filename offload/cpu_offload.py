@@ -1221,7 +1221,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             executor.drop_loaded_ahead()
         # The wrapped optimizer's checks (Muon's groups and grads) may refuse the step too: at
         # the first plan on every rank alike (Muon's own agreement runs only where it plans).
-        agree = self._rank_agreement() if executor.plan is None else None
+        first_plan = executor.plan is None
+        agree = self._rank_agreement() if first_plan else None
         subset = _refused_on_every_rank(agree, (), self._subset.begin_subset_step)
         units_key = self._units_key_of(subset)
         regrouped = self._executor.plan is not None and units_key != self._units_key
@@ -1237,7 +1238,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # every rank alike: a rank counting one its peers took would decide before them).
         # A re-plan after the first that refuses (state assigned by hand, of the wrong
         # shape, as options start keeping it) is counted: "auto" decided before it.
-        first_plan = executor.plan is None
         if auto is not None and not first_plan:
             auto.step_started(streams.current())
             if self._plan_from_state:
