@@ -208,8 +208,9 @@ class ForwardOverlap:
         # FSDP2 units hold every param: a unit's forward reads only all-gathered copies,
         # so the mode leaves the stack at the forward's start (nothing for torch.compile
         # to trace; the forward's end finishes the step), but in the first overlapped
-        # forward with grads on of each plan that runs to its end (an evaluation may
-        # skip reads training makes): there it finds reads outside a unit's
+        # forward of each plan that trains as the one before the step did (an evaluation
+        # may skip reads training makes), runs to its end, and finds no chunk landed
+        # before it (by a log of weights): there it finds reads outside a unit's
         # forward (a term over another unit's sharded params, a state counter), and each
         # makes the owner whose hook ran last wait for the chunk it read from then on (-1:
         # before any owner's, the forward's start). Where it found one, the mode stays on
@@ -237,7 +238,10 @@ class ForwardOverlap:
         self._trainer_stream: torch.Stream | None = None
         names = {module: name for name, module in model.named_modules()}
         self._owner_names = [names.get(module, "") or "(the root)" for module, _ in self.owners]
-        self._training_forward = False  # the forward now running has grads on (_after_forward)
+        # Whether the forward now running ends the first forward's look (`_after_forward`);
+        # train() or eval() as the last forward with grads, and as the one before the step.
+        self._ends_look = False
+        self._last_trained_in = self._trains_in = True
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
         self._module_chunk: list[int] = []
@@ -261,6 +265,8 @@ class ForwardOverlap:
         self._watch = _Watch()  # that forward's hooks on its owner modules' inputs
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
         self._param_chunk: dict[Tensor, int] = {}  # the chunk each param's update lands with
+        self._late_params: list[list[Tensor]] = []  # see `set_chunks`
+        self._late_storage: list[list[int]] = []  # their data pointers at `start`
         self._up_front = -1  # the last chunk enqueued when `start` returns
         self._ahead_of: Sequence[int] = ()  # per chunk: the last enqueued once it is needed
         self._advancing = threading.RLock()
@@ -376,6 +382,13 @@ class ForwardOverlap:
         self._chunk_needs = [max((param_end[p] for p in ps), default=0) for ps in chunk_params]
         self._chunk_needs = list(itertools.accumulate(self._chunk_needs, max))
         self._param_chunk = {p: c for p, c in chunk_of.items()}
+        # Per chunk the step enqueues after it returns, its plain params (a DTensor's local
+        # storage is FSDP2's to manage), to check that none was given other storage while
+        # pending (`_refuse_replaced`)
+        self._late_params = [
+            [p for p in ps if not hasattr(p, "placements")]
+            for ps in chunk_params[schedule.up_front + 1 :]
+        ]
         self._trace_reads, self._start_chunk = self._hooks_see_forward, -1
         self._reads_outside_units = False
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
@@ -401,6 +414,7 @@ class ForwardOverlap:
         with self._advancing:
             self.runs_collectives = runs_collectives
             self._in_forward = False  # a forward interrupted by a BaseException ran no after-hook
+            self._trains_in = self._last_trained_in  # the forward the step's grads came from
             streams, side = self._streams, self.side_stream
             device_type = streams.device.type
             self._autocast = {
@@ -422,6 +436,7 @@ class ForwardOverlap:
                     grad.record_stream(side)
             self._pending = pending
             self._enqueued = 0
+            self._late_storage = [[p.data_ptr() for p in ps] for ps in self._late_params]
             self._in_flight = True
             self._waited = (None, -1)  # the events are recorded anew
             self._warn_if_forward_never_ended()
@@ -461,10 +476,33 @@ class ForwardOverlap:
             self._reads.suspended(),  # the step's own reads and writes of its params
         ):
             while self._pending is not None and self._enqueued <= last:
+                if self._up_front < self._enqueued < len(self.chunk_done):
+                    self._refuse_replaced(self._enqueued - self._up_front - 1)
                 if next(self._pending, StopIteration) is StopIteration:
                     self._pending = None
                 else:
                     self._enqueued += 1
+
+    def _refuse_replaced(self, late: int) -> None:
+        """Before the `late`-th chunk enqueued after `step()` returned: a param of it given
+        other storage since (`Tensor.set_`, which no torch function mode sees; assigning to
+        a parametrized weight calls it) would take the update onto its new data, which a
+        step finished in `step()` leaves as it was set. Refused, inside the step's chunks
+        (the step is marked interrupted: those before it are applied)."""
+        for p, storage in zip(self._late_params[late], self._late_storage[late], strict=True):
+            if p.data_ptr() != storage:
+                model = self._model()
+                names = model.named_parameters(remove_duplicate=False) if model else ()
+                name = next((n for n, q in names if q is p), f"of shape {tuple(p.shape)}")
+                self._pending.throw(
+                    RuntimeError(
+                        f"param {name} was given other storage (Tensor.set_, or an "
+                        "assignment to a parametrized weight) while the optimizer step that "
+                        "updates it was pending, and its update would land on the new data: "
+                        "call optimizer.wait_for_optimizer_step() before replacing a param's "
+                        "data"
+                    )
+                )
 
     def finish(self) -> None:
         """Enqueue every pending chunk; the current stream, the trainer's and the one `step()`
@@ -711,12 +749,28 @@ class ForwardOverlap:
                 self.warn_if_rank_local(len(self.chunk_done))
                 self.finish()
 
+    def _before_all_gather(self) -> None:
+        """FSDP2 all-gathers a unit's shards. Inside a forward the unit's hook waited for
+        them first (or, gathered by hand there, its forward refuses); outside one (an
+        `unshard()` to read or export full weights) nothing did: the step lands now."""
+        if not self._in_forward:
+            self.warn_if_rank_local(len(self.chunk_done))
+            self.finish()
+
     def _before_forward(self) -> None:
         self._reading_owner = -1
         self._in_forward = True
+        grads = torch.is_grad_enabled()
+        model = self._model()
+        training = model is not None and model.training
+        if grads:
+            self._last_trained_in = training
         if not self._in_flight:
             self._reads.pop()  # still on this thread's stack if another thread finished
             return
+        # Reads before this forward that landed chunks (a log of weights) leave its look
+        # blind to reads of those chunks: only a forward none landed before can end it.
+        nothing_landed = self._reads.landed < 0
         current = self._streams.current()
         if current != self._trainer_stream:
             # The forward runs on another stream than `step()` did: it becomes the
@@ -728,18 +782,20 @@ class ForwardOverlap:
             self._wait_for_chunk(self._start_chunk, self._chunk_needs[self._start_chunk])
         if self._hooks_see_forward:
             self._tracing = self._trace_reads
-            self._training_forward = torch.is_grad_enabled()
+            self._ends_look = grads and training == self._trains_in and nothing_landed
             if not self._tracing and not self._reads_outside_units:
                 self._reads.leave_stack()
 
     def _after_forward(self, args: Any, output: Any) -> None:
         # A forward that raised (torch calls this hook from its handler, with no output)
         # may not have reached the reads it was to find: the next one looks again. So
-        # does the next after one without grads (an evaluation right after the first
-        # step), which may skip reads that only training makes (a penalty term).
+        # does the next after an evaluation (without grads, or in the other of train() and
+        # eval() than the forward before the step), which may skip reads that only
+        # training makes (a penalty term), and after a forward some chunks had landed
+        # before (`_before_forward`).
         raised = output is None and sys.exc_info()[1] is not None
         self._in_forward = False
-        if self._tracing and not raised and self._training_forward:
+        if self._tracing and not raised and self._ends_look:
             self._trace_reads = False
         self._tracing = False
         if self._in_flight:
@@ -786,6 +842,11 @@ class _PendingReads(TorchFunctionMode):
         self.landed = -1  # the last chunk the trainer's stream has waited for
         self._landing: list[list[int]] = []  # per chunk: the ids its landing forgets
         self._thread: int | None = None  # the thread whose stack holds this mode
+        # FSDP2's copy of a unit's shards into its all-gather buffer: the one torch call on
+        # them in `FSDPModule.unshard()`, given views of a padded buffer the params are
+        # not views of. Private API (`torch.ops.fsdp.all_gather_copy_in`, registered once
+        # FSDP2 is imported; torch 2.11 and 2.13).
+        self.all_gather_copy_in = getattr(torch.ops.fsdp, "all_gather_copy_in", None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -803,6 +864,10 @@ class _PendingReads(TorchFunctionMode):
             overlap = self._overlap()
             if overlap is not None:
                 overlap._before_backward()
+        elif func is self.all_gather_copy_in:
+            overlap = self._overlap()
+            if overlap is not None:
+                overlap._before_all_gather()
         else:
             chunk = _latest_chunk(self.chunk_of, self._held, args)
             if kwargs:

@@ -338,6 +338,33 @@ def test_in_place_param_edit_while_pending_applies_after_the_update():
     _assert_same(plain_model, plain, model, overlapped)
 
 
+def test_a_param_given_other_storage_while_pending_is_refused_at_its_chunk():
+    # Tensor.set_ is a torch call no mode sees: the pending update landed on the new data
+    # (assigning to a parametrized weight calls it; found by a hostile audit)
+    def replace_head(m, o):
+        with torch.no_grad():
+            m.head.weight.set_(torch.full((40, 16), 0.01))
+
+    data = _tokens(3)
+    _, _, model, overlapped = _pair(FunctionalHead)
+    _train(model, overlapped, data[:1], after_step=replace_head)
+    with pytest.raises(RuntimeError, match="param head.weight was given other storage"):
+        model(data[1])
+    with pytest.raises(RuntimeError, match="interrupted by RuntimeError"):
+        overlapped.step()
+
+    # once the step has landed, it is the trainer's to replace, as without overlap
+    def land_and_replace_head(m, o):
+        o.wait_for_optimizer_step()
+        replace_head(m, o)
+
+    plain_model, plain, model, overlapped = _pair(FunctionalHead)
+    assert _train(plain_model, plain, data, after_step=land_and_replace_head) == _train(
+        model, overlapped, data, after_step=land_and_replace_head
+    )
+    _assert_same(plain_model, plain, model, overlapped)
+
+
 @pytest.mark.parametrize("budget", [None, 2**40], ids=["ring", "all"])
 def test_state_edit_after_backward_loads_is_kept(budget):
     plain_model, plain, model, overlapped = _pair(
@@ -579,6 +606,37 @@ def _fsdp_worker(rank: int, world: int) -> None:
     )
     _assert_same_local(*pair)
 
+    # ... and so does one with grads on in eval() (a validation loss), where training
+    # ran in train() (found by a hostile audit)
+    def validate_once(m, o, done=[]):  # noqa: B006 - one evaluation per model
+        if m not in done:
+            done.append(m)
+            m.eval()
+            m(data[0])
+            m.train()
+
+    pair = _fsdp_pair(BodyNormInRootWhenTraining, mesh)
+    assert _train(*pair[:2], long, after_step=validate_once) == _train(
+        *pair[2:], long, after_step=validate_once
+    )
+    _assert_same_local(*pair)
+
+    # a log of every weight right after the first step lands every chunk before the
+    # plan's first overlapped forward, whose look then found no read that waited: the
+    # next forward looks (every later one read the body's shards before their update;
+    # found by a hostile audit)
+    def log_once(m, o, done=[]):  # noqa: B006 - one log per model
+        if m not in done:
+            done.append(m)
+            [p.full_tensor().norm() for p in m.parameters()]
+
+    pair = _fsdp_pair(BodyNormInRoot, mesh)
+    long = _rank_tokens(rank, 5)
+    assert _train(*pair[:2], long, after_step=log_once) == _train(
+        *pair[2:], long, after_step=log_once
+    )
+    _assert_same_local(*pair)
+
     # with no unit at the root, the root's read comes before any owner's hook: the
     # forward's start waits for it
     pair = _fsdp_pair(BodyNormInRoot, mesh, shard=_fsdp_children)
@@ -712,13 +770,28 @@ def _fsdp_worker(rank: int, world: int) -> None:
     assert _train(*pair[:2], data, **edits) == _train(*pair[2:], data, **edits)
     _assert_same_local(*pair)
 
-    # a unit all-gathered by hand (FSDPModule.unshard(), manual prefetch) while its chunk
-    # is pending gathered the shards from before the step: refused, naming the module
+    # a unit all-gathered by hand between step() and the next forward (unshard() to
+    # read or export its full weight) lands the step first (it gathered the shards from
+    # before the step; found by a hostile audit)
+    def read_gathered(m, o, into):
+        m.body[2].unshard()
+        into.append(m.body[2].weight.detach().clone())
+        m.body[2].reshard()
+
+    pair, reads = _fsdp_pair(TiedEmbedFirst, mesh), ([], [])
+    for (m, o), into in zip((pair[:2], pair[2:]), reads, strict=True):
+        _train(m, o, data, after_step=lambda m, o, into=into: read_gathered(m, o, into))
+    assert all(torch.equal(a, b) for a, b in zip(*reads, strict=True))
+    _assert_same_local(*pair)
+
+    # ... inside a forward (a prefetch by hand) no hook waited for it: the unit's forward
+    # refuses, naming the module
     _, _, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
-    _train(model, overlapped, data[:1])
-    model.body[2].unshard()
+    _train(model, overlapped, data[:2])
+    handle = model.body[0].register_forward_pre_hook(lambda *_: model.body[2].unshard())
     with pytest.raises(RuntimeError, match=r"module 'body.2' \(FSDPLinear\) was all-gathered"):
-        model(data[1])
+        model(data[2])
+    handle.remove()
     overlapped.close()
 
     # params whose all-gather the overlap cannot see: refused, naming the param
