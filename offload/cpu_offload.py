@@ -314,6 +314,25 @@ def _check_each_param_once(optimizer: torch.optim.Optimizer) -> None:
             seen[param] = (g, k)
 
 
+def _check_params_apart(params: Sequence[Tensor]) -> None:
+    """Refuse two params that share an element (`nn.Parameter(embed.weight)` given to a
+    head makes a second param over the embedding's memory, not a tie): torch's step
+    updates the shared elements twice, in the order the params are listed, and the
+    chunked step in the order of its chunks, which rounds otherwise."""
+
+    def refuse(name: str, other: str) -> None:
+        raise ValueError(
+            f"{name} shares memory with {other} (two Parameters over the same elements, "
+            "each updated in turn): the chunked step updates them in another order than the "
+            "optimizer's own step, which gives other results. Tie such weights as one "
+            "Parameter (head.weight = embed.weight), or do not offload this optimizer"
+        )
+
+    named = [(f"param {i} (shape {tuple(p.shape)})", local_tensor(p)) for i, p in enumerate(params)]
+    for cluster in _overlapping_spans(named):
+        _check_cluster_apart(cluster, refuse)
+
+
 def _refuse_steps(optimizer: torch.optim.Optimizer) -> None:
     """Refuse the optimizer's steps until a `load_state_dict`: its wrapper was collected
     with an overlapped step pending, which left params and state apart (step pre-hooks
@@ -540,6 +559,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "the params are on the meta device (a model not materialized yet): build and "
                 "wrap the optimizer after model.to_empty(device=...) and the weights' init"
             )
+        _check_params_apart(self._params)
         _refuse_differentiable(optimizer)
         self._subset = subset_step_for(optimizer)
         self._refuse_a_patched_step()

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from test_offload_audit import assert_equal
+from torch import nn
 
 from muon import Muon, muon_param_groups
 from offload import CPUOffloadOptimizer
@@ -1315,6 +1316,20 @@ def test_state_aliased_through_another_storage_object_is_refused():
     a.grad, b.grad = torch.ones(8), torch.ones(8)
     with pytest.raises(ValueError, match="shares memory with"):
         opt.step()
+
+
+def test_two_params_over_the_same_elements_are_refused_at_construction():
+    # `head.weight = nn.Parameter(embed.weight)` makes a second param over the embedding's
+    # memory: the chunks updated the shared elements in another order than torch's step,
+    # silently (found by a hostile audit); params that are apart views of one buffer pass
+    embed = nn.Embedding(40, 16)
+    head = nn.Linear(16, 40, bias=False)
+    head.weight = nn.Parameter(embed.weight)
+    with pytest.raises(ValueError, match=r"param 1 \(shape \(40, 16\)\) shares memory with"):
+        CPUOffloadOptimizer(torch.optim.AdamW([*embed.parameters(), *head.parameters()]))
+    buffer = torch.zeros(24)
+    apart = [nn.Parameter(buffer[:8]), nn.Parameter(buffer[8:].view(4, 4))]
+    CPUOffloadOptimizer(torch.optim.AdamW(apart)).close()
 
 
 def test_a_self_overlapping_view_shares_no_byte_with_what_sits_in_its_gaps():
