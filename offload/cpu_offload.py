@@ -965,12 +965,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"state_dict has {len(saved_ids)} params, this optimizer {len(self._params)}"
             )
         param_of = dict(zip(saved_ids, self._params, strict=True))
-        unlisted = [index for index in state_dict["state"] if index not in param_of]
-        if unlisted:
-            raise ValueError(
-                f"state_dict has state for {unlisted[0]!r}, which none of its param_groups "
-                "lists: drop that entry (a param removed from the groups keeps no state)"
-            )
+        # State under a key no group lists (an optimizer's own `state["global"]`) goes to
+        # the wrapped optimizer as it is, as torch's load keeps it; the rest is params'.
+        saved = {k: v for k, v in state_dict["state"].items() if k in param_of}
+        unlisted = {k: v for k, v in state_dict["state"].items() if k not in param_of}
         # The saved groups' options choose the state (amsgrad, momentum): loaded first, what
         # the step keeps with them says which tensors go to the homes; a refused load puts
         # the old groups and state back.
@@ -980,11 +978,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         try:
             kept = self._kept_shapes()
-            offloaded, light = self._sorted_loaded_state(state_dict["state"], param_of, kept)
+            offloaded, light = self._sorted_loaded_state(saved, param_of, kept)
             self.optimizer.load_state_dict(
-                {"state": light, "param_groups": state_dict["param_groups"]}
+                {"state": light | unlisted, "param_groups": state_dict["param_groups"]}
             )
-            self._check_complete_state(state_dict["state"], param_of, kept)
+            self._check_complete_state(saved, param_of, kept)
             for (index, key), value in offloaded.items():
                 expected = kept.get(param_of[index], {}).get(key)
                 if expected is not None:

@@ -808,14 +808,44 @@ def test_muons_fp32_momentum_of_bf16_params_loaded_before_the_first_step_stays_f
         assert torch.equal(a, b)
 
 
-def test_saved_state_of_a_param_no_group_lists_is_refused_naming_it():
-    # a bare KeyError: 99
-    model = _two_linears()
-    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()))
-    saved = opt.state_dict()
-    saved["state"][99] = {"exp_avg": torch.zeros(3)}
-    with pytest.raises(ValueError, match="state for 99, which none of its param_groups lists"):
+class _GlobalStepSGD(torch.optim.Optimizer):
+    """SGD whose lr falls with a step count kept in `state["global"]`, a key no group lists."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        count = self.state["global"]
+        count["t"] = count.get("t", 0) + 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / count["t"])
+
+
+def test_saved_state_under_a_key_no_group_lists_loads_as_torch_loads_it():
+    # the wrapper refused every checkpoint of an optimizer keeping such state, its own too,
+    # advising to drop the entry (which resets that state; found by a hostile audit);
+    # before that, a bare KeyError
+    runs = []
+    for wrap in (False, True):
+        p = nn.Parameter(torch.ones(4))
+        opt = _GlobalStepSGD([p])
+        opt = CPUOffloadOptimizer(opt) if wrap else opt
+        for _ in range(2):
+            p.grad = torch.ones(4)
+            opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        saved["state"][99] = {"exp_avg": torch.zeros(3)}  # a stray entry: kept as it is
         opt.load_state_dict(saved)
+        p.grad = torch.ones(4)
+        opt.step()
+        runs.append((p.detach().clone(), opt.state_dict()["state"]))
+    (plain, plain_state), (wrapped, wrapped_state) = runs
+    assert torch.equal(plain, wrapped)
+    assert wrapped_state["global"] == plain_state["global"] == {"t": 3}
+    assert torch.equal(wrapped_state[99]["exp_avg"], plain_state[99]["exp_avg"])
 
 
 def test_the_staging_views_an_error_leaves_in_its_traceback_stay_readable():
