@@ -45,6 +45,14 @@ class PlanDescription:
 PARAM_FIELDS = ("group", "row_blocks", "shape", "dtype", "device type", "placements")
 
 
+class RanksDisagree(ValueError):
+    """Ranks do not build the same Muon plan. Raised on every rank of the meshes at once:
+    a caller that agrees on more (an offload wrapper's own settings) must not wait for
+    peers in another agreement after it (`raised_on_every_rank`)."""
+
+    raised_on_every_rank = True
+
+
 def first_difference(mine: PlanDescription, theirs: PlanDescription) -> str | None:
     """The first thing two ranks' descriptions disagree on, in words; None if they agree."""
     for (name, value), (_, other) in zip(mine.settings, theirs.settings, strict=True):
@@ -100,7 +108,7 @@ def check_ranks_agree(
         first, digest = digests[0]
         odd = next(rank for rank, other in digests if other != digest)
         difference = first_difference(described[first], described[odd])
-        refusal = ValueError(
+        refusal = RanksDisagree(
             f"ranks {first} and {odd} (of a mesh of ranks {sorted(described)}) do not build "
             f"the same Muon plan, which its exchanges need: "
             f"{difference or 'their descriptions differ in form'}. Every rank of a mesh must "
@@ -109,7 +117,7 @@ def check_ranks_agree(
         )
     if all_meshes > 1 and meshes and _seen_anywhere(refusal is not None, meshes, all_meshes):
         # meshes that cross: a rank whose own meshes agree waits on peers that refuse
-        raise refusal or ValueError(
+        raise refusal or RanksDisagree(
             "ranks of another mesh of this optimizer's Muon params do not build the same "
             "Muon plan (their error names the difference), so this rank's exchanges would "
             "wait on them"

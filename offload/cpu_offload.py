@@ -101,13 +101,17 @@ def _refused_on_every_rank(
     """`work()`, whose error (this rank's grads, state or settings refused) is raised on
     every rank `agree` runs over, with `settings` checked alike: a rank that raised alone
     would leave its peers waiting in the next agreement, or the exchanges. No agreement
-    where `agree` is None."""
+    where `agree` is None, nor after an error raised on every rank at once (one with
+    `raised_on_every_rank`, as distributed Muon's own plan agreement raises): a peer that
+    raised it outside a wrapper (not offloaded there) joins no agreement after it."""
     if agree is None:
         return work()
     refused = None
     try:
         result = work()
     except Exception as error:
+        if getattr(error, "raised_on_every_rank", False):
+            raise
         refused = error
     outcome = ("offload plan accepted", "no, see the error on that rank" if refused else "yes")
     try:

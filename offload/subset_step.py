@@ -36,7 +36,10 @@ through the GPU in chunks. The contract:
   on every rank (the wrapper warns where a read outside the forward advances it).
   Then the optimizer's optional `check_ranks_agree_on(settings)` refuses, on every
   rank it exchanges with, (name, value) settings that differ between them: the wrapper
-  gives it its chunks at the first plan, which order the calls.
+  gives it its chunks at the first plan, which order the calls. An error the optimizer
+  raises on every rank at once (its own plan agreement) carries `raised_on_every_rank =
+  True`: the wrapper then raises it without agreeing further, as a peer that is not
+  wrapped would not join.
 - Optional, `step_slices(params, slices)`: a step whose update is elementwise
   declares it can update slices of one-param units (`SlicingSubsetStep`), so a
   large param never makes a staging slot larger than a chunk.

@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from muon import Muon
 from muon.rank_agreement import PlanDescription, first_difference
+from offload import CPUOffloadOptimizer
 
 SETTINGS = (("ns_dtype", torch.bfloat16), ("bucket_cap_bytes", 1000))
 PARAMS = (
@@ -69,7 +70,7 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
     options: dict = {"bucket_cap_bytes": 10**6}
     if case == "frozen middle param" and odd:
         named = [named[0], named[2]]
-    if case == "bucket_cap_bytes" and odd:
+    if case.startswith("bucket_cap_bytes") and odd:
         options["bucket_cap_bytes"] = 300
     if case == "ns_dtype" and odd:
         options["ns_dtype"] = torch.float32
@@ -78,6 +79,10 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
     if case == "momentum" and odd:  # each rank's shard took its own momentum
         options["momentum"] = 0.5
     opt = Muon(named, lr=0.1, **options)
+    if case == "bucket_cap_bytes, offloaded on one rank" and not odd:
+        # the offloaded rank went on to the wrapper's own agreement after Muon's refusal,
+        # which its peer (not offloaded) never joined: it hung (found by a hostile audit)
+        opt = CPUOffloadOptimizer(opt)
     with pytest.raises(ValueError) as raised:
         opt.step()
     message = str(raised.value)
@@ -91,6 +96,7 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
         "bucket_cap_bytes": "bucket_cap_bytes: 300 vs 1000000"
         if odd_first
         else "bucket_cap_bytes: 1000000 vs 300",
+        "bucket_cap_bytes, offloaded on one rank": "bucket_cap_bytes: 1000000 vs 300",
         "ns_dtype": "ns_dtype: torch.bfloat16 vs torch.float32",
         "max_inflight": "max_inflight: 2 vs 1",
         "momentum": "param group 0's momentum: 0.95 vs 0.5",
@@ -105,6 +111,7 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
     [
         (2, "frozen middle param", (2,)),
         (2, "bucket_cap_bytes", (2,)),
+        (2, "bucket_cap_bytes, offloaded on one rank", (2,)),
         (3, "ns_dtype", (3,)),
         (2, "max_inflight", (2,)),
         (3, "momentum", (3,)),
