@@ -467,3 +467,13 @@ def test_flags_that_do_not_combine_are_named_as_flags():
     flags = ["--offload-gpu-budget-bytes", "100", "--offload", "optimizer"]
     with pytest.raises(ValueError, match=r"or leave --offload-gpu-budget-bytes unset$"):
         OptimizerConfig.from_args(parser.parse_args(flags))
+
+
+def test_configs_parsed_by_one_parser_do_not_share_muon_options():
+    # argparse hands every parse its one default dict: an edit of one config's
+    # muon_options showed up in every later parse (found by a hostile audit)
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    first = OptimizerConfig.from_args(parser.parse_args(["--type", "muon"]))
+    first.muon_options["max_inflight"] = 1
+    assert OptimizerConfig.from_args(parser.parse_args(["--type", "muon"])).muon_options == {}
