@@ -6,8 +6,9 @@ Three sources give the same thing, a tuple of `ParamShape` in the order
 MLA; another `model_type` is refused, `MODELED_TYPES`), a live `nn.Module`, or a
 built-in preset. Names follow Hugging Face, so
 `muon.muon_param_groups`' AdamW rules (embed, lm_head, norm, bias, a router
-`gate` beside `experts`) classify them; routed experts are 3-D stacks (E, out, in) named
-`...mlp.experts.{gate,up,down}_proj`, as `muon.Muon` takes them.
+`gate` beside `experts`) classify them; routed experts are 3-D stacks (E, out, in) laid out
+as transformers 5 builds them, `...mlp.experts.gate_up_proj` (gate and up fused, declared
+in row blocks, as `setup_optimizer` reads a module's `row_blocks`) and `down_proj`.
 
 `meta_module` turns shapes back into an `nn.Module` on the meta device, so the
 planner groups params with `muon_param_groups` itself rather than a copy of it.
@@ -28,10 +29,13 @@ from torch import nn
 
 @dataclass(frozen=True, slots=True)
 class ParamShape:
-    """One trainable param: its dotted name and global shape."""
+    """One trainable param: its dotted name, global shape and, for a fused one, the rows
+    of each logical matrix (declared on its module as `row_blocks`, as `setup_optimizer`
+    reads them)."""
 
     name: str
     shape: tuple[int, ...]
+    row_blocks: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -117,9 +121,17 @@ def from_preset(name: str) -> tuple[ParamShape, ...]:
 
 
 def from_module(module: nn.Module) -> tuple[ParamShape, ...]:
-    """The trainable params of a live module (meta, CPU or GPU; not yet sharded)."""
+    """The trainable params of a live module (meta, CPU or GPU; not yet sharded), with the
+    row blocks its modules declare."""
+    declared = {
+        f"{prefix}.{leaf}" if prefix else leaf: tuple(blocks)
+        for prefix, child in module.named_modules()
+        for leaf, blocks in (getattr(child, "row_blocks", None) or {}).items()
+    }
     return tuple(
-        ParamShape(name, tuple(p.shape)) for name, p in module.named_parameters() if p.requires_grad
+        ParamShape(name, tuple(p.shape), declared.get(name, ()))
+        for name, p in module.named_parameters()
+        if p.requires_grad
     )
 
 
@@ -201,14 +213,15 @@ def _mlp(prefix: str, hidden: int, inter: int, bias: bool = False) -> list[Param
 def _moe(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
     hidden, experts = config["hidden_size"], _num_experts(config)
     inter = config.get("moe_intermediate_size") or config["intermediate_size"]
-    out = [ParamShape(f"{prefix}.gate.weight", (experts, hidden))]  # the router
-    if config.get("topk_method") == "noaux_tc":
-        out.append(ParamShape(f"{prefix}.gate.e_score_correction_bias", (experts,)))
-    out += [
-        ParamShape(f"{prefix}.experts.gate_proj", (experts, inter, hidden)),
-        ParamShape(f"{prefix}.experts.up_proj", (experts, inter, hidden)),
+    # The experts as transformers 5 stores them (gate and up fused, declared in row
+    # blocks) and the router (DeepSeek's e_score_correction_bias beside it is a buffer),
+    # in the order it registers them: Mixtral's router first, the others' after.
+    router = [ParamShape(f"{prefix}.gate.weight", (experts, hidden))]
+    out = [
+        ParamShape(f"{prefix}.experts.gate_up_proj", (experts, 2 * inter, hidden), (inter, inter)),
         ParamShape(f"{prefix}.experts.down_proj", (experts, hidden, inter)),
     ]
+    out = router + out if config.get("model_type") == "mixtral" else out + router
     if config.get("n_shared_experts"):
         out += _mlp(f"{prefix}.shared_experts", hidden, inter * config["n_shared_experts"])
     return out
@@ -306,7 +319,8 @@ def fsdp_modules(shapes: Sequence[ParamShape], wrap: str) -> tuple[str, ...]:
 
 
 def meta_module(shapes: Sequence[ParamShape]) -> nn.Module:
-    """An `nn.Module` on the meta device whose `named_parameters()` are exactly `shapes`."""
+    """An `nn.Module` on the meta device whose `named_parameters()` are exactly `shapes`,
+    its modules declaring the shapes' row blocks (`row_blocks`)."""
     root = nn.Module()
     for spec in shapes:
         *path, leaf = spec.name.split(".")
@@ -318,6 +332,8 @@ def meta_module(shapes: Sequence[ParamShape]) -> nn.Module:
                 module.add_module(part, child)
             module = child
         module.register_parameter(leaf, nn.Parameter(torch.empty(spec.shape, device="meta")))
+        if spec.row_blocks:
+            module.row_blocks = {**getattr(module, "row_blocks", {}), leaf: spec.row_blocks}
     named = [name for name, _ in root.named_parameters()]
     if named != [spec.name for spec in shapes]:
         raise ValueError("param names must be unique and list a module's own params first")

@@ -919,6 +919,8 @@ def compare_replica_owners(
     busiest owner gains: these totals over the step can favour spread more."""
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    if row_blocks is None:
+        row_blocks = model_row_blocks(module)
     muon, adamw, _ = _split(module, row_blocks)
     steps = SCHEDULES[settings.ns_schedule].steps
     figures = []
@@ -956,15 +958,15 @@ def estimate(
     step's chunks follow the forward's first use of each unit, as `CPUOffloadOptimizer`
     orders them, and that depends on the wrap.
 
-    `row_blocks`: as `muon_param_groups` takes them; by default, a live module's own
-    declarations (`model_row_blocks`, what `setup_optimizer` reads).
+    `row_blocks`: as `muon_param_groups` takes them; by default, the module's own
+    declarations (`model_row_blocks`, what `setup_optimizer` reads; shapes' `row_blocks`).
 
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
     deadline = _Deadline(mesh, time_limit_s)
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    if row_blocks is None and isinstance(shapes, nn.Module):
+    if row_blocks is None:
         row_blocks = model_row_blocks(module)
     muon, adamw, params = _split(module, row_blocks)
     plan_of = _planner(muon, mesh, settings)

@@ -24,7 +24,7 @@ from muon.model_shapes import (
     meta_module,
 )
 from muon.planning import MuonPlan, ParamLayout, transient_peak_numel
-from muon_offload.config import offload_bucket_cap
+from muon_offload.config import model_row_blocks, offload_bucket_cap
 from muon_offload.estimate import (
     MeshSpec,
     StepSettings,
@@ -87,19 +87,24 @@ def test_presets_match_published_sizes_and_group_like_the_optimizer():
     shapes = from_preset("qwen3-30b-a3b")
     module = meta_module(shapes)
     assert from_module(module) == shapes
-    muon, adamw = muon_param_groups(module)  # no fused params: one Muon and one AdamW group
+    # the experts' gate and up fused, as transformers 5 builds them, in declared row blocks
+    experts = module.get_submodule("model.layers.0.mlp.experts")
+    assert experts.row_blocks == {"gate_up_proj": (768, 768)}
+    muon, adamw = muon_param_groups(module)  # a Muon group and an AdamW group
     names = {id(p): n for n, p in module.named_parameters()}
     adamw_names = {names[id(p)] for p in adamw["params"]}
     assert "model.layers.0.mlp.gate.weight" in adamw_names  # the router
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= adamw_names
     assert all(p.ndim == 1 for n, p in module.named_parameters() if "norm" in n)
     stacks = [p for p in muon["params"] if p.ndim == 3]
-    assert len(stacks) == 3 * 48 and tuple(stacks[0].shape) == (128, 768, 2048)
+    assert len(stacks) == 2 * 48 and tuple(stacks[0].shape) == (128, 2 * 768, 2048)
     deepseek = {p.name: p.shape for p in from_preset("deepseek-v3")}
     assert deepseek["model.layers.0.self_attn.kv_b_proj.weight"] == (128 * 256, 512)
     assert deepseek["model.layers.0.mlp.down_proj.weight"] == (7168, 18432)
-    assert deepseek["model.layers.3.mlp.experts.up_proj"] == (256, 2048, 7168)
-    assert "model.layers.2.mlp.experts.up_proj" not in deepseek
+    assert deepseek["model.layers.3.mlp.experts.gate_up_proj"] == (256, 2 * 2048, 7168)
+    assert "model.layers.2.mlp.experts.gate_up_proj" not in deepseek
+    # transformers keeps the router's e_score_correction_bias as a buffer
+    assert not any("e_score" in name for name in deepseek)
     with pytest.raises(ValueError, match="missing keys"):
         from_config({"hidden_size": 8})
 
@@ -536,7 +541,7 @@ def _check_world(world: int, transient: bool, ns_algorithm: str = "auto") -> Non
         }
         _dtensors(module, model, device_meshes, rank)
         opt = Muon(
-            muon_param_groups(module),
+            muon_param_groups(module, row_blocks=model_row_blocks(module)),  # as setup_optimizer
             lr=0.02,
             bucket_cap_bytes=CAP,
             max_inflight=2,
@@ -875,6 +880,13 @@ def test_estimate_of_a_live_module_reads_its_row_blocks_as_setup_optimizer_does(
     assert (32, 16) in matrices(planned)[0]
 
 
+DEEPSEEK_TINY = {
+    "moe_intermediate_size": 32, "n_routed_experts": 8, "first_k_dense_replace": 1,
+    "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 2, "topk_group": 1,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "family, options",
     [
@@ -883,11 +895,17 @@ def test_estimate_of_a_live_module_reads_its_row_blocks_as_setup_optimizer_does(
         ("Qwen2Config", {}),  # q, k and v always have a bias
         ("Qwen3Config", {"head_dim": 16, "attention_bias": True}),
         ("MistralConfig", {}),
+        ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        ("Qwen3MoeConfig", {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8}),
+        ("DeepseekV3Config", DEEPSEEK_TINY),
+        ("DeepseekV2Config", DEEPSEEK_TINY),
     ],
 )
 def test_a_config_plans_the_params_transformers_builds_from_it(family, options):
     """`--config` left out the biases `attention_bias`, `mlp_bias` and Qwen2 add (AdamW
-    params: the units and chunks differed from the run's)."""
+    params: the units and chunks differed from the run's); it laid out MoE experts as
+    transformers 4 did (gate and up apart; found by a hostile audit), and DeepSeek's
+    router bias, a buffer, as a param."""
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, family)(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -896,5 +914,10 @@ def test_a_config_plans_the_params_transformers_builds_from_it(family, options):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    planned = [(spec.name, tuple(spec.shape)) for spec in from_config(config.to_dict())]
-    assert planned == built
+    planned = from_config(config.to_dict())
+    assert [(spec.name, tuple(spec.shape)) for spec in planned] == built
+    # the fused experts declared in row blocks, as the recipe tells the run to declare them
+    blocks = {spec.name: spec.row_blocks for spec in planned if spec.row_blocks}
+    inter = options.get("moe_intermediate_size", 96)
+    assert all(b == (inter, inter) for b in blocks.values())
+    assert bool(blocks) == ("experts" in "".join(name for name, _ in built))
