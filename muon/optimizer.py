@@ -1053,16 +1053,32 @@ def _check_placements(p: Tensor, where: str) -> None:
 def _check_sharded_matrices(group: dict[str, Any], index: int) -> None:
     """When a group is added: a Muon param's matrices cut by the mesh as the step's planning
     can cut them (`check_matrix_sharding`; planning refuses the rest too, but by shape
-    only, and at the first step). Not at each step: a host cost per param."""
+    only, and at the first step), on a mesh whose ranks ascend along each axis (a
+    `DeviceMesh` built from a permuted rank list; found by a hostile audit). Not at each
+    step: a host cost per param."""
     if group["algorithm"] != "muon":
         return
+    in_order: dict[int, bool] = {}  # per mesh
     for k, p in enumerate(group["params"]):
         if isinstance(p, DTensor):
+            where = f"param group {index}: {_param_text(group, k)}"
             try:
                 check_matrix_sharding(p.shape, p.device_mesh.shape, _shard_dims(p))
             except ValueError as error:
-                where = f"param group {index}: {_param_text(group, k)}"
                 raise ValueError(f"{where}: {error}") from None
+            ranks = p.device_mesh.mesh
+            if id(p.device_mesh) not in in_order:
+                in_order[id(p.device_mesh)] = all(
+                    bool((ranks.diff(dim=axis) > 0).all()) for axis in range(ranks.ndim)
+                )
+            if not in_order[id(p.device_mesh)]:
+                raise ValueError(
+                    f"{where}: its mesh lists ranks out of order along an axis "
+                    f"({ranks.tolist()}): Muon's exchanges number a mesh axis's ranks by "
+                    "their coordinate, its process group by their rank, and would pair the "
+                    "wrong pieces. Build the mesh with ranks ascending along each axis "
+                    "(init_device_mesh does)"
+                )
 
 
 def _param_text(group: dict[str, Any], k: int) -> str:

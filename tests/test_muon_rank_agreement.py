@@ -219,3 +219,20 @@ def _outside_one_of_crossing_meshes_rank(rank: int, world: int) -> None:
 
 def test_ranks_outside_one_of_crossing_meshes_all_refuse():
     run_on_ranks(_outside_one_of_crossing_meshes_rank, 3)
+
+
+def _permuted_mesh_rank(rank: int, world: int) -> None:
+    # a mesh of ranks [1, 0]: the exchanges paired pieces by mesh coordinate, the group
+    # by rank, and the update came out wrong by about one update (on [2, 0, 1] gloo
+    # aborted; found by a hostile audit)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", list(range(world))[::-1])
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match=r"\(shape \(8, 6\)\): its mesh lists ranks out of order"):
+        Muon([p], lr=0.02)
+    Muon([{"params": [p], "algorithm": "adamw"}], lr=0.02)  # AdamW exchanges nothing
+
+
+def test_a_mesh_with_ranks_out_of_order_is_refused_naming_the_param():
+    run_on_ranks(_permuted_mesh_rank, 2)
