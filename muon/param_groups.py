@@ -25,7 +25,7 @@ from muon.optimizer import _user_stacklevel  # warnings point at the caller, pas
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"(^|\.)[^.]*embed[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",
-    r"(^|\.)[^.]*norm[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
+    r"(^|\.)[^.]*norm(?!al)[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",  # not normal(ize)
     r"(^|\.)[^.]*bias[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)[^.]*router[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)A_log$",

@@ -612,6 +612,19 @@ def test_a_wrapper_named_like_an_adamw_pattern_keeps_its_matrices_for_muon(attri
     assert {id(p) for p in muon} == {id(p) for p in matrices}
 
 
+def test_a_layer_named_for_normals_is_not_taken_for_a_norm():
+    # "norm" matched inside a word: a surface-normal head or a denormalizing projection
+    # went to AdamW, silently (found by a hostile audit)
+    model = nn.Module()
+    for name in ("normal_proj", "abnormality_scorer", "denormalize"):
+        setattr(model, name, nn.Linear(8, 8, bias=False))
+    model.layernorm, model.q_norm = nn.LayerNorm(8), nn.Linear(8, 8, bias=False)
+    groups = muon_param_groups(model)
+    muon = {id(p) for g in groups if g.get("algorithm", "muon") == "muon" for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in muon}
+    assert names == {"normal_proj.weight", "abnormality_scorer.weight", "denormalize.weight"}
+
+
 def test_fsdp1_modules_are_refused_by_name():
     # FSDP1 flattens a unit's params into 1-D shards: every param went to AdamW, silently
     from torch.distributed.fsdp import FullyShardedDataParallel
