@@ -766,6 +766,7 @@ class Muon(torch.optim.Optimizer):
                 if refused is None:
                     raise
             if refused is not None:  # this rank's own error, whatever its peers said
+                refused.raised_on_every_rank = True  # its peers raise with it (RanksDisagree)
                 raise refused
             itemsize = self.ns_dtype.itemsize
             self._plan = MuonPlan.build(

@@ -190,7 +190,8 @@ class OptimizerConfig:
         values = {name: getattr(args, name) for name in names}
         values["betas"] = tuple(values["betas"])
         # the parser's default dict is one object: each config gets its own
-        values["muon_options"] = dict(values["muon_options"])
+        if isinstance(values["muon_options"], dict):
+            values["muon_options"] = dict(values["muon_options"])
         try:
             return cls(**values)
         except ValueError as error:

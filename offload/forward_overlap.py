@@ -241,6 +241,7 @@ class ForwardOverlap:
         # Whether the forward now running ends the first forward's look (`_after_forward`);
         # train() or eval() as the last forward with grads, and as the one before the step.
         self._ends_look = False
+        self._blocked_looks = 0
         self._last_trained_in = self._trains_in = True
         self.side_stream = streams.new_stream()
         self.chunk_done: list[torch.Event | None] = []
@@ -385,11 +386,15 @@ class ForwardOverlap:
         # Per chunk the step enqueues after it returns, its plain params (a DTensor's local
         # storage is FSDP2's to manage), to check that none was given other storage while
         # pending (`_refuse_replaced`)
+        # (those ready when the step starts, resident or loaded in the backward, update
+        # inside `step()` whatever their index)
+        ready = set(schedule.ready)
         self._late_params = [
-            [p for p in ps if not hasattr(p, "placements")]
-            for ps in chunk_params[schedule.up_front + 1 :]
+            [] if c in ready else [p for p in chunk_params[c] if not hasattr(p, "placements")]
+            for c in range(schedule.up_front + 1, len(chunk_params))
         ]
         self._trace_reads, self._start_chunk = self._hooks_see_forward, -1
+        self._blocked_looks = 0  # forwards whose look a read before them left incomplete
         self._reads_outside_units = False
         self.chunk_done = [self._streams.new_event() for _ in chunk_params]
 
@@ -494,7 +499,9 @@ class ForwardOverlap:
                 model = self._model()
                 names = model.named_parameters(remove_duplicate=False) if model else ()
                 name = next((n for n, q in names if q is p), f"of shape {tuple(p.shape)}")
-                self._pending.throw(
+                # once: the step is marked interrupted, and nothing of it runs any more
+                pending, self._pending, self._late_params = self._pending, None, []
+                pending.throw(
                     RuntimeError(
                         f"param {name} was given other storage (Tensor.set_, or an "
                         "assignment to a parametrized weight) while the optimizer step that "
@@ -770,7 +777,10 @@ class ForwardOverlap:
             return
         # Reads before this forward that landed chunks (a log of weights) leave its look
         # blind to reads of those chunks: only a forward none landed before can end it.
-        nothing_landed = self._reads.landed < 0
+        # A read before every forward (a clamp, an EMA) would keep the mode on in all of
+        # them: the look ends in the second such forward at the latest.
+        nothing_landed = self._reads.landed < 0 or self._blocked_looks >= 1
+        self._blocked_looks += self._trace_reads and not nothing_landed
         current = self._streams.current()
         if current != self._trainer_stream:
             # The forward runs on another stream than `step()` did: it becomes the

@@ -17,7 +17,8 @@ from muon_offload.plan import main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The planner's --json output before ranks were screened (captured at commit ca39bd9,
-# when it planned every rank), and the arguments that made it.
+# when it planned every rank; the qwen3-30b-a3b ones again at d3d17d2, when the experts
+# took transformers 5's layout, with the ranks it plans), and the arguments that made it.
 AT_64_RANKS = {
     "plan_qwen3-30b-a3b_ep8_fsdp64": ["--preset", "qwen3-30b-a3b", "--ep", "8", "--fsdp", "64"],
     "plan_qwen3-8b_fsdp32_replicate2": ["--preset", "qwen3-8b", "--fsdp", "32", "--replicate", "2"],
