@@ -161,6 +161,27 @@ def _fsdp_gathered(module: nn.Module) -> bool:
     return any(group.is_unsharded or group._all_gather_result is not None for group in groups)
 
 
+def fsdp_shard_buffers(module: nn.Module) -> dict[Tensor, Tensor]:
+    """Per sharded param of `module`'s FSDP2 unit, the buffer its all-gather reads the
+    shard from: `unshard()` (by hand too) copies it with no torch call on the param, and
+    over a group of one rank straight into the unsharded param. Private API
+    (`_get_fsdp_state()`, `_fsdp_param_group(s)` as in `_fsdp_gathered`,
+    `FSDPParam.sharded_param` and `_sharded_param_data`; torch 2.11 and 2.13)."""
+    if not is_fsdp_module(module):
+        return {}
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        groups = [] if group is None else [group]
+    return {
+        fsdp_param.sharded_param: fsdp_param._sharded_param_data
+        for group in groups
+        for fsdp_param in group.fsdp_params
+        if getattr(fsdp_param, "_sharded_param_data", None) is not None
+    }
+
+
 def _check_reads_are_seen(
     model: nn.Module, owners: list[tuple[nn.Module, list[Tensor]]], params: Sequence[Tensor]
 ) -> bool:
@@ -226,6 +247,7 @@ class ForwardOverlap:
         self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
+        self._units = [m for m, _ in self.owners if is_fsdp_module(m)]
         optimized = {id(p) for p in params}
         self._owner_stepped = [  # per owner, the optimizer's params its all-gather holds
             [p for p in waited if id(p) in optimized]
@@ -756,14 +778,6 @@ class ForwardOverlap:
                 self.warn_if_rank_local(len(self.chunk_done))
                 self.finish()
 
-    def _before_all_gather(self) -> None:
-        """FSDP2 all-gathers a unit's shards. Inside a forward the unit's hook waited for
-        them first (or, gathered by hand there, its forward refuses); outside one (an
-        `unshard()` to read or export full weights) nothing did: the step lands now."""
-        if not self._in_forward:
-            self.warn_if_rank_local(len(self.chunk_done))
-            self.finish()
-
     def _before_forward(self) -> None:
         self._reading_owner = -1
         self._in_forward = True
@@ -852,11 +866,6 @@ class _PendingReads(TorchFunctionMode):
         self.landed = -1  # the last chunk the trainer's stream has waited for
         self._landing: list[list[int]] = []  # per chunk: the ids its landing forgets
         self._thread: int | None = None  # the thread whose stack holds this mode
-        # FSDP2's copy of a unit's shards into its all-gather buffer: the one torch call on
-        # them in `FSDPModule.unshard()`, given views of a padded buffer the params are
-        # not views of. Private API (`torch.ops.fsdp.all_gather_copy_in`, registered once
-        # FSDP2 is imported; torch 2.11 and 2.13).
-        self.all_gather_copy_in = getattr(torch.ops.fsdp, "all_gather_copy_in", None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -874,10 +883,6 @@ class _PendingReads(TorchFunctionMode):
             overlap = self._overlap()
             if overlap is not None:
                 overlap._before_backward()
-        elif func is self.all_gather_copy_in:
-            overlap = self._overlap()
-            if overlap is not None:
-                overlap._before_all_gather()
         else:
             chunk = _latest_chunk(self.chunk_of, self._held, args)
             if kwargs:
@@ -922,6 +927,15 @@ class _PendingReads(TorchFunctionMode):
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
         held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
         held += [(t, c) for p, c in overlap._param_chunk.items() for t in state_scalars.get(p, ())]
+        # FSDP2's shard buffers: an `unshard()` by hand between `step()` and the forward
+        # (to export or average weights) reads them
+        # (asked at each step: FSDP2's lazy init and `reset_sharded_param` make them anew)
+        buffers = {p: b for unit in overlap._units for p, b in fsdp_shard_buffers(unit).items()}
+        held += [
+            (buffer, c)
+            for p, c in overlap._param_chunk.items()
+            if (buffer := buffers.get(p)) is not None
+        ]
         # A DTensor's `to_local()` / `full_tensor()` read its local tensor, not the DTensor.
         held += [
             (local, c)

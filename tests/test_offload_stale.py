@@ -792,6 +792,20 @@ def _fsdp_worker(rank: int, world: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*reads, strict=True))
     _assert_same_local(*pair)
 
+    # ... while another FSDP2 model's all-gathers (a frozen teacher's forward) leave the
+    # step pending: overlapped (a first fix landed it at any all-gather; found by review)
+    teacher = _fsdp(TiedEmbedFirst(), mesh)
+    pair, pending = _fsdp_pair(TiedEmbedFirst, mesh), []
+
+    def teach(m, o):
+        with torch.no_grad():
+            teacher(data[0])
+        pending.append(getattr(o._overlap, "_in_flight", None))  # None: not overlapped
+
+    assert _train(*pair[:2], data, after_step=teach) == _train(*pair[2:], data, after_step=teach)
+    _assert_same_local(*pair)
+    assert pending[len(data) :] == [True] * len(data)
+
     # ... inside a forward (a prefetch by hand) no hook waited for it: the unit's forward
     # refuses, naming the module
     _, _, model, overlapped = _fsdp_pair(TiedEmbedFirst, mesh)
@@ -809,7 +823,7 @@ def _fsdp_worker(rank: int, world: int) -> None:
         CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model.body)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])  # 1: unshard() copies with no all-gather
 def test_fsdp2_readers_state_dicts_and_state_edits_see_the_update(world):
     from spawn_ranks import run_on_ranks
 
