@@ -501,6 +501,13 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             f"param {meta!r} is on the meta device (a model not materialized yet): call "
             "setup_optimizer after model.to_empty(device=...) and the weights' init"
         )
+    if not any(p.requires_grad for p in model.parameters()):
+        count = sum(1 for _ in model.parameters())
+        raise ValueError(
+            f"{type(model).__name__} has no trainable params to optimize ("
+            + (f"all {count} are frozen: requires_grad=False" if count else "it has none")
+            + "): unfreeze what should train before setup_optimizer"
+        )
     if config.type == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         fused = config.fused

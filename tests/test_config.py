@@ -477,3 +477,12 @@ def test_configs_parsed_by_one_parser_do_not_share_muon_options():
     first = OptimizerConfig.from_args(parser.parse_args(["--type", "muon"]))
     first.muon_options["max_inflight"] = 1
     assert OptimizerConfig.from_args(parser.parse_args(["--type", "muon"])).muon_options == {}
+
+
+def test_a_model_with_nothing_to_train_is_refused_saying_why():
+    # torch's "optimizer got an empty parameter list" did not say why (found by an audit)
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    for model, why in ((frozen, "all 2 are frozen"), (torch.nn.ReLU(), "it has none")):
+        for kind in ("adamw", "muon"):
+            with pytest.raises(ValueError, match=f"no trainable params to optimize \\({why}"):
+                setup_optimizer(model, OptimizerConfig(type=kind))
