@@ -793,3 +793,22 @@ def test_errors_name_a_param_by_its_name_where_the_group_has_names():
     model[0].weight.grad = torch.zeros(8, 4).to_sparse()
     with pytest.raises(RuntimeError, match=r"param 0 \('0\.weight', shape \(8, 4\)\) has a"):
         opt.step()
+
+
+def test_a_non_finite_grad_poisons_only_its_own_matrix():
+    # the other blocks of a fused param and the other experts of a stack step as if the
+    # bad one were not there (as torch.optim.Muon steps each matrix alone)
+    def run(bad: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        fused = nn.Parameter(torch.randn(8, 6))
+        stack = nn.Parameter(torch.randn(3, 5, 4))
+        fused.grad, stack.grad = torch.randn(8, 6), torch.randn(3, 5, 4)
+        if bad:
+            fused.grad[1, 2], stack.grad[1, 0, 0] = float("nan"), float("inf")
+        Muon([{"params": [fused], "row_blocks": (4, 4)}, {"params": [stack]}], lr=0.1).step()
+        return [fused.detach()[4:], stack.detach()[0], stack.detach()[2], fused, stack]
+
+    *clean, _, _ = run(False)
+    *others, fused, stack = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, others, strict=True))
+    assert fused[:4].isnan().all() and stack[1].isnan().all()
