@@ -332,7 +332,14 @@ def _check_params_apart(params: Sequence[Tensor]) -> None:
             "Parameter (head.weight = embed.weight), or do not offload this optimizer"
         )
 
-    named = [(f"param {i} (shape {tuple(p.shape)})", local_tensor(p)) for i, p in enumerate(params)]
+    # Dense params only (contiguous in some dim order: W, W.t()): telling a strided
+    # view's bytes apart (W[:, :4] beside W[:, 4:]) indexes every byte, a GiB of host
+    # memory for a 16 MiB matrix at construction.
+    named = [
+        (f"param {i} (shape {tuple(p.shape)})", local)
+        for i, p in enumerate(params)
+        if _dense(local := local_tensor(p))
+    ]
     for cluster in _overlapping_spans(named):
         _check_cluster_apart(cluster, refuse)
 

@@ -1362,6 +1362,17 @@ def test_two_params_over_the_same_elements_are_refused_at_construction():
     CPUOffloadOptimizer(torch.optim.AdamW(apart)).close()
 
 
+def test_the_construction_check_indexes_no_byte_of_strided_params(monkeypatch):
+    # column halves of one matrix: the check built an int64 per byte of both (1 GiB of
+    # host memory for a 16 MiB matrix; found by review)
+    import offload.cpu_offload as cpu_offload
+
+    monkeypatch.setattr(cpu_offload, "_bytes_of", lambda t: pytest.fail("indexed bytes"))
+    buffer = torch.zeros(64, 64)
+    halves = [nn.Parameter(buffer[:, :32]), nn.Parameter(buffer[:, 32:])]
+    CPUOffloadOptimizer(torch.optim.AdamW(halves)).close()
+
+
 def test_a_self_overlapping_view_shares_no_byte_with_what_sits_in_its_gaps():
     from offload.cpu_offload import _check_cluster_apart, _overlapping_spans
 
