@@ -193,7 +193,9 @@ def _attention(config: Mapping[str, Any], prefix: str) -> list[ParamShape]:
     linear("q_proj", heads * head_dim, hidden, qkv_bias)
     linear("k_proj", kv_heads * head_dim, hidden, qkv_bias)
     linear("v_proj", kv_heads * head_dim, hidden, qkv_bias)
-    linear("o_proj", hidden, heads * head_dim, bias)
+    # Helium builds o_proj (hidden, hidden) whatever heads x head_dim
+    o_cols = hidden if config.get("model_type") == "helium" else heads * head_dim
+    linear("o_proj", hidden, o_cols, bias)
     if str(config.get("model_type", "")).startswith("qwen3"):  # per-head RMSNorm on q and k
         out.append(ParamShape(f"{prefix}.q_norm.weight", (head_dim,)))
         out.append(ParamShape(f"{prefix}.k_norm.weight", (head_dim,)))

@@ -895,6 +895,7 @@ DEEPSEEK_TINY = {
         ("Qwen2Config", {}),  # q, k and v always have a bias
         ("Qwen3Config", {"head_dim": 16, "attention_bias": True}),
         ("MistralConfig", {}),
+        ("HeliumConfig", {"head_dim": 8}),  # o_proj (hidden, hidden) whatever head_dim
         ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
         ("Qwen3MoeConfig", {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8}),
         ("DeepseekV3Config", DEEPSEEK_TINY),
