@@ -240,7 +240,10 @@ class OptimizerConfig:
                     f"betas = [0.9, 0.95], but is: {values['betas']!r}"
                 )
             values["betas"] = tuple(values["betas"])
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as error:  # named where the user edits it
+            raise ValueError(f"[{table}] of {path}: {error}") from error
 
 
 def _table_names(document: dict[str, Any], prefix: str = "") -> list[str]:

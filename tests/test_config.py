@@ -259,6 +259,9 @@ def test_config_from_cli_flags_and_toml(tmp_path):
     path.write_text("[optimizer]\nlearning_rate = 0.01\n")
     with pytest.raises(ValueError, match="learning_rate"):
         OptimizerConfig.from_toml(str(path))
+    path.write_text("[optimizer]\nlr = -1.0\n")  # a bad value names where it was set
+    with pytest.raises(ValueError, match=r"^\[optimizer\] of .*train.toml: lr should be"):
+        OptimizerConfig.from_toml(str(path))
     path.write_text("[optimizer]\nmomentun = 0.9\n")  # a typo gets the field it meant
     with pytest.raises(ValueError, match=r"'momentun' \(did you mean 'momentum'\?\)"):
         OptimizerConfig.from_toml(str(path))
