@@ -621,6 +621,11 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
         raise ValueError(
             "--wrap none plans a plain module on one device: give --fsdp 1 and --replicate 1"
         )
+    if args.wrap != "per-layer" and not args.offload_overlap_forward:
+        raise ValueError(
+            f"--wrap {args.wrap} orders the overlapped step's chunks (by the forward's first "
+            "use of each unit): give --offload --offload-overlap-forward too, or drop it"
+        )
     wrapped = fsdp_modules(shapes, args.wrap)
     settings = settings_from(args, fsdp)
     return estimate(shapes, mesh, settings, time_limit_s=args.time_limit_s, fsdp_modules=wrapped)

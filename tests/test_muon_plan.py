@@ -803,8 +803,9 @@ def test_fsdp_modules_of_each_wrap():
 def test_the_cli_plans_a_plain_module_on_one_device_only(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_DENSE))
+    overlap = ["--offload", "--offload-overlap-forward"]
     for mesh in (["--fsdp", "2"], ["--replicate", "2"], ["--sweep-fsdp", "1,2"]):
-        assert main(["--config", str(config), *mesh, "--wrap", "none"]) == 2
+        assert main(["--config", str(config), *mesh, "--wrap", "none", *overlap]) == 2
         assert "--wrap none plans a plain module on one device" in capsys.readouterr().err
     from bench import plan_plot  # the planner's arguments too: a traceback there
 
@@ -831,6 +832,8 @@ def test_cli_flags_that_would_do_nothing_are_refused(tmp_path, capsys):
         (["--fsdp", "2", "--expert-shard", "rows"], "this model has none"),
         (["--fsdp", "2", "--replica-owners", "spread"], "choose HSDP's owners: give --replicate"),
         (["--fsdp", "2", "--replica-gbs", "50"], "--replica-gbs choose HSDP's owners"),
+        (["--fsdp", "2", "--wrap", "torchtitan"], "give --offload --offload-overlap-forward"),
+        (["--fsdp", "2", "--offload", "--wrap", "root"], "--wrap root orders the overlapped"),
     ):
         try:
             code = main(["--config", str(config), *flags])
