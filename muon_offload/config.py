@@ -226,7 +226,11 @@ class OptimizerConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(names))
         if unknown:
-            meant = {key: difflib.get_close_matches(key, names, n=1) for key in unknown}
+            meant = {
+                key: [_OTHER_NAMES[key]] if key in _OTHER_NAMES else
+                difflib.get_close_matches(key, names, n=1)
+                for key in unknown
+            }  # fmt: skip
             hints = [f"{key!r} (did you mean {near[0]!r}?)" for key, near in meant.items() if near]
             raise ValueError(
                 f"unknown keys in [{table}] of {path}: {unknown}"
@@ -244,6 +248,18 @@ class OptimizerConfig:
             return cls(**values)
         except ValueError as error:  # named where the user edits it
             raise ValueError(f"[{table}] of {path}: {error}") from error
+
+
+# Other trainers' names for fields, which spelling alone does not match
+_OTHER_NAMES = {
+    "learning_rate": "lr",
+    "wd": "weight_decay",
+    "optimizer": "type",
+    "name": "type",
+    "adam_beta1": "betas",
+    "adam_beta2": "betas",
+    "adam_epsilon": "eps",
+}
 
 
 def _table_names(document: dict[str, Any], prefix: str = "") -> list[str]:

@@ -256,8 +256,8 @@ def test_config_from_cli_flags_and_toml(tmp_path):
     assert OptimizerConfig.from_toml(str(path)) == OptimizerConfig(
         type="muon", lr=0.01, betas=(0.8, 0.9)
     )
-    path.write_text("[optimizer]\nlearning_rate = 0.01\n")
-    with pytest.raises(ValueError, match="learning_rate"):
+    path.write_text("[optimizer]\nlearning_rate = 0.01\n")  # another trainer's name
+    with pytest.raises(ValueError, match=r"'learning_rate' \(did you mean 'lr'\?\)"):
         OptimizerConfig.from_toml(str(path))
     path.write_text("[optimizer]\nlr = -1.0\n")  # a bad value names where it was set
     with pytest.raises(ValueError, match=r"^\[optimizer\] of .*train.toml: lr should be"):
