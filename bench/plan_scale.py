@@ -18,15 +18,13 @@ from collections.abc import Sequence
 
 from muon.model_shapes import PRESETS, from_preset, meta_module
 from muon.planning import MuonPlan
-from muon_offload.config import model_row_blocks
 from muon_offload.estimate import MeshSpec, _split, estimate
 
 
 def one_rank_plan_seconds(preset: str, fsdp: int, ep: int, rank: int) -> tuple[float, MuonPlan]:
     """Seconds to build rank `rank`'s plan and lay out every exchange it runs, and the plan."""
     mesh = MeshSpec(fsdp, ep=ep)
-    module = meta_module(from_preset(preset))
-    muon, _, _ = _split(module, model_row_blocks(module))
+    muon, _, _ = _split(meta_module(from_preset(preset)), None)
     layouts = [mesh.layout(shape, blocks, g, rank) for _, shape, blocks, g in muon]
     start = time.perf_counter()
     plan = MuonPlan.build(layouts)

@@ -581,7 +581,11 @@ def _split(
 ]:
     """Muon params as (name, shape, row_blocks, group) in the optimizer's order, the
     AdamW params as (group, shape), as `muon_param_groups` groups them, and the params
-    by index (the Muon ones, then the AdamW ones: `RankEstimate.units`' numbering)."""
+    by index (the Muon ones, then the AdamW ones: `RankEstimate.units`' numbering).
+    `row_blocks` None: the module's own declarations (`model_row_blocks`, what
+    `setup_optimizer` reads; a `meta_module`'s come from its shapes)."""
+    if row_blocks is None:
+        row_blocks = model_row_blocks(module)
     names = {id(p): name for name, p in module.named_parameters()}
     muon, adamw, muon_params, adamw_params = [], [], [], []
     for index, group in enumerate(muon_param_groups(module, row_blocks=row_blocks)):
@@ -919,8 +923,6 @@ def compare_replica_owners(
     busiest owner gains: these totals over the step can favour spread more."""
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    if row_blocks is None:
-        row_blocks = model_row_blocks(module)
     muon, adamw, _ = _split(module, row_blocks)
     steps = SCHEDULES[settings.ns_schedule].steps
     figures = []
@@ -966,8 +968,6 @@ def estimate(
     deadline = _Deadline(mesh, time_limit_s)
     settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    if row_blocks is None:
-        row_blocks = model_row_blocks(module)
     muon, adamw, params = _split(module, row_blocks)
     plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)

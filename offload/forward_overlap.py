@@ -146,37 +146,39 @@ def forward_prefetched(module: nn.Module) -> list[nn.Module]:
     return [m for state in states for m in getattr(state, "_modules", ())]
 
 
-def _fsdp_gathered(module: nn.Module) -> bool:
-    """Whether FSDP2 holds `module`'s params all-gathered, or is gathering them (an
-    explicit `FSDPModule.unshard()`, which no hook sees). Private API (`_get_fsdp_state()`,
-    its `_fsdp_param_group` in torch 2.11 and `_fsdp_param_groups` in 2.13,
-    `FSDPParamGroup.is_unsharded` and `_all_gather_result` in both)."""
+def _fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """FSDP2's param groups of `module`'s unit (none for a module that is no unit).
+    Private API (`_get_fsdp_state()`, its `_fsdp_param_group` in torch 2.11 and
+    `_fsdp_param_groups` in 2.13)."""
     if not is_fsdp_module(module):
-        return False
+        return []
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         group = state._fsdp_param_group
         groups = [] if group is None else [group]
-    return any(group.is_unsharded or group._all_gather_result is not None for group in groups)
+    return list(groups)
+
+
+def _fsdp_gathered(module: nn.Module) -> bool:
+    """Whether FSDP2 holds `module`'s params all-gathered, or is gathering them (an
+    explicit `FSDPModule.unshard()`, which no hook sees). Private API
+    (`FSDPParamGroup.is_unsharded` and `_all_gather_result`; torch 2.11 and 2.13)."""
+    return any(
+        group.is_unsharded or group._all_gather_result is not None
+        for group in _fsdp_param_groups(module)
+    )
 
 
 def fsdp_shard_buffers(module: nn.Module) -> dict[Tensor, Tensor]:
     """Per sharded param of `module`'s FSDP2 unit, the buffer its all-gather reads the
     shard from: `unshard()` (by hand too) copies it with no torch call on the param, and
     over a group of one rank straight into the unsharded param. Private API
-    (`_get_fsdp_state()`, `_fsdp_param_group(s)` as in `_fsdp_gathered`,
-    `FSDPParam.sharded_param` and `_sharded_param_data`; torch 2.11 and 2.13)."""
-    if not is_fsdp_module(module):
-        return {}
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = state._fsdp_param_group
-        groups = [] if group is None else [group]
+    (`FSDPParamGroup.fsdp_params`, `FSDPParam.sharded_param` and `_sharded_param_data`;
+    torch 2.11 and 2.13)."""
     return {
         fsdp_param.sharded_param: fsdp_param._sharded_param_data
-        for group in groups
+        for group in _fsdp_param_groups(module)
         for fsdp_param in group.fsdp_params
         if getattr(fsdp_param, "_sharded_param_data", None) is not None
     }
@@ -407,9 +409,8 @@ class ForwardOverlap:
         self._param_chunk = {p: c for p, c in chunk_of.items()}
         # Per chunk the step enqueues after it returns, its plain params (a DTensor's local
         # storage is FSDP2's to manage), to check that none was given other storage while
-        # pending (`_refuse_replaced`)
-        # (those ready when the step starts, resident or loaded in the backward, update
-        # inside `step()` whatever their index)
+        # pending (`_refuse_replaced`); none for a chunk ready when the step starts
+        # (resident, or loaded in the backward), which updates inside `step()`
         ready = set(schedule.ready)
         self._late_params = [
             [] if c in ready else [p for p in chunk_params[c] if not hasattr(p, "placements")]
@@ -793,8 +794,8 @@ class ForwardOverlap:
         # blind to reads of those chunks: only a forward none landed before can end it.
         # A read before every forward (a clamp, an EMA) would keep the mode on in all of
         # them: the look ends in the second such forward at the latest.
-        nothing_landed = self._reads.landed < 0 or self._blocked_looks >= 1
-        self._blocked_looks += self._trace_reads and not nothing_landed
+        look_may_end = self._reads.landed < 0 or self._blocked_looks >= 1
+        self._blocked_looks += self._trace_reads and not look_may_end
         current = self._streams.current()
         if current != self._trainer_stream:
             # The forward runs on another stream than `step()` did: it becomes the
@@ -806,7 +807,7 @@ class ForwardOverlap:
             self._wait_for_chunk(self._start_chunk, self._chunk_needs[self._start_chunk])
         if self._hooks_see_forward:
             self._tracing = self._trace_reads
-            self._ends_look = grads and training == self._trains_in and nothing_landed
+            self._ends_look = grads and training == self._trains_in and look_may_end
             if not self._tracing and not self._reads_outside_units:
                 self._reads.leave_stack()
 
