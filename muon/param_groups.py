@@ -138,7 +138,8 @@ def muon_param_groups(
     build the groups on an FSDP2 (`fully_shard`) or unwrapped model. Frozen params
     (`requires_grad=False` now) are left out, as transformers' Trainer leaves them: one
     unfrozen later is never stepped, so build the groups (and the optimizer) after
-    unfreezing, or add it with `optimizer.add_param_group`.
+    unfreezing, or add it with `optimizer.add_param_group` (not once the optimizer is
+    wrapped in a `CPUOffloadOptimizer`, which plans its host slabs once: wrap anew).
     """
     if not isinstance(model, nn.Module):  # the names choose the groups
         raise TypeError(

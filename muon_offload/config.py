@@ -151,7 +151,10 @@ class OptimizerConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = _field_default(f)
-            described = {"help": docs.get(f.name, "").replace("%", "%%")}
+            text = docs.get(f.name, "").replace("%", "%%")
+            if "default" not in text.lower():  # else the docstring says what it means
+                text += " (default: %(default)r)"
+            described = {"help": text}
             if isinstance(default, bool) or f.name == "fused":
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=default, **described
@@ -178,6 +181,8 @@ class OptimizerConfig:
                 parse = float if isinstance(default, tuple) else type(default)
             kwargs: dict[str, Any] = {"nargs": len(default)} if isinstance(default, tuple) else {}
             check = _FLAG_CHECKS.get(f.name)
+            if hasattr(check, "choices"):
+                kwargs["metavar"] = "{" + ",".join(check.choices) + "}"
             group.add_argument(
                 flag, type=_checked(parse, check, f.name), default=default, **kwargs, **described
             )
@@ -413,6 +418,7 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
         if value not in choices:
             raise ValueError(f"{name} should be one of {list(choices)} but is: {value!r}")
 
+    check.choices = choices  # type: ignore[attr-defined]  # `--help` lists them
     return check
 
 
@@ -507,7 +513,15 @@ def offload_bucket_cap(chunk_bytes: int, shards: int) -> int:
 
 
 def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
-    """Build the optimizer `config` asks for over `model`'s trainable params."""
+    """Build the optimizer `config` asks for over `model`'s trainable params.
+
+    Call it after `fully_shard` (which replaces the params) and after the weights are
+    materialized and unfrozen: it plans from the params as they are now. Returns a
+    `torch.optim.AdamW` (`type="adamw"`) or a `muon.Muon` whose AdamW groups take
+    embeddings, head, norms and biases (`type="muon"`, `muon_param_groups`); with
+    `offload="optimizer"` wrapped in a `CPUOffloadOptimizer`, whose `overlap_forward` is
+    `model` when `offload_overlap_forward` is set (under FSDP2, pass the root module).
+    """
     if not isinstance(model, nn.Module) or not isinstance(config, OptimizerConfig):
         raise TypeError(
             "setup_optimizer(model, config) takes the model (an nn.Module) and an "

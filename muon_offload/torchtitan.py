@@ -13,7 +13,8 @@ owner is another container is the hook it offers, so a job config picks ours wit
         optimizer=OptimizerConfig(type="muon", lr=8e-4, offload="optimizer",
                                   offload_overlap_forward=True))
 
-and every `OptimizerConfig` field is a CLI flag through torchtitan's tyro parser
+and every `OptimizerConfig` field but `muon_options` (a dict, which tyro does not
+parse from one flag) is a CLI flag through torchtitan's tyro parser
 (`--optimizer.optimizer.offload optimizer`). The container holds
 `setup_optimizer(part, config)` per model part; stepping, zeroing, the
 scheduler and torchtitan's FQN-keyed checkpoint state go through torchtitan's

@@ -417,8 +417,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         overlap_forward: the model whose next forward the step overlaps. `step()`
             then returns once the first chunks are queued; the rest update on a
             side stream as the forward reaches the modules that read them. Needs
-            a subset step. Read params or state outside a forward only after
-            `wait_for_optimizer_step()`.
+            a subset step. Torch calls on the trainer's thread that read a param
+            or state wait for its update by themselves; call
+            `wait_for_optimizer_step()` first for reads on another thread or
+            stream, through `.data`, `.detach()` or DLPack, and (distributed
+            Muon) reads made on some ranks only.
         gpu_resident_bytes: state bytes (rank-invariant count, whole units) kept
             on the GPU, never copied: the units the forward needs first with
             `overlap_forward` (overlap cannot hide them), else the last ones
@@ -491,7 +494,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     create them). One assigned by hand (`opt.state[p][key] = t`) is copied home
     at the next step. A step interrupted inside a chunk (KeyboardInterrupt, an
     error) leaves the state at home, partly updated, and the next `step()`
-    refuses until `load_state_dict` restores a checkpoint.
+    refuses until `load_state_dict` restores a checkpoint (or `close()` this
+    wrapper and wrap the inner optimizer anew, going on from the partial step).
     """
 
     # NOTE: subclasses Optimizer only so LR schedulers and isinstance checks accept

@@ -454,9 +454,15 @@ def test_every_flag_has_its_fields_docstring_as_help():
     }  # --no-offload-load-in-backward shares its dest with the flag
     assert set(helps) == {f.name for f in dataclasses.fields(OptimizerConfig)}
     assert all(helps.values()), [name for name, text in helps.items() if not text]
-    assert helps["momentum"] == "Muon momentum."
+    assert helps["momentum"] == "Muon momentum. (default: %(default)r)"
     text = parser.format_help()  # a docstring's % must not break argparse's formatting
     assert "optimizer (muon_offload.OptimizerConfig)" in text and "--offload-chunk-bytes" in text
+    # defaults and choices show (they did not): a docstring that explains its default
+    # keeps its own words
+    flat = " ".join(text.split())
+    assert "Muon momentum. (default: 0.95)" in flat
+    assert "--type {adamw,muon}" in flat and "--offload {none,optimizer}" in flat
+    assert "(default: None)" not in flat
 
 
 def test_flags_that_do_not_combine_are_named_as_flags():
