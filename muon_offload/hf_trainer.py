@@ -27,6 +27,7 @@ training.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from typing import Any
 
@@ -83,6 +84,9 @@ def _unused_args(args: transformers.TrainingArguments, config: OptimizerConfig) 
     return unused
 
 
+_TRAINER_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
+
+
 class Trainer(transformers.Trainer):
     """`transformers.Trainer` whose optimizer is `setup_optimizer(model, optimizer_config)`.
 
@@ -98,8 +102,13 @@ class Trainer(transformers.Trainer):
                 "optimizer_config should be an OptimizerConfig (OptimizerConfig(**fields), or "
                 f"OptimizerConfig.from_toml(path)) but is: {type(optimizer_config).__name__}"
             )
-        optimizer, scheduler = kwargs.get("optimizers", (None, None))
-        if optimizer is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
+        # by keyword or by position, as transformers.Trainer's signature takes them
+        try:
+            given = _TRAINER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
+        except TypeError:
+            given = kwargs  # the Trainer's own call below says what is wrong
+        optimizer, scheduler = given.get("optimizers") or (None, None)
+        if optimizer is not None or given.get("optimizer_cls_and_kwargs") is not None:
             raise ValueError(
                 "optimizers=(optimizer, ...) or optimizer_cls_and_kwargs set with "
                 "optimizer_config: this Trainer builds the optimizer from optimizer_config; "

@@ -175,6 +175,15 @@ def test_the_trainers_own_optimizer_settings_are_told_apart_from_the_configs(tmp
         build(optimizers=(None, object()))
     with pytest.raises(TypeError, match="optimizer_config should be an OptimizerConfig"):
         build(config={"type": "muon"})
+    # passed by position, as transformers.Trainer's signature allows: the optimizer
+    # trained instead of the config's, and optimizer_cls_and_kwargs was dropped, silently
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    positional = [model, args, None, Tokens(), None, None, None, None, None, None]
+    with pytest.raises(ValueError, match="optimizers=.* set with optimizer_config"):
+        Trainer(*positional, (sgd, None), optimizer_config=config)
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs set with optimizer_config"):
+        Trainer(*positional, (None, None), (torch.optim.SGD, {"lr": 0.5}), optimizer_config=config)
     # LOMO's training_step hands the lr to backward(): it warned "not used", then every
     # step failed in backward()
     for optim in ("lomo", "adalomo"):
