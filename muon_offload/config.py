@@ -251,8 +251,8 @@ class OptimizerConfig:
             values["betas"] = tuple(values["betas"])
         try:
             return cls(**values)
-        except ValueError as error:  # named where the user edits it
-            raise ValueError(f"[{table}] of {path}: {error}") from error
+        except ValueError as error:  # named where, and as, the user edits it
+            raise ValueError(f"[{table}] of {path}: {_as_toml(str(error), names)}") from error
 
 
 # Other trainers' names for fields, which spelling alone does not match
@@ -436,6 +436,15 @@ def _as_flags(message: str, names: Sequence[str]) -> str:
     message = re.sub(rf"\b({fields})=", lambda m: flag(m.group(1)) + " ", message)
     spaced = "|".join(n for n in names if "_" in n)
     return re.sub(rf"(?<![-\w'])({spaced})\b(?![=\['])", lambda m: flag(m.group(1)), message)
+
+
+def _as_toml(message: str, names: Sequence[str]) -> str:
+    """`message` with the settings it names written as TOML keys are: `type='muon'` as
+    `type = "muon"`, `nesterov=False` as `nesterov = false`."""
+    fields = "|".join(sorted(names, key=len, reverse=True))
+    message = re.sub(rf"\b({fields})=(True|False)\b", lambda m: f"{m[1]} = {m[2].lower()}", message)
+    message = re.sub(rf"\b({fields})='([^']*)'", lambda m: f'{m[1]} = "{m[2]}"', message)
+    return re.sub(rf"\b({fields})=", lambda m: f"{m[1]} = ", message)
 
 
 def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -366,6 +366,12 @@ def test_valid_muon_options_and_int_lr_are_accepted():
         # a TypeError that named nothing; a string split into characters
         ("[optimizer]\nbetas = 0.9\n", r"betas in \[optimizer\] .* should be an array"),
         ('[optimizer]\nbetas = "0.9, 0.95"\n', r"betas = \[0.9, 0.95\], but is: '0.9, 0.95'"),
+        # the way out in TOML's syntax, not Python's (it said "set type='muon'")
+        ("[optimizer]\nmomentum = 0.9\n", r'momentum = 0.9 is set .* set type = "muon" or'),
+        (
+            "[optimizer]\noffload_overlap_forward = true\n",
+            r'offload_overlap_forward = true needs offload = "optimizer"',
+        ),
     ],
 )
 def test_toml_with_a_wrong_table_or_value_fails_naming_it(tmp_path, text, message):
