@@ -1564,7 +1564,8 @@ def _autocast_off(device_types: Iterable[str]) -> contextlib.AbstractContextMana
     (entered only where it is on: a step runs this once per chunk when offloaded)."""
     stack = contextlib.ExitStack()
     for device_type in device_types:
-        if torch.is_autocast_enabled(device_type):
+        # the meta device has no autocast (asking raises): a dry run steps as torch's Muon
+        if device_type != "meta" and torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
     return stack
 

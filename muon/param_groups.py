@@ -12,11 +12,16 @@ from torch import nn
 from muon.optimizer import _user_stacklevel  # warnings point at the caller, past setup_optimizer
 
 # Names of params Muon should not orthogonalize even though they are matrices:
-# embeddings and the output head (Keller Jordan, Moonlight: a weight whose module is
-# named lm_head, head, output, classifier or score), norms, biases, MoE routers named
-# "router" (a router named `gate` is found by module: `_moe_gates`) and state-space
-# models' log decay rates (Mamba's `A_log`, channels x states: a table of scalars, not a
-# linear map).
+# embeddings and the output head (Keller Jordan, Moonlight): the weight of a module
+# named lm_head or head, every param of a task head named classifier,
+# classification_head, score or qa_outputs (and of the modules inside it: RoBERTa's
+# `classifier.out_proj`, ResNet's `classifier.1`), the weight of a module named output
+# at the model's top (torchtitan's head; deeper in a block, `attention.output` is a
+# hidden projection),
+# learned tokens (BLIP-2's `query_tokens`, ViT's `cls_token`), norms, biases, MoE
+# routers named "router" (a router named `gate` is found by module: `_moe_gates`) and
+# state-space models' log decay rates (Mamba's `A_log`, channels x states: a table of
+# scalars, not a linear map).
 # Words are looked for in a param's own name, its module's and that module's parent's
 # (list indices skipped: `patch_embed.0.weight`, DBRX's `router.layer.weight`, DETR's
 # `bbox_embed.layers.0.weight`), not in the modules above: a wrapper attribute named
@@ -24,7 +29,10 @@ from muon.optimizer import _user_stacklevel  # warnings point at the caller, pas
 # AdamW.
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"(^|\.)[^.]*embed[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
-    r"(^|\.)(lm_head|head|output|classifier|score)\.weight$",
+    r"(^|\.)(lm_head|head)\.weight$",
+    r"(^|\.)(classifier|classification_head|score|qa_outputs)(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
+    r"^([^.]+\.)?output\.weight$",
+    r"(^|\.)[^.]*tokens?$",
     r"(^|\.)[^.]*norm(?!al)[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",  # not normal(ize)
     r"(^|\.)[^.]*bias[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)[^.]*router[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
@@ -177,6 +185,7 @@ def muon_param_groups(
     not_muon: dict[str, list[str]] = {}  # names a row_blocks pattern matches outside Muon
     plain: list[nn.Parameter] = []
     unsplit_fused: list[str] = []
+    unnamed_stacks: list[str] = []  # 3-D params not named as expert stacks
     fused: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in row_blocks}
     adamw: list[nn.Parameter] = []
     by_module = {
@@ -208,6 +217,8 @@ def muon_param_groups(
         if len(matches) > 1:
             raise ValueError(f"param {name} matches several row_blocks patterns: {matches}")
         (fused[matches[0]] if matches else plain).append(p)
+        if p.ndim == 3 and "expert" not in name.lower():
+            unnamed_stacks.append(f"{name} {tuple(p.shape)}")
         if not matches and (
             name in gates or any(re.search(pattern, name) for pattern in FUSED_PATTERNS)
         ):
@@ -224,6 +235,15 @@ def muon_param_groups(
         unsplit_gates = {name: gates[name] for name in unsplit_fused if name in gates}
         warnings.warn(
             _unsplit_fused_warning(unsplit_fused, unsplit_gates), stacklevel=_user_stacklevel()
+        )
+    if unnamed_stacks:
+        warnings.warn(
+            f"muon_param_groups: {unnamed_stacks} are 3-D and not named as expert stacks; "
+            "Muon takes each as a stack of (dim 1, dim 2) matrices and orthogonalizes each "
+            "alone. A 3-D param that is one linear map (XLNet's (d_model, heads, head_dim) "
+            "q/k/v) or a table (learned tokens) gets the wrong update: reshape it to 2-D, "
+            "or send it to AdamW with adamw_patterns",
+            stacklevel=_user_stacklevel(),
         )
     groups: list[dict[str, Any]] = []
     if plain:

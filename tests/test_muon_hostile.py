@@ -812,3 +812,30 @@ def test_a_non_finite_grad_poisons_only_its_own_matrix():
     *others, fused, stack = run(True)
     assert all(torch.equal(a, b) for a, b in zip(clean, others, strict=True))
     assert fused[:4].isnan().all() and stack[1].isnan().all()
+
+
+def test_params_on_the_meta_device_step_as_torch_muon_steps_them():
+    # a dry run on meta params failed inside the step with "unknown device type for
+    # autocast"; torch.optim.Muon steps them
+    params = [nn.Parameter(torch.empty(4, 6, device="meta")) for _ in range(2)]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    torch.optim.Muon(params[:1]).step()
+    opt = Muon(params[1:])
+    opt.step()
+    assert opt.state[params[1]]["momentum_buffer"].is_meta
+
+
+def test_three_d_params_not_named_as_expert_stacks_are_warned_about():
+    # XLNet's (d_model, heads, head_dim) q went to Muon as d_model matrices of
+    # (heads, head_dim), each orthogonalized alone, without a word
+    model = nn.Module()
+    model.rel_attn = nn.Module()
+    model.rel_attn.q = nn.Parameter(torch.randn(8, 2, 4))
+    model.experts = nn.Module()
+    model.experts.w1 = nn.Parameter(torch.randn(3, 4, 5))
+    with pytest.warns(UserWarning, match=r"\['rel_attn.q \(8, 2, 4\)'\] are 3-D and not named"):
+        muon_param_groups(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        muon_param_groups(model, adamw_patterns=(r"rel_attn\.q$",))

@@ -318,6 +318,36 @@ def test_param_group_helper_sends_convs_embeddings_and_heads_to_adamw():
     assert "score.weight" in _adamw_names(classifier)
 
 
+def test_param_group_helper_routes_task_heads_hidden_outputs_and_learned_tokens():
+    # Task heads of stock transformers models went to Muon (a rank-2 QA head's update
+    # orthogonalized: qa_outputs, classifier.out_proj, classifier.1, ...), square hidden
+    # projections named `output` deep in a block went to AdamW (RWKV, LED), and learned
+    # query tokens (BLIP-2's, (1, 32, hidden)) went to Muon as a stack of one matrix
+    transformers = pytest.importorskip("transformers")
+    bert = {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1}
+    bert |= {"num_attention_heads": 2, "intermediate_size": 32}
+    qa = transformers.BertForQuestionAnswering(transformers.BertConfig(**bert))
+    assert "qa_outputs.weight" in _adamw_names(qa)
+    assert "bert.encoder.layer.0.output.dense.weight" not in _adamw_names(qa)  # hidden
+    roberta = transformers.RobertaForSequenceClassification(
+        transformers.RobertaConfig(**bert, num_labels=3)
+    )
+    assert {"classifier.dense.weight", "classifier.out_proj.weight"} <= _adamw_names(roberta)
+    model = torch.nn.Module()
+    model.classifier = torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Linear(8, 3))
+    model.score = torch.nn.Module()
+    model.score.out_proj = torch.nn.Linear(8, 3, bias=False)
+    model.blocks = torch.nn.ModuleList([torch.nn.Module()])
+    model.blocks[0].attention = torch.nn.Module()
+    model.blocks[0].attention.output = torch.nn.Linear(8, 8, bias=False)
+    model.output = torch.nn.Linear(8, 10, bias=False)  # torchtitan's head, at the root
+    model.query_tokens = torch.nn.Parameter(torch.zeros(1, 4, 8))
+    assert _adamw_names(model) == {
+        "classifier.1.weight", "classifier.1.bias", "score.out_proj.weight",
+        "output.weight", "query_tokens",
+    }  # fmt: skip
+
+
 def test_param_group_helper_sends_the_models_output_embeddings_to_adamw():
     # A head named otherwise (BERT's cls.predictions.decoder untied, a custom model's
     # proj_out) went to Muon: the name patterns did not match it
