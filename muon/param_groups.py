@@ -15,9 +15,9 @@ from muon.optimizer import _user_stacklevel  # warnings point at the caller, pas
 # embeddings and the output head (Keller Jordan, Moonlight): the weight of a module
 # named lm_head or head, every param of a task head named classifier,
 # classification_head, score or qa_outputs (and of the modules inside it: RoBERTa's
-# `classifier.out_proj`, ResNet's `classifier.1`), the weight of a module named output
-# at the model's top (torchtitan's head; deeper in a block, `attention.output` is a
-# hidden projection),
+# `classifier.out_proj`, ResNet's `classifier.1`; VGG's hidden classifier layers too),
+# the weight of a module named output outside any numbered block (torchtitan's head,
+# under wrappers too; `layers.0.attention.output` is a hidden projection),
 # learned tokens (BLIP-2's `query_tokens`, ViT's `cls_token`), norms, biases, MoE
 # routers named "router" (a router named `gate` is found by module: `_moe_gates`) and
 # state-space models' log decay rates (Mamba's `A_log`, channels x states: a table of
@@ -31,7 +31,7 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"(^|\.)[^.]*embed[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)(lm_head|head)\.weight$",
     r"(^|\.)(classifier|classification_head|score|qa_outputs)(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
-    r"^([^.]+\.)?output\.weight$",
+    r"^(?!.*\.\d+\.)(.*\.)?output\.weight$",  # not in a numbered block: a hidden one
     r"(^|\.)[^.]*tokens?$",
     r"(^|\.)[^.]*norm(?!al)[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",  # not normal(ize)
     r"(^|\.)[^.]*bias[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
@@ -217,7 +217,7 @@ def muon_param_groups(
         if len(matches) > 1:
             raise ValueError(f"param {name} matches several row_blocks patterns: {matches}")
         (fused[matches[0]] if matches else plain).append(p)
-        if p.ndim == 3 and "expert" not in name.lower():
+        if p.ndim == 3 and not matches and "expert" not in name.lower():
             unnamed_stacks.append(f"{name} {tuple(p.shape)}")
         if not matches and (
             name in gates or any(re.search(pattern, name) for pattern in FUSED_PATTERNS)
@@ -239,10 +239,11 @@ def muon_param_groups(
     if unnamed_stacks:
         warnings.warn(
             f"muon_param_groups: {unnamed_stacks} are 3-D and not named as expert stacks; "
-            "Muon takes each as a stack of (dim 1, dim 2) matrices and orthogonalizes each "
-            "alone. A 3-D param that is one linear map (XLNet's (d_model, heads, head_dim) "
-            "q/k/v) or a table (learned tokens) gets the wrong update: reshape it to 2-D, "
-            "or send it to AdamW with adamw_patterns",
+            "Muon takes each as a stack of (dim 1, dim 2) matrices, each orthogonalized "
+            "alone: right for expert or per-head stacks, wrong for one linear map stored in "
+            "three dims (XLNet's (d_model, heads, head_dim) q/k/v) or a table. Send those to "
+            "AdamW with adamw_patterns (or reshape them); declare a real stack's rows, "
+            "row_blocks={pattern: (rows,)}, to silence this",
             stacklevel=_user_stacklevel(),
         )
     groups: list[dict[str, Any]] = []

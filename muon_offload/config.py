@@ -14,6 +14,7 @@ import difflib
 import inspect
 import json
 import re
+import sys
 import textwrap
 import types
 import typing
@@ -152,8 +153,10 @@ class OptimizerConfig:
             flag = "--" + f.name.replace("_", "-")
             default = _field_default(f)
             text = docs.get(f.name, "").replace("%", "%%")
-            if "default" not in text.lower():  # else the docstring says what it means
-                text += " (default: %(default)r)"
+            # BooleanOptionalAction adds its own before Python 3.11
+            own = isinstance(default, bool) or f.name == "fused"
+            if "default" not in text.lower() and not (own and sys.version_info < (3, 11)):
+                text += " (default: %(default)r)"  # else the docstring says what it means
             described = {"help": text}
             if isinstance(default, bool) or f.name == "fused":
                 group.add_argument(

@@ -84,9 +84,6 @@ def _unused_args(args: transformers.TrainingArguments, config: OptimizerConfig) 
     return unused
 
 
-_TRAINER_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
-
-
 class Trainer(transformers.Trainer):
     """`transformers.Trainer` whose optimizer is `setup_optimizer(model, optimizer_config)`.
 
@@ -102,9 +99,10 @@ class Trainer(transformers.Trainer):
                 "optimizer_config should be an OptimizerConfig (OptimizerConfig(**fields), or "
                 f"OptimizerConfig.from_toml(path)) but is: {type(optimizer_config).__name__}"
             )
-        # by keyword or by position, as transformers.Trainer's signature takes them
+        # by keyword or by position, as the next __init__ in the MRO takes them (a
+        # subclass mixed with Seq2SeqTrainer has another 12th argument)
         try:
-            given = _TRAINER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
+            given = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
         except TypeError:
             given = kwargs  # the Trainer's own call below says what is wrong
         optimizer, scheduler = given.get("optimizers") or (None, None)

@@ -839,3 +839,4 @@ def test_three_d_params_not_named_as_expert_stacks_are_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         muon_param_groups(model, adamw_patterns=(r"rel_attn\.q$",))
+        muon_param_groups(model, row_blocks={r"rel_attn\.q$": (2,)})  # a stack, declared

@@ -346,6 +346,11 @@ def test_param_group_helper_routes_task_heads_hidden_outputs_and_learned_tokens(
         "classifier.1.weight", "classifier.1.bias", "score.out_proj.weight",
         "output.weight", "query_tokens",
     }  # fmt: skip
+    # torchtitan's head under two wrappers (DDP around a compiled model) is still the head
+    outer = torch.nn.Module()
+    outer.module = torch.nn.Module()
+    outer.module._orig_mod = model
+    assert "module._orig_mod.output.weight" in _adamw_names(outer)
 
 
 def test_param_group_helper_sends_the_models_output_embeddings_to_adamw():
