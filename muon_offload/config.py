@@ -153,12 +153,12 @@ class OptimizerConfig:
             flag = "--" + f.name.replace("_", "-")
             default = _field_default(f)
             text = docs.get(f.name, "").replace("%", "%%")
-            # BooleanOptionalAction adds its own before Python 3.11
-            own = isinstance(default, bool) or f.name == "fused"
-            if "default" not in text.lower() and not (own and sys.version_info < (3, 11)):
+            boolean = isinstance(default, bool) or f.name == "fused"
+            # BooleanOptionalAction adds its own default before Python 3.11
+            if "default" not in text.lower() and not (boolean and sys.version_info < (3, 11)):
                 text += " (default: %(default)r)"  # else the docstring says what it means
             described = {"help": text}
-            if isinstance(default, bool) or f.name == "fused":
+            if boolean:
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=default, **described
                 )
