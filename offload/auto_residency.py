@@ -87,8 +87,7 @@ class AutoResidency:
         self.choice: ResidencyChoice | None = None
         self._steps = 0
         self._probes: list[Probe] = []
-        self._splits: list[Split] = []  # loads first (`split_total`), by growing total
-        self._resident_only: list[Split] = []  # all resident, by growing total
+        self._splits: list[Split] = []
         self._default: Split | None = None  # the split the optimizer runs without "auto"
         self._free: set[Split] = set()  # load-only splits held in the room under the peak
         self._probe_start = 0
@@ -218,16 +217,8 @@ class AutoResidency:
         limit = int(limit)
         model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, limit)
         splits = search_splits(shape.unit_bytes, backward, limit)
-        resident_only: list[Split] = []
-        if backward > 0 and shape.overlap and self.timer.timed:
-            (most,) = self._agree([], [largest_fitting_total(shape.unit_bytes, 0, fits)])[1]
-            resident_only = search_splits(shape.unit_bytes, 0, int(most))
-        (total,), fitting = self._agree(
-            [model.resident_bytes], [fits(s) for s in (*splits, *resident_only)]
-        )
-        loads_fitting, resident_fitting = fitting[: len(splits)], fitting[len(splits) :]
-        splits = [split for split, ok in zip(splits, loads_fitting, strict=True) if ok]
-        resident_only = [s for s, ok in zip(resident_only, resident_fitting, strict=True) if ok]
+        (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
+        splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
         default = None
         if self.backward is not None and shape.overlap:
             # Tried past the default budget too: without "auto" it would run anyway, and
@@ -261,12 +252,11 @@ class AutoResidency:
         self._free = {s for s, w in zip(candidates, within, strict=True) if w}
         self._probes = [measured]
         self._splits = splits
-        self._resident_only = resident_only
         self._default = default
         return self._next(step)
 
     def _next(self, step: int) -> Split | None:
-        split = next_split(self._probes, self._splits, self._default, self._resident_only)
+        split = next_split(self._probes, self._splits, self._default)
         if split is None:
             # Settled: the next PROBE_STEPS steps check what it measured for that split
             # (also when it was the fastest: steps of one run vary, and the check says so).

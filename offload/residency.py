@@ -16,8 +16,7 @@ trainer's own small copies queued behind the step's, so with forward overlap on 
 forward's path for a few steps (the fastest step it can get), then bisects for the
 least total whose step is within `NEAR_FASTEST` of the fastest measured
 (`settled_split`). Of a total, the backward loads what its measured length carries
-and the rest stays resident (`split_total`), or all of it stays resident, whichever ran
-faster at the largest total.
+(`split_total`); the rest stays resident.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ would settle on its slowest split."""
 PROBE_STEPS = 6
 """Steps each split of the search runs: the first is not timed (its re-plan syncs), the
 median of the others counts (steps of one run vary by several percent)."""
-MAX_PROBES = 5
+MAX_PROBES = 4
 AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 1) * PROBE_STEPS + 1
 """Steps until "auto" has settled and checked, at most (it says what it chose then)."""
 SEARCH_STEPS = 8
@@ -157,8 +156,9 @@ def median_error_ms(steps: Sequence[float]) -> float:
 
 def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Split:
     """Of the first `total` bytes of the step, the backward loads what it can carry
-    (`backward_cap`); the leading units that fit in the rest stay resident (with
-    `backward_cap` 0: all resident, the search's other way, `next_split`)."""
+    (`backward_cap`); the leading units that fit in the rest stay resident.
+
+    Loads first, chosen by measurement (docs/design.md, "auto")."""
     backward = min(total, backward_cap)
     resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= total - backward)
     return Split(resident, backward)
@@ -224,49 +224,32 @@ def with_default(splits: Sequence[Split], default: Split) -> list[Split]:
 
 
 def next_split(
-    probes: Sequence[Probe],
-    splits: Sequence[Split],
-    default: Split | None = None,
-    resident_only: Sequence[Split] = (),
+    probes: Sequence[Probe], splits: Sequence[Split], default: Split | None = None
 ) -> Split | None:
     """The split to try next, or None when the search is done.
 
-    probes[0] is the measured steps (nothing kept off the forward's path); `splits` and
-    `resident_only` are two ways to keep growing totals off it, by growing total: loads
-    first (`split_total` with the backward's cap), and all resident (no copies at all).
-    First the largest of each (the fastest steps the budget allows: which way is faster
-    differs by optimizer and machine), then `default` (one of `splits`: what the
-    optimizer runs without "auto"), then a bisection over the way whose largest ran
-    faster, between the largest total tried that was not near the fastest and the least
-    that was, `MAX_PROBES` at most. The bisection takes a step not to get slower with
-    more kept off the forward's path, which does not always hold: loading the whole state
-    in the backward can be slower than loading the default's first chunks (measured with
-    Muon, both ends alike), so the default is tried whatever the ends measured.
+    probes[0] is the measured steps (nothing kept off the forward's path). First the
+    largest split (the fastest step the budget allows), then `default` (one of `splits`:
+    what the optimizer runs without "auto"), then a bisection between the largest total
+    tried that was not near the fastest and the least that was, `MAX_PROBES` at most.
+    The bisection takes a step not to get slower with more kept off the forward's path,
+    which does not always hold: loading the whole state in the backward can be slower
+    than loading the default's first chunks (measured with Muon, both ends alike), so
+    the default is tried whatever the ends measured.
     """
-    if len(probes) > MAX_PROBES:
+    if not splits or len(probes) > MAX_PROBES:
         return None
-    ran = {p.split: p.iteration_ms for p in probes}
-    for largest in (*splits[-1:], *resident_only[-1:]):
-        if largest not in ran:
-            return largest
-    if default in splits and default not in ran:
+    if len(probes) == 1:
+        return splits[-1]
+    if default in splits and all(p.split != default for p in probes):
         return default
-    way = splits
-    if resident_only and (not splits or ran[resident_only[-1]] < ran[splits[-1]]):
-        way = resident_only
-    if not way:
-        return None
-    index = {split: i for i, split in enumerate(way)}
-    tried = [
-        (index.get(p.split, -1), near_fastest(p, probes))
-        for p in probes
-        if p.split in index or p is probes[0]
-    ]
-    near = min((i for i, ok in tried if ok), default=len(way))
+    index = {split: i for i, split in enumerate(splits)}
+    tried = [(index.get(p.split, -1), near_fastest(p, probes)) for p in probes]
+    near = min((i for i, ok in tried if ok), default=len(splits))
     slow = max((i for i, ok in tried if not ok and i < near), default=-1)
     if near - slow <= 1:
         return None
-    return way[(slow + near) // 2]
+    return splits[(slow + near) // 2]
 
 
 def settled_split(probes: Sequence[Probe], free: Collection[Split] = ()) -> Split:

@@ -442,53 +442,9 @@ def test_auto_counts_no_resident_state_as_free_under_the_peak():
         return 100.0 - split.resident_bytes / 1000 - split.backward_load_bytes / 10_000
 
     choice = _settle_auto(step_ms, room=10**6)
-    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325), Split(800, 0)]
+    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 0)
     # the default's loads, free and near the fastest too: the fastest of the free
     choice = _settle_auto(step_ms, room=10**6, default_backward=300)
-    assert [p.split for p in choice.probes] == [
-        Split(0, 0),
-        Split(400, 325),
-        Split(800, 0),
-        Split(0, 300),
-    ]
+    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325), Split(0, 300)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 300)
-
-
-def test_the_search_tries_all_resident_too_and_bisects_the_way_that_ran_faster():
-    """Of a total, loads first (`split_total`) or all resident: which is faster differs by
-    optimizer (on the H200 at batch 4, AdamW's resident state ran faster than the same
-    bytes loaded in the backward, Muon's slower). The search runs the largest of each,
-    then bisects over the faster way."""
-    loads = [Split(0, t) for t in (100, 200, 300, 400)]
-    resident = [Split(t, 0) for t in (100, 200, 300, 400)]
-    probes = _probes((0, 100.0))
-    assert next_split(probes, loads, None, resident) == Split(0, 400)
-    probes.append(Probe(Split(0, 400), 90.0))
-    assert next_split(probes, loads, None, resident) == Split(400, 0)
-    # all resident ran faster: the bisection runs over resident totals
-    fast_resident = [*probes, Probe(Split(400, 0), 60.0)]
-    assert next_split(fast_resident, loads, None, resident) == Split(200, 0)
-    # loads ran faster: over loads, the resident probe only raising the bar
-    fast_loads = [*probes, Probe(Split(400, 0), 95.0)]
-    assert next_split(fast_loads, loads, None, resident) == Split(0, 200)
-    # the same split either way (nothing loads in the backward): tried once
-    assert next_split(_probes((0, 100.0), (400, 90.0)), SPLITS[:4], None, SPLITS[:4]) == SPLITS[1]
-    assert next_split(_probes((0, 100.0)), [], None, resident) == Split(400, 0)
-
-
-def test_auto_settles_all_resident_where_loads_cost_the_backward_more_than_they_save():
-    """Measured at batch 4 with AdamW on the H200 (9bc762c): "auto" kept the whole state off
-    the forward's path as half resident, half loaded in the backward, 1.158x no offload's
-    step at the same peak, since the loads lengthen the backward; all resident needs no
-    copies. It is tried, and its faster step is kept."""
-
-    def step_ms(split):
-        return 100.0 - split.resident_bytes / 20 - split.backward_load_bytes / 100
-
-    choice = _settle_auto(step_ms, room=None)
-    assert Split(800, 0) in [p.split for p in choice.probes]
-    assert (choice.resident_bytes, choice.backward_load_bytes) == (800, 0)
-    assert step_ms(Split(800, 0)) < min(
-        p.iteration_ms for p in choice.probes if p.split.backward_load_bytes
-    )
