@@ -18,6 +18,7 @@ import sys
 import textwrap
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -528,7 +529,8 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
     """Build the optimizer `config` asks for over `model`'s trainable params.
 
     Call it after `fully_shard` (which replaces the params) and after the weights are
-    materialized and unfrozen: it plans from the params as they are now. Returns a
+    materialized and unfrozen: it plans from the params as they are now (a param frozen
+    now is in no group; one that gets a grad later is warned about at `step()`). Returns a
     `torch.optim.AdamW` (`type="adamw"`) or a `muon.Muon` whose AdamW groups take
     embeddings, head, norms and biases (`type="muon"`, `muon_param_groups`); with
     `offload="optimizer"` wrapped in a `CPUOffloadOptimizer`, whose `overlap_forward` is
@@ -590,17 +592,43 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             adjust_lr_fn=config.adjust_lr_fn,
             **options,
         )
-    if config.offload == "none":
-        return optimizer
-    return CPUOffloadOptimizer(
-        optimizer,
-        chunk_bytes=config.offload_chunk_bytes,
-        staging_slots=config.offload_staging_slots,
-        overlap_forward=model if config.offload_overlap_forward else None,
-        gpu_resident_bytes=config.offload_gpu_resident_bytes,
-        gpu_budget_bytes=config.offload_gpu_budget_bytes,
-        load_in_backward=config.offload_load_in_backward,
-    )
+    if config.offload == "optimizer":
+        optimizer = CPUOffloadOptimizer(
+            optimizer,
+            chunk_bytes=config.offload_chunk_bytes,
+            staging_slots=config.offload_staging_slots,
+            overlap_forward=model if config.offload_overlap_forward else None,
+            gpu_resident_bytes=config.offload_gpu_resident_bytes,
+            gpu_budget_bytes=config.offload_gpu_budget_bytes,
+            load_in_backward=config.offload_load_in_backward,
+        )
+    _warn_when_left_out_params_get_grads(optimizer, model)
+    return optimizer
+
+
+def _warn_when_left_out_params_get_grads(
+    optimizer: torch.optim.Optimizer, model: nn.Module
+) -> None:
+    """The params frozen at `setup_optimizer` are in no group (as transformers' Trainer
+    leaves them out; the offloaded state is planned for the rest): one unfrozen later gets
+    grads and never steps. Said once, at the first `step()` that finds such a grad."""
+    left_out = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+    if not left_out:
+        return
+
+    def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        graded = [name for name, p in left_out if p.grad is not None]
+        if graded:
+            handle.remove()
+            warnings.warn(
+                f"{len(graded)} param(s) frozen when setup_optimizer was called now have "
+                f"grads, and are in no param group, so they do not train (first: "
+                f"{graded[0]!r}); setup_optimizer takes the params that require grad when it "
+                "is called: call it again after unfreezing",
+                stacklevel=3,
+            )
+
+    handle = optimizer.register_step_pre_hook(check)
 
 
 def _bytes_or_auto(text: str) -> int | str:

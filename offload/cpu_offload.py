@@ -876,8 +876,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
-            "CPUOffloadOptimizer plans its host slabs once; add the group to the wrapped "
-            "optimizer before wrapping it"
+            "CPUOffloadOptimizer plans its host slabs once: call close(), add the group to "
+            "the wrapped optimizer (.optimizer.add_param_group), and wrap it again (its "
+            "state carries over)"
         )
 
     def _warn_if_state_read_runs_collectives(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -154,6 +155,46 @@ def test_row_blocks_of_frozen_params_are_left_out_as_the_params_are():
     optimizer = setup_optimizer(net, OptimizerConfig(type="muon"))
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert not any(id(a.qkv.weight) in stepped for a in net.attn)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        OptimizerConfig(type="adamw"),
+        OptimizerConfig(type="muon"),
+        OptimizerConfig(type="muon", offload="optimizer", offload_overlap_forward=True),
+    ],
+    ids=["adamw", "muon", "muon-offload-overlap"],
+)
+def test_a_param_unfrozen_after_setup_optimizer_is_warned_about_once(config):
+    # gradual unfreezing: the param frozen at setup_optimizer got grads and never trained,
+    # silently (it is in no group, as transformers' Trainer leaves frozen params out)
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    frozen = net[2].weight
+    frozen.requires_grad_(False)
+    optimizer = setup_optimizer(net, config)
+    tokens = torch.randn(2, 5, 16)
+
+    def step() -> None:
+        net(tokens).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    before = frozen.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()  # frozen, no grad: nothing to say
+        assert not caught
+        frozen.requires_grad_(True)
+        step()
+        step()
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "1 param(s) frozen when setup_optimizer was called" in said[0]
+    assert "'2.weight'" in said[0] and "call it again after unfreezing" in said[0]
+    assert caught[0].filename == __file__  # pointed at the caller's step()
+    assert torch.equal(frozen, before)  # as said: it does not train
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        optimizer.close()
 
 
 def test_row_blocks_naming_no_param_of_the_module_are_refused_naming_it():
