@@ -1061,7 +1061,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         in_slabs = {slab.untyped_storage().data_ptr() for slab in slabs}
         copies = []
         for (index, key), value in offloaded.items():
-            param, source = param_of[index], local_tensor(value)
+            # detached: a state tensor saved requiring grad (torch's own load steps it under
+            # no_grad) made the homes require grad, and the next step's in-place copy raised
+            param, source = param_of[index], local_tensor(value).detach()
             dtype = self._loaded_dtype(param, key, value)
             view = views.get((param, key))
             if view is not None and view.home.dtype == dtype:

@@ -885,9 +885,14 @@ class _PendingReads(TorchFunctionMode):
             if overlap is not None:
                 overlap._before_backward()
         else:
-            chunk = _latest_chunk(self.chunk_of, self._held, args)
-            if kwargs:
-                chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, kwargs.values()))
+            values = (*args, *kwargs.values()) if kwargs else args
+            if torch.compiler.is_compiling():
+                # Dynamo of torch 2.11 traces `id()` of neither a constant (an int
+                # argument) nor a tensor made in the graph: a block compiled with
+                # fullgraph=True raised at its first call while a step was pending (2.13
+                # traces both). What it reads of the step's is params, the graph's inputs.
+                values = _params_among(values)
+            chunk = _latest_chunk(self.chunk_of, self._held, values)
             if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
                 unwrapped = _unwrapped((*args, *kwargs.values()))
                 chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, unwrapped))
@@ -1169,6 +1174,15 @@ def _default_dtype(dtype: torch.dtype, thread: int | None) -> Iterator[None]:
 
 def _depth() -> int:
     return torch._C._len_torch_function_stack()
+
+
+def _params_among(values: Iterable[Any]) -> list[torch.nn.Parameter]:
+    """The params among `values`, one level into lists and tuples (as `_latest_chunk`)."""
+    found = []
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        found.extend(item for item in items if isinstance(item, torch.nn.Parameter))
+    return found
 
 
 def _latest_chunk(

@@ -612,7 +612,10 @@ def _meta_state_layout(
     options = {k: v for k, v in group.items() if k != "params"}
     options.update({k: v for k, v in _IMPLEMENTATION_OPTIONS.items() if k in options})
     shadow = type(optimizer)([{"params": [meta_param], **options}])
-    step_without_hooks(shadow)
+    # Scalar state (`step`) is made on the default device: under `with torch.device("meta")`
+    # torch 2.11's single-tensor Adam then read it with `.item()` and raised.
+    with torch.device("cpu"):
+        step_without_hooks(shadow)
     return {
         key: (value.shape, value.dtype)
         for key, value in shadow.state[meta_param].items()

@@ -775,6 +775,41 @@ def test_state_of_another_dtype_loaded_before_the_first_step_takes_the_params_dt
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_loaded_state_that_requires_grad_steps_as_torch_steps_it(overlap):
+    # a checkpoint whose state tensors require grad: torch's optimizer steps them (under
+    # no_grad); the wrapper copied them into its homes with the autograd graph, and its
+    # next step raised "a leaf Variable that requires grad is being used in an in-place
+    # operation"
+    source = _linear()
+    optimizer = torch.optim.AdamW(source.parameters(), lr=0.1)
+    _backward(source, 9)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for entries in saved["state"].values():
+        entries["exp_avg"].requires_grad_(True)
+
+    def run(wrap: bool) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+        model = _linear()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if wrap:
+            opt = CPUOffloadOptimizer(opt, overlap_forward=model if overlap else None)
+        opt.load_state_dict(copy.deepcopy(saved))
+        for seed in range(3):
+            _backward(model, seed)
+            opt.step()
+            opt.zero_grad()
+        if wrap:
+            opt.wait_for_optimizer_step()
+        return model, opt
+
+    (plain_model, plain), (model, opt) = run(False), run(True)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(plain.state[a]["exp_avg"], opt.state[b]["exp_avg"].detach())
+    opt.close()
+
+
 def test_muons_fp32_momentum_of_bf16_params_loaded_before_the_first_step_stays_fp32():
     # Loaded before the first step (no slab yet), the held copy took the param's dtype:
     # bf16 params' fp32 momentum was rounded to bf16, and the resumed run went elsewhere
