@@ -886,11 +886,7 @@ class _PendingReads(TorchFunctionMode):
                 overlap._before_backward()
         else:
             values = (*args, *kwargs.values()) if kwargs else args
-            if torch.compiler.is_compiling():
-                # Dynamo of torch 2.11 traces `id()` of neither a constant (an int
-                # argument) nor a tensor made in the graph: a block compiled with
-                # fullgraph=True raised at its first call while a step was pending (2.13
-                # traces both). What it reads of the step's is params, the graph's inputs.
+            if _DYNAMO_IDS_PARAMS_ONLY and torch.compiler.is_compiling():
                 values = _params_among(values)
             chunk = _latest_chunk(self.chunk_of, self._held, values)
             if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
@@ -1174,6 +1170,14 @@ def _default_dtype(dtype: torch.dtype, thread: int | None) -> Iterator[None]:
 
 def _depth() -> int:
     return torch._C._len_torch_function_stack()
+
+
+_DYNAMO_IDS_PARAMS_ONLY = torch.__version__ < "2.13"
+"""Dynamo before torch 2.13 traces `id()` of neither a constant (an int argument) nor a
+tensor made in the graph: a block compiled with fullgraph=True raised at its first call
+while a step was pending (torch 2.11; 2.13 traces both). There compiled code looks up
+only params (what the graph reads of the step's: views of params held across the step,
+and grads and state, are not waited for there)."""
 
 
 def _params_among(values: Iterable[Any]) -> list[torch.nn.Parameter]:
