@@ -1098,15 +1098,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         param_of: dict[Any, Tensor],
         kept: dict[Tensor, dict[str, torch.Size]],
     ) -> None:
-        """Every param with saved state has every state tensor the step will read.
+        """Every param with saved state has every state tensor the step will read, and,
+        for torch's optimizers, every scalar (`step`).
 
-        A missing one would be staged from its slab unchanged (zeros, or the last
-        run's values); plain torch optimizers raise a KeyError at the next step.
+        A missing tensor would be staged from its slab unchanged (zeros, or the last
+        run's values); a missing scalar raised a KeyError from the first chunk's step, which
+        then refused to go on (torch's own load raises).
         """
         for index, entries in saved.items():
             if not entries:
                 continue
             expected = set(kept.get(param_of[index], {}))
+            if isinstance(self._subset, GroupSubsetStep):
+                expected |= self._subset.state_keys(param_of[index])
             missing = sorted(expected - set(entries))
             if missing:
                 raise KeyError(

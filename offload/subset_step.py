@@ -523,8 +523,10 @@ class GroupSubsetStep:
         self.optimizer = optimizer
         # param -> (group index, index in the group), checked at each use (`_group`)
         self._positions: dict[Tensor, tuple[int, int]] = {}
-        # (options, shape, dtype, grad dtype) -> layout
-        self._layouts: dict[tuple[tuple, torch.Size, torch.dtype, torch.dtype], StateLayout] = {}
+        # (options, shape, dtype, grad dtype) -> the dry run's layout and every key it made
+        self._layouts: dict[
+            tuple[tuple, torch.Size, torch.dtype, torch.dtype], tuple[StateLayout, frozenset[str]]
+        ] = {}
 
     @property
     def slices_params(self) -> bool:
@@ -543,15 +545,7 @@ class GroupSubsetStep:
         """State the optimizer will keep for `param`, found by a dry run on the meta device
         with its group's options as they are now (loaded from a state_dict, say); a state
         tensor the param has already keeps its dtype."""
-        group = self._group(param)
-        local = local_tensor(param)
-        # SGD's momentum is a copy of the grad: in its dtype where the param takes a grad of
-        # another (`p.grad_dtype = None`)
-        grad_dtype = local.dtype if param.grad is None else param.grad.dtype
-        key = (_state_options(group), local.shape, local.dtype, grad_dtype)
-        if key not in self._layouts:
-            self._layouts[key] = _meta_state_layout(self.optimizer, group, local, grad_dtype)
-        layout = self._layouts[key]
+        layout, _ = self._dry_run(param)
         own = self.optimizer.state.get(param)
         if own:
             # State that exists goes on in its dtype, as torch updates it in place: Adagrad's,
@@ -563,6 +557,22 @@ class GroupSubsetStep:
                 for k, (shape, dtype) in layout.items()
             }
         return layout
+
+    def state_keys(self, param: Tensor) -> frozenset[str]:
+        """Every key of the state the optimizer will keep for `param`, scalars (`step`)
+        too: the same dry run as `state_layout`'s."""
+        return self._dry_run(param)[1]
+
+    def _dry_run(self, param: Tensor) -> tuple[StateLayout, frozenset[str]]:
+        group = self._group(param)
+        local = local_tensor(param)
+        # SGD's momentum is a copy of the grad: in its dtype where the param takes a grad of
+        # another (`p.grad_dtype = None`)
+        grad_dtype = local.dtype if param.grad is None else param.grad.dtype
+        key = (_state_options(group), local.shape, local.dtype, grad_dtype)
+        if key not in self._layouts:
+            self._layouts[key] = _meta_dry_run(self.optimizer, group, local, grad_dtype)
+        return self._layouts[key]
 
     def _group(self, param: Tensor) -> dict[str, Any]:
         """`param`'s group, as the groups are now (`opt.param_groups = ...` may regroup, a
@@ -602,9 +612,11 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _meta_state_layout(
+def _meta_dry_run(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], local: Tensor, grad_dtype: torch.dtype
-) -> StateLayout:
+) -> tuple[StateLayout, frozenset[str]]:
+    """One step of `optimizer`'s type on a meta copy of the param: the state tensors it
+    keeps (ndim >= 1), and every key of its state."""
     meta_param = torch.nn.Parameter(torch.empty_like(local, device="meta"))
     if grad_dtype != local.dtype:
         meta_param.grad_dtype = None
@@ -616,11 +628,13 @@ def _meta_state_layout(
     # torch 2.11's single-tensor Adam then read it with `.item()` and raised.
     with torch.device("cpu"):
         step_without_hooks(shadow)
-    return {
+    made = shadow.state[meta_param]
+    layout = {
         key: (value.shape, value.dtype)
-        for key, value in shadow.state[meta_param].items()
+        for key, value in made.items()
         if isinstance(value, Tensor) and value.ndim >= 1
     }
+    return layout, frozenset(made)
 
 
 def subset_step_for(optimizer: torch.optim.Optimizer) -> SupportsSubsetStep | None:

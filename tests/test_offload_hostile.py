@@ -775,6 +775,32 @@ def test_state_of_another_dtype_loaded_before_the_first_step_takes_the_params_dt
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("key", ["step", "exp_avg"])
+def test_loaded_state_lacking_a_key_the_step_reads_is_refused_at_the_load(key):
+    # a state_dict without `step` loaded; the first step raised a bare KeyError from
+    # torch's Adam and refused every step after it (torch's own load raises)
+    source = _linear()
+    optimizer = torch.optim.AdamW(source.parameters(), lr=0.1)
+    _backward(source, 9)
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    for entries in saved["state"].values():
+        del entries[key]
+    model = _linear()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    with pytest.raises(KeyError, match=rf"state of param 0 lacks '{key}'"):
+        opt.load_state_dict(saved)
+    # refused whole: the optimizer steps on, as plain AdamW with no state loaded
+    plain_model = _linear()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=0.1)
+    for m, o in ((plain_model, plain), (model, opt)):
+        _backward(m, 0)
+        o.step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    opt.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_loaded_state_that_requires_grad_steps_as_torch_steps_it(overlap):
     # a checkpoint whose state tensors require grad: torch's optimizer steps them (under
