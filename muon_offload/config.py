@@ -682,7 +682,7 @@ def _checked(
 _FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "type": _one_of(OPTIMIZER_TYPES),
     "offload": _one_of(OFFLOAD_MODES),
-    "ns_schedule": muon_checks.check_ns_schedule,
+    "ns_schedule": _one_of(tuple(SCHEDULES)),  # muon.options' check, with choices for --help
     # Muon's None means "original": a config names it (it listed None, which the field's
     # type then refused)
     "adjust_lr_fn": _one_of(tuple(f for f in muon_checks.ADJUST_LR_FNS if f is not None)),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from muon import Muon
+from muon import SCHEDULES, Muon
 from muon_offload import OptimizerConfig, model_row_blocks, setup_optimizer
 from offload import CPUOffloadOptimizer
 
@@ -509,6 +509,7 @@ def test_every_flag_has_its_fields_docstring_as_help():
     flat = " ".join(text.split())
     assert "Muon momentum. (default: 0.95)" in flat
     assert "--type {adamw,muon}" in flat and "--offload {none,optimizer}" in flat
+    assert "--ns-schedule {" + ",".join(SCHEDULES) + "}" in flat
     assert "(default: None)" not in flat
 
 
