@@ -9,6 +9,7 @@ running the chunks as the next forward reaches them is `forward_overlap.ForwardO
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -870,9 +871,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return self._executor.chunks_loaded_in_backward
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none and self._overlap is not None:
+        if self._overlap is None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        if not set_to_none:
             self._overlap.finish()  # zeroing in place would race the overlapped step's reads
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        # Not while another thread runs a chunk (a checkpoint's wait): a chunk swaps in the
+        # grads and narrowed groups it steps and puts back what it found, a cleared grad's
+        # grad included, and the groups it narrowed hid the other params from this zeroing.
+        with self._overlap.chunks_held():
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
@@ -932,15 +940,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         called around it as `torch.optim.Optimizer.state_dict` calls them. After an
         interrupted step or load it warns: the state it returns is not a whole step's."""
         self._warn_if_state_read_runs_collectives()
-        self.wait_for_optimizer_step()
-        if self._interrupted is not None:  # a "checkpoint on Ctrl-C" handler saves this
-            warnings.warn(
-                f"state_dict() returns state that is not whole: {self._interrupted}",
-                stacklevel=user_stacklevel(),
-            )
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state_dict = self.optimizer.state_dict()
+        # Not while the trainer's thread runs a chunk of its next step (a checkpoint
+        # thread's): a chunk puts stand-ins of its params into the state, which torch's
+        # state_dict() cannot name (it raised a KeyError).
+        held = contextlib.nullcontext() if self._overlap is None else self._overlap.chunks_held()
+        with held:
+            self.wait_for_optimizer_step()
+            if self._interrupted is not None:  # a "checkpoint on Ctrl-C" handler saves this
+                warnings.warn(
+                    f"state_dict() returns state that is not whole: {self._interrupted}",
+                    stacklevel=user_stacklevel(),
+                )
+            for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+                pre_hook(self)
+            state_dict = self.optimizer.state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
             if hook_result is not None:

@@ -472,6 +472,11 @@ class ForwardOverlap:
             self.advance(self._up_front, in_step=True)
             self._reads.push(self, state_scalars, state_homes)
 
+    def chunks_held(self) -> threading.RLock:
+        """Held, as a context manager, while no chunk runs on another thread (chunks run
+        holding it)."""
+        return self._advancing
+
     @torch.compiler.disable
     def advance(self, last: int, in_step: bool = False) -> None:
         """Enqueue the pending step's chunks up to index `last`.

@@ -1118,6 +1118,77 @@ def test_a_read_while_another_thread_runs_the_step_waits_for_it(monkeypatch):
     assert torch.equal(read, model.head.weight.detach())
 
 
+def test_zero_grad_while_another_thread_runs_a_chunk_clears_every_grad(monkeypatch):
+    # a checkpointing thread's wait_for_optimizer_step() ran a chunk while the trainer's
+    # zero_grad() ran: the chunk puts back the grads it found (the grad the trainer had
+    # just cleared), and the groups it narrowed hid the other params from the zeroing, so
+    # the next backward added to last step's grads (found by a lifecycle audit)
+    _no_mode_left_by_earlier_tests()
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    data = _tokens(3)
+    _train(plain_model, plain, data)
+    _train(model, overlapped, data[:2])
+    # paused inside the chunk's swap of grads and groups
+    with _checkpointer_paused_in(monkeypatch, overlapped, torch.optim.Adam, "_init_group") as (
+        go,
+        _,
+    ):
+        threading.Timer(0.5, go.set).start()  # the checkpointer goes on in half a second
+        overlapped.zero_grad()  # waits for that chunk, or races it
+        assert all(p.grad is None for p in model.parameters())
+    monkeypatch.undo()
+    overlapped = CPUOffloadOptimizer(overlapped.optimizer, chunk_bytes=1, overlap_forward=model)
+    _train(model, overlapped, data[2:])
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+def test_state_dict_on_another_thread_while_the_trainer_runs_a_chunk_names_every_param(
+    monkeypatch,
+):
+    # a checkpointing thread's opt.state_dict() landed the step, and the trainer's next
+    # step() ran a chunk as it read the state: the chunk's stand-ins were in the state,
+    # and torch's state_dict() raised a KeyError (found by a lifecycle audit)
+    _no_mode_left_by_earlier_tests()
+    _, _, model, overlapped = _pair(TiedEmbedFirst)
+    data = _tokens(2)
+    _train(model, overlapped, data[:1])
+    landed, in_chunk = threading.Event(), threading.Event()
+    saved, errors = [], []
+
+    def save() -> None:
+        try:
+            saved.append(overlapped.state_dict())
+        except Exception as error:  # noqa: BLE001  # what the checkpointer met
+            errors.append(error)
+
+    def landed_then_paused(optimizer) -> None:  # the step landed; the state not yet read
+        if threading.current_thread() is checkpointer:
+            landed.set()
+            in_chunk.wait(0.5)  # the trainer's next chunk runs meanwhile, or waits
+
+    real = torch.optim.Adam._init_group
+
+    def in_the_trainers_chunk(self, *args, **kwargs):
+        if threading.current_thread() is threading.main_thread() and not in_chunk.is_set():
+            in_chunk.set()
+            checkpointer.join(0.5)  # reads the state now, or has read it
+        return real(self, *args, **kwargs)
+
+    # after the wrapped optimizer's own hook, which lands the step
+    overlapped.optimizer.register_state_dict_pre_hook(landed_then_paused)
+    monkeypatch.setattr(torch.optim.Adam, "_init_group", in_the_trainers_chunk)
+    checkpointer = threading.Thread(target=save)
+    checkpointer.start()
+    assert landed.wait(10)
+    _train(model, overlapped, data[1:])
+    checkpointer.join(10)
+    monkeypatch.undo()
+    assert in_chunk.is_set() and not errors
+    (state_dict,) = saved
+    assert sorted(state_dict["state"]) == list(range(len(list(model.parameters()))))
+    overlapped.close()
+
+
 def test_a_read_waiting_for_another_threads_step_is_not_warned_as_running_it(monkeypatch):
     # the read waits for the thread that runs the chunks, and runs none itself: warning
     # that its rank runs the step's collectives alone was false, and used up the warning
