@@ -878,6 +878,8 @@ _OWN_GROUP_KEYS = ("algorithm", "row_blocks", "ns_algorithm", "replica_owners")
 _COMMON_KEYS = ("lr", "weight_decay", "eps")
 _MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", "ns_algorithm", "replica_owners")
 # What a Muon group's update reads (`_MUON_KEYS` but the plan's own, which it checks).
+# `ns_algorithm` too: the plan takes only "gram" groups, and "auto" on one rank against
+# "standard" on another ran Gram or not by which rank owned a matrix (on CUDA).
 _MUON_STEP_KEYS = (
     *_COMMON_KEYS,
     "momentum",
@@ -885,6 +887,7 @@ _MUON_STEP_KEYS = (
     "adjust_lr_fn",
     "ns_coefficients",
     "ns_steps",
+    "ns_algorithm",
 )
 
 

@@ -78,6 +78,8 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
         options["max_inflight"] = 1
     if case == "momentum" and odd:  # each rank's shard took its own momentum
         options["momentum"] = 0.5
+    if case == "ns_algorithm" and odd:  # on CUDA "auto" runs Gram for tall matrices
+        options["ns_algorithm"] = "standard"
     opt = Muon(named, lr=0.1, **options)
     if case == "bucket_cap_bytes, offloaded on one rank" and not odd:
         # the offloaded rank went on to the wrapper's own agreement after Muon's refusal,
@@ -100,6 +102,7 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
         "ns_dtype": "ns_dtype: torch.bfloat16 vs torch.float32",
         "max_inflight": "max_inflight: 2 vs 1",
         "momentum": "param group 0's momentum: 0.95 vs 0.5",
+        "ns_algorithm": "param group 0's ns_algorithm: 'auto' vs 'standard'",
     }[case]
     assert expected in message, message
     # refused before anything stepped, on every rank
@@ -115,6 +118,7 @@ def _disagreeing_rank(rank: int, world: int, case: str, mesh_shape: tuple[int, .
         (3, "ns_dtype", (3,)),
         (2, "max_inflight", (2,)),
         (3, "momentum", (3,)),
+        (2, "ns_algorithm", (2,)),
         (4, "bucket_cap_bytes", (2, 2)),
     ],
 )
