@@ -543,7 +543,15 @@ class ForwardOverlap:
         """Enqueue every pending chunk; the current stream, the trainer's and the one `step()`
         ran on wait for the last update (nothing waits for reads once this returns)."""
         with self._advancing:  # not interleaved with `start` on another thread
-            self.advance(len(self.chunk_done))
+            try:
+                self.advance(len(self.chunk_done))
+            except BaseException:
+                # A chunk raised: the step is abandoned (`CPUOffloadOptimizer._abandon_step`)
+                # and nothing of it is pending, as where a forward's read runs the chunk.
+                # Still pending, a close() then warned that a step was dropped pending.
+                self._pending, self._in_flight = None, False
+                self._reads.pop()
+                raise
             if self._in_flight and self.chunk_done:
                 last = len(self.chunk_done) - 1
                 self._wait_for_chunk(last, self._step_bytes)

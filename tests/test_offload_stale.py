@@ -1190,6 +1190,27 @@ def test_state_dict_on_another_thread_while_the_trainer_runs_a_chunk_names_every
     overlapped.close()
 
 
+def test_close_removes_its_hooks_even_when_the_pending_step_raises_in_it():
+    # a pending chunk that raised inside close()'s wait left every forward hook and the
+    # waiting mode in place, and the wrapper open (found by a lifecycle audit)
+    _no_mode_left_by_earlier_tests()
+    _, _, model, overlapped = _pair(TiedEmbedFirst)
+    model(_tokens(1)[0]).square().mean().backward()
+    overlapped.step()
+    last = list(model.parameters())[-1]  # in a chunk still pending
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        last.set_(torch.zeros_like(last))  # refused by the chunk that updates it
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="was given other storage"):
+        # nor is it warned about as a step dropped pending: it was abandoned, as said
+        warnings.simplefilter("error")
+        overlapped.close()
+    assert overlapped._closed and torch._C._len_torch_function_stack() == 0
+    assert not any(
+        m._forward_pre_hooks or m._forward_hooks or m._state_dict_pre_hooks for m in model.modules()
+    )
+    overlapped.close()  # closed: nothing more to do
+
+
 def test_a_read_waiting_for_another_threads_step_is_not_warned_as_running_it(monkeypatch):
     # the read waits for the thread that runs the chunks, and runs none itself: warning
     # that its rank runs the step's collectives alone was false, and used up the warning
