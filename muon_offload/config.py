@@ -624,7 +624,7 @@ def _warn_when_left_out_params_get_grads(
                 f"{len(graded)} param(s) frozen when setup_optimizer was called now have "
                 f"grads, and are in no param group, so they do not train (first: "
                 f"{graded[0]!r}); setup_optimizer takes the params that require grad when it "
-                "is called: call it again after unfreezing",
+                "is called: call it again after unfreezing (close() an offloaded one first)",
                 stacklevel=3,
             )
 
