@@ -361,11 +361,20 @@ def _refuse_steps(optimizer: torch.optim.Optimizer) -> None:
         )
 
     def loaded(_: torch.optim.Optimizer) -> None:
-        # Only the step hook goes: torch iterates the load hooks' own dict around this one.
+        # Only the step hook goes: torch iterates the load hooks' own dict around this one
+        # (the next refusal removes this one).
         step_hook.remove()
 
+    for handle in _REFUSALS.pop(optimizer, ()):  # one refusal at a time: none pile up
+        handle.remove()
     step_hook = optimizer.register_step_pre_hook(refuse)
-    optimizer.register_load_state_dict_post_hook(loaded)
+    _REFUSALS[optimizer] = (step_hook, optimizer.register_load_state_dict_post_hook(loaded))
+
+
+_REFUSALS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[RemovableHandle, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The hooks of each optimizer's `_refuse_steps`."""
 
 
 def _refuse_differentiable(optimizer: torch.optim.Optimizer) -> None:

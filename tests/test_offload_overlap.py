@@ -439,6 +439,23 @@ def test_an_optimizer_whose_wrapper_was_dropped_with_a_step_pending_refuses_to_s
         assert torch.equal(a, b)
 
 
+def test_refusals_of_wrappers_dropped_pending_again_and_again_do_not_pile_up():
+    # each wrapper dropped with a step pending, then a load, left one load hook behind on
+    # the optimizer: 20 cycles, 20 hooks (found by a lifecycle audit)
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = inner.state_dict()
+    for _ in range(3):
+        opt = CPUOffloadOptimizer(inner, chunk_bytes=1, overlap_forward=model)
+        run(model, opt, batches(1))  # pending
+        with pytest.warns(RuntimeWarning, match="collected with a step pending"):
+            del opt
+            gc.collect()
+        inner.load_state_dict(saved)
+    assert len(inner._optimizer_load_state_dict_post_hooks) <= 1
+    assert not inner._optimizer_step_pre_hooks
+
+
 def test_a_dropped_wrapper_leaves_no_hooks_on_the_optimizer_it_wrapped():
     # the optimizer outlives its wrapper (wrapped anew): each wrapper left two hooks on it
     model = make_model()
