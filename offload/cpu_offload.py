@@ -921,26 +921,36 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """
         if self._closed:
             return
-        landed = False
         try:
-            self.wait_for_optimizer_step()  # a pending chunk may raise here
-            landed = True
-        finally:  # the hooks and the waiting mode go whatever the wait raised
-            self._executor.drop_loaded_ahead()
-            if self._overlap is not None:
-                self._overlap.close()
-                self._overlap = None
-            self._remove_inner_hooks()
-            if landed:
-                # Given back, not only dropped: the chunks' views keep the slots' storage
-                # (the backward's loads may hold it between a backward and its step), and
-                # nothing in flight reads it (the step and those loads are done). After a
-                # chunk raised, only dropped: its traceback holds views of the ring
-                # (`StepExecutor.abandon`).
-                self._executor.release_staging()
-            self._executor.ring, self._executor.extra_slots = None, []
-            self._closed = True
-            _WRAPPERS.pop(self.optimizer, None)
+            self.wait_for_optimizer_step()
+        except BaseException:
+            # A chunk raised in the wait: the step is abandoned, nothing of it pending, and
+            # the hooks and the waiting mode go all the same. Raised elsewhere (an
+            # interrupt between chunks), the step is still pending: close() may be called
+            # again to land it.
+            if self._step_interrupted is None:
+                raise
+            # Only dropped, not given back: the error's traceback holds views of the ring
+            # (`StepExecutor.abandon`), which stay valid once its write-backs are done.
+            self._executor.wait()
+            self._close_now(give_back_staging=False)
+            raise
+        self._close_now(give_back_staging=True)
+
+    def _close_now(self, give_back_staging: bool) -> None:
+        self._executor.drop_loaded_ahead()
+        if self._overlap is not None:
+            self._overlap.close()
+            self._overlap = None
+        self._remove_inner_hooks()
+        if give_back_staging:
+            # Given back, not only dropped: the chunks' views keep the slots' storage (the
+            # backward's loads may hold it between a backward and its step), and nothing in
+            # flight reads it (the step and those loads are done).
+            self._executor.release_staging()
+        self._executor.ring, self._executor.extra_slots = None, []
+        self._closed = True
+        _WRAPPERS.pop(self.optimizer, None)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.copy, copy.deepcopy and pickle all come here. torch's Optimizer.__getstate__

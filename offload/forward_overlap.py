@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import sys
 import threading
 import warnings
@@ -546,11 +547,14 @@ class ForwardOverlap:
             try:
                 self.advance(len(self.chunk_done))
             except BaseException:
-                # A chunk raised: the step is abandoned (`CPUOffloadOptimizer._abandon_step`)
-                # and nothing of it is pending, as where a forward's read runs the chunk.
-                # Still pending, a close() then warned that a step was dropped pending.
-                self._pending, self._in_flight = None, False
-                self._reads.pop()
+                if self.interrupted is not None and self.interrupted() is not None:
+                    # A chunk raised: the step is abandoned (`CPUOffloadOptimizer.
+                    # _abandon_step`) and nothing of it is pending, as where a forward's
+                    # read runs the chunk (still pending, close() warned of a step dropped
+                    # pending). Raised elsewhere (an interrupt between chunks, a signal
+                    # handler's wait inside a chunk), the step goes on at the next wait.
+                    self._pending, self._in_flight = None, False
+                    self._reads.pop()
                 raise
             if self._in_flight and self.chunk_done:
                 last = len(self.chunk_done) - 1
@@ -1185,7 +1189,7 @@ def _depth() -> int:
     return torch._C._len_torch_function_stack()
 
 
-_DYNAMO_IDS_PARAMS_ONLY = torch.__version__ < "2.13"
+_DYNAMO_IDS_PARAMS_ONLY = tuple(map(int, re.findall(r"\d+", torch.__version__)[:2])) < (2, 13)
 """Dynamo before torch 2.13 traces `id()` of neither a constant (an int argument) nor a
 tensor made in the graph: a block compiled with fullgraph=True raised at its first call
 while a step was pending (torch 2.11; 2.13 traces both). There compiled code looks up

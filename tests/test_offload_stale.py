@@ -1153,7 +1153,7 @@ def test_state_dict_on_another_thread_while_the_trainer_runs_a_chunk_names_every
     data = _tokens(2)
     _train(model, overlapped, data[:1])
     landed, in_chunk = threading.Event(), threading.Event()
-    saved, errors = [], []
+    saved, errors, trainer = [], [], threading.current_thread()
 
     def save() -> None:
         try:
@@ -1164,12 +1164,12 @@ def test_state_dict_on_another_thread_while_the_trainer_runs_a_chunk_names_every
     def landed_then_paused(optimizer) -> None:  # the step landed; the state not yet read
         if threading.current_thread() is checkpointer:
             landed.set()
-            in_chunk.wait(0.5)  # the trainer's next chunk runs meanwhile, or waits
+            in_chunk.wait(2.0)  # the trainer's next chunk runs meanwhile, or waits
 
     real = subset_step.step_without_hooks
 
     def in_the_trainers_chunk(optimizer, *args):  # torch's step, the chunk's stand-ins in
-        trainers = threading.current_thread() is threading.main_thread()
+        trainers = threading.current_thread() is trainer
         if trainers and optimizer is overlapped.optimizer and not in_chunk.is_set():
             in_chunk.set()
             checkpointer.join(0.5)  # reads the state now, or has read it
@@ -1209,6 +1209,63 @@ def test_close_removes_its_hooks_even_when_the_pending_step_raises_in_it():
         m._forward_pre_hooks or m._forward_hooks or m._state_dict_pre_hooks for m in model.modules()
     )
     overlapped.close()  # closed: nothing more to do
+
+
+def test_an_interrupt_between_chunks_of_a_wait_leaves_the_step_to_the_next_wait(monkeypatch):
+    # Ctrl-C in the wait's own loop, between two chunks (not inside one): taken for a
+    # chunk's error, the rest of the step was dropped unflagged, and training went on
+    # one step apart (found by review)
+    from offload import forward_overlap
+
+    _no_mode_left_by_earlier_tests()
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    data = _tokens(3)
+    _train(plain_model, plain, data)
+    _train(model, overlapped, data[:2])
+    real, calls = forward_overlap.ForwardOverlap._refuse_replaced, []
+
+    def interrupted_once(self, late):
+        calls.append(late)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, late)
+
+    monkeypatch.setattr(forward_overlap.ForwardOverlap, "_refuse_replaced", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        overlapped.wait_for_optimizer_step()
+    monkeypatch.undo()
+    _train(model, overlapped, data[2:])
+    _assert_same(plain_model, plain, model, overlapped)
+    overlapped.close()
+
+
+def test_close_interrupted_after_the_last_chunk_can_be_called_again(monkeypatch):
+    # Ctrl-C in close()'s wait for the last chunk: its cleanup ran anyway, warned of a step
+    # dropped pending, and made the wrapped optimizer refuse to step (found by review)
+    from offload import forward_overlap
+
+    _no_mode_left_by_earlier_tests()
+    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
+    data = _tokens(3)
+    _train(plain_model, plain, data)
+    _train(model, overlapped, data[:2])
+    real = forward_overlap.ForwardOverlap._wait_for_chunk
+
+    def interrupted_once(self, *args, **kwargs):
+        monkeypatch.setattr(forward_overlap.ForwardOverlap, "_wait_for_chunk", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forward_overlap.ForwardOverlap, "_wait_for_chunk", interrupted_once)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyboardInterrupt):
+            overlapped.close()
+        assert not overlapped._closed
+        overlapped.close()  # called again: lands the step
+    again = CPUOffloadOptimizer(overlapped.optimizer, chunk_bytes=1, overlap_forward=model)
+    _train(model, again, data[2:])
+    _assert_same(plain_model, plain, model, again)
+    again.close()
 
 
 def test_a_read_waiting_for_another_threads_step_is_not_warned_as_running_it(monkeypatch):
