@@ -19,6 +19,7 @@ import textwrap
 import types
 import typing
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from muon.planning import DEFAULT_BUCKET_CAP_BYTES
 from offload import CPUOffloadOptimizer
 from offload import options as offload_checks
 from offload.cpu_offload import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_SLOTS, shard_count
+from offload.forward_overlap import user_stacklevel
 
 OPTIMIZER_TYPES = ("adamw", "muon")
 OFFLOAD_MODES = ("none", "optimizer")
@@ -611,21 +613,33 @@ def _warn_when_left_out_params_get_grads(
 ) -> None:
     """The params frozen at `setup_optimizer` are in no group (as transformers' Trainer
     leaves them out; the offloaded state is planned for the rest): one unfrozen later gets
-    grads and never steps. Said once, at the first `step()` that finds such a grad."""
-    left_out = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
-    if not left_out:
+    grads and never steps. Said once, at the first `step()` that finds a param of the model
+    that requires grad and has one, in none of the optimizer's groups. Watched only where
+    some param was frozen; the model is held weakly."""
+    if all(p.requires_grad for p in model.parameters()):
         return
+    model_ref = weakref.ref(model)
 
     def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        graded = [name for name, p in left_out if p.grad is not None]
-        if graded:
+        model = model_ref()
+        if model is None:
+            handle.remove()
+            return
+        grouped = {id(p) for group in opt.param_groups for p in group["params"]}
+        left_out = [
+            name
+            for name, p in model.named_parameters()
+            if p.requires_grad and p.grad is not None and id(p) not in grouped
+        ]
+        if left_out:
             handle.remove()
             warnings.warn(
-                f"{len(graded)} param(s) frozen when setup_optimizer was called now have "
-                f"grads, and are in no param group, so they do not train (first: "
-                f"{graded[0]!r}); setup_optimizer takes the params that require grad when it "
-                "is called: call it again after unfreezing (close() an offloaded one first)",
-                stacklevel=3,
+                f"{len(left_out)} param(s) of the model have grads and are in no param group "
+                f"of the optimizer setup_optimizer built, so it does not train them (first: "
+                f"{left_out[0]!r}), unless another optimizer does; setup_optimizer takes the "
+                "params that require grad when it is called: call it again after unfreezing "
+                "(close() an offloaded one first; its state starts anew)",
+                stacklevel=user_stacklevel(),
             )
 
     handle = optimizer.register_step_pre_hook(check)

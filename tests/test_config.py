@@ -173,6 +173,7 @@ def test_a_param_unfrozen_after_setup_optimizer_is_warned_about_once(config):
     frozen = net[2].weight
     frozen.requires_grad_(False)
     optimizer = setup_optimizer(net, config)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # wraps step(): as usual
     tokens = torch.randn(2, 5, 16)
 
     def step() -> None:
@@ -189,12 +190,29 @@ def test_a_param_unfrozen_after_setup_optimizer_is_warned_about_once(config):
         step()
         step()
     said = [str(w.message) for w in caught]
-    assert len(said) == 1 and "1 param(s) frozen when setup_optimizer was called" in said[0]
-    assert "'2.weight'" in said[0] and "call it again after unfreezing" in said[0]
+    assert len(said) == 1 and "1 param(s) of the model have grads and are in no" in said[0]
+    assert "(first: '2.weight')" in said[0] and "call it again after unfreezing" in said[0]
     assert caught[0].filename == __file__  # pointed at the caller's step()
     assert torch.equal(frozen, before)  # as said: it does not train
     if isinstance(optimizer, CPUOffloadOptimizer):
         optimizer.close()
+
+
+def test_a_param_frozen_later_with_its_grad_kept_is_not_warned_about():
+    # progressive freezing with grads zeroed in place: the frozen layer kept a zero grad,
+    # and the optimizer built anew warned it was "unfrozen" (found by review)
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    first = setup_optimizer(net, OptimizerConfig(type="adamw"))
+    net(torch.randn(2, 16)).square().mean().backward()
+    first.step()
+    first.zero_grad(set_to_none=False)
+    net[0].weight.requires_grad_(False)
+    optimizer = setup_optimizer(net, OptimizerConfig(type="adamw"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(torch.randn(2, 16)).square().mean().backward()
+        optimizer.step()
+    assert net[0].weight.grad is not None  # the stale zeros are still there
 
 
 def test_row_blocks_naming_no_param_of_the_module_are_refused_naming_it():
