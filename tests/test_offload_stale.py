@@ -1118,16 +1118,23 @@ def test_a_read_while_another_thread_runs_the_step_waits_for_it(monkeypatch):
     assert torch.equal(read, model.head.weight.detach())
 
 
-def test_zero_grad_while_another_thread_runs_a_chunk_clears_every_grad(monkeypatch):
-    # a checkpointing thread's wait_for_optimizer_step() ran a chunk while the trainer's
-    # zero_grad() ran: the chunk puts back the grads it found (the grad the trainer had
-    # just cleared), and the groups it narrowed hid the other params from the zeroing, so
-    # the next backward added to last step's grads (found by a lifecycle audit)
+def _second_step_pending():
+    """A plain run of three steps, and an overlapped one whose second step is pending
+    (its model, optimizer and the three steps' tokens)."""
     _no_mode_left_by_earlier_tests()
     plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
     data = _tokens(3)
     _train(plain_model, plain, data)
     _train(model, overlapped, data[:2])
+    return plain_model, plain, model, overlapped, data
+
+
+def test_zero_grad_while_another_thread_runs_a_chunk_clears_every_grad(monkeypatch):
+    # a checkpointing thread's wait_for_optimizer_step() ran a chunk while the trainer's
+    # zero_grad() ran: the chunk puts back the grads it found (the grad the trainer had
+    # just cleared), and the groups it narrowed hid the other params from the zeroing, so
+    # the next backward added to last step's grads (found by a lifecycle audit)
+    plain_model, plain, model, overlapped, data = _second_step_pending()
     # paused inside the chunk's swap of grads and groups (torch's step, in our module)
     with _checkpointer_paused_in(monkeypatch, overlapped, subset_step, "step_without_hooks") as (
         go,
@@ -1217,11 +1224,7 @@ def test_an_interrupt_between_chunks_of_a_wait_leaves_the_step_to_the_next_wait(
     # one step apart (found by review)
     from offload import forward_overlap
 
-    _no_mode_left_by_earlier_tests()
-    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
-    data = _tokens(3)
-    _train(plain_model, plain, data)
-    _train(model, overlapped, data[:2])
+    plain_model, plain, model, overlapped, data = _second_step_pending()
     real, calls = forward_overlap.ForwardOverlap._refuse_replaced, []
 
     def interrupted_once(self, late):
@@ -1244,11 +1247,7 @@ def test_close_interrupted_after_the_last_chunk_can_be_called_again(monkeypatch)
     # dropped pending, and made the wrapped optimizer refuse to step (found by review)
     from offload import forward_overlap
 
-    _no_mode_left_by_earlier_tests()
-    plain_model, plain, model, overlapped = _pair(TiedEmbedFirst)
-    data = _tokens(3)
-    _train(plain_model, plain, data)
-    _train(model, overlapped, data[:2])
+    plain_model, plain, model, overlapped, data = _second_step_pending()
     real = forward_overlap.ForwardOverlap._wait_for_chunk
 
     def interrupted_once(self, *args, **kwargs):
