@@ -615,22 +615,23 @@ def _warn_when_left_out_params_get_grads(
     leaves them out; the offloaded state is planned for the rest): one unfrozen later gets
     grads and never steps. Said once, at the first `step()` that finds a param of the model
     that requires grad and has one, in none of the optimizer's groups. Watched only where
-    some param was frozen; the model is held weakly."""
+    some param was frozen; the params are held weakly, and listed once (walking the model's
+    modules every step is host work on the trainer's path)."""
     if all(p.requires_grad for p in model.parameters()):
         return
-    model_ref = weakref.ref(model)
+    watched = [(name, weakref.ref(p)) for name, p in model.named_parameters()]
+    grouped = {id(p) for group in optimizer.param_groups for p in group["params"]}
 
     def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        model = model_ref()
-        if model is None:
-            handle.remove()
-            return
-        grouped = {id(p) for group in opt.param_groups for p in group["params"]}
-        left_out = [
-            name
-            for name, p in model.named_parameters()
-            if p.requires_grad and p.grad is not None and id(p) not in grouped
+        graded = [
+            (name, p)
+            for name, ref in watched
+            if (p := ref()) is not None and p.grad is not None and p.requires_grad
         ]
+        left_out = [name for name, p in graded if id(p) not in grouped]
+        if left_out:  # against the groups as they are now (a group may have been added)
+            now = {id(p) for group in opt.param_groups for p in group["params"]}
+            left_out = [name for name, p in graded if id(p) not in now]
         if left_out:
             handle.remove()
             warnings.warn(
