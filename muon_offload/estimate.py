@@ -1129,7 +1129,11 @@ def _rank(
     ready = schedule.ready
     runs = [
         [ready[i] for i in run]
-        for run in update_runs([offload.chunks[c].params for c in ready], [False] * len(ready))
+        for run in update_runs(
+            [offload.chunks[c].params for c in ready],
+            [False] * len(ready),
+            [offload.chunks[c].resident for c in ready],
+        )
     ]
     runs += [[c] for c in sorted(set(range(len(offload.chunks))) - set(ready))]
     for run in runs:

@@ -179,6 +179,33 @@ def _copy_pieces(home: Tensor, staging: Tensor) -> list[tuple[Tensor, Tensor]]:
     return [(home[i : i + step], staging[i : i + step]) for i in range(0, home.numel(), step)]
 
 
+def joined_slices(slices: Sequence[ParamSlice]) -> list[ParamSlice]:
+    """`slices` with each param's adjacent ones joined (a slice ending where another of its
+    param starts), in the order each param first appears.
+
+    >>> a, b = torch.zeros(4), torch.zeros(6)
+    >>> [(s.param is a, s.start, s.stop) for s in joined_slices(
+    ...     [ParamSlice(a, 2, 4), ParamSlice(b, 0, 3), ParamSlice(b, 3, 6), ParamSlice(a, 0, 1)]
+    ... )]
+    [(True, 0, 1), (True, 2, 4), (False, 0, 6)]
+    """
+    by_param: dict[Tensor, list[ParamSlice]] = {}
+    for piece in slices:
+        by_param.setdefault(piece.param, []).append(piece)
+    joined: list[ParamSlice] = []
+    for param, pieces in by_param.items():
+        pieces = sorted(pieces, key=lambda s: s.start)
+        start, stop = pieces[0].start, pieces[0].stop
+        for piece in pieces[1:]:
+            if piece.start == stop:
+                stop = piece.stop
+            else:
+                joined.append(ParamSlice(param, start, stop))
+                start, stop = piece.start, piece.stop
+        joined.append(ParamSlice(param, start, stop))
+    return joined
+
+
 def _state_versions(chunk: _Chunk) -> list[int]:
     """The version counters of `chunk`'s state at home. An in-place torch op on a home bumps
     its slab's (shared by the slab's views); one on a DTensor state only the wrapper's (its
@@ -436,7 +463,9 @@ class StepExecutor:
             or any((v.param, v.key) not in had for v in chunk.views)
             for chunk in chunks
         ]
-        runs = update_runs([chunk.touched for chunk in chunks], creates)
+        runs = update_runs(
+            [chunk.touched for chunk in chunks], creates, [chunk.slot < 0 for chunk in chunks]
+        )
         return [[cs[i] for i in run] for run in runs]
 
     def _step_chunks(
@@ -463,11 +492,20 @@ class StepExecutor:
                 # creates state into it.
                 ready = streams.loaded if loaded.get(c, False) else streams.freed
                 streams.wait(compute, ready[chunk.slot])
-            for view in chunk.views:
-                if (view.param, view.key) in had:
-                    state[view.param][view.key] = view.staging_state
-        params = [p for chunk in chunks for p in chunk.params]
-        slices = [s for chunk in chunks for s in chunk.slices]
+        # Resident chunks' slices of a param are views of its one home: stepped as one
+        # (several chunks in a call create no state, `update_runs`: a slice of a param
+        # covered whole steps as the param, and would create its state whole-shaped).
+        resident = [chunk for chunk in chunks if chunk.slot < 0]
+        joined = len(resident) > 1
+        params, slices, entries = self._joined(resident) if joined else ([], [], {})
+        for chunk in chunks:
+            if not (joined and chunk.slot < 0):  # each param once a run (`update_runs`)
+                params += chunk.params
+                slices += chunk.slices
+                entries.update({(v.param, v.key): v.staging_state for v in chunk.views})
+        for (param, key), entry in entries.items():
+            if (param, key) in had:
+                state[param][key] = entry
         with streams.on(compute), attributes_set(self.optimizer, scaling):
             if slices:
                 subset.step_slices(params, slices)
@@ -485,6 +523,32 @@ class StepExecutor:
             for view in chunk.views:
                 if view.key in state.get(view.param, ()):
                     state[view.param][view.key] = view.home.home_state
+
+    def _joined(
+        self, chunks: Sequence[_Chunk]
+    ) -> tuple[list[Tensor], list[ParamSlice], dict[tuple[Tensor, str], Tensor]]:
+        """Resident `chunks`' update as one: their params, each param's adjacent slices
+        joined (`joined_slices`; a param they cover whole steps whole), and the state
+        entries the update reads (views of the homes)."""
+        params = [p for chunk in chunks for p in chunk.params]
+        views = [v for chunk in chunks for v in chunk.views]
+        keys: dict[Tensor, list[str]] = {}
+        for view in views:
+            keys.setdefault(view.param, []).append(view.key)
+        slices: list[ParamSlice] = []
+        entries: dict[tuple[Tensor, str], Tensor] = {}
+        for piece in joined_slices([s for chunk in chunks for s in chunk.slices]):
+            param = piece.param
+            whole = piece.start == 0 and piece.stop == local_tensor(param).numel()
+            (params if whole else slices).append(param if whole else piece)
+            for key in keys[param]:
+                home = self.homes[param, key]
+                entries[param, key] = (
+                    home.home_state if whole else home.home.view(-1)[piece.start : piece.stop]
+                )
+        sliced = {piece.param for chunk in chunks for piece in chunk.slices}
+        entries.update({(v.param, v.key): v.staging_state for v in views if v.param not in sliced})
+        return params, slices, entries
 
     def _load(self, chunk: _Chunk, had_state: set[Tensor], timer: StepTimer | None = None) -> bool:
         """Enqueue the H2D copy of a chunk's state, unless none of its params has state yet."""

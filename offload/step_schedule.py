@@ -58,27 +58,36 @@ Op = tuple[Literal["load", "step", "write_back"], int]
 
 
 def update_runs(
-    touched: Sequence[Collection[Hashable]], creates: Sequence[bool]
+    touched: Sequence[Collection[Hashable]],
+    creates: Sequence[bool],
+    resident: Sequence[bool] | None = None,
 ) -> list[list[int]]:
-    """Chunks in step order (each the params it updates, and whether its update creates
-    state) cut into runs that update in one call, as the step runs its `ready` chunks:
-    a run holds each param once (a param's state is staged one chunk at a time: its
-    entry points at that chunk's slice), and a chunk that creates state runs alone (a
-    sliced param's slices each create their own, adopted after their call).
+    """Chunks in step order (each the params it updates, whether its update creates
+    state, and whether its state is `resident`) cut into runs that update in one call, as
+    the step runs its `ready` chunks: a run holds each param once (a param's state is
+    staged one chunk at a time: its entry points at that chunk's slice), but for resident
+    chunks, whose slices of a param are views of its one home and join into one
+    (`executor.joined_slices`); a chunk that creates state runs alone (a sliced param's
+    slices each create their own, adopted after their call).
 
     >>> update_runs([{"a"}, {"b"}, {"b", "c"}, {"d"}, {"e"}], [False, False, False, True, False])
     [[0, 1], [2], [3], [4]]
+    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [False] * 4, [True, True, True, False])
+    [[0, 1, 2], [3]]
     """
+    homed = resident if resident is not None else [False] * len(touched)
     runs: list[list[int]] = []
     seen: set[Hashable] = set()
     closed = True  # the last run takes no more chunks
-    for c, (params, created) in enumerate(zip(touched, creates, strict=True)):
-        if closed or created or any(p in seen for p in params):
+    at_home = False  # every chunk of the last run is resident
+    for c, (params, created, home) in enumerate(zip(touched, creates, homed, strict=True)):
+        repeats = any(p in seen for p in params) and not (home and at_home)
+        if closed or created or repeats:
             runs.append([])
-            seen = set()
+            seen, at_home = set(), True
         runs[-1].append(c)
         seen.update(params)
-        closed = created
+        closed, at_home = created, at_home and home
     return runs
 
 

@@ -356,6 +356,47 @@ def test_gpu_resident_budget_is_bitwise_equal(budget, chunk_bytes, overlap):
         assert entries["exp_avg"].untyped_storage().data_ptr() == storage
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_resident_chunks_that_slice_params_update_in_one_call_bitwise(fused, monkeypatch):
+    """With overlap, the resident chunks update first, in one call: chunks cut through a
+    param (slices of it, views of its one home) join rather than each taking a call. A
+    call each cost the trainer's host ~0.6 ms a chunk in `step()` (31 calls a step at
+    batch 4 on an H100, 25.3 ms against 5.7 without offload)."""
+    from offload import subset_step
+
+    plain_model, model = make_model(), make_model()
+    options = {"lr": 1e-2, "weight_decay": 0.1, "fused": fused}
+    plain = torch.optim.AdamW(plain_model.parameters(), **options)
+    inner = torch.optim.AdamW(model.parameters(), **options)
+    opt = CPUOffloadOptimizer(
+        inner,
+        chunk_bytes=3000,  # the embedding's and both linears' state cut over several chunks
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes=_state_bytes(model),
+    )
+    calls, step = [0], subset_step.step_without_hooks
+
+    def counted(stepped, *args, **kwargs):
+        calls[0] += stepped is inner
+        return step(stepped, *args, **kwargs)
+
+    monkeypatch.setattr(subset_step, "step_without_hooks", counted)
+    train(plain_model, plain, steps=2)
+    train(model, opt, steps=2)
+    sliced = {s.param for c in opt._executor.chunks for s in c.slices}
+    assert len(opt._executor.chunks) > 10 and model[0].weight in sliced
+    assert all(c.slot < 0 for c in opt._executor.chunks)
+    calls[0] = 0
+    train(plain_model, plain, steps=3)
+    train(model, opt, steps=3)
+    opt.wait_for_optimizer_step()
+    assert calls[0] == 3  # one a step
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+
+
 def test_state_dict_round_trip_with_resident_state():
     ref_model, model = make_model(), make_model()
 
