@@ -869,11 +869,15 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"allocator retries {r['alloc_retries_before_window']} before the window, "
                 f"{r['alloc_retries_in_window']} in it (reserved {gib(r['reserved_gib'])} GiB)"
             )
-            checked = [{**c["checked"], "checked": True}] if c.get("checked") else []
-            for p in [*c["probes"], *checked]:
+            after = [
+                {**c[key], "label": key if key == "checked" else "again"}
+                for key in ("reference", "checked")
+                if c.get(key)
+            ]
+            for p in [*c["probes"], *after]:
                 split = p["split"]
                 print(
-                    f"{'':<{width}}   {'checked' if 'checked' in p else 'tried'} "
+                    f"{'':<{width}}   {p.get('label', 'tried')} "
                     f"{split['resident_bytes'] / GiB:.2f} + "
                     f"{split['backward_load_bytes'] / GiB:.2f} GiB: {p['iteration_ms']:.1f} ms "
                     f"(median's error {p.get('error_ms', 0.0):.1f})"

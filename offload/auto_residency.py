@@ -12,7 +12,11 @@ Steps: the first `AUTO_WARMUP_STEPS` pin slabs and create state; the next
 length, the load rate, each step). Then the stall model's total, split between the
 backward and residency; with forward overlap on a device that times events, the search
 tries splits, `PROBE_STEPS` steps each, settles (`residency.next_split`), and checks the
-settled split on the next `PROBE_STEPS` steps against the fastest split measured.
+settled split on the next `PROBE_STEPS` steps: against the largest split tried (the most
+kept off the forward's path), run again just before, where the search settled on another,
+so the two runs compared are next to each other. A run's steps get faster over its first
+few dozen: the largest split, tried first, measures slower than it runs, and a smaller
+split tried later passes as near it, or as faster (docs/design.md, "auto").
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class AutoResidency:
         self._probe_start = 0
         self._current = Split(0, 0)
         self._settled: Split | None = None  # what the search settled on, being checked
+        self._rerunning = False  # the largest split runs again before the check
+        self._reference: Probe | None = None  # that run: what the check compares with
         # Set by the first choice:
         self._base: ResidencyChoice | None = None  # the stall model's
         self._backward_cap = 0
@@ -160,6 +166,10 @@ class AutoResidency:
             return None
         # The probe's first step re-planned (the host synced): its iteration is left out.
         probe = self._probe(self._current, self.timer.iterations_ms(self._probe_start + 1, step))
+        if self._rerunning:
+            self._rerunning, self._reference = False, probe
+            self._probe_start = step
+            return self._run(self._settled)
         if self._settled is not None:
             return self._check(probe)
         self._probes.append(probe)
@@ -259,19 +269,25 @@ class AutoResidency:
         split = next_split(self._probes, self._splits, self._default)
         if split is None:
             # Settled: the next PROBE_STEPS steps check what it measured for that split
-            # (also when it was the fastest: steps of one run vary, and the check says so).
+            # (also when it was the fastest: steps of one run vary, and the check says so);
+            # the largest split tried, if another, runs again first, to be checked against.
             split = self._settled = settled_split(self._probes, self._free)
+            largest = max((p.split for p in self._probes), key=_total)
+            if largest != split:
+                split, self._rerunning = largest, True
         self._probe_start = step
         return self._run(split)
 
     def _check(self, after: Probe) -> Split | None:
-        """The settled split's steps against the fastest split the search measured: not
-        as fast (`near_fastest`), the fastest instead (once; itself when it was the
-        fastest)."""
-        fastest = min(self._probes, key=lambda p: p.iteration_ms)
+        """The settled split's steps against the largest split's, run just before
+        (`_reference`), or, where it is the largest, against the fastest split the search
+        measured: not as fast (`near_fastest`), that split instead (once; itself when it
+        was the fastest)."""
+        reference = self._reference or min(self._probes, key=lambda p: p.iteration_ms)
         split = self._settled
-        if not near_fastest(after, [*self._probes, after]):
-            split = fastest.split
+        against = [reference, after] if self._reference else [*self._probes, after]
+        if not near_fastest(after, against):
+            split = reference.split
         self._settle(split, self._shape, self._profiles, after)
         return self._run(split)
 
@@ -309,6 +325,7 @@ class AutoResidency:
             budget_bytes=self.budget_bytes,
             probes=tuple(self._probes),
             checked=checked,
+            reference=self._reference,
         )
 
 

@@ -446,8 +446,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             are held within the room under the peak, the fastest) whose step is as
             fast as the fastest, within `residency.NEAR_FASTEST` or the steps' own spread
             (`residency.NOISE_SIGMAS`, at most `residency.NOISE_CAP`;
-            `offload.auto_residency`); the steps after it settles are checked, and if
-            they are not as fast as the fastest split measured it takes that one instead. Without
+            `offload.auto_residency`); the steps after it settles are checked against
+            the largest split tried, run again just before them (or, when it settled on
+            that one, the fastest measured), and if they are not as fast it takes that
+            one instead. Without
             overlap the last units stay resident. `residency` says what it chose, and
             one log line. It keeps room in the host slabs for the whole state, so
             re-choosing never allocates pinned memory.
@@ -1801,6 +1803,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     (p.iteration_ms for p in choice.probes if p.split == choice.checked.split),
                     float("nan"),
                 ),
+            )
+        if choice.reference is not None:
+            logger.info(
+                "gpu_resident_bytes='auto': checked against the largest split it tried, "
+                "%d bytes resident and %d loaded in the backward, run again just before: "
+                "%.1f ms a step (the search measured %.1f ms)",
+                choice.reference.split.resident_bytes,
+                choice.reference.split.backward_load_bytes,
+                choice.reference.iteration_ms,
+                next(p.iteration_ms for p in choice.probes if p.split == choice.reference.split),
             )
 
     def _replan(self, split: Split, failed_ranks: Callable[[bool], list[int]]) -> None:

@@ -52,7 +52,7 @@ PROBE_STEPS = 6
 """Steps each split of the search runs: the first is not timed (its re-plan syncs), the
 median of the others counts (steps of one run vary by several percent)."""
 MAX_PROBES = 4
-AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 1) * PROBE_STEPS + 1
+AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 2) * PROBE_STEPS + 1
 """Steps until "auto" has settled and checked, at most (it says what it chose then)."""
 SEARCH_STEPS = 8
 """The search's totals are the state over this many, and multiples."""
@@ -117,6 +117,7 @@ class ResidencyChoice:
     held_bytes: int = 0  # GPU memory the chosen plan holds: resident state and staging
     probes: tuple[Probe, ...] = ()  # the search's splits and their steps, in the order tried
     checked: Probe | None = None  # the settled split's steps after the search
+    reference: Probe | None = None  # the largest split's, run again before it, if another
 
 
 @dataclass(frozen=True)

@@ -1068,6 +1068,33 @@ def test_auto_checks_the_settled_split_and_takes_the_fastest_when_it_is_slower(s
     assert _kept(opt) == expected.total
 
 
+def test_auto_checks_against_the_largest_split_run_again_so_early_slow_steps_choose_nothing():
+    """A run's first steps are slow and get faster (on an H100 the whole state kept ran
+    207 ms when the search tried it first, 174 ms later): the largest split, tried first,
+    measured slower than it runs, and a smaller one tried later measured faster and was
+    settled on and checked against itself. The largest runs again just before the check,
+    which compares the two: the slower split is refused."""
+    steps = [0]
+
+    def iteration_ms(opt):
+        steps[0] += 1
+        drift = max(0.0, 45.0 - 2.0 * steps[0])  # early steps slower, by less each step
+        return 100.0 - 40.0 * _kept(opt) / STATE_BYTES + drift
+
+    opt = _search_auto(iteration_ms, lambda opt, built: None)
+    choice = opt.residency
+    largest = max(choice.probes, key=lambda p: p.split.total)
+    settled = settled_split(choice.probes)
+    assert settled != largest.split  # drift made a smaller split measure faster
+    assert choice.checked is not None and choice.checked.split == settled
+    assert (choice.resident_bytes, _kept(opt)) == (
+        largest.split.resident_bytes,
+        largest.split.total,
+    )
+    assert choice.reference is not None and choice.reference.split == largest.split
+    assert choice.reference.iteration_ms < choice.checked.iteration_ms < largest.iteration_ms
+
+
 @pytest.mark.parametrize("slower_after", [0.0, 30.0])
 def test_auto_checks_the_settled_split_when_it_was_also_the_fastest(slower_after, caplog):
     """The least split near the fastest may be the fastest itself (here the step gets
