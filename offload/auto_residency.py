@@ -325,7 +325,7 @@ class AutoResidency:
             budget_bytes=self.budget_bytes,
             probes=tuple(self._probes),
             checked=checked,
-            reference=self._reference,
+            reference=self._reference if checked is not None else None,
         )
 
 

@@ -16,6 +16,7 @@ with no copies. What to plan, when to step and what the user sees are
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -246,6 +247,7 @@ class StepExecutor:
         self.loaded_ahead_done: torch.Event | None = None
         self.loaded_ahead_versions: list[int] = []  # of their state, once the backward loaded
         self.chunks_loaded_in_backward = 0
+        self.slice_counts: collections.Counter[Tensor] = collections.Counter()  # per param
 
     # -- memory -------------------------------------------------------------------------
 
@@ -334,6 +336,7 @@ class StepExecutor:
                 )
             )
         self.plan, self.schedule, self.chunks, self.homes = plan, schedule, chunks, homes
+        self.slice_counts = collections.Counter(s.param for c in chunks for s in c.slices)
         if ring and not plan.slot_numel:
             self.ring, self.extra_slots = None, []  # no state staged: no staging memory
         state = self.optimizer.state
@@ -528,8 +531,8 @@ class StepExecutor:
         self, chunks: Sequence[_Chunk]
     ) -> tuple[list[Tensor], list[ParamSlice], dict[tuple[Tensor, str], Tensor]]:
         """Resident `chunks`' update as one: their params, each param's adjacent slices
-        joined (`joined_slices`; a param they cover whole steps whole), and the state
-        entries the update reads (views of the homes)."""
+        joined (`joined_slices`; a param whose every slice they hold steps whole), and the
+        state entries the update reads (views of the homes)."""
         params = [p for chunk in chunks for p in chunk.params]
         views = [v for chunk in chunks for v in chunk.views]
         keys: dict[Tensor, list[str]] = {}
@@ -537,9 +540,13 @@ class StepExecutor:
             keys.setdefault(view.param, []).append(view.key)
         slices: list[ParamSlice] = []
         entries: dict[tuple[Tensor, str], Tensor] = {}
-        for piece in joined_slices([s for chunk in chunks for s in chunk.slices]):
+        pieces = [s for chunk in chunks for s in chunk.slices]
+        held = collections.Counter(s.param for s in pieces)
+        for piece in joined_slices(pieces):
             param = piece.param
-            whole = piece.start == 0 and piece.stop == local_tensor(param).numel()
+            # Not where they only cover its local elements: a shorter shard's trailing
+            # slices are empty, and step in a later run (a chunk creating state cuts runs).
+            whole = held[param] == self.slice_counts[param]
             (params if whole else slices).append(param if whole else piece)
             for key in keys[param]:
                 home = self.homes[param, key]

@@ -16,6 +16,7 @@ from muon import Muon, muon_param_groups
 from offload import CPUOffloadOptimizer, GroupSubsetStep, HostMemoryError, subset_step_for
 from offload.residency import (
     AUTO_MEASURED_STEPS,
+    AUTO_STEPS_AT_MOST,
     AUTO_WARMUP_STEPS,
     PROBE_STEPS,
     Split,
@@ -1093,6 +1094,42 @@ def test_auto_checks_against_the_largest_split_run_again_so_early_slow_steps_cho
     )
     assert choice.reference is not None and choice.reference.split == largest.split
     assert choice.reference.iteration_ms < choice.checked.iteration_ms < largest.iteration_ms
+
+
+def test_auto_reports_no_check_when_the_replan_back_from_the_largest_split_fails():
+    """The re-plan from the largest split's second run back to the settled split fails
+    (out of memory): that step raises, "auto" settles on what ran (the largest), and
+    says nothing was checked, not that it checked against the largest split."""
+    steps, failed = [0], []
+
+    def iteration_ms(opt):
+        steps[0] += 1
+        return 100.0 - 40.0 * _kept(opt) / STATE_BYTES + max(0.0, 45.0 - 2.0 * steps[0])
+
+    model = make_model()
+    opt = _overlapped_auto(model, iteration_ms)
+    real_build = opt._build
+
+    def build(*args, **kwargs):
+        auto = opt._auto
+        if auto is not None and auto._reference is not None and not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("made up")
+        real_build(*args, **kwargs)
+
+    opt._build = build
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(AUTO_STEPS_AT_MOST + 1):
+        opt.zero_grad()
+        model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+        try:
+            opt.step()
+        except torch.OutOfMemoryError:
+            pass
+    choice = opt.residency
+    largest = max(choice.probes, key=lambda p: p.split.total).split
+    assert failed and _kept(opt) == largest.total
+    assert choice.checked is None and choice.reference is None
 
 
 @pytest.mark.parametrize("slower_after", [0.0, 30.0])

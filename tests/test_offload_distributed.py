@@ -121,6 +121,46 @@ def test_fsdp2_offload_matches_plain_bitwise(world):
     run_on_ranks(_worker, world)
 
 
+def _short_shard_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(3, 4), (5, 64), (3,), (90, 8)]  # (5, 64): rows 2, 2, 1 over 3 ranks
+
+    def params() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(0)
+        return [
+            torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)]))
+            for s in shapes
+        ]
+
+    plain_params, params_ = params(), params()
+    plain = torch.optim.AdamW(plain_params, lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(params_, lr=1e-2), chunk_bytes=704, gpu_resident_bytes=2**30
+    )
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = [distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)]) for s in shapes]
+        for optimizer, ps in ((plain, plain_params), (opt, params_)):
+            for index, (p, grad) in enumerate(zip(ps, grads, strict=True)):
+                p.grad = None if (step, index) == (0, 2) else grad.clone()
+            optimizer.step()
+    sliced = [(s.start, s.stop) for c in opt._executor.chunks for s in c.slices]
+    assert (64, 64) in sliced or rank != 2  # the short shard's trailing slice is empty
+    for a, b in zip(plain_params, params_, strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+
+
+def test_resident_slices_of_a_shorter_shard_step_once_each_bitwise():
+    """A resident param cut over chunks, on the rank whose shard is shorter (its trailing
+    slice empty), with a chunk that creates state (a param without a grad on the first
+    step) cutting the run: the slices in the first run cover that rank's shard, but the
+    param is not whole there; stepped whole, its empty slice raised on that rank alone."""
+    run_on_ranks(_short_shard_worker, 3)
+
+
 def _deep_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(*(torch.nn.Linear(12, 12) for _ in range(8)))
