@@ -553,8 +553,7 @@ class StepExecutor:
                 entries[param, key] = (
                     home.home_state if whole else home.home.view(-1)[piece.start : piece.stop]
                 )
-        sliced = {piece.param for chunk in chunks for piece in chunk.slices}
-        entries.update({(v.param, v.key): v.staging_state for v in views if v.param not in sliced})
+        entries.update({(v.param, v.key): v.staging_state for v in views if v.param not in held})
         return params, slices, entries
 
     def _load(self, chunk: _Chunk, had_state: set[Tensor], timer: StepTimer | None = None) -> bool:

@@ -60,7 +60,7 @@ Op = tuple[Literal["load", "step", "write_back"], int]
 def update_runs(
     touched: Sequence[Collection[Hashable]],
     creates: Sequence[bool],
-    resident: Sequence[bool] | None = None,
+    resident: Sequence[bool],
 ) -> list[list[int]]:
     """Chunks in step order (each the params it updates, whether its update creates
     state, and whether its state is `resident`) cut into runs that update in one call, as
@@ -70,17 +70,16 @@ def update_runs(
     (`executor.joined_slices`); a chunk that creates state runs alone (a sliced param's
     slices each create their own, adopted after their call).
 
-    >>> update_runs([{"a"}, {"b"}, {"b", "c"}, {"d"}, {"e"}], [False, False, False, True, False])
+    >>> update_runs([{"a"}, {"b"}, {"b", "c"}, {"d"}, {"e"}], [0, 0, 0, 1, 0], [0] * 5)
     [[0, 1], [2], [3], [4]]
     >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [False] * 4, [True, True, True, False])
     [[0, 1, 2], [3]]
     """
-    homed = resident if resident is not None else [False] * len(touched)
     runs: list[list[int]] = []
     seen: set[Hashable] = set()
     closed = True  # the last run takes no more chunks
     at_home = False  # every chunk of the last run is resident
-    for c, (params, created, home) in enumerate(zip(touched, creates, homed, strict=True)):
+    for c, (params, created, home) in enumerate(zip(touched, creates, resident, strict=True)):
         repeats = any(p in seen for p in params) and not (home and at_home)
         if closed or created or repeats:
             runs.append([])
