@@ -266,7 +266,7 @@ class AutoResidency:
         return self._next(step)
 
     def _next(self, step: int) -> Split | None:
-        split = next_split(self._probes, self._splits, self._default)
+        split = next_split(self._probes, self._splits, self._default, self._free)
         if split is None:
             # Settled: the next PROBE_STEPS steps check what it measured for that split
             # (also when it was the fastest: steps of one run vary, and the check says so);

@@ -441,9 +441,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             choose how much state the forward does not load: with `overlap_forward`,
             the backward loads what its length carries and the leading units of the
             rest stay resident; then, on a GPU, run the most the budget allows a few
-            steps, then the default's backward loads (as without "auto"), and
-            bisect for the least amount (of those that only load in the backward and
-            are held within the room under the peak, the fastest) whose step is as
+            steps (and the default's backward loads, as without "auto", where that
+            was no faster than nothing), and walk down from it for the least amount
+            (stopping at one that only loads in the backward and is held within the
+            room under the peak) whose step is as
             fast as the fastest, within `residency.NEAR_FASTEST` or the steps' own spread
             (`residency.NOISE_SIGMAS`, at most `residency.NOISE_CAP`;
             `offload.auto_residency`); the steps after it settles are checked against

@@ -13,8 +13,8 @@ measured step anyway to rebuild the slabs. `choose_residency` is pure.
 The stall model sees only the device's waits, not a forward the host paces or the
 trainer's own small copies queued behind the step's, so with forward overlap on a GPU
 "auto" searches instead (`next_split`): it runs the most state the budget keeps off the
-forward's path for a few steps (the fastest step it can get), then bisects for the
-least total whose step is within `NEAR_FASTEST` of the fastest measured
+forward's path for a few steps (the fastest step it can get), then walks down from it
+for the least total whose step is within `NEAR_FASTEST` of the fastest measured
 (`settled_split`). Of a total, the backward loads what its measured length carries
 (`split_total`); the rest stays resident.
 """
@@ -225,32 +225,45 @@ def with_default(splits: Sequence[Split], default: Split) -> list[Split]:
 
 
 def next_split(
-    probes: Sequence[Probe], splits: Sequence[Split], default: Split | None = None
+    probes: Sequence[Probe],
+    splits: Sequence[Split],
+    default: Split | None = None,
+    free: Collection[Split] = (),
 ) -> Split | None:
     """The split to try next, or None when the search is done.
 
     probes[0] is the measured steps (nothing kept off the forward's path). First the
-    largest split (the fastest step the budget allows), then `default` (one of `splits`:
-    what the optimizer runs without "auto"), then a bisection between the largest total
-    tried that was not near the fastest and the least that was, `MAX_PROBES` at most.
-    The bisection takes a step not to get slower with more kept off the forward's path,
-    which does not always hold: loading the whole state in the backward can be slower
-    than loading the default's first chunks (measured with Muon, both ends alike), so
-    the default is tried whatever the ends measured.
+    largest split (the fastest step the budget allows). A probe costs what its steps run
+    slower than the fastest, so the search walks down from the largest: it tries below
+    the least total near the fastest twice as far as that total lies below the largest,
+    and bisects once a slower split bounds it, `MAX_PROBES` at most. It stops once a
+    split near the fastest costs no memory (in `free`): `settled_split` takes one of
+    those, and a lower total can only match it.
+
+    The walk takes a step not to get slower with more kept off the forward's path, which
+    does not always hold: loading the whole state in the backward can run no faster than
+    keeping nothing while the default's loads run faster (measured with Muon), so where
+    keeping nothing is as fast as the largest, `default` (one of `splits`: what the
+    optimizer runs without "auto") is tried.
     """
     if not splits or len(probes) > MAX_PROBES:
         return None
     if len(probes) == 1:
         return splits[-1]
-    if default in splits and all(p.split != default for p in probes):
+    tried_default = any(p.split == default for p in probes)
+    if default in splits and not tried_default and near_fastest(probes[0], probes):
         return default
+    is_near = [near_fastest(p, probes) for p in probes]
+    if any(ok and p.split in free for p, ok in zip(probes, is_near, strict=True)):
+        return None
     index = {split: i for i, split in enumerate(splits)}
-    tried = [(index.get(p.split, -1), near_fastest(p, probes)) for p in probes]
-    near = min((i for i, ok in tried if ok), default=len(splits))
+    tried = [(index.get(p.split, -1), ok) for p, ok in zip(probes, is_near, strict=True)]
+    near = min(i for i, ok in tried if ok)
     slow = max((i for i, ok in tried if not ok and i < near), default=-1)
     if near - slow <= 1:
         return None
-    return splits[(slow + near) // 2]
+    below = near - (len(splits) - near)
+    return splits[max(below, (slow + near) // 2)]
 
 
 def settled_split(probes: Sequence[Probe], free: Collection[Split] = ()) -> Split:
