@@ -448,14 +448,23 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     # host sync between steps); the window starts once it has settled.
     search_steps, search_s = 0, 0.0
     retries_before = alloc_retries(device)
+    search_step_ms: list[float] = []  # each search step on the device, to the next's start
     if arm.resident == "auto":
         started = time.perf_counter()
+        starts = []  # CUDA events at each step's start on the trainer's stream (no sync)
         while optimizer.residency is None and search_steps < AUTO_STEPS_AT_MOST:
+            if device.type == "cuda":
+                starts.append(torch.cuda.Event(enable_timing=True))
+                starts[-1].record()
             step()
             search_steps += 1
+        if starts:
+            starts.append(torch.cuda.Event(enable_timing=True))
+            starts[-1].record()
         timed_window(step, 1, device)  # the first step with the settled choice, synced
         search_steps += 1
         search_s = time.perf_counter() - started
+        search_step_ms = [a.elapsed_time(b) for a, b in zip(starts, starts[1:], strict=False)]
     # Warmup builds plans, allocates state and host slabs.
     warm_s: list[float] = []
     for _ in range(args.warmup):
@@ -487,7 +496,9 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         },
         "search_steps": search_steps,
         "search_ms": 1e3 * search_s,
+        "search_step_ms": search_step_ms,
         "warmup_steps": len(warm_s),
+        "warmup_ms": [1e3 * t for t in warm_s],
         "timed_steps": steps,
         "step_ms": 1e3 * statistics.median(per_step),
         "step_ms_all": [1e3 * s for s in per_step],
@@ -882,6 +893,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
                     f"{split['backward_load_bytes'] / GiB:.2f} GiB: {p['iteration_ms']:.1f} ms "
                     f"(median's error {p.get('error_ms', 0.0):.1f})"
                 )
+            if r.get("search_step_ms"):
+                each = " ".join(f"{t:.0f}" for t in r["search_step_ms"])
+                print(f"{'':<{width}}   each step of the search (device ms): {each}")
+        if r.get("warmup_ms"):
+            each = " ".join(f"{t:.0f}" for t in r["warmup_ms"])
+            print(f"{'':<{width}} warmup steps (synced, ms): {each}")
     for r in results:
         if "step_ms_runs" in r:
             runs = ", ".join(f"{t:.1f}" for t in r["step_ms_runs"])
