@@ -48,7 +48,8 @@ from offload.residency import (
     search_splits,
     settled_split,
     split_total,
-    with_default,
+    whole_state_split,
+    with_split,
 )
 
 
@@ -200,13 +201,12 @@ class AutoResidency:
         budget = self.budget_bytes
         if budget is None:
             budget = min(headroom_bytes(), held(Split(sum(shape.unit_bytes), 0)))
-        backward = 0
+        backward = carry = 0  # what the backward loads of a split, and most it could
         if self.backward == "auto":
-            backward = int(
-                BACKWARD_LOAD_SHARE * self.timer.backward_ms() * self.timer.load_bytes_per_ms()
-            )
+            carry = int(self.timer.backward_ms() * self.timer.load_bytes_per_ms())
+            backward = int(BACKWARD_LOAD_SHARE * carry)
         elif isinstance(self.backward, int):
-            backward = self.backward
+            backward = carry = self.backward
         # the measured steps' iterations (each to the next step's start)
         measured_end = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
         measured = self._probe(
@@ -216,8 +216,8 @@ class AutoResidency:
         # slowest step; the least of their largest totals that fit; then which splits fit
         # every rank (what a split holds need not grow with its total), the largest model
         # choice, and whether its split fits everywhere.
-        _, (budget, backward) = self._agree([], [budget, backward])
-        budget, backward = int(budget), int(backward)
+        _, (budget, backward, carry) = self._agree([], [budget, backward, carry])
+        budget, backward, carry = int(budget), int(backward), int(carry)
 
         def fits(split: Split) -> bool:
             return held(split) <= budget
@@ -229,6 +229,11 @@ class AutoResidency:
         splits = search_splits(shape.unit_bytes, backward, limit)
         (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
         splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
+        whole = whole_state_split(shape.unit_bytes, backward, carry)
+        if whole is not None:
+            _, (whole_fits,) = self._agree([], [fits(whole)])
+            if whole_fits:
+                splits = with_split(splits, whole)
         default = None
         if self.backward is not None and shape.overlap:
             # Tried past the default budget too: without "auto" it would run anyway, and
@@ -238,7 +243,7 @@ class AutoResidency:
             _, (default_fits,) = self._agree([], [fits(default)])
             capped = isinstance(self.backward, int) and default.backward_load_bytes > backward
             if default.total > 0 and not capped and (default_fits or self.budget_bytes is None):
-                splits = with_default(splits, default)
+                splits = with_split(splits, default)
         first = split_total(int(total), shape.unit_bytes, backward)
         _, (first_fits,) = self._agree([], [fits(first)])
         if not first_fits:

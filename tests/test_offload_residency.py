@@ -32,7 +32,8 @@ from offload.residency import (
     search_splits,
     settled_split,
     split_total,
-    with_default,
+    whole_state_split,
+    with_split,
 )
 
 # Four chunks of 100 bytes done 10, 20, 30, 40 ms into the step. The forward reaches the
@@ -175,6 +176,16 @@ def test_a_total_is_loaded_in_the_backward_as_far_as_it_carries_the_rest_residen
     assert split_total(500, units, 100).total == 500
 
 
+def test_the_whole_states_split_loads_what_is_not_resident_where_the_backward_carries_it():
+    units = [100] * 16  # 1600 bytes
+    # the backward's 250 and 13 units leave 50 bytes to the forward: it loads 300
+    assert split_total(1600, units, 250) == Split(1300, 250)
+    assert whole_state_split(units, 250, carry=300) == Split(1300, 300)
+    assert whole_state_split(units, 250, carry=299) is None  # more than it carries
+    assert whole_state_split(units, 300, carry=400) is None  # no gap
+    assert whole_state_split(units, 0, carry=0) is None  # nothing loads in the backward
+
+
 def test_the_search_tries_eighths_of_the_state_up_to_the_limit():
     units = [100] * 16  # 1600 bytes: steps of 200
     splits = search_splits(units, 200, limit=1000)
@@ -246,7 +257,7 @@ def test_the_search_pays_little_for_a_step_that_needs_the_whole_state():
 
     splits = [Split(0, round(i * 6.35 * gib / 8)) for i in range(1, 9)]
     default = Split(0, gib)
-    splits = with_default(splits, default)
+    splits = with_split(splits, default)
     probes = _probes((0, step_ms(0)))
     while (split := next_split(probes, splits, default)) is not None:
         probes.append(Probe(split, step_ms(split.total)))
@@ -266,9 +277,9 @@ def test_the_search_stops_at_a_split_near_the_fastest_that_costs_no_memory():
 
 def test_the_search_tries_the_default_where_the_largest_is_no_faster_than_nothing():
     default = Split(0, 250)
-    splits = with_default(SPLITS, default)
+    splits = with_split(SPLITS, default)
     assert [s.total for s in splits] == [100, 200, 250, 300, 400, 500, 600, 700, 800]
-    assert with_default(SPLITS, Split(0, 300)) == SPLITS  # one split a total
+    assert with_split(SPLITS, Split(0, 300)) == SPLITS  # one split a total
     # only the default is fast: the ends alike, as with the whole state loaded in the backward
     probes = _probes((0, 100.0))
     while (split := next_split(probes, splits, default)) is not None:
@@ -476,9 +487,9 @@ def test_auto_counts_no_resident_state_as_free_under_the_peak():
         return 100.0 - split.resident_bytes / 1000 - split.backward_load_bytes / 10_000
 
     choice = _settle_auto(step_ms, room=10**6)
-    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325)]
+    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 400)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 0)
     # the default's loads, free and near the fastest too: the fastest of the free
     choice = _settle_auto(step_ms, room=10**6, default_backward=300)
-    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325), Split(0, 300)]
+    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 400), Split(0, 300)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 300)
