@@ -232,8 +232,9 @@ class AutoResidency:
         whole = whole_state_split(shape.unit_bytes, backward, carry)
         if whole is not None:
             _, (whole_fits,) = self._agree([], [fits(whole)])
-            if whole_fits:
-                splits = with_split(splits, whole)
+            if whole_fits:  # in place of the split with the gap, which keeps as much resident
+                gapped = split_total(sum(shape.unit_bytes), shape.unit_bytes, backward)
+                splits = with_split([s for s in splits if s != gapped], whole)
         default = None
         if self.backward is not None and shape.overlap:
             # Tried past the default budget too: without "auto" it would run anyway, and

@@ -493,3 +493,18 @@ def test_auto_counts_no_resident_state_as_free_under_the_peak():
     choice = _settle_auto(step_ms, room=10**6, default_backward=300)
     assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 400), Split(0, 300)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 300)
+
+
+def test_the_whole_states_split_takes_the_place_of_the_one_with_the_gap():
+    """Both fit (each split holds its total, no ring): the split with the gap keeps as
+    much resident and differs by the 75 bytes its forward loads, so trying it after the
+    whole state's measured the same split twice. The walk goes on to the grid's next."""
+
+    def step_ms(split):
+        return 100.0 - split.total / 20
+
+    choice = _settle_auto(step_ms, room=None)
+    tried = [p.split for p in choice.probes]
+    assert tried[:2] == [Split(0, 0), Split(400, 400)]
+    assert Split(400, 325) not in tried and tried[2].total < 700
+    assert (choice.resident_bytes, choice.backward_load_bytes) == (400, 400)
