@@ -201,12 +201,13 @@ class AutoResidency:
         budget = self.budget_bytes
         if budget is None:
             budget = min(headroom_bytes(), held(Split(sum(shape.unit_bytes), 0)))
-        backward = carry = 0  # what the backward loads of a split, and most it could
+        backward = 0
         if self.backward == "auto":
-            carry = int(self.timer.backward_ms() * self.timer.load_bytes_per_ms())
-            backward = int(BACKWARD_LOAD_SHARE * carry)
+            backward = int(
+                BACKWARD_LOAD_SHARE * self.timer.backward_ms() * self.timer.load_bytes_per_ms()
+            )
         elif isinstance(self.backward, int):
-            backward = carry = self.backward
+            backward = self.backward
         # the measured steps' iterations (each to the next step's start)
         measured_end = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
         measured = self._probe(
@@ -216,8 +217,8 @@ class AutoResidency:
         # slowest step; the least of their largest totals that fit; then which splits fit
         # every rank (what a split holds need not grow with its total), the largest model
         # choice, and whether its split fits everywhere.
-        _, (budget, backward, carry) = self._agree([], [budget, backward, carry])
-        budget, backward, carry = int(budget), int(backward), int(carry)
+        _, (budget, backward) = self._agree([], [budget, backward])
+        budget, backward = int(budget), int(backward)
 
         def fits(split: Split) -> bool:
             return held(split) <= budget
@@ -229,12 +230,14 @@ class AutoResidency:
         splits = search_splits(shape.unit_bytes, backward, limit)
         (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
         splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
-        whole = whole_state_split(shape.unit_bytes, backward, carry)
-        if whole is not None:
+        # Where the whole state's split leaves the forward a gap whose ring slot takes it
+        # past the budget, the whole state with the gap kept resident.
+        whole = whole_state_split(shape.unit_bytes, backward)
+        gapped = split_total(sum(shape.unit_bytes), shape.unit_bytes, backward)
+        if whole is not None and gapped not in splits:
             _, (whole_fits,) = self._agree([], [fits(whole)])
-            if whole_fits:  # in place of the split with the gap, which keeps as much resident
-                gapped = split_total(sum(shape.unit_bytes), shape.unit_bytes, backward)
-                splits = with_split([s for s in splits if s != gapped], whole)
+            if whole_fits:
+                splits = with_split(splits, whole)
         default = None
         if self.backward is not None and shape.overlap:
             # Tried past the default budget too: without "auto" it would run anyway, and

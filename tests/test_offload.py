@@ -877,28 +877,6 @@ def test_auto_settles_on_the_largest_split_when_the_room_under_the_peak_holds_it
     assert 0 < walked.resident_bytes + walked.backward_load_bytes < default[0]
 
 
-def test_auto_keeps_the_whole_state_off_the_forwards_path_where_the_backward_carries_the_rest():
-    """The backward's share (here 2600 bytes) and whole leading units left a gap of
-    656 bytes to the forward, whose ring slot took the split past the default budget
-    (what the whole state resident holds): the largest split that fit kept less, and ran
-    slower. The backward carries 4000 bytes, so it loads all that is not resident, and
-    the forward loads nothing."""
-
-    def slower_backward(opt, built):
-        opt._auto.timer.backward = 20.0  # carries 4000 bytes; its share 2600
-
-    opt = _search_auto(lambda opt: 100.0 - 0.005 * _kept(opt), slower_backward)
-    choice = opt.residency
-    largest = choice.probes[1].split
-    assert largest.total == STATE_BYTES and largest.backward_load_bytes > 2600
-    assert (choice.resident_bytes, choice.backward_load_bytes) == (
-        largest.resident_bytes,
-        largest.backward_load_bytes,
-    )
-    assert _loaded_in_backward(opt) == STATE_BYTES - choice.resident_bytes  # none in the forward
-    assert choice.held_bytes <= choice.budget_bytes
-
-
 def test_auto_never_settles_on_a_split_over_its_budget():
     """What a split holds need not grow with its total: a smaller one can leave a large
     unit staged, whose ring slots are larger. Every split "auto" tries and the one it

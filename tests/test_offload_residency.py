@@ -176,14 +176,16 @@ def test_a_total_is_loaded_in_the_backward_as_far_as_it_carries_the_rest_residen
     assert split_total(500, units, 100).total == 500
 
 
-def test_the_whole_states_split_loads_what_is_not_resident_where_the_backward_carries_it():
+def test_the_whole_states_split_keeps_resident_what_the_backward_cannot_load():
     units = [100] * 16  # 1600 bytes
-    # the backward's 250 and 13 units leave 50 bytes to the forward: it loads 300
+    # the backward's 250 and 13 units leave 50 bytes to the forward: 14 units resident
     assert split_total(1600, units, 250) == Split(1300, 250)
-    assert whole_state_split(units, 250, carry=300) == Split(1300, 300)
-    assert whole_state_split(units, 250, carry=299) is None  # more than it carries
-    assert whole_state_split(units, 300, carry=400) is None  # no gap
-    assert whole_state_split(units, 0, carry=0) is None  # nothing loads in the backward
+    assert whole_state_split(units, 250) == Split(1400, 200)
+    assert whole_state_split(units, 300) is None  # no gap
+    assert whole_state_split(units, 0) is None  # nothing loads in the backward: all resident
+    # a large first unit: resident whole, the backward loads the rest
+    assert split_total(1000, [600, 100, 100, 100, 100], 350) == Split(600, 350)
+    assert whole_state_split([600, 100, 100, 100, 100], 350) == Split(700, 300)
 
 
 def test_the_search_tries_eighths_of_the_state_up_to_the_limit():
@@ -454,9 +456,10 @@ class _SplitTimer:
         return 0.5  # "auto"'s backward carries 0.65 x 500 bytes
 
 
-def _settle_auto(step_ms, room, default_backward=0):
+def _settle_auto(step_ms, room, default_backward=0, held=None):
     """Run "auto" with forward overlap on eight units (and chunks) of 100 bytes, each
-    split holding its total, until it settles (within `AUTO_STEPS_AT_MOST`); its choice."""
+    split holding its total (or `held(split)`), until it settles (within
+    `AUTO_STEPS_AT_MOST`); its choice."""
     timer = _SplitTimer(step_ms)
     auto = AutoResidency(timer, None, "auto", torch.device("cpu"))
     shape = StepShape((100,) * 8, (100,) * 8, True)
@@ -464,7 +467,9 @@ def _settle_auto(step_ms, room, default_backward=0):
     for _ in range(AUTO_STEPS_AT_MOST):
         auto.step_started(None)
         running = (
-            auto.decide(shape, _total, lambda: 10**9, lambda: default_backward, lambda: room)
+            auto.decide(
+                shape, held or _total, lambda: 10**9, lambda: default_backward, lambda: room
+            )
             or running
         )
         timer.ran[-1] = running
@@ -487,24 +492,31 @@ def test_auto_counts_no_resident_state_as_free_under_the_peak():
         return 100.0 - split.resident_bytes / 1000 - split.backward_load_bytes / 10_000
 
     choice = _settle_auto(step_ms, room=10**6)
-    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 400)]
+    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 0)
     # the default's loads, free and near the fastest too: the fastest of the free
     choice = _settle_auto(step_ms, room=10**6, default_backward=300)
-    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 400), Split(0, 300)]
+    assert [p.split for p in choice.probes] == [Split(0, 0), Split(400, 325), Split(0, 300)]
     assert (choice.resident_bytes, choice.backward_load_bytes) == (0, 300)
 
 
-def test_the_whole_states_split_takes_the_place_of_the_one_with_the_gap():
-    """Both fit (each split holds its total, no ring): the split with the gap keeps as
-    much resident and differs by the 75 bytes its forward loads, so trying it after the
-    whole state's measured the same split twice. The walk goes on to the grid's next."""
+def test_the_whole_states_split_is_tried_where_the_gaps_ring_slot_passes_the_budget():
+    """The backward's cap (325 bytes) and whole units leave the forward 75 bytes, whose
+    ring slot (100 bytes) takes that split past the default budget (800: the whole state
+    resident); the largest that fit kept less. The whole state with one more unit
+    resident fits, and is tried first."""
+
+    def held(split):
+        return split.total + (100 if split.total < 800 else 0)  # a ring slot where staged
 
     def step_ms(split):
         return 100.0 - split.total / 20
 
-    choice = _settle_auto(step_ms, room=None)
+    choice = _settle_auto(step_ms, room=None, held=held)
     tried = [p.split for p in choice.probes]
-    assert tried[:2] == [Split(0, 0), Split(400, 400)]
-    assert Split(400, 325) not in tried and tried[2].total < 700
-    assert (choice.resident_bytes, choice.backward_load_bytes) == (400, 400)
+    assert tried[:2] == [Split(0, 0), Split(500, 300)]
+    assert Split(400, 325) not in tried
+    assert (choice.resident_bytes, choice.backward_load_bytes) == (500, 300)
+    # where the gap's split fits, it runs as it did, and the whole state's is not tried
+    fits = _settle_auto(step_ms, room=None)
+    assert [p.split for p in fits.probes][:2] == [Split(0, 0), Split(400, 325)]
