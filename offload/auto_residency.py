@@ -22,6 +22,7 @@ split tried later passes as near it, or as faster (docs/design.md, "auto").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -192,6 +193,9 @@ class AutoResidency:
         default_backward_bytes: Callable[[], int],
         room_bytes: Callable[[], int | None],
     ) -> Split | None:
+        # A plan takes milliseconds of host time while the device waits (the host synced
+        # for the measured steps): plan each split once.
+        held = functools.cache(held)
         profiles = self.timer.profiles()
         if not shape.overlap:  # the last units stay resident: the step seen from its end
             profiles = [p.from_the_end() for p in profiles]
