@@ -252,9 +252,11 @@ def next_split(
 
     probes[0] is the measured steps (nothing kept off the forward's path). First the
     largest split (the fastest step the budget allows). A probe costs what its steps run
-    slower than the fastest, so the search walks down from the largest: it tries below
-    the least total near the fastest twice as far as that total lies below the largest,
-    and bisects once a slower split bounds it, `MAX_PROBES` at most. It stops once a
+    slower than the fastest, so the search walks down from the largest: it tries one
+    split further below the least near the fastest than that lies below the largest (1,
+    3, 7 splits below the largest), and bisects once a slower split bounds it,
+    `MAX_PROBES` at most; where a little state is as fast, it settles coarser than a
+    bisection from the middle would, on more state. It stops once a
     split near the fastest costs no memory (in `free`): `settled_split` takes one of
     those, and a lower total can only match it.
 
