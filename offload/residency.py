@@ -171,11 +171,9 @@ def whole_state_split(unit_bytes: Sequence[int], backward_cap: int) -> Split | N
     the backward loads the rest. None where there is no gap.
 
     With a gap the forward loads it through a ring slot, and the split can hold more than
-    the whole state resident (the default budget): on an H100 a backward cap of 3.13 GiB
-    left 0.18 GiB to the forward, and the largest split that fit kept 0.99 GiB less
-    (1.078x against 1.010x where the gap fit). The gap goes to the resident units, not
-    the backward: a whole state loading 3.45 GiB there, past its cap of 3.39, ran 184.7
-    ms where 3.30 GiB ran 175.0."""
+    the whole state resident (the default budget), so the largest split that fits keeps
+    less. The gap goes to the resident units, not the backward: loads past its cap slow
+    the backward (docs/design.md, "auto")."""
     state = sum(unit_bytes)
     if split_total(state, unit_bytes, backward_cap).total == state:
         return None
