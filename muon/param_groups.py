@@ -13,11 +13,13 @@ from muon.optimizer import _user_stacklevel  # warnings point at the caller, pas
 
 # Names of params Muon should not orthogonalize even though they are matrices:
 # embeddings and the output head (Keller Jordan, Moonlight): the weight of a module
-# named lm_head or head, every param of a task head named classifier,
+# named lm_head or head or of one directly inside it (timm's `head.fc`, OLMo-core's
+# `lm_head.w_out`), every param of a task head named classifier,
 # classification_head, score or qa_outputs (and of the modules inside it: RoBERTa's
 # `classifier.out_proj`, ResNet's `classifier.1`; VGG's hidden classifier layers too),
-# the weight of a module named output outside any numbered block (torchtitan's head,
-# under wrappers too; `layers.0.attention.output` is a hidden projection),
+# the weight of a module named output or output_layer outside any numbered block
+# (torchtitan's head, Megatron's, under wrappers too; `layers.0.attention.output` is a
+# hidden projection),
 # learned tokens (BLIP-2's `query_tokens`, ViT's `cls_token`), norms, biases, MoE
 # routers named "router" (a router named `gate` is found by module: `_moe_gates`) and
 # state-space models' log decay rates (Mamba's `A_log`, channels x states: a table of
@@ -29,9 +31,9 @@ from muon.optimizer import _user_stacklevel  # warnings point at the caller, pas
 # AdamW.
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"(^|\.)[^.]*embed[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
-    r"(^|\.)(lm_head|head)\.weight$",
+    r"(^|\.)(lm_head|head)(\.[^.]+)?\.weight$",
     r"(^|\.)(classifier|classification_head|score|qa_outputs)(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
-    r"^(?!.*\.\d+\.)(.*\.)?output\.weight$",  # not in a numbered block: a hidden one
+    r"^(?!.*\.\d+\.)(.*\.)?(output|output_layer)\.weight$",  # not in a numbered block
     r"(^|\.)[^.]*tokens?$",
     r"(^|\.)[^.]*norm(?!al)[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",  # not normal(ize)
     r"(^|\.)[^.]*bias[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",

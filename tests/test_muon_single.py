@@ -353,6 +353,25 @@ def test_param_group_helper_routes_task_heads_hidden_outputs_and_learned_tokens(
     assert "module._orig_mod.output.weight" in _adamw_names(outer)
 
 
+def test_param_group_helper_sends_heads_of_megatron_timm_and_olmo_core_to_adamw():
+    # Megatron's `output_layer`, timm's `head.fc` and OLMo-core's `lm_head.w_out` went to
+    # Muon; hidden layers of the same names inside numbered blocks stay with it
+    model = torch.nn.Module()
+    model.output_layer = torch.nn.Linear(8, 20, bias=False)  # Megatron's GPTModel
+    model.head = torch.nn.Module()
+    model.head.fc = torch.nn.Linear(8, 3, bias=False)  # timm's ConvNeXt, ViT with a pool
+    model.lm_head = torch.nn.Module()
+    model.lm_head.w_out = torch.nn.Linear(8, 20, bias=False)  # OLMo-core's LMHead
+    model.blocks = torch.nn.ModuleList([torch.nn.Module()])
+    model.blocks[0].output_layer = torch.nn.Linear(8, 8, bias=False)
+    model.blocks[0].mlp = torch.nn.Module()
+    model.blocks[0].mlp.fc = torch.nn.Linear(8, 8, bias=False)
+    assert _adamw_names(model) == {"output_layer.weight", "head.fc.weight", "lm_head.w_out.weight"}
+    wrapped = torch.nn.Module()
+    wrapped.module = model  # DDP's
+    assert "module.output_layer.weight" in _adamw_names(wrapped)
+
+
 def test_param_group_helper_sends_the_models_output_embeddings_to_adamw():
     # A head named otherwise (BERT's cls.predictions.decoder untied, a custom model's
     # proj_out) went to Muon: the name patterns did not match it
