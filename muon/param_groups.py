@@ -17,9 +17,10 @@ from muon.optimizer import _user_stacklevel  # warnings point at the caller, pas
 # `lm_head.w_out`), every param of a task head named classifier,
 # classification_head, score or qa_outputs (and of the modules inside it: RoBERTa's
 # `classifier.out_proj`, ResNet's `classifier.1`; VGG's hidden classifier layers too),
-# the weight of a module named output or output_layer outside any numbered block
-# (torchtitan's head, Megatron's, under wrappers too; `layers.0.attention.output` is a
-# hidden projection),
+# the weight of a module named output outside any numbered block (torchtitan's head,
+# under wrappers too; `layers.0.attention.output` is a hidden projection) or named
+# output_layer at the model's top under wrappers only (Megatron's head, in DDP's and
+# Float16Module's `module`; TimesFM's `input_ff_layer.output_layer` is hidden),
 # learned tokens (BLIP-2's `query_tokens`, ViT's `cls_token`), norms, biases, MoE
 # routers named "router" (a router named `gate` is found by module: `_moe_gates`) and
 # state-space models' log decay rates (Mamba's `A_log`, channels x states: a table of
@@ -33,7 +34,8 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"(^|\.)[^.]*embed[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)(lm_head|head)(\.[^.]+)?\.weight$",
     r"(^|\.)(classifier|classification_head|score|qa_outputs)(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
-    r"^(?!.*\.\d+\.)(.*\.)?(output|output_layer)\.weight$",  # not in a numbered block
+    r"^(?!.*\.\d+\.)(.*\.)?output\.weight$",  # not in a numbered block: a hidden one
+    r"^((module|_orig_mod|model)\.)*output_layer\.weight$",  # at the top, under wrappers
     r"(^|\.)[^.]*tokens?$",
     r"(^|\.)[^.]*norm(?!al)[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",  # not normal(ize)
     r"(^|\.)[^.]*bias[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",

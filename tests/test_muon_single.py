@@ -366,10 +366,13 @@ def test_param_group_helper_sends_heads_of_megatron_timm_and_olmo_core_to_adamw(
     model.blocks[0].output_layer = torch.nn.Linear(8, 8, bias=False)
     model.blocks[0].mlp = torch.nn.Module()
     model.blocks[0].mlp.fc = torch.nn.Linear(8, 8, bias=False)
+    model.input_ff_layer = torch.nn.Module()  # TimesFM's residual input block: hidden
+    model.input_ff_layer.output_layer = torch.nn.Linear(8, 8, bias=False)
     assert _adamw_names(model) == {"output_layer.weight", "head.fc.weight", "lm_head.w_out.weight"}
-    wrapped = torch.nn.Module()
-    wrapped.module = model  # DDP's
-    assert "module.output_layer.weight" in _adamw_names(wrapped)
+    wrapped, fp16 = torch.nn.Module(), torch.nn.Module()
+    wrapped.module, fp16.module = fp16, model  # DDP around Megatron's Float16Module
+    assert "module.module.output_layer.weight" in _adamw_names(wrapped)
+    assert "module.module.input_ff_layer.output_layer.weight" not in _adamw_names(wrapped)
 
 
 def test_param_group_helper_sends_the_models_output_embeddings_to_adamw():
