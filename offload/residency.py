@@ -254,9 +254,9 @@ def next_split(
     split further below the least near the fastest than that lies below the largest (1,
     3, 7 splits below the largest), and bisects once a slower split bounds it,
     `MAX_PROBES` at most; where a little state is as fast, it settles coarser than a
-    bisection from the middle would, on more state. It stops once a
-    split near the fastest costs no memory (in `free`): `settled_split` takes one of
-    those, and a lower total can only match it.
+    bisection from the middle would, on more state. It stops once a split near the
+    fastest costs no memory (in `free`): `settled_split` takes one of those, and a lower
+    total can only match it.
 
     The walk takes a step not to get slower with more kept off the forward's path, which
     does not always hold: loading the whole state in the backward can run no faster than
