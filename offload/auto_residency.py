@@ -166,8 +166,9 @@ class AutoResidency:
             )
         if step < self._probe_start + PROBE_STEPS:
             return None
-        # The probe's first step re-planned (the host synced): its iteration is left out.
-        probe = self._probe(self._current, self.timer.iterations_ms(self._probe_start + 1, step))
+        # The probe's first iteration re-planned and loaded the whole state (its backward
+        # loaded for the split before): left out, as is the last (`_before_this_step`).
+        probe = self._probe(self._current, self._before_this_step(self._probe_start + 1, step))
         if self._rerunning:
             self._rerunning, self._reference = False, probe
             self._probe_start = step
@@ -176,6 +177,13 @@ class AutoResidency:
             return self._check(probe)
         self._probes.append(probe)
         return self._next(step)
+
+    def _before_this_step(self, first: int, last: int) -> list[float]:
+        """The iterations from step `first` to step `last` (at most), each to the next
+        step's start, of those ended before this step started: this step's own start is
+        still queued behind the backward on the device, and waiting for it would drain
+        the device while the host re-plans."""
+        return self.timer.iterations_ms(first, min(last, self._steps - 2))
 
     def _probe(self, split: Split, took: Sequence[float]) -> Probe:
         """`split`'s steps `took`: the slowest rank's median and its error (every rank
@@ -214,9 +222,7 @@ class AutoResidency:
             backward = self.backward
         # the measured steps' iterations (each to the next step's start)
         measured_end = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
-        measured = self._probe(
-            Split(0, 0), self.timer.iterations_ms(AUTO_WARMUP_STEPS, measured_end)
-        )
+        measured = self._probe(Split(0, 0), self._before_this_step(AUTO_WARMUP_STEPS, measured_end))
         # Ranks agree (each holds its own shards): the least budget and backward, the
         # slowest step; the least of their largest totals that fit; then which splits fit
         # every rank (what a split holds need not grow with its total), the largest model
@@ -347,5 +353,7 @@ def _total(split: Split) -> int:
 
 
 def _distributed() -> bool:
-    """A default process group is up: the ranks must agree."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    """A default process group of more than one rank is up: the ranks must agree (alone,
+    a collective and reading its result back would only wait for the device)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

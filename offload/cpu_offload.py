@@ -1822,9 +1822,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         Every rank re-plans at this step, and `failed_ranks(failed here)` says on which it
         failed: if on any, every rank goes back to what ran before (the state in its host
         homes, planned anew at the next step) and raises, so no rank steps alone (its peers
-        would wait for it in the next collective, or step params it did not)."""
-        self.wait_for_optimizer_step()
-        self._executor.drop_loaded_ahead()
+        would wait for it in the next collective, or step params it did not).
+
+        Nothing here waits on the host: the state moves on the trainer's stream after the
+        last step's write-backs, while the device still runs the backward."""
+        if self._overlap is not None:
+            self._overlap.finish()
         self._give_back_gpu_state()
         ran = (self._resident_budget, self._load_in_backward, self.backward_load_bytes)
         self._resident_budget = split.resident_bytes
@@ -1934,7 +1937,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         schedules must agree: one collective); None where unknown (off CUDA). Measured
         once: later plans hold state of their own."""
         room = room_under_peak_bytes(self.device)
-        if room is not None and dist.is_available() and dist.is_initialized():
+        if (
+            room is not None
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
             least = torch.tensor([room], dtype=torch.int64, device=self.device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             room = int(least.item())

@@ -263,7 +263,8 @@ class StepExecutor:
         """
         plan, schedule = step.plan, step.schedule
         kept = {dtype: slab.numel() for dtype, slab in self.host_slabs.items()}
-        if not (keep_host_slabs and kept == dict(plan.host_numel)):
+        kept_host_slabs = keep_host_slabs and kept == dict(plan.host_numel)
+        if not kept_host_slabs:
             self.host_slabs = allocate_host_slabs(plan.host_numel, self.device)
         self.resident_slabs = {
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
@@ -339,22 +340,38 @@ class StepExecutor:
         self.slice_counts = collections.Counter(s.param for c in chunks for s in c.slices)
         if ring and not plan.slot_numel:
             self.ring, self.extra_slots = None, []  # no state staged: no staging memory
+        streams = self.streams
+        if self.step_done is not None:
+            if not kept_host_slabs:  # the old homes are read on the host: what moves into
+                self.wait()  # them lands first
+            streams.wait(streams.current(), self.step_done)
         state = self.optimizer.state
         for (param, key), home in homes.items():
             entries = state.get(param)
             if entries and key in entries:
                 current = local_tensor(entries[key])
                 if current.data_ptr() != home.home.data_ptr() or current.device != home.home.device:
-                    home.home.copy_(current)
+                    # From a host home to a resident one (a re-plan), on the trainer's
+                    # stream: the host does not wait (the homes' readers wait for
+                    # `step_done`); a tensor of the device's could be freed before its copy.
+                    home.home.copy_(current, non_blocking=current.device.type == "cpu")
                 entries[key] = home.home_state
+        self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step
 
     def give_back_gpu_state(self, everything_home: OffloadPlan) -> None:
         """Before a re-plan within one host layout: resident state to its room in the host
         slabs (where `everything_home`, the plan of that layout with nothing resident,
         homes it), and the ring and the backward's slots dropped, so the new plan's GPU
-        memory is not allocated beside the old's (the budget holds one plan, not two)."""
-        state = self.optimizer.state
+        memory is not allocated beside the old's (the budget holds one plan, not two).
+
+        The host does not wait: the state moves on the trainer's stream after the last
+        step's write-backs, `step_done` marks it, and the slots go back once the copy
+        streams are past them (the backward's loads into them are dropped)."""
+        state, streams = self.optimizer.state, self.streams
+        current = streams.current()
+        if self.step_done is not None:
+            streams.wait(current, self.step_done)
         resident = {(v.param, v.key) for c in self.chunks if c.slot < 0 for v in c.views}
         for layout in everything_home.chunks:
             for view in layout.views:
@@ -365,9 +382,16 @@ class StepExecutor:
                 resident.discard((param, spec.key))  # a sliced tensor has a view per chunk
                 slab = self.host_slabs[spec.dtype][view.home_offset :][: spec.numel]
                 host = _carve(slab, spec.shape, param)
-                host.copy_(local_tensor(entries[spec.key]))
+                host.copy_(local_tensor(entries[spec.key]), non_blocking=True)
                 entries[spec.key] = as_state(param, host)
-        self.release_staging()
+        self.step_done = streams.mark(current)
+        if current is not None:
+            for slab in self.resident_slabs.values():  # freed once the copies are done
+                slab.record_stream(current)
+        self.loaded_ahead, self.loaded_ahead_done = {}, None
+        for slots in (self.ring, *self.extra_slots):
+            if slots is not None:
+                slots.release([streams.h2d, streams.d2h])
         self.chunks, self.homes, self.resident_slabs = [], {}, {}
         self.ring, self.extra_slots = None, []
 

@@ -49,8 +49,10 @@ NOISE_CAP = 0.05
 vary: steps that drift within a probe give an error that covers any gap, and the search
 would settle on its slowest split."""
 PROBE_STEPS = 6
-"""Steps each split of the search runs: the first is not timed (its re-plan syncs), the
-median of the others counts (steps of one run vary by several percent)."""
+"""Steps each split of the search runs: the median of the iterations between the first
+(its re-plan loads the whole state: the backward before it loaded for the split before)
+and the last (read as the next step starts, before the device gets there) counts (steps
+of one run vary by several percent)."""
 MAX_PROBES = 4
 AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 2) * PROBE_STEPS + 1
 """Steps until "auto" has settled and checked, at most (it says what it chose then)."""
@@ -434,10 +436,11 @@ class StepTimer:
         self._loads.append((nbytes, before, after))
 
     def backward_ms(self) -> float:
-        """Median time from a backward's mark to the next step's start (0 where not
-        measured)."""
+        """Median time from a backward's mark to the next step's start, of the steps
+        started before the last (whose start the device may not have reached: waiting
+        for it drains the device); 0 where not measured."""
         marks = self._iterations
-        ends = {s: marks[s + 1] for s in self._backwards if s + 1 < len(marks)}
+        ends = {s: marks[s + 1] for s in self._backwards if s + 2 < len(marks)}
         if not self._timed or not ends:
             return 0.0
         for end in ends.values():

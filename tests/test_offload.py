@@ -1034,7 +1034,7 @@ def test_auto_keeps_less_when_its_steps_vary_more_than_the_splits_differ():
     def steady(opt):  # every byte kept off the forward's path is faster (10% at most)
         return 100.0 - 10.0 * _kept(opt) / STATE_BYTES
 
-    jitter = itertools.cycle([0.0, 9.0, -9.0, 5.0, -5.0, 0.0, 7.0])
+    jitter = itertools.cycle([9.0, -9.0, 5.0, -5.0])
     calm = _search_auto(steady, lambda opt, built: None).residency
     noisy = _search_auto(lambda opt: steady(opt) + next(jitter), lambda opt, built: None).residency
     assert all(p.error_ms == 0.0 for p in calm.probes)

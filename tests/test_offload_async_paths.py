@@ -354,3 +354,61 @@ def test_a_step_finished_inside_an_fsdp2_forward_orders_the_all_gathers_after_it
         model(torch.randn(3, 12, generator=gen))
         assert _waited_for(gather, last)
         opt.close()
+
+
+def test_auto_re_plans_with_no_host_wait_and_alone_no_collective(async_branches, monkeypatch):
+    """ "auto" re-plans at a step's start, while the device still runs the backward: a host
+    wait there (an event's synchronize, a collective's result read back) drains the device,
+    which then idles while the host plans and builds. Alone in its process group, no step
+    of the search waits on the host or runs a collective; the state moves on the trainer's
+    stream in order (bitwise equal to plain AdamW)."""
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import AUTO_STEPS_AT_MOST
+
+    synced: list[_Event] = []
+    monkeypatch.setattr(_Event, "synchronize", lambda self: synced.append(self))
+    collectives = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counted(*args, **kwargs):
+        collectives.append(args)
+        return all_reduce(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", counted)
+    plain_model, model = _model(), _model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    with one_rank_group():
+        opt = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_bytes=512,
+            staging_slots=2,
+            overlap_forward=model,
+            gpu_resident_bytes="auto",
+        )
+        state_bytes = sum(8 * p.numel() for p in model.parameters())
+
+        def iteration_ms() -> float:  # every byte kept off the forward's path is faster
+            kept = opt._resident_budget + (opt.backward_load_bytes or 0)
+            return 100.0 - 30.0 * kept / state_bytes
+
+        opt._auto.timer = FakeSearchTimer(iteration_ms, 10.0, 200.0)
+        gen = torch.Generator().manual_seed(3)
+        plans, synced_in_step = [], []
+        for _ in range(AUTO_STEPS_AT_MOST + 1):
+            tokens = torch.randint(0, 40, (3, 4), generator=gen)
+            for m, o in ((plain_model, plain), (model, opt)):
+                o.zero_grad()
+                m(tokens).square().mean().backward()
+                before = len(synced)
+                o.step()
+            synced_in_step.append(len(synced) - before)
+            plans.append(opt._executor.plan)
+        assert opt.residency is not None and opt.residency.backward_load_bytes > 0
+        replans = sum(a is not b for a, b in zip(plans, plans[1:], strict=False))
+        assert replans >= 3 and opt.chunks_loaded_in_backward > 0
+        assert synced_in_step == [0] * len(synced_in_step)
+        assert collectives == []
+        opt.wait_for_optimizer_step()
+        assert_equal(plain_model, plain, model, opt)
+        opt.close()

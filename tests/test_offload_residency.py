@@ -22,6 +22,7 @@ from offload.residency import (
     Probe,
     Split,
     StepProfile,
+    StepTimer,
     choose_residency,
     largest_fitting_total,
     leading_units,
@@ -520,3 +521,36 @@ def test_the_whole_states_split_is_tried_where_the_gaps_ring_slot_passes_the_bud
     # where the gap's split fits, it runs as it did, and the whole state's is not tried
     fits = _settle_auto(step_ms, room=None)
     assert [p.split for p in fits.probes][:2] == [Split(0, 0), Split(400, 325)]
+
+
+def test_the_backwards_length_is_read_without_waiting_for_the_step_now_starting(monkeypatch):
+    """ "auto" reads the backward's length as a step starts; that step's start is queued
+    behind the backward on the device, and waiting for it drains the device while the host
+    re-plans: only backwards that ended at an earlier step's start count."""
+    clock = [0.0]
+
+    class Event:  # a timing event on a device, its time set when recorded
+        def __init__(self, device=None, enable_timing=False):
+            self.at, self.waited = None, False
+
+        def record(self, stream=None):
+            self.at = clock[0]
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, end):
+            assert end.waited, "an event not waited for has no time yet"
+            return end.at - self.at
+
+    monkeypatch.setattr(torch, "Event", Event)
+    timer = StepTimer(torch.device("cuda"))
+    for start, backward in ((0.0, 7.0), (10.0, 18.0)):  # backwards of 3 and then 2 ms
+        clock[0] = start
+        timer.iteration_started(None)
+        clock[0] = backward
+        timer.backward_started(None)
+    clock[0] = 20.0
+    timer.iteration_started(None)  # the step now starting
+    assert timer.backward_ms() == 3.0
+    assert not timer._iterations[-1].waited
