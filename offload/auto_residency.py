@@ -201,8 +201,8 @@ class AutoResidency:
         default_backward_bytes: Callable[[], int],
         room_bytes: Callable[[], int | None],
     ) -> Split | None:
-        # A plan takes milliseconds of host time while the device waits (the host synced
-        # for the measured steps): plan each split once.
+        # A plan takes milliseconds of host time, which only the backward still queued on
+        # the device covers: plan each split once.
         held = functools.cache(held)
         profiles = self.timer.profiles()
         if not shape.overlap:  # the last units stay resident: the step seen from its end

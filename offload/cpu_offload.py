@@ -494,9 +494,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     `load_in_backward`); on the first
     step, while the optimizer creates its state chunk by chunk, one more chunk.
 
-    Host syncs: none inside `step()` (but the first step pins the host slabs and
-    the step where "auto" decides rebuilds them). Reading state (`state_dict`,
-    `load_state_dict`) first waits for the last write-back.
+    Host syncs: none inside `step()`, but the first step pins the host slabs, and
+    "auto" reads its measured steps' events (the first step after them waits for the
+    forward before it) and, with peers in the process group, each decision's agreement
+    (one all-reduce read back). Reading state (`state_dict`, `load_state_dict`) first
+    waits for the last write-back.
 
     `close()` finishes the last step, removes the forward hooks and gives back
     the staging ring; state stays readable. A dropped optimizer is collected even
@@ -1705,9 +1707,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return None if room is None else int(BACKWARD_ROOM_SHARE * room)
 
     def _run_auto(self, auto: AutoResidency) -> None:
-        """ "auto"'s decision at this step: re-plan with the split it returns (the host
-        waits here for the last step, as for a checkpoint); once it has settled, say
-        what it chose."""
+        """ "auto"'s decision at this step: re-plan with the split it returns (the state
+        moves on the trainer's stream, `_replan`); once it has settled, say what it
+        chose."""
         plan = self._executor.plan
         shape = StepShape(
             tuple(c.invariant_bytes for c in plan.chunks),
