@@ -351,10 +351,13 @@ class StepExecutor:
             if entries and key in entries:
                 current = local_tensor(entries[key])
                 if current.data_ptr() != home.home.data_ptr() or current.device != home.home.device:
-                    # From a host home to a resident one (a re-plan), on the trainer's
-                    # stream: the host does not wait (the homes' readers wait for
-                    # `step_done`); a tensor of the device's could be freed before its copy.
-                    home.home.copy_(current, non_blocking=current.device.type == "cpu")
+                    # From a kept host slab to a resident home (a re-plan), on the
+                    # trainer's stream: the host does not wait (the homes' readers wait for
+                    # `step_done`). Not from old host slabs, freed once this returns, nor
+                    # from a device tensor, which could be freed before its copy ran.
+                    home.home.copy_(
+                        current, non_blocking=kept_host_slabs and current.device.type == "cpu"
+                    )
                 entries[key] = home.home_state
         self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step

@@ -17,6 +17,7 @@ import torch
 from spawn_ranks import one_rank_group
 from test_offload_audit import assert_equal
 
+import offload.executor
 import offload.forward_overlap
 import offload.streams
 from offload import CPUOffloadOptimizer
@@ -412,3 +413,63 @@ def test_auto_re_plans_with_no_host_wait_and_alone_no_collective(async_branches,
         opt.wait_for_optimizer_step()
         assert_equal(plain_model, plain, model, opt)
         opt.close()
+
+
+def test_a_rebuild_into_new_host_slabs_reads_the_old_ones_before_they_go(
+    async_branches, monkeypatch
+):
+    """Loading state of another layout (AdamW's amsgrad turned off) plans into new host
+    slabs, and the old ones are unpinned and freed once the build returns: what copies out
+    of them blocks (a non-blocking copy could still be reading them after)."""
+    plain_model, model = _model(), _model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, amsgrad=True)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes=6000,
+    )
+    gen = torch.Generator().manual_seed(3)
+
+    def iteration() -> None:
+        tokens = torch.randint(0, 40, (3, 4), generator=gen)
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            o.step()
+
+    for _ in range(3):
+        iteration()
+    for o in (plain, opt):
+        state_dict = o.state_dict()
+        for group in state_dict["param_groups"]:
+            group["amsgrad"] = False
+        for entries in state_dict["state"].values():
+            del entries["max_exp_avg_sq"]
+        o.load_state_dict(state_dict)
+    old = {slab.untyped_storage().data_ptr() for slab in opt._executor.host_slabs.values()}
+    unblocked, building = [], [False]
+    copy, build = torch.Tensor.copy_, offload.executor.StepExecutor.build
+
+    def watched(self, source, non_blocking=False):
+        if building[0] and non_blocking and source.untyped_storage().data_ptr() in old:
+            unblocked.append(tuple(source.shape))
+        return copy(self, source, non_blocking=non_blocking)
+
+    def watched_build(self, *args, **kwargs):
+        building[0] = True
+        try:
+            build(self, *args, **kwargs)
+        finally:
+            building[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "copy_", watched)
+    monkeypatch.setattr(offload.executor.StepExecutor, "build", watched_build)
+    iteration()
+    new = {slab.untyped_storage().data_ptr() for slab in opt._executor.host_slabs.values()}
+    assert not new & old and opt.plan.resident_bytes > 0
+    assert unblocked == []
+    opt.wait_for_optimizer_step()
+    assert_equal(plain_model, plain, model, opt)
+    opt.close()
