@@ -93,7 +93,7 @@ from bench.machine import describe, probe
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize
 from bench.phases import PHASES, PhaseMarks, decoder_layers_and_head
 from bench.report import write_json
-from bench.timing import GcPauses, full_collections, timed_window
+from bench.timing import GcPauses, full_collections, sync, timed_window
 from bench.train import free_port
 from muon_offload import OptimizerConfig, setup_optimizer
 from offload import CPUOffloadOptimizer
@@ -446,7 +446,7 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
 
     # "auto" measures and searches over its first steps, run as a trainer runs them (no
     # host sync between steps); the window starts once it has settled.
-    search_steps, search_s = 0, 0.0
+    search_steps, search_s, first_step_s = 0, 0.0, 0.0
     retries_before = alloc_retries(device)
     search_step_ms: list[float] = []  # each search step on the device, to the next's start
     if arm.resident == "auto":
@@ -458,6 +458,9 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
                 starts[-1].record()
             step()
             search_steps += 1
+            if search_steps == 1:  # it pins and builds: synced and timed apart, as none's
+                sync(device)  # first warmup step is
+                first_step_s = time.perf_counter() - started
         if starts:
             starts.append(torch.cuda.Event(enable_timing=True))
             starts[-1].record()
@@ -518,10 +521,17 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         "gc_full_in_window": full_collections(pauses, gc_seen),
     }
     # The first 30 steps' mean, the search and warmup included (what "auto" costs a run);
-    # the search's steps are timed together, so each counts as their mean.
-    first = [*[search_s / max(search_steps, 1)] * search_steps, *warm_s, *per_step][:30]
-    result["first_30_mean_ms"] = 1e3 * sum(first) / len(first)
-    result["first_30_steps"] = len(first)  # fewer than 30 in a short run
+    # the search's steps after the first are timed together, so each counts as their mean.
+    # Steps 1-30 too: the first step also warms the process up (CUDA's libraries, the
+    # allocator), and that varied by more than a second between runs of one arm.
+    search = [first_step_s] if search_steps else []
+    if search_steps > 1:
+        search += [(search_s - first_step_s) / (search_steps - 1)] * (search_steps - 1)
+    first = [*search, *warm_s, *per_step][:31]
+    for key, steps_ms in (("first_30", first[:30]), ("steps_1_to_30", first[1:31])):
+        if steps_ms:
+            result[f"{key}_mean_ms"] = 1e3 * sum(steps_ms) / len(steps_ms)
+            result[f"{key}_steps"] = len(steps_ms)  # fewer than 30 in a short run
     if isinstance(optimizer, CPUOffloadOptimizer):
         result["resident_mib"] = optimizer.plan.resident_bytes / 2**20
         result["chunks_loaded_in_backward"] = optimizer.chunks_loaded_in_backward
@@ -782,7 +792,14 @@ def run_order(arms: Sequence[Arm], baseline_runs: int, rounds: int = 1) -> list[
     return order
 
 
-MERGED_MEDIAN = ("step_ms", "window_ms_per_step", "step_returns_ms", "first_30_mean_ms")
+FIRST_STEPS = ("first_30", "steps_1_to_30")
+"""Means over a run's first steps (`<key>_mean_ms`, over `<key>_steps` steps)."""
+MERGED_MEDIAN = (
+    "step_ms",
+    "window_ms_per_step",
+    "step_returns_ms",
+    *(f"{key}_mean_ms" for key in FIRST_STEPS),
+)
 """Times merged as the median of an arm's runs."""
 MERGED_MOST = ("peak_gib", "reserved_gib", "kept_mib")
 """Memory merged as the most any run took: what a run of the arm needs."""
@@ -833,7 +850,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         b = plain_base if r["arm"].startswith("plain/") else base.get(r["optimizer"])
         if b is None or r[key] is None or b[key] is None:
             return "-"
-        if key == "first_30_mean_ms" and r.get("first_30_steps") != b.get("first_30_steps"):
+        steps = key.removesuffix("_mean_ms") + "_steps"
+        if steps.removesuffix("_steps") in FIRST_STEPS and r.get(steps) != b.get(steps):
             return "-"  # means over other step counts: one-off costs spread unlike
         return f"{r[key] / b[key]:.3f}x"
 
@@ -910,17 +928,18 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 + f": {runs} ms (spread {100 * r['spread']:.1f}%, ratios use the median); "
                 f"peak {peaks} GiB (the table: the most)"
             )
-    print("\nthe first 30 steps' mean (auto's search and the warmup included):")
-    for r in results:
-        if "first_30_mean_ms" in r:
-            runs = ", ".join(f"{t:.1f}" for t in r.get("first_30_mean_ms_runs", ()))
-            steps = r.get("first_30_steps", 30)
-            print(
-                f"{r['arm']:<{width}} {r['first_30_mean_ms']:>8.1f} ms "
-                f"{ratio(r, 'first_30_mean_ms'):>8}"
-                + (f"  (over its first {steps} steps)" if steps < 30 else "")
-                + (f"  (median of {runs})" if runs else "")
-            )
+    for key, what in zip(FIRST_STEPS, ("the first 30 steps'", "steps 1-30's"), strict=True):
+        print(f"\n{what} mean (auto's search and the warmup included):")
+        for r in results:
+            if f"{key}_mean_ms" in r:
+                runs = ", ".join(f"{t:.1f}" for t in r.get(f"{key}_mean_ms_runs", ()))
+                steps = r.get(f"{key}_steps", 30)
+                print(
+                    f"{r['arm']:<{width}} {r[f'{key}_mean_ms']:>8.1f} ms "
+                    f"{ratio(r, f'{key}_mean_ms'):>8}"
+                    + (f"  (over {steps} steps)" if steps < 30 else "")
+                    + (f"  (median of {runs})" if runs else "")
+                )
     _print_phases(results, width)
     _print_host_profiles(results)
     print(
