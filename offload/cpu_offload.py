@@ -1826,8 +1826,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         homes, planned anew at the next step) and raises, so no rank steps alone (its peers
         would wait for it in the next collective, or step params it did not).
 
-        Nothing here waits on the host: the state moves on the trainer's stream after the
-        last step's write-backs, while the device still runs the backward."""
+        The state moves on the trainer's stream after the last step's write-backs, while the
+        device still runs the backward: the host waits only, with peers, for their word."""
         if self._overlap is not None:
             self._overlap.finish()
         self._give_back_gpu_state()
