@@ -439,9 +439,9 @@ def _auto_search_worker(rank: int, world: int, make) -> None:
         assert choice.backward_load_bytes == choice0.backward_load_bytes
 
 
-# AdamW on two ranks, Muon on three (its exchanges too): each world and optimizer once,
-# the suite's time being CI's.
-@pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
+@pytest.mark.parametrize(
+    "world, make", [(2, _adamw), (3, _adamw), (3, _muon)], ids=["adamw-2", "adamw-3", "muon-3"]
+)
 def test_fsdp2_auto_search_agrees_across_ranks_bitwise(world, make):
     run_on_ranks(_auto_search_worker, world, make)
 
