@@ -848,10 +848,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
     def ratio(r: dict[str, Any], key: str) -> str:
         b = plain_base if r["arm"].startswith("plain/") else base.get(r["optimizer"])
-        if b is None or r[key] is None or b[key] is None:
+        if b is None or r.get(key) is None or b.get(key) is None:
             return "-"
-        steps = key.removesuffix("_mean_ms") + "_steps"
-        if steps.removesuffix("_steps") in FIRST_STEPS and r.get(steps) != b.get(steps):
+        first_steps = key.removesuffix("_mean_ms")
+        steps = f"{first_steps}_steps"
+        if first_steps in FIRST_STEPS and r.get(steps) != b.get(steps):
             return "-"  # means over other step counts: one-off costs spread unlike
         return f"{r[key] / b[key]:.3f}x"
 

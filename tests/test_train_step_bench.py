@@ -279,14 +279,19 @@ def test_first_steps_means_over_other_step_counts_get_no_ratio(capsys):
                 "step_returns_ms": 1.0, "peak_gib": None, "reserved_gib": None,
                 "timed_steps": 6, "first_30_mean_ms": mean, "first_30_steps": steps}  # fmt: skip
 
-    print_table(
-        [row("adamw/none", 120.0, 9), row("adamw/offload", 150.0, 9), row("adamw/auto", 130.0, 30)]
-    )
-    lines = capsys.readouterr().out.split("the first 30 steps' mean")[1].splitlines()
+    # the auto arm alone has steps 1-30's mean (a baseline from a run before it had none)
+    auto_row = {**row("adamw/auto", 130.0, 30), "steps_1_to_30_mean_ms": 125.0}
+    auto_row["steps_1_to_30_steps"] = 30
+    print_table([row("adamw/none", 120.0, 9), row("adamw/offload", 150.0, 9), auto_row])
+    out = capsys.readouterr().out
+    lines = out.split("the first 30 steps' mean")[1].splitlines()
     offload = next(line for line in lines if line.startswith("adamw/offload"))
     auto = next(line for line in lines if line.startswith("adamw/auto"))
     assert "1.250x" in offload
     assert "x" not in auto.split("ms")[1].split("(")[0] and "over " not in auto
+    lines = out.split("steps 1-30's mean")[1].splitlines()
+    auto = next(line for line in lines if line.startswith("adamw/auto"))
+    assert "125.0 ms" in auto and "x" not in auto.split("ms")[1]
 
 
 def test_a_full_collection_is_named_with_the_window_step_it_fell_in():
