@@ -20,8 +20,23 @@ import torch.multiprocessing as mp
 # Ranks fork from a server that imported torch and this project once (CUDA stays
 # uninitialized there): a spawned rank imported them anew, seconds of a 2-core machine per
 # test on ranks (two distributed test files took 163 s spawned, 49 s forked).
-START_METHOD = "forkserver"
 mp.set_forkserver_preload(["torch", "torch.distributed", "spawn_ranks", "offload", "muon"])
+
+
+def _environment() -> dict[str, str]:
+    """The environment, less what pytest sets for each test."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+_ENVIRONMENT = _environment()  # at collection, before any test's monkeypatching
+
+
+def _start_method() -> str:
+    """ "forkserver", whose server starts (at its first use) with the environment the tests
+    were collected in, unless a test changed it (a monkeypatched variable): a forked rank
+    has the server's, and the modules it preloaded read some on import (`muon`'s
+    backends), so such a test's ranks spawn."""
+    return "forkserver" if _environment() == _ENVIRONMENT else "spawn"
 
 
 def run_on_ranks(body: Callable[..., None], world: int, *args: Any, backend: str = "gloo") -> None:
@@ -39,7 +54,7 @@ def run_on_ranks(body: Callable[..., None], world: int, *args: Any, backend: str
                 args=(world, tmp, body, args, backend),
                 nprocs=world,
                 join=True,
-                start_method=START_METHOD,
+                start_method=_start_method(),
             )
         except Exception as err:
             reports = []

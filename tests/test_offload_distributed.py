@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import warnings
 
@@ -729,3 +730,14 @@ def test_a_rank_holding_no_expert_does_not_warn_that_its_resident_budget_keeps_n
     # "keeps no state on the GPU ... give at least 108 bytes" of a unit that is resident
     # (found by an EP audit)
     run_on_ranks(_resident_on_a_rank_without_experts, 2)
+
+
+def _sees_the_environment(rank: int, world: int, name: str, value: str) -> None:
+    assert os.environ.get(name) == value, (name, os.environ.get(name))
+
+
+def test_ranks_see_an_environment_variable_the_test_set(monkeypatch):
+    # the ranks fork from a server started before the test (`spawn_ranks`): a variable the
+    # test sets (a backend for its workers) must still reach them
+    monkeypatch.setenv("MUON_ELEMENTWISE_BACKEND", "torch")
+    run_on_ranks(_sees_the_environment, 2, "MUON_ELEMENTWISE_BACKEND", "torch")
