@@ -113,7 +113,7 @@ class AutoResidency:
         """Across ranks: the largest of each of `largest`, the least of each of `least` (as
         given without a process group). One collective, at the same step on every rank, on
         the optimizer's device (NCCL's rank r on its own GPU)."""
-        if not _distributed():
+        if not has_peers():
             return list(largest), list(least)
         values = torch.tensor(
             [*largest, *(-float(v) for v in least)], dtype=torch.float64, device=self.device
@@ -125,7 +125,7 @@ class AutoResidency:
     def failed_ranks(self, failed: bool) -> list[int]:
         """The ranks where `failed` is true (given on every rank at the same step; [0] or []
         without a process group). One collective, like `_agree`."""
-        if not _distributed():
+        if not has_peers():
             return [0] if failed else []
         flags = torch.zeros(torch.distributed.get_world_size(), device=self.device)
         flags[torch.distributed.get_rank()] = float(failed)
@@ -352,7 +352,7 @@ def _total(split: Split) -> int:
     return split.total
 
 
-def _distributed() -> bool:
+def has_peers() -> bool:
     """A default process group of more than one rank is up: the ranks must agree (alone,
     a collective and reading its result back would only wait for the device)."""
     dist = torch.distributed

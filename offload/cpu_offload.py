@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
-from offload.auto_residency import AutoResidency, StepShape
+from offload.auto_residency import AutoResidency, StepShape, has_peers
 from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
 from offload.executor import StepExecutor, as_state, attributes_set
 from offload.forward_overlap import ForwardOverlap, user_stacklevel
@@ -1939,12 +1939,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         schedules must agree: one collective); None where unknown (off CUDA). Measured
         once: later plans hold state of their own."""
         room = room_under_peak_bytes(self.device)
-        if (
-            room is not None
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size() > 1
-        ):
+        if room is not None and has_peers():
             least = torch.tensor([room], dtype=torch.int64, device=self.device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)
             room = int(least.item())

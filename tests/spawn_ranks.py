@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 # Ranks fork from a server that imported torch and this project once (CUDA stays
 # uninitialized there): a spawned rank imported them anew, seconds of a 2-core machine per
-# test on ranks (two distributed test files took 163 s spawned, 49 s forked).
+# test on ranks, the suite's largest cost on CI.
 mp.set_forkserver_preload(["torch", "torch.distributed", "spawn_ranks", "offload", "muon"])
 
 
