@@ -29,7 +29,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
 from offload.auto_residency import AutoResidency, StepShape, has_peers
-from offload.chunk_plan import OffloadPlan, ParamSpec, StateSpec, plan_offload, unit_sizes
+from offload.chunk_plan import (
+    OffloadPlan,
+    ParamSpec,
+    StateSpec,
+    plan_offload,
+    resident_in_place,
+    unit_sizes,
+)
 from offload.executor import StepExecutor, as_state, attributes_set
 from offload.forward_overlap import ForwardOverlap, user_stacklevel
 from offload.host_memory import (
@@ -1736,10 +1743,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         ):  # measured without backward loads; the choice keeps nothing more but loads
             split = Split(settled.resident_bytes, settled.backward_load_bytes)
+        if split is None and settled is not None and self._executor.spare_resident_bytes():
+            # the search left resident slabs larger than the choice holds: hold only its own
+            split = Split(self._resident_budget, self._backward_loads_chosen())
         if split is not None:
             ran = Split(self._resident_budget, self._backward_loads_chosen())
             try:
-                self._replan(split, auto.failed_ranks)
+                # While searching, state resident before and after stays in place; the
+                # choice holds slabs of its own size.
+                self._replan(split, auto.failed_ranks, searching=settled is None)
             except BaseException:
                 auto.settle_on(ran)  # the state is home; the next step plans `ran` again
                 self._say_what_auto_chose(auto.choice)
@@ -1818,7 +1830,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 next(p.iteration_ms for p in choice.probes if p.split == choice.reference.split),
             )
 
-    def _replan(self, split: Split, failed_ranks: Callable[[bool], list[int]]) -> None:
+    def _replan(
+        self, split: Split, failed_ranks: Callable[[bool], list[int]], searching: bool
+    ) -> None:
         """Run from this step with `split` kept off the forward's path (host slabs kept).
 
         Every rank re-plans at this step, and `failed_ranks(failed here)` says on which it
@@ -1827,29 +1841,41 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         would wait for it in the next collective, or step params it did not).
 
         The state moves on the trainer's stream after the last step's write-backs, while the
-        device still runs the backward: the host waits only, with peers, for their word."""
+        device still runs the backward: the host waits only, with peers, for their word.
+        While `searching`, state resident before and after stays where it is where the
+        resident slabs held now can hold the new plan's (`_resident_in_place`): only the
+        state whose residency changes moves."""
         if self._overlap is not None:
             self._overlap.finish()
-        self._give_back_gpu_state()
         ran = (self._resident_budget, self._load_in_backward, self.backward_load_bytes)
+        error: Exception | None = None
+        stays: frozenset[tuple[Tensor, str]] = frozenset()
+        try:
+            step = self._planned_with(split)
+            stays = self._resident_in_place(step) if searching else frozenset()
+        except Exception as err:
+            error = err
+        self._give_back_gpu_state(stays)
         self._resident_budget = split.resident_bytes
         if self._overlap is not None:
             backward = split.backward_load_bytes
             self._load_in_backward = backward > 0 or self._insist_on_backward_loads
             self.backward_load_bytes = backward if backward > 0 else None
-        error: Exception | None = None
         try:
-            self._build(self._planned_with(split), keep_host_slabs=self._host_room_for_all)
+            if error is None:
+                self._build(
+                    step, keep_host_slabs=self._host_room_for_all, keep_resident_slabs=bool(stays)
+                )
         except Exception as err:
             error = err
         except BaseException:  # an interrupt: no agreeing with peers, which stop too
+            self._give_back_gpu_state()
             self._forget_plan(ran)
             raise
         failed = failed_ranks(error is not None)
         if not failed:
             return
-        if error is None:
-            self._give_back_gpu_state()
+        self._give_back_gpu_state()
         self._forget_plan(ran)
         if error is not None:
             raise error
@@ -1867,20 +1893,49 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._resident_budget, self._load_in_backward, self.backward_load_bytes = ran
         self._executor.forget()
 
-    def _give_back_gpu_state(self) -> None:
-        """Before a re-plan within one host layout: resident state to its room in the host
-        slabs, and the staging slots dropped (`StepExecutor.give_back_gpu_state`)."""
+    def _give_back_gpu_state(self, stays: frozenset[tuple[Tensor, str]] = frozenset()) -> None:
+        """Before a re-plan within one host layout: resident state, but `stays`, to its room
+        in the host slabs, and the staging slots dropped
+        (`StepExecutor.give_back_gpu_state`)."""
         self._executor.give_back_gpu_state(
-            plan_offload(self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True)
+            plan_offload(self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True),
+            stays,
         )
 
-    def _build(self, step: OffloadedStep, keep_host_slabs: bool, ring: bool = True) -> None:
+    def _resident_in_place(self, step: OffloadedStep) -> frozenset[tuple[Tensor, str]]:
+        """The state (param, key) resident now and in `step` that stays where it is
+        (`chunk_plan.resident_in_place`): `step`'s resident homes are carved from the
+        resident slabs held now, which may hold more (the search keeps its largest
+        split's), within the `gpu_budget_bytes` given, or else the device's headroom.
+        Empty where nothing stays: all resident state goes home."""
+        executor = self._executor
+        if executor.plan is None:
+            return frozenset()
+        capacity = {dtype: slab.numel() for dtype, slab in executor.resident_slabs.items()}
+        stays = resident_in_place(executor.plan, step.plan, capacity)
+        spare = executor.resident_slab_bytes() - step.plan.resident_bytes
+        budget = self._gpu_budget_bytes
+        fits = (
+            spare <= device_headroom_bytes(self.device)
+            if budget is None
+            else step.held_bytes + spare <= budget
+        )
+        return frozenset((executor.params[i], key) for i, key in stays) if fits else frozenset()
+
+    def _build(
+        self,
+        step: OffloadedStep,
+        keep_host_slabs: bool,
+        ring: bool = True,
+        keep_resident_slabs: bool = False,
+    ) -> None:
         """Allocate and lay out `step`'s plan (`StepExecutor.build`), moving any existing
         state home; the serial path builds without the `ring` (it stages all state).
         `keep_host_slabs`: only for another residency of the same units and state (with room
         for all, one host layout homes each state tensor in one place); a plan of other
         units or state lays the slabs out otherwise, and moved within them, one tensor's
-        new home overwrote another's old one."""
+        new home overwrote another's old one. `keep_resident_slabs`: the resident homes
+        carved from the slabs `_give_back_gpu_state` kept (with state left in them)."""
         self._not_kept = set()
         slot_bytes = step.plan.staging_bytes(1)
         if ring and slot_bytes > max(2 * self.chunk_bytes, OVERSIZED_UNIT_WARN_BYTES):
@@ -1896,7 +1951,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         executor = self._executor
         old_slabs = [*executor.host_slabs.values(), *executor.resident_slabs.values()]
-        executor.build(step, ring=ring, keep_host_slabs=keep_host_slabs)
+        executor.build(
+            step,
+            ring=ring,
+            keep_host_slabs=keep_host_slabs,
+            keep_resident_slabs=keep_resident_slabs,
+        )
         self._hold_unhomed(old_slabs)
         if self._load_first_wait and ring:
             self.backward_load_bytes = step.backward_load_bytes

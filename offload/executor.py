@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,21 +253,33 @@ class StepExecutor:
 
     # Normal tensors whatever mode `step()` runs in: the backward, outside it, loads them.
     @torch.inference_mode(False)
-    def build(self, step: OffloadedStep, ring: bool = True, keep_host_slabs: bool = False) -> None:
+    def build(
+        self,
+        step: OffloadedStep,
+        ring: bool = True,
+        keep_host_slabs: bool = False,
+        keep_resident_slabs: bool = False,
+    ) -> None:
         """Allocate slabs and the ring, carve views, and move any existing state home.
 
         The serial path stages all state per step instead of through the ring, so
         without `ring` the staging buffers live on the meta device and take no memory.
         With `keep_host_slabs`, host slabs of the plan's sizes are kept (every plan of
-        one host layout homes each state tensor in the same place).
+        one host layout homes each state tensor in the same place). With
+        `keep_resident_slabs`, the resident homes are carved from the resident slabs
+        `give_back_gpu_state` kept (`chunk_plan.resident_in_place` says they hold them):
+        the state it left there is already home.
         """
         plan, schedule = step.plan, step.schedule
         kept = {dtype: slab.numel() for dtype, slab in self.host_slabs.items()}
         kept_host_slabs = keep_host_slabs and kept == dict(plan.host_numel)
         if not kept_host_slabs:
             self.host_slabs = allocate_host_slabs(plan.host_numel, self.device)
+        kept_resident = self.resident_slabs if keep_resident_slabs else {}
         self.resident_slabs = {
-            dtype: torch.zeros(n, dtype=dtype, device=self.device)
+            dtype: kept_resident[dtype]
+            if dtype in kept_resident
+            else torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
         }
         ring_numel = plan.ring_slot_numel(schedule.slots, self.staging_slots)
@@ -362,11 +374,15 @@ class StepExecutor:
         self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step
 
-    def give_back_gpu_state(self, everything_home: OffloadPlan) -> None:
-        """Before a re-plan within one host layout: resident state to its room in the host
-        slabs (where `everything_home`, the plan of that layout with nothing resident,
-        homes it), and the ring and the backward's slots dropped, so the new plan's GPU
-        memory is not allocated beside the old's (the budget holds one plan, not two).
+    def give_back_gpu_state(
+        self, everything_home: OffloadPlan, stays: Collection[tuple[Tensor, str]] = ()
+    ) -> None:
+        """Before a re-plan within one host layout: state not in its host home (resident
+        state) to its room in the host slabs (where `everything_home`, the plan of that
+        layout with nothing resident, homes it), and the ring and the backward's slots
+        dropped, so the new plan's GPU memory is not allocated beside the old's (the budget
+        holds one plan, not two). State in `stays` (param, key) stays in the resident
+        slabs, which are kept for the next `build` to carve its resident homes from.
 
         The host does not wait: the state moves on the trainer's stream after the last
         step's write-backs, `step_done` marks it, and the slots go back once the copy
@@ -375,28 +391,44 @@ class StepExecutor:
         current = streams.current()
         if self.step_done is not None:
             streams.wait(current, self.step_done)
-        resident = {(v.param, v.key) for c in self.chunks if c.slot < 0 for v in c.views}
+        homes = {dtype: s.untyped_storage().data_ptr() for dtype, s in self.host_slabs.items()}
+        seen = set(stays)  # a sliced tensor has a view per chunk
         for layout in everything_home.chunks:
             for view in layout.views:
                 param, spec = self.params[view.param], view.spec
                 entries = state.get(param)
-                if (param, spec.key) not in resident or not entries or spec.key not in entries:
+                if (param, spec.key) in seen or not entries or spec.key not in entries:
                     continue
-                resident.discard((param, spec.key))  # a sliced tensor has a view per chunk
+                seen.add((param, spec.key))
+                current_state = local_tensor(entries[spec.key])
+                if current_state.untyped_storage().data_ptr() == homes.get(spec.dtype):
+                    continue  # home already
                 slab = self.host_slabs[spec.dtype][view.home_offset :][: spec.numel]
                 host = _carve(slab, spec.shape, param)
-                host.copy_(local_tensor(entries[spec.key]), non_blocking=True)
+                host.copy_(current_state, non_blocking=True)
                 entries[spec.key] = as_state(param, host)
         self.step_done = streams.mark(current)
-        if current is not None:
-            for slab in self.resident_slabs.values():  # freed once the copies are done
-                slab.record_stream(current)
+        if not stays:
+            if current is not None:
+                for slab in self.resident_slabs.values():  # freed once the copies are done
+                    slab.record_stream(current)
+            self.resident_slabs = {}
         self.loaded_ahead, self.loaded_ahead_done = {}, None
         for slots in (self.ring, *self.extra_slots):
             if slots is not None:
                 slots.release([streams.h2d, streams.d2h])
-        self.chunks, self.homes, self.resident_slabs = [], {}, {}
+        self.chunks, self.homes = [], {}
         self.ring, self.extra_slots = None, []
+
+    def resident_slab_bytes(self) -> int:
+        """GPU bytes the resident slabs hold."""
+        return sum(slab.numel() * slab.element_size() for slab in self.resident_slabs.values())
+
+    def spare_resident_bytes(self) -> int:
+        """GPU bytes the resident slabs hold beyond the plan's resident state (kept from a
+        plan that kept more resident: `give_back_gpu_state`'s `stays`)."""
+        held = self.plan.resident_bytes if self.plan is not None else 0
+        return self.resident_slab_bytes() - held
 
     def forget(self) -> None:
         """Drop the plan and its GPU memory (after a failed re-plan, with the state in its

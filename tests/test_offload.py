@@ -710,7 +710,9 @@ def test_state_of_another_dtype_given_where_auto_re_plans_is_homed_in_it():
         )
         opt._auto.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
         real_replan = opt._replan
-        opt._replan = lambda *args: replanned_at.append(opt._auto._steps) or real_replan(*args)
+        opt._replan = lambda *args, **kwargs: (
+            replanned_at.append(opt._auto._steps) or real_replan(*args, **kwargs)
+        )
         return opt
 
     (plain_model, plain), (model, opt) = run(lambda m, o: o), run(offloaded)
@@ -905,23 +907,29 @@ def test_auto_never_settles_on_a_split_over_its_budget():
 
 
 def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates():
-    """A re-plan moves resident state to its host room and drops the old resident slabs
-    and ring first: the budget holds one plan, not the old and the new side by side."""
+    """A re-plan moves resident state to its host room and drops the old ring and the old
+    resident slabs first, but those the new plan's resident homes are carved from (state
+    resident in both stays in place): the budget holds one plan, not the old and the new
+    side by side."""
     old: list[weakref.ref] = []
-    alive_at_build = []
+    alive_at_build, reused = [], []
 
     def record(opt, built):
         if not built:
             gc.collect()
-            alive_at_build.append(sum(ref() is not None for ref in old))
+            alive_at_build.append([ref() for ref in old if ref() is not None])
             return
-        old[:] = [weakref.ref(t) for t in opt._executor.resident_slabs.values()]
+        slabs = list(opt._executor.resident_slabs.values())
+        reused.append(sum(any(t is s for s in slabs) for t in alive_at_build[-1]))
+        old[:] = [weakref.ref(t) for t in slabs]
         if opt._executor.ring is not None:
             old.extend(weakref.ref(b) for b in opt._executor.ring.buffers.values())
+        alive_at_build[-1] = len(alive_at_build[-1])
 
     _search_auto(lambda opt: max(60.0, 100.0 - 80.0 * opt._resident_budget / STATE_BYTES), record)
     assert len(alive_at_build) >= 3
-    assert alive_at_build[1:] == [0] * (len(alive_at_build) - 1)  # each re-plan's start
+    assert alive_at_build[1:] == reused[1:]  # each re-plan's start: only slabs it reuses
+    assert any(reused)
 
 
 def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before():
@@ -961,6 +969,47 @@ def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before
     # what it reports holding is what the plan it steps holds, not the failed split's label
     held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
     assert opt.residency.held_bytes == held > 0
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+
+
+def test_an_auto_replan_failing_with_state_left_in_place_sends_that_home_too():
+    """A re-plan that raises after state resident before and after was left in place in
+    the resident slabs (out of memory building the rest): that state goes to its host
+    home too, and the next steps plan what ran before anew, bit-equal to AdamW skipping
+    that step."""
+    from offload.residency import AUTO_STEPS_AT_MOST
+
+    plain_model, model = make_model(), make_model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = _overlapped_auto(model, lambda opt: 100.0 - 30.0 * _kept(opt) / STATE_BYTES)
+    real_build, failed = opt._build, []
+
+    def build(*args, **kwargs):
+        if kwargs.get("keep_resident_slabs") and not failed:
+            failed.append(opt._auto._steps)
+            raise torch.OutOfMemoryError("no room for the new plan")
+        real_build(*args, **kwargs)
+
+    opt._build = build
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(AUTO_STEPS_AT_MOST + 1):
+        tokens = torch.randint(0, 50, (4, 6), generator=gen)
+        opt.zero_grad()
+        model(tokens).square().mean().backward()
+        try:
+            opt.step()
+        except torch.OutOfMemoryError:
+            host = {s.untyped_storage().data_ptr() for s in opt._executor.host_slabs.values()}
+            state = [t for entries in opt.optimizer.state.values() for t in entries.values()]
+            assert all(t.untyped_storage().data_ptr() in host for t in state if t.dim())
+            continue
+        plain.zero_grad()
+        plain_model(tokens).square().mean().backward()
+        plain.step()
+    opt.wait_for_optimizer_step()
+    assert failed and opt.residency is not None and opt.residency.resident_bytes > 0
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)

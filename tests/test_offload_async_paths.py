@@ -415,6 +415,96 @@ def test_auto_re_plans_with_no_host_wait_and_alone_no_collective(async_branches,
         opt.close()
 
 
+@pytest.mark.parametrize("faster_up_to", [1.0, 0.5], ids=["settles_largest", "settles_smaller"])
+def test_auto_re_plans_move_only_the_state_whose_residency_changes(
+    async_branches, monkeypatch, faster_up_to
+):
+    """While "auto" searches, a re-plan leaves state resident before and after where it is
+    and moves only what joins or leaves the resident state (a round trip through the
+    host put the trainer's stream behind twice its copies); once it has settled, the
+    resident slabs hold the choice's state and no more. Bitwise equal to plain AdamW."""
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import AUTO_STEPS_AT_MOST
+
+    plain_model, model = _model(), _model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+    )
+    state_bytes = sum(8 * p.numel() for p in model.parameters())
+
+    def iteration_ms() -> float:  # more kept off the forward's path is faster, up to a share
+        kept = opt._resident_budget + (opt.backward_load_bytes or 0)
+        return 100.0 - 30.0 * min(kept / state_bytes, faster_up_to)
+
+    opt._auto.timer = FakeSearchTimer(iteration_ms, 10.0, 200.0)
+    moves = []  # per re-plan: resident state before, after; bytes to the host, from it, within
+
+    def resident() -> dict[tuple[int, str], int]:  # (param, key) -> bytes
+        chunks = opt._executor.plan.chunks
+        return {
+            (v.param, v.spec.key): v.spec.numel * v.spec.dtype.itemsize
+            for c in chunks
+            if c.resident
+            for v in c.views
+        }
+
+    replan, copy = CPUOffloadOptimizer._replan, torch.Tensor.copy_
+    replanning = [False]
+
+    def counted_copy(self, source, non_blocking=False):
+        if replanning[0]:
+            host = {s.untyped_storage().data_ptr() for s in opt._executor.host_slabs.values()}
+            nbytes = self.numel() * self.element_size()
+            if self.untyped_storage().data_ptr() in host:
+                moves[-1][2] += nbytes
+            elif source.untyped_storage().data_ptr() in host:
+                moves[-1][3] += nbytes
+            else:
+                moves[-1][4] += nbytes
+        return copy(self, source, non_blocking=non_blocking)
+
+    def counted_replan(self, *args, **kwargs):
+        moves.append([resident(), {}, 0, 0, 0])
+        replanning[0] = True
+        try:
+            replan(self, *args, **kwargs)
+        finally:
+            replanning[0] = False
+        moves[-1][1] = resident()
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+    monkeypatch.setattr(CPUOffloadOptimizer, "_replan", counted_replan)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(AUTO_STEPS_AT_MOST + 1):
+        tokens = torch.randint(0, 40, (3, 4), generator=gen)
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            o.step()
+    assert opt.residency is not None
+    settled_smaller = faster_up_to < 1.0
+    searched = moves[:-1] if settled_smaller else moves  # the last: the choice's own slabs
+    assert len(searched) >= 3
+    assert any(after and before.keys() > after.keys() for before, after, *_ in searched)  # left
+    assert any(before and before.keys() < after.keys() for before, after, *_ in searched)  # joined
+    for before, after, to_host, from_host, within in searched:
+        left = sum(n for key, n in before.items() if key not in after)
+        joined = sum(n for key, n in after.items() if key not in before)
+        assert (to_host, from_host, within) == (left, joined, 0)
+    executor = opt._executor
+    assert executor.spare_resident_bytes() == 0
+    assert executor.resident_slab_bytes() == executor.plan.resident_bytes > 0
+    opt.wait_for_optimizer_step()
+    assert_equal(plain_model, plain, model, opt)
+    opt.close()
+
+
 def test_a_rebuild_into_new_host_slabs_reads_the_old_ones_before_they_go(
     async_branches, monkeypatch
 ):
