@@ -471,21 +471,10 @@ def plan_offload(
     return OffloadPlan(tuple(chunks), homes[False], homes[True], slot_numel)
 
 
-def resident_in_place(
-    old: OffloadPlan, new: OffloadPlan, capacity: Mapping[torch.dtype, int]
-) -> frozenset[tuple[int, str]]:
-    """The state (param index, state key) GPU-resident under both plans that a move from
-    `old` to `new` can leave where it is: `new`'s resident homes carved from the resident
-    slabs held now (`capacity`: elements of each dtype's), each such tensor at the offset
-    it has. Empty where the slabs cannot hold `new`'s resident state, or where any tensor
-    resident in both moves within them (then all of it goes through the host)."""
-    if any(n > capacity.get(dtype, 0) for dtype, n in new.resident_numel.items()):
-        return frozenset()
-    homes = [
-        {(v.param, v.spec.key): v.home_offset for c in plan.chunks if c.resident for v in c.views}
+def resident_in_both(old: OffloadPlan, new: OffloadPlan) -> frozenset[tuple[int, str]]:
+    """The state (param index, state key) both plans keep GPU-resident."""
+    resident = [
+        {(v.param, v.spec.key) for c in plan.chunks if c.resident for v in c.views}
         for plan in (old, new)
     ]
-    both = homes[0].keys() & homes[1].keys()
-    if any(homes[0][key] != homes[1][key] for key in both):
-        return frozenset()
-    return frozenset(both)
+    return frozenset(resident[0] & resident[1])

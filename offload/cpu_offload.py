@@ -34,7 +34,7 @@ from offload.chunk_plan import (
     ParamSpec,
     StateSpec,
     plan_offload,
-    resident_in_place,
+    resident_in_both,
     unit_sizes,
 )
 from offload.executor import StepExecutor, as_state, attributes_set
@@ -1743,15 +1743,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         ):  # measured without backward loads; the choice keeps nothing more but loads
             split = Split(settled.resident_bytes, settled.backward_load_bytes)
-        if split is None and settled is not None and self._executor.spare_resident_bytes():
-            # the search left resident slabs larger than the choice holds: hold only its own
-            split = Split(self._resident_budget, self._backward_loads_chosen())
         if split is not None:
             ran = Split(self._resident_budget, self._backward_loads_chosen())
             try:
-                # While searching, state resident before and after stays in place; the
-                # choice holds slabs of its own size.
-                self._replan(split, auto.failed_ranks, searching=settled is None)
+                self._replan(split, auto.failed_ranks)
             except BaseException:
                 auto.settle_on(ran)  # the state is home; the next step plans `ran` again
                 self._say_what_auto_chose(auto.choice)
@@ -1830,9 +1825,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 next(p.iteration_ms for p in choice.probes if p.split == choice.reference.split),
             )
 
-    def _replan(
-        self, split: Split, failed_ranks: Callable[[bool], list[int]], searching: bool
-    ) -> None:
+    def _replan(self, split: Split, failed_ranks: Callable[[bool], list[int]]) -> None:
         """Run from this step with `split` kept off the forward's path (host slabs kept).
 
         Every rank re-plans at this step, and `failed_ranks(failed here)` says on which it
@@ -1842,9 +1835,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
         The state moves on the trainer's stream after the last step's write-backs, while the
         device still runs the backward: the host waits only, with peers, for their word.
-        While `searching`, state resident before and after stays where it is where the
-        resident slabs held now can hold the new plan's (`_resident_in_place`): only the
-        state whose residency changes moves."""
+        State resident before and after is copied device to device, where the old slabs
+        may be held beside the new plan (`_resident_in_place`): only the state whose
+        residency changes crosses the host link."""
         if self._overlap is not None:
             self._overlap.finish()
         ran = (self._resident_budget, self._load_in_backward, self.backward_load_bytes)
@@ -1852,7 +1845,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         stays: frozenset[tuple[Tensor, str]] = frozenset()
         try:
             step = self._planned_with(split)
-            stays = self._resident_in_place(step) if searching else frozenset()
+            stays = self._resident_in_place(step)
         except Exception as err:
             error = err
         self._give_back_gpu_state(stays)
@@ -1863,9 +1856,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.backward_load_bytes = backward if backward > 0 else None
         try:
             if error is None:
-                self._build(
-                    step, keep_host_slabs=self._host_room_for_all, keep_resident_slabs=bool(stays)
-                )
+                self._build(step, keep_host_slabs=self._host_room_for_all)
         except Exception as err:
             error = err
         except BaseException:  # an interrupt: no agreeing with peers, which stop too
@@ -1903,39 +1894,30 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
 
     def _resident_in_place(self, step: OffloadedStep) -> frozenset[tuple[Tensor, str]]:
-        """The state (param, key) resident now and in `step` that stays where it is
-        (`chunk_plan.resident_in_place`): `step`'s resident homes are carved from the
-        resident slabs held now, which may hold more (the search keeps its largest
-        split's), within the `gpu_budget_bytes` given, or else the device's headroom.
-        Empty where nothing stays: all resident state goes home."""
+        """The state (param, key) resident now and in `step` (`chunk_plan.resident_in_both`),
+        to copy device to device instead of through the host, where the old resident slabs
+        may be held until `step`'s are built: within the `gpu_budget_bytes` given with
+        `step`'s plan, or else the device's headroom. Empty: all resident state goes home."""
         executor = self._executor
         if executor.plan is None:
             return frozenset()
-        capacity = {dtype: slab.numel() for dtype, slab in executor.resident_slabs.items()}
-        stays = resident_in_place(executor.plan, step.plan, capacity)
-        spare = executor.resident_slab_bytes() - step.plan.resident_bytes
+        stays = resident_in_both(executor.plan, step.plan)
+        old = executor.plan.resident_bytes
         budget = self._gpu_budget_bytes
         fits = (
-            spare <= device_headroom_bytes(self.device)
+            old <= device_headroom_bytes(self.device)
             if budget is None
-            else step.held_bytes + spare <= budget
+            else step.held_bytes + old <= budget
         )
         return frozenset((executor.params[i], key) for i, key in stays) if fits else frozenset()
 
-    def _build(
-        self,
-        step: OffloadedStep,
-        keep_host_slabs: bool,
-        ring: bool = True,
-        keep_resident_slabs: bool = False,
-    ) -> None:
+    def _build(self, step: OffloadedStep, keep_host_slabs: bool, ring: bool = True) -> None:
         """Allocate and lay out `step`'s plan (`StepExecutor.build`), moving any existing
         state home; the serial path builds without the `ring` (it stages all state).
         `keep_host_slabs`: only for another residency of the same units and state (with room
         for all, one host layout homes each state tensor in one place); a plan of other
         units or state lays the slabs out otherwise, and moved within them, one tensor's
-        new home overwrote another's old one. `keep_resident_slabs`: the resident homes
-        carved from the slabs `_give_back_gpu_state` kept (with state left in them)."""
+        new home overwrote another's old one."""
         self._not_kept = set()
         slot_bytes = step.plan.staging_bytes(1)
         if ring and slot_bytes > max(2 * self.chunk_bytes, OVERSIZED_UNIT_WARN_BYTES):
@@ -1951,12 +1933,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         executor = self._executor
         old_slabs = [*executor.host_slabs.values(), *executor.resident_slabs.values()]
-        executor.build(
-            step,
-            ring=ring,
-            keep_host_slabs=keep_host_slabs,
-            keep_resident_slabs=keep_resident_slabs,
-        )
+        executor.build(step, ring=ring, keep_host_slabs=keep_host_slabs)
         self._hold_unhomed(old_slabs)
         if self._load_first_wait and ring:
             self.backward_load_bytes = step.backward_load_bytes

@@ -240,6 +240,7 @@ class StepExecutor:
         self.homes: dict[tuple[Tensor, str], Home] = {}
         self.host_slabs: dict[torch.dtype, Tensor] = {}
         self.resident_slabs: dict[torch.dtype, Tensor] = {}
+        self.left_slabs: list[Tensor] = []  # old resident slabs holding state a re-plan left
         self.ring: _StagingRing | None = None
         self.extra_slots: list[_StagingRing] = []  # the backward's, slots staging_slots + i
         self.step_done: torch.Event | None = None
@@ -253,33 +254,22 @@ class StepExecutor:
 
     # Normal tensors whatever mode `step()` runs in: the backward, outside it, loads them.
     @torch.inference_mode(False)
-    def build(
-        self,
-        step: OffloadedStep,
-        ring: bool = True,
-        keep_host_slabs: bool = False,
-        keep_resident_slabs: bool = False,
-    ) -> None:
+    def build(self, step: OffloadedStep, ring: bool = True, keep_host_slabs: bool = False) -> None:
         """Allocate slabs and the ring, carve views, and move any existing state home.
 
         The serial path stages all state per step instead of through the ring, so
         without `ring` the staging buffers live on the meta device and take no memory.
         With `keep_host_slabs`, host slabs of the plan's sizes are kept (every plan of
-        one host layout homes each state tensor in the same place). With
-        `keep_resident_slabs`, the resident homes are carved from the resident slabs
-        `give_back_gpu_state` kept (`chunk_plan.resident_in_place` says they hold them):
-        the state it left there is already home.
+        one host layout homes each state tensor in the same place). State
+        `give_back_gpu_state` left on the device is copied device to device into its home.
         """
         plan, schedule = step.plan, step.schedule
         kept = {dtype: slab.numel() for dtype, slab in self.host_slabs.items()}
         kept_host_slabs = keep_host_slabs and kept == dict(plan.host_numel)
         if not kept_host_slabs:
             self.host_slabs = allocate_host_slabs(plan.host_numel, self.device)
-        kept_resident = self.resident_slabs if keep_resident_slabs else {}
         self.resident_slabs = {
-            dtype: kept_resident[dtype]
-            if dtype in kept_resident
-            else torch.zeros(n, dtype=dtype, device=self.device)
+            dtype: torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
         }
         ring_numel = plan.ring_slot_numel(schedule.slots, self.staging_slots)
@@ -349,6 +339,7 @@ class StepExecutor:
                 )
             )
         self.plan, self.schedule, self.chunks, self.homes = plan, schedule, chunks, homes
+        self.left_slabs = []  # what they held is copied out below
         self.slice_counts = collections.Counter(s.param for c in chunks for s in c.slices)
         if ring and not plan.slot_numel:
             self.ring, self.extra_slots = None, []  # no state staged: no staging memory
@@ -366,7 +357,9 @@ class StepExecutor:
                     # From a kept host slab to a resident home (a re-plan), on the
                     # trainer's stream: the host does not wait (the homes' readers wait for
                     # `step_done`). Not from old host slabs, freed once this returns, nor
-                    # from a device tensor, which could be freed before its copy ran.
+                    # from the device to the host. Device to device (state a re-plan left
+                    # in place) the copy is queued whatever `non_blocking` says, and its old
+                    # slab, recorded on this stream, is freed after it.
                     home.home.copy_(
                         current, non_blocking=kept_host_slabs and current.device.type == "cpu"
                     )
@@ -377,12 +370,14 @@ class StepExecutor:
     def give_back_gpu_state(
         self, everything_home: OffloadPlan, stays: Collection[tuple[Tensor, str]] = ()
     ) -> None:
-        """Before a re-plan within one host layout: state not in its host home (resident
-        state) to its room in the host slabs (where `everything_home`, the plan of that
-        layout with nothing resident, homes it), and the ring and the backward's slots
-        dropped, so the new plan's GPU memory is not allocated beside the old's (the budget
-        holds one plan, not two). State in `stays` (param, key) stays in the resident
-        slabs, which are kept for the next `build` to carve its resident homes from.
+        """Before a re-plan within one host layout: state in the resident slabs to its room
+        in the host slabs (where `everything_home`, the plan of that layout with nothing
+        resident, homes it), and the ring and the backward's slots dropped, so the new
+        plan's GPU memory is not allocated beside the old's (the budget holds one plan, not
+        two). State in `stays` (param, key), resident in the next plan too, stays where it
+        is until `build` copies it device to device into its new home (its old slab,
+        `left_slabs` until then, is freed then). Other state (a tensor the user put in
+        the state, not yet homed) is the next plan's to home.
 
         The host does not wait: the state moves on the trainer's stream after the last
         step's write-backs, `step_done` marks it, and the slots go back once the copy
@@ -391,7 +386,8 @@ class StepExecutor:
         current = streams.current()
         if self.step_done is not None:
             streams.wait(current, self.step_done)
-        homes = {dtype: s.untyped_storage().data_ptr() for dtype, s in self.host_slabs.items()}
+        slabs = [*self.resident_slabs.values(), *self.left_slabs]
+        resident = {slab.untyped_storage().data_ptr() for slab in slabs}
         seen = set(stays)  # a sliced tensor has a view per chunk
         for layout in everything_home.chunks:
             for view in layout.views:
@@ -401,34 +397,23 @@ class StepExecutor:
                     continue
                 seen.add((param, spec.key))
                 current_state = local_tensor(entries[spec.key])
-                if current_state.untyped_storage().data_ptr() == homes.get(spec.dtype):
-                    continue  # home already
+                if current_state.untyped_storage().data_ptr() not in resident:
+                    continue
                 slab = self.host_slabs[spec.dtype][view.home_offset :][: spec.numel]
                 host = _carve(slab, spec.shape, param)
                 host.copy_(current_state, non_blocking=True)
                 entries[spec.key] = as_state(param, host)
         self.step_done = streams.mark(current)
-        if not stays:
-            if current is not None:
-                for slab in self.resident_slabs.values():  # freed once the copies are done
-                    slab.record_stream(current)
-            self.resident_slabs = {}
+        if current is not None:
+            for slab in slabs:  # freed once the copies are done
+                slab.record_stream(current)
+        self.left_slabs = slabs if stays else []
         self.loaded_ahead, self.loaded_ahead_done = {}, None
         for slots in (self.ring, *self.extra_slots):
             if slots is not None:
                 slots.release([streams.h2d, streams.d2h])
-        self.chunks, self.homes = [], {}
+        self.chunks, self.homes, self.resident_slabs = [], {}, {}
         self.ring, self.extra_slots = None, []
-
-    def resident_slab_bytes(self) -> int:
-        """GPU bytes the resident slabs hold."""
-        return sum(slab.numel() * slab.element_size() for slab in self.resident_slabs.values())
-
-    def spare_resident_bytes(self) -> int:
-        """GPU bytes the resident slabs hold beyond the plan's resident state (kept from a
-        plan that kept more resident: `give_back_gpu_state`'s `stays`)."""
-        held = self.plan.resident_bytes if self.plan is not None else 0
-        return self.resident_slab_bytes() - held
 
     def forget(self) -> None:
         """Drop the plan and its GPU memory (after a failed re-plan, with the state in its

@@ -678,6 +678,48 @@ def _kept(opt: CPUOffloadOptimizer) -> int:
 STATE_BYTES = sum(2 * 4 * p.numel() for p in make_model().parameters())  # AdamW: 2 fp32
 
 
+def test_a_wider_dtype_state_given_after_auto_settled_keeps_its_precision():
+    """An fp64 momentum assigned by hand once "auto" has settled is homed in fp64 by the
+    next step's plan: giving back the old plan's GPU state moves only what its resident
+    slabs hold, so the tensor is not rounded through its old fp32 home on the way."""
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import AUTO_STEPS_AT_MOST
+
+    def run(wrap):
+        model = make_model()
+        opt = wrap(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+        gen = torch.Generator().manual_seed(1)
+        for step in range(AUTO_STEPS_AT_MOST + 3):
+            if step == AUTO_STEPS_AT_MOST + 1:
+                for p in model.parameters():
+                    buf = opt.state[p]["momentum_buffer"]
+                    opt.state[p]["momentum_buffer"] = buf.double() + 1e-12  # below fp32's ulp
+            opt.zero_grad()
+            model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+            opt.step()
+        return model, opt
+
+    def offloaded(model, inner):
+        opt = CPUOffloadOptimizer(
+            inner,
+            chunk_bytes=1000,
+            staging_slots=2,
+            overlap_forward=model,
+            gpu_resident_bytes="auto",
+        )
+        opt._auto.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
+        return opt
+
+    (plain_model, plain), (model, opt) = run(lambda m, o: o), run(offloaded)
+    opt.wait_for_optimizer_step()
+    assert opt.residency is not None
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert opt.state[b]["momentum_buffer"].dtype == torch.float64
+        assert torch.equal(plain.state[a]["momentum_buffer"], opt.state[b]["momentum_buffer"])
+
+
 def test_state_of_another_dtype_given_where_auto_re_plans_is_homed_in_it():
     # "auto" re-planned from the last plan's specs before the step planned anew from the
     # state: an fp64 momentum assigned by hand at that step went into its fp32 home
@@ -907,29 +949,33 @@ def test_auto_never_settles_on_a_split_over_its_budget():
 
 
 def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates():
-    """A re-plan moves resident state to its host room and drops the old ring and the old
-    resident slabs first, but those the new plan's resident homes are carved from (state
-    resident in both stays in place): the budget holds one plan, not the old and the new
-    side by side."""
-    old: list[weakref.ref] = []
-    alive_at_build, reused = [], []
+    """A re-plan moves resident state to its host room and drops the old ring first: the
+    budget holds one plan, not the old and the new side by side. Only the old resident
+    slabs holding state resident in both plans live until the new plan is built (copied
+    device to device), and not past it."""
+    old_slabs: list[weakref.ref] = []
+    old_rings: list[weakref.ref] = []
+    at_build, after_build = [], []
+
+    def alive(refs) -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in refs)
 
     def record(opt, built):
         if not built:
-            gc.collect()
-            alive_at_build.append([ref() for ref in old if ref() is not None])
+            at_build.append((alive(old_rings), alive(old_slabs)))
             return
-        slabs = list(opt._executor.resident_slabs.values())
-        reused.append(sum(any(t is s for s in slabs) for t in alive_at_build[-1]))
-        old[:] = [weakref.ref(t) for t in slabs]
+        after_build.append(alive(old_slabs) + alive(old_rings))
+        old_slabs[:] = [weakref.ref(t) for t in opt._executor.resident_slabs.values()]
+        old_rings[:] = []
         if opt._executor.ring is not None:
-            old.extend(weakref.ref(b) for b in opt._executor.ring.buffers.values())
-        alive_at_build[-1] = len(alive_at_build[-1])
+            old_rings.extend(weakref.ref(b) for b in opt._executor.ring.buffers.values())
 
     _search_auto(lambda opt: max(60.0, 100.0 - 80.0 * opt._resident_budget / STATE_BYTES), record)
-    assert len(alive_at_build) >= 3
-    assert alive_at_build[1:] == reused[1:]  # each re-plan's start: only slabs it reuses
-    assert any(reused)
+    assert len(at_build) >= 3
+    assert all(rings == 0 for rings, _ in at_build[1:])  # each re-plan's start
+    assert any(slabs for _, slabs in at_build[1:])  # state resident in both went across
+    assert after_build == [0] * len(after_build)
 
 
 def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before():
@@ -975,10 +1021,9 @@ def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before
 
 
 def test_an_auto_replan_failing_with_state_left_in_place_sends_that_home_too():
-    """A re-plan that raises after state resident before and after was left in place in
-    the resident slabs (out of memory building the rest): that state goes to its host
-    home too, and the next steps plan what ran before anew, bit-equal to AdamW skipping
-    that step."""
+    """A re-plan that raises after state resident before and after was left on the device
+    (out of memory building the new plan): that state goes to its host home too, and the
+    next steps plan what ran before anew, bit-equal to AdamW skipping that step."""
     from offload.residency import AUTO_STEPS_AT_MOST
 
     plain_model, model = make_model(), make_model()
@@ -987,7 +1032,10 @@ def test_an_auto_replan_failing_with_state_left_in_place_sends_that_home_too():
     real_build, failed = opt._build, []
 
     def build(*args, **kwargs):
-        if kwargs.get("keep_resident_slabs") and not failed:
+        on_device = [t for entries in opt.optimizer.state.values() for t in entries.values()]
+        host = {s.untyped_storage().data_ptr() for s in opt._executor.host_slabs.values()}
+        left = any(t.dim() and t.untyped_storage().data_ptr() not in host for t in on_device)
+        if left and not failed:  # a re-plan that left state on the device
             failed.append(opt._auto._steps)
             raise torch.OutOfMemoryError("no room for the new plan")
         real_build(*args, **kwargs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
@@ -17,7 +16,7 @@ from offload.chunk_plan import (
     UnitSize,
     pack_units,
     plan_offload,
-    resident_in_place,
+    resident_in_both,
 )
 from offload.cpu_offload import invariant_numel
 from offload.numa import bound_to_node, numa_nodes, parse_cpulist, pci_numa_node
@@ -484,38 +483,22 @@ def test_a_stack_strided_over_two_axes_counts_both_as_shards():
         dist.destroy_process_group()
 
 
-def test_resident_in_place_leaves_the_state_both_plans_keep_where_it_is():
-    """Plans of one host layout keep the leading units resident at the same offsets: a
-    move between them leaves the state both keep in place, where the slabs held hold the
-    new plan's resident state; a tensor at another offset in the new plan moves all."""
+def test_resident_in_both_is_the_state_both_plans_keep_resident():
+    """What a move between two plans of one host layout may copy device to device."""
     params = [spec(n, torch.float32, torch.bfloat16) for n in (300, 50, 700, 40, 500, 90)]
     units = [[0], [1], [2], [3], [4], [5]]
 
-    def plan(resident: int):
+    def plan(resident: int, first: bool = True):
         return plan_offload(
-            units, params, 1000, resident, resident_first=True, host_room_for_all=True
+            units, params, 1000, resident, resident_first=first, host_room_for_all=True
         )
 
     def resident(p) -> set[tuple[int, str]]:
         return {(v.param, v.spec.key) for c in p.chunks if c.resident for v in c.views}
 
     large, small = plan(6 * (300 + 50 + 700)), plan(6 * (300 + 50))
-    assert resident(small) < resident(large)
-    held = dict(large.resident_numel)
-    assert resident_in_place(large, small, held) == resident(small)  # shrinks in place
-    assert resident_in_place(small, large, held) == resident(small)  # grows within the slabs
-    assert resident_in_place(small, large, small.resident_numel) == frozenset()  # too small
-    assert resident_in_place(large, plan(0), held) == frozenset()  # nothing stays
-    moved = dataclasses.replace(
-        small,
-        chunks=tuple(
-            dataclasses.replace(
-                c,
-                views=tuple(dataclasses.replace(v, home_offset=v.home_offset + 8) for v in c.views),
-            )
-            if c.resident
-            else c
-            for c in small.chunks
-        ),
-    )
-    assert resident_in_place(large, moved, held) == frozenset()
+    assert resident(small) == {(i, k) for i in (0, 1) for k in ("s0", "s1")}
+    assert resident_in_both(large, small) == resident_in_both(small, large) == resident(small)
+    assert resident_in_both(large, plan(0)) == frozenset()
+    last = plan(6 * 90, first=False)  # the last unit: none in common with the first ones
+    assert resident(last) and resident_in_both(small, last) == frozenset()
