@@ -678,65 +678,30 @@ def _kept(opt: CPUOffloadOptimizer) -> int:
 STATE_BYTES = sum(2 * 4 * p.numel() for p in make_model().parameters())  # AdamW: 2 fp32
 
 
-def test_a_wider_dtype_state_given_after_auto_settled_keeps_its_precision():
-    """An fp64 momentum assigned by hand once "auto" has settled is homed in fp64 by the
-    next step's plan: giving back the old plan's GPU state moves only what its resident
-    slabs hold, so the tensor is not rounded through its old fp32 home on the way."""
+@pytest.mark.parametrize("given_at", ["first_replan", "settled"])
+def test_state_of_another_dtype_given_under_auto_is_homed_in_it(given_at):
+    """An fp64 momentum assigned by hand (a hair off the fp32 values) is homed in fp64:
+    - at the step "auto" first re-plans, which planned from the last plan's specs before
+      the step planned anew from the state (it went into its fp32 home);
+    - once "auto" has settled, where giving back the old plan's GPU state moves only what
+      its resident slabs hold (it was rounded through its old fp32 home)."""
     from fake_step_timer import FakeSearchTimer
 
-    from offload.residency import AUTO_STEPS_AT_MOST
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_STEPS_AT_MOST, AUTO_WARMUP_STEPS
+
+    replanned_at = []
+    first_replan = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+    given = first_replan if given_at == "first_replan" else AUTO_STEPS_AT_MOST + 1
 
     def run(wrap):
         model = make_model()
         opt = wrap(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
         gen = torch.Generator().manual_seed(1)
         for step in range(AUTO_STEPS_AT_MOST + 3):
-            if step == AUTO_STEPS_AT_MOST + 1:
+            if step == given:
                 for p in model.parameters():
                     buf = opt.state[p]["momentum_buffer"]
                     opt.state[p]["momentum_buffer"] = buf.double() + 1e-12  # below fp32's ulp
-            opt.zero_grad()
-            model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
-            opt.step()
-        return model, opt
-
-    def offloaded(model, inner):
-        opt = CPUOffloadOptimizer(
-            inner,
-            chunk_bytes=1000,
-            staging_slots=2,
-            overlap_forward=model,
-            gpu_resident_bytes="auto",
-        )
-        opt._auto.timer = FakeSearchTimer(lambda: 100.0, 10.0, 200.0)
-        return opt
-
-    (plain_model, plain), (model, opt) = run(lambda m, o: o), run(offloaded)
-    opt.wait_for_optimizer_step()
-    assert opt.residency is not None
-    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b)
-        assert opt.state[b]["momentum_buffer"].dtype == torch.float64
-        assert torch.equal(plain.state[a]["momentum_buffer"], opt.state[b]["momentum_buffer"])
-
-
-def test_state_of_another_dtype_given_where_auto_re_plans_is_homed_in_it():
-    # "auto" re-planned from the last plan's specs before the step planned anew from the
-    # state: an fp64 momentum assigned by hand at that step went into its fp32 home
-    from fake_step_timer import FakeSearchTimer
-
-    from offload.residency import AUTO_MEASURED_STEPS, AUTO_STEPS_AT_MOST, AUTO_WARMUP_STEPS
-
-    replanned_at = []
-
-    def run(wrap):
-        model = make_model()
-        opt = wrap(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
-        gen = torch.Generator().manual_seed(1)
-        for step in range(AUTO_STEPS_AT_MOST + 1):
-            if step == AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:  # where it re-planned first
-                for p in model.parameters():
-                    opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].double()
             opt.zero_grad()
             model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
             opt.step()
@@ -758,7 +723,7 @@ def test_state_of_another_dtype_given_where_auto_re_plans_is_homed_in_it():
         return opt
 
     (plain_model, plain), (model, opt) = run(lambda m, o: o), run(offloaded)
-    assert replanned_at  # the search ran
+    assert replanned_at and opt.residency is not None  # the search ran and settled
     opt.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)

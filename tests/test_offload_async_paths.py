@@ -357,13 +357,34 @@ def test_a_step_finished_inside_an_fsdp2_forward_orders_the_all_gathers_after_it
         opt.close()
 
 
+def _searching_auto(model: torch.nn.Module, faster_up_to: float = 1.0) -> CPUOffloadOptimizer:
+    """AdamW on `model` with overlap and "auto", its steps timed by `FakeSearchTimer`: the
+    more state kept off the forward's path (up to `faster_up_to` of it), the faster."""
+    from fake_step_timer import FakeSearchTimer
+
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=512,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+    )
+    state_bytes = sum(8 * p.numel() for p in model.parameters())
+
+    def iteration_ms() -> float:
+        kept = opt._resident_budget + (opt.backward_load_bytes or 0)
+        return 100.0 - 30.0 * min(kept / state_bytes, faster_up_to)
+
+    opt._auto.timer = FakeSearchTimer(iteration_ms, 10.0, 200.0)
+    return opt
+
+
 def test_auto_re_plans_with_no_host_wait_and_alone_no_collective(async_branches, monkeypatch):
     """ "auto" re-plans at a step's start, while the device still runs the backward: a host
     wait there (an event's synchronize, a collective's result read back) drains the device,
     which then idles while the host plans and builds. Alone in its process group, no step
     of the search waits on the host or runs a collective; the state moves on the trainer's
     stream in order (bitwise equal to plain AdamW)."""
-    from fake_step_timer import FakeSearchTimer
 
     from offload.residency import AUTO_STEPS_AT_MOST
 
@@ -380,20 +401,7 @@ def test_auto_re_plans_with_no_host_wait_and_alone_no_collective(async_branches,
     plain_model, model = _model(), _model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     with one_rank_group():
-        opt = CPUOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            chunk_bytes=512,
-            staging_slots=2,
-            overlap_forward=model,
-            gpu_resident_bytes="auto",
-        )
-        state_bytes = sum(8 * p.numel() for p in model.parameters())
-
-        def iteration_ms() -> float:  # every byte kept off the forward's path is faster
-            kept = opt._resident_budget + (opt.backward_load_bytes or 0)
-            return 100.0 - 30.0 * kept / state_bytes
-
-        opt._auto.timer = FakeSearchTimer(iteration_ms, 10.0, 200.0)
+        opt = _searching_auto(model)
         gen = torch.Generator().manual_seed(3)
         plans, synced_in_step = [], []
         for _ in range(AUTO_STEPS_AT_MOST + 1):
@@ -423,26 +431,12 @@ def test_auto_re_plans_move_only_the_state_whose_residency_changes(
     only what joins or leaves the resident state crosses the host link (a round trip
     through the host put the trainer's stream behind twice its copies). Bitwise equal to
     plain AdamW."""
-    from fake_step_timer import FakeSearchTimer
 
     from offload.residency import AUTO_STEPS_AT_MOST
 
     plain_model, model = _model(), _model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    opt = CPUOffloadOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2),
-        chunk_bytes=512,
-        staging_slots=2,
-        overlap_forward=model,
-        gpu_resident_bytes="auto",
-    )
-    state_bytes = sum(8 * p.numel() for p in model.parameters())
-
-    def iteration_ms() -> float:  # more kept off the forward's path is faster, up to a share
-        kept = opt._resident_budget + (opt.backward_load_bytes or 0)
-        return 100.0 - 30.0 * min(kept / state_bytes, faster_up_to)
-
-    opt._auto.timer = FakeSearchTimer(iteration_ms, 10.0, 200.0)
+    opt = _searching_auto(model, faster_up_to)
     moves = []  # per re-plan: resident state before, after; bytes to the host, from it, within
 
     def resident() -> dict[tuple[int, str], int]:  # (param, key) -> bytes
