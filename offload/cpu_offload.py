@@ -1896,19 +1896,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _resident_in_place(self, step: OffloadedStep) -> frozenset[tuple[Tensor, str]]:
         """The state (param, key) resident now and in `step` (`chunk_plan.resident_in_both`),
         to copy device to device instead of through the host, where the old resident slabs
-        may be held until `step`'s are built: within the `gpu_budget_bytes` given with
-        `step`'s plan, or else the device's headroom. Empty: all resident state goes home."""
+        may be held while `step`'s plan is built: with it within the `gpu_budget_bytes`
+        given, or else what that holds beyond the old plan within the device's headroom
+        (free at the peak so far, which the old plan held). Empty: all resident state goes
+        home."""
         executor = self._executor
         if executor.plan is None:
             return frozenset()
         stays = resident_in_both(executor.plan, step.plan)
         old = executor.plan.resident_bytes
         budget = self._gpu_budget_bytes
-        fits = (
-            old <= device_headroom_bytes(self.device)
-            if budget is None
-            else step.held_bytes + old <= budget
-        )
+        if budget is None:
+            held = executor.plan.held_bytes(executor.schedule.slots, executor.schedule.ring_slots)
+            fits = old + step.held_bytes - held <= device_headroom_bytes(self.device)
+        else:
+            fits = old + step.held_bytes <= budget
         return frozenset((executor.params[i], key) for i, key in stays) if fits else frozenset()
 
     def _build(self, step: OffloadedStep, keep_host_slabs: bool, ring: bool = True) -> None:

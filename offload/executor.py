@@ -339,7 +339,6 @@ class StepExecutor:
                 )
             )
         self.plan, self.schedule, self.chunks, self.homes = plan, schedule, chunks, homes
-        self.left_slabs = []  # what they held is copied out below
         self.slice_counts = collections.Counter(s.param for c in chunks for s in c.slices)
         if ring and not plan.slot_numel:
             self.ring, self.extra_slots = None, []  # no state staged: no staging memory
@@ -364,6 +363,7 @@ class StepExecutor:
                         current, non_blocking=kept_host_slabs and current.device.type == "cpu"
                     )
                 entries[key] = home.home_state
+        self.left_slabs = []  # what they held is in its new homes
         self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step
 
@@ -407,7 +407,12 @@ class StepExecutor:
         if current is not None:
             for slab in slabs:  # freed once the copies are done
                 slab.record_stream(current)
-        self.left_slabs = slabs if stays else []
+        left = {
+            local_tensor(state[p][k]).untyped_storage().data_ptr()
+            for p, k in stays
+            if k in state.get(p, {})
+        }
+        self.left_slabs = [slab for slab in slabs if slab.untyped_storage().data_ptr() in left]
         self.loaded_ahead, self.loaded_ahead_done = {}, None
         for slots in (self.ring, *self.extra_slots):
             if slots is not None:

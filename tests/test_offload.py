@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import itertools
 import warnings
@@ -1026,6 +1027,66 @@ def test_an_auto_replan_failing_with_state_left_in_place_sends_that_home_too():
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
+
+
+def test_state_goes_device_to_device_only_where_the_headroom_holds_the_old_slab_too(
+    monkeypatch,
+):
+    """Without a budget, a re-plan copies state resident in both plans device to device
+    only where the device's headroom (free at the peak so far, which the old plan held)
+    holds the old resident slab beside what the new plan holds beyond the old one: the
+    build holds both."""
+    import offload.cpu_offload
+    from offload.residency import AUTO_STEPS_AT_MOST, Split
+
+    model = make_model()
+    opt = _overlapped_auto(model, lambda opt: 100.0 - 30.0 * _kept(opt) / STATE_BYTES)
+    train(model, opt, steps=AUTO_STEPS_AT_MOST + 1)
+    executor = opt._executor
+    old = executor.plan
+    assert old.resident_bytes > 0
+    held = old.held_bytes(executor.schedule.slots, executor.schedule.ring_slots)
+    for resident in (old.resident_bytes // 2, old.resident_bytes):
+        step = opt._planned_with(Split(resident, 4 * STATE_BYTES))  # more held than before
+        extra = old.resident_bytes + step.held_bytes - held
+        for headroom, stays in ((extra - 1, False), (extra, True)):
+            free = functools.partial(lambda room, _: room, headroom)
+            monkeypatch.setattr(offload.cpu_offload, "device_headroom_bytes", free)
+            assert bool(opt._resident_in_place(step)) == stays, (resident, headroom)
+    opt.close()
+
+
+def test_an_interrupt_while_state_goes_device_to_device_sends_it_all_home(monkeypatch):
+    """A re-plan interrupted between its device-to-device copies: the state still in the
+    old resident slab goes to its host home with the rest (no slab the optimizer no
+    longer knows of holds it)."""
+    from offload.residency import AUTO_STEPS_AT_MOST, Split
+
+    model = make_model()
+    opt = _overlapped_auto(model, lambda opt: 100.0 - 30.0 * _kept(opt) / STATE_BYTES)
+    train(model, opt, steps=AUTO_STEPS_AT_MOST + 1)
+    opt.wait_for_optimizer_step()
+    old = {s.untyped_storage().data_ptr() for s in opt._executor.resident_slabs.values()}
+    assert old
+    copy, copied = torch.Tensor.copy_, []
+
+    def interrupted(self, source, non_blocking=False):
+        if source.untyped_storage().data_ptr() in old and self.untyped_storage().data_ptr() in {
+            s.untyped_storage().data_ptr() for s in opt._executor.resident_slabs.values()
+        }:
+            copied.append(source.shape)
+            if len(copied) == 2:
+                raise KeyboardInterrupt
+        return copy(self, source, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt._replan(Split(opt.plan.resident_bytes // 2, 0), lambda failed: [])
+    host = {s.untyped_storage().data_ptr() for s in opt._executor.host_slabs.values()}
+    state = [t for entries in opt.optimizer.state.values() for t in entries.values()]
+    assert all(t.untyped_storage().data_ptr() in host for t in state if t.dim())
+    assert opt._executor.left_slabs == [] and len(copied) == 2
+    opt.close()
 
 
 def test_a_sparse_grad_replan_after_auto_gives_back_the_old_gpu_state_first():
