@@ -261,7 +261,8 @@ class StepExecutor:
         without `ring` the staging buffers live on the meta device and take no memory.
         With `keep_host_slabs`, host slabs of the plan's sizes are kept (every plan of
         one host layout homes each state tensor in the same place). State
-        `give_back_gpu_state` left on the device is copied device to device into its home.
+        `give_back_gpu_state` left on the device is copied device to device into its home
+        first (`_move_left_state`).
         """
         plan, schedule = step.plan, step.schedule
         kept = {dtype: slab.numel() for dtype, slab in self.host_slabs.items()}
@@ -272,6 +273,8 @@ class StepExecutor:
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
         }
+        if self.left_slabs:  # their memory free before the staging is allocated
+            self._move_left_state(plan)
         ring_numel = plan.ring_slot_numel(schedule.slots, self.staging_slots)
         staging_numel = {dtype: schedule.ring_slots_taken * n for dtype, n in ring_numel.items()}
         self.streams.ensure_slots(self.staging_slots + schedule.extra_slots)
@@ -356,16 +359,35 @@ class StepExecutor:
                     # From a kept host slab to a resident home (a re-plan), on the
                     # trainer's stream: the host does not wait (the homes' readers wait for
                     # `step_done`). Not from old host slabs, freed once this returns, nor
-                    # from the device to the host. Device to device (state a re-plan left
-                    # in place) the copy is queued whatever `non_blocking` says, and its old
-                    # slab, recorded on this stream, is freed after it.
+                    # from a device tensor, which could be freed before its copy ran.
                     home.home.copy_(
                         current, non_blocking=kept_host_slabs and current.device.type == "cpu"
                     )
                 entries[key] = home.home_state
-        self.left_slabs = []  # what they held is in its new homes
         self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step
+
+    def _move_left_state(self, plan: OffloadPlan) -> None:
+        """State `give_back_gpu_state` left in the old resident slabs into its resident
+        home in `plan`, device to device on the trainer's stream (after the last step's
+        work); the old slabs are freed once the copies are queued (recorded on it)."""
+        state, streams = self.optimizer.state, self.streams
+        streams.wait(streams.current(), self.step_done)
+        left = {slab.untyped_storage().data_ptr() for slab in self.left_slabs}
+        for layout in plan.chunks:
+            for view in layout.views if layout.resident else ():
+                param, spec = self.params[view.param], view.spec
+                entries = state.get(param)
+                if not entries or spec.key not in entries:
+                    continue
+                current = local_tensor(entries[spec.key])
+                if current.untyped_storage().data_ptr() not in left:
+                    continue  # moved already (a sliced tensor has a view per chunk)
+                slab = self.resident_slabs[spec.dtype][view.home_offset :][: spec.numel]
+                home = _carve(slab, spec.shape, param)
+                home.copy_(current)
+                entries[spec.key] = as_state(param, home)
+        self.left_slabs = []
 
     def give_back_gpu_state(
         self, everything_home: OffloadPlan, stays: Collection[tuple[Tensor, str]] = ()

@@ -914,24 +914,33 @@ def test_auto_never_settles_on_a_split_over_its_budget():
     assert len(held) >= 3 and max(held) <= budget, held
 
 
-def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates():
+def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates(monkeypatch):
     """A re-plan moves resident state to its host room and drops the old ring first: the
-    budget holds one plan, not the old and the new side by side. Only the old resident
-    slabs holding state resident in both plans live until the new plan is built (copied
-    device to device), and not past it."""
+    budget holds one plan, not the old and the new side by side. The old resident slabs
+    holding state resident in both plans live until that state is copied device to
+    device into the new resident slabs, before the new staging is allocated."""
+    import offload.executor
+
     old_slabs: list[weakref.ref] = []
     old_rings: list[weakref.ref] = []
-    at_build, after_build = [], []
+    at_build, at_staging = [], []
 
     def alive(refs) -> int:
         gc.collect()
         return sum(ref() is not None for ref in refs)
 
+    ring_init = offload.executor._StagingRing.__init__
+
+    def staging(self, *args, **kwargs):
+        at_staging.append(alive(old_slabs) + alive(old_rings))
+        ring_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(offload.executor._StagingRing, "__init__", staging)
+
     def record(opt, built):
         if not built:
             at_build.append((alive(old_rings), alive(old_slabs)))
             return
-        after_build.append(alive(old_slabs) + alive(old_rings))
         old_slabs[:] = [weakref.ref(t) for t in opt._executor.resident_slabs.values()]
         old_rings[:] = []
         if opt._executor.ring is not None:
@@ -941,7 +950,7 @@ def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates()
     assert len(at_build) >= 3
     assert all(rings == 0 for rings, _ in at_build[1:])  # each re-plan's start
     assert any(slabs for _, slabs in at_build[1:])  # state resident in both went across
-    assert after_build == [0] * len(after_build)
+    assert at_staging == [0] * len(at_staging)
 
 
 def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before():
