@@ -1896,21 +1896,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _resident_in_place(self, step: OffloadedStep) -> frozenset[tuple[Tensor, str]]:
         """The state (param, key) resident now and in `step` (`chunk_plan.resident_in_both`),
         to copy device to device instead of through the host, where the old resident slabs
-        may be held while `step`'s plan is built: with it within the `gpu_budget_bytes`
-        given, or else what that holds beyond the old plan within the device's headroom
-        (free at the peak so far, which the old plan held). Empty: all resident state goes
-        home."""
+        may be held beside `step`'s resident slabs (they are freed before its staging is
+        allocated): within the `gpu_budget_bytes` given, or else what that holds beyond the
+        old plan within the device's headroom (free at the peak so far, which the old plan
+        held). Empty: all resident state goes home."""
         executor = self._executor
         if executor.plan is None:
             return frozenset()
         stays = resident_in_both(executor.plan, step.plan)
-        old = executor.plan.resident_bytes
+        both = executor.plan.resident_bytes + step.plan.resident_bytes
         budget = self._gpu_budget_bytes
         if budget is None:
             held = executor.plan.held_bytes(executor.schedule.slots, executor.schedule.ring_slots)
-            fits = old + step.held_bytes - held <= device_headroom_bytes(self.device)
+            fits = both - held <= device_headroom_bytes(self.device)
         else:
-            fits = old + step.held_bytes <= budget
+            fits = both <= budget
         return frozenset((executor.params[i], key) for i, key in stays) if fits else frozenset()
 
     def _build(self, step: OffloadedStep, keep_host_slabs: bool, ring: bool = True) -> None:

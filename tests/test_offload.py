@@ -1043,8 +1043,8 @@ def test_state_goes_device_to_device_only_where_the_headroom_holds_the_old_slab_
 ):
     """Without a budget, a re-plan copies state resident in both plans device to device
     only where the device's headroom (free at the peak so far, which the old plan held)
-    holds the old resident slab beside what the new plan holds beyond the old one: the
-    build holds both."""
+    holds what the old and the new resident slabs hold together beyond the old plan: the
+    build holds both until the state is across."""
     import offload.cpu_offload
     from offload.residency import AUTO_STEPS_AT_MOST, Split
 
@@ -1057,7 +1057,7 @@ def test_state_goes_device_to_device_only_where_the_headroom_holds_the_old_slab_
     held = old.held_bytes(executor.schedule.slots, executor.schedule.ring_slots)
     for resident in (old.resident_bytes // 2, old.resident_bytes):
         step = opt._planned_with(Split(resident, 4 * STATE_BYTES))  # more held than before
-        extra = old.resident_bytes + step.held_bytes - held
+        extra = old.resident_bytes + step.plan.resident_bytes - held
         for headroom, stays in ((extra - 1, False), (extra, True)):
             free = functools.partial(lambda room, _: room, headroom)
             monkeypatch.setattr(offload.cpu_offload, "device_headroom_bytes", free)
