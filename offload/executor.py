@@ -273,8 +273,8 @@ class StepExecutor:
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
         }
-        if self.left_slabs:  # their memory free before the staging is allocated
-            self._move_left_state(plan)
+        # State left on the device goes home first: its old slabs free before the staging.
+        homes = self._move_left_state(plan) if self.left_slabs else {}
         ring_numel = plan.ring_slot_numel(schedule.slots, self.staging_slots)
         staging_numel = {dtype: schedule.ring_slots_taken * n for dtype, n in ring_numel.items()}
         self.streams.ensure_slots(self.staging_slots + schedule.extra_slots)
@@ -299,7 +299,6 @@ class StepExecutor:
                 return self.extra_slots[slot - self.staging_slots].buffers[dtype]
             return staging_buffers[dtype][slot * ring_numel[dtype] :][: ring_numel[dtype]]
 
-        homes: dict[tuple[Tensor, str], Home] = {}
         chunks = []
         for layout, slot in zip(plan.chunks, schedule.slots, strict=True):
             slabs = self.resident_slabs if layout.resident else self.host_slabs
@@ -367,27 +366,30 @@ class StepExecutor:
         self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step
 
-    def _move_left_state(self, plan: OffloadPlan) -> None:
+    def _move_left_state(self, plan: OffloadPlan) -> dict[tuple[Tensor, str], Home]:
         """State `give_back_gpu_state` left in the old resident slabs into its resident
-        home in `plan`, device to device on the trainer's stream (after the last step's
-        work); the old slabs are freed once the copies are queued (recorded on it)."""
-        state, streams = self.optimizer.state, self.streams
-        streams.wait(streams.current(), self.step_done)
+        home in `plan` (returned, for `build` to carve no other), device to device on the
+        trainer's stream, which `give_back_gpu_state` made wait for the last step; the old
+        slabs are freed once the copies are queued (recorded on that stream)."""
+        state = self.optimizer.state
         left = {slab.untyped_storage().data_ptr() for slab in self.left_slabs}
+        homes: dict[tuple[Tensor, str], Home] = {}
         for layout in plan.chunks:
             for view in layout.views if layout.resident else ():
                 param, spec = self.params[view.param], view.spec
                 entries = state.get(param)
-                if not entries or spec.key not in entries:
-                    continue
+                if (param, spec.key) in homes or not entries or spec.key not in entries:
+                    continue  # a sliced tensor has a view per chunk
                 current = local_tensor(entries[spec.key])
                 if current.untyped_storage().data_ptr() not in left:
-                    continue  # moved already (a sliced tensor has a view per chunk)
+                    continue
                 slab = self.resident_slabs[spec.dtype][view.home_offset :][: spec.numel]
-                home = _carve(slab, spec.shape, param)
-                home.copy_(current)
-                entries[spec.key] = as_state(param, home)
+                h = _carve(slab, spec.shape, param)
+                home = homes[param, spec.key] = Home(h, as_state(param, h))
+                home.home.copy_(current)
+                entries[spec.key] = home.home_state
         self.left_slabs = []
+        return homes
 
     def give_back_gpu_state(
         self, everything_home: OffloadPlan, stays: Collection[tuple[Tensor, str]] = ()
