@@ -1130,8 +1130,8 @@ def _rank(
     runs = [
         [ready[i] for i in run]
         for run in update_runs(
-            [offload.chunks[c].params for c in ready],
             [False] * len(ready),
+            [offload.chunks[c].invariant_bytes for c in ready],
             [offload.chunks[c].resident for c in ready],
         )
     ]

@@ -330,10 +330,18 @@ class StepExecutor:
                     staging = _carve(staging[: view.stop - view.start], view.shape, param)
                 staging_state = staging if view.sliced else as_state(param, staging)
                 views.append(_View(param, spec.key, home, staging, staging_state))
+            sliced_state: dict[Tensor, dict[str, Tensor]] = {}
+            for view, built in zip(layout.views, views, strict=True):
+                if view.sliced:
+                    sliced_state.setdefault(built.param, {})[built.key] = built.staging_state
             chunks.append(
                 _Chunk(
                     [self.params[i] for i in layout.params],
-                    [ParamSlice(self.params[s.param], s.start, s.stop) for s in layout.slices],
+                    [
+                        ParamSlice(p, s.start, s.stop, sliced_state.get(p, {}))
+                        for s in layout.slices
+                        for p in (self.params[s.param],)
+                    ],
                     slot,
                     layout.invariant_bytes,
                     copies,
@@ -540,7 +548,9 @@ class StepExecutor:
             for chunk in chunks
         ]
         runs = update_runs(
-            [chunk.touched for chunk in chunks], creates, [chunk.slot < 0 for chunk in chunks]
+            creates,
+            [chunk.invariant_bytes for chunk in chunks],
+            [chunk.slot < 0 for chunk in chunks],
         )
         return [[cs[i] for i in run] for run in runs]
 
@@ -575,10 +585,13 @@ class StepExecutor:
         joined = len(resident) > 1
         params, slices, entries = self._joined(resident) if joined else ([], [], {})
         for chunk in chunks:
-            if not (joined and chunk.slot < 0):  # each param once a run (`update_runs`)
+            if not (joined and chunk.slot < 0):
                 params += chunk.params
-                slices += chunk.slices
-                entries.update({(v.param, v.key): v.staging_state for v in chunk.views})
+                slices += chunk.slices  # each holds its own state
+                whole = set(chunk.params)
+                entries.update(
+                    {(v.param, v.key): v.staging_state for v in chunk.views if v.param in whole}
+                )
         for (param, key), entry in entries.items():
             if (param, key) in had:
                 state[param][key] = entry
@@ -619,13 +632,15 @@ class StepExecutor:
             param = piece.param
             # Not where they only cover its local elements: a shorter shard's trailing
             # slices are empty, and step in a later run (a chunk creating state cuts runs).
-            whole = held[param] == self.slice_counts[param]
-            (params if whole else slices).append(param if whole else piece)
-            for key in keys[param]:
-                home = self.homes[param, key]
-                entries[param, key] = (
-                    home.home_state if whole else home.home.view(-1)[piece.start : piece.stop]
+            if held[param] == self.slice_counts[param]:
+                params.append(param)
+                entries.update(
+                    {(param, key): self.homes[param, key].home_state for key in keys[param]}
                 )
+            else:
+                flat = {key: self.homes[param, key].home.view(-1) for key in keys[param]}
+                state = {key: home[piece.start : piece.stop] for key, home in flat.items()}
+                slices.append(ParamSlice(param, piece.start, piece.stop, state))
         entries.update({(v.param, v.key): v.staging_state for v in views if v.param not in held})
         return params, slices, entries
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,35 +58,37 @@ Op = tuple[Literal["load", "step", "write_back"], int]
 
 
 def update_runs(
-    touched: Sequence[Collection[Hashable]],
-    creates: Sequence[bool],
-    resident: Sequence[bool],
+    creates: Sequence[bool], state_bytes: Sequence[int], resident: Sequence[bool]
 ) -> list[list[int]]:
-    """Chunks in step order (each the params it updates, whether its update creates
-    state, and whether its state is `resident`) cut into runs that update in one call, as
-    the step runs its `ready` chunks: a run holds each param once (a param's state is
-    staged one chunk at a time: its entry points at that chunk's slice), but for resident
-    chunks, whose slices of a param are views of its one home and join into one
-    (`executor.joined_slices`); a chunk that creates state runs alone (a sliced param's
-    slices each create their own, adopted after their call).
+    """Chunks in step order (whether each one's update creates state, its state bytes,
+    whether its state is `resident`) cut into runs that update in one call, as the step
+    runs its `ready` chunks. Each slice of a param carries its own state
+    (`ParamSlice.state`), so a run may hold several of one param. A chunk that creates
+    state runs alone (a sliced param's slices each create their own, adopted after their
+    call). A run holds at most the state of the resident chunks together or of the
+    largest chunk, whichever is more: a foreach update's temporaries grow with its call.
 
-    >>> update_runs([{"a"}, {"b"}, {"b", "c"}, {"d"}, {"e"}], [0, 0, 0, 1, 0], [0] * 5)
-    [[0, 1], [2], [3], [4]]
-    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [False] * 4, [True, True, True, False])
-    [[0, 1, 2], [3]]
+    >>> update_runs([False, False, True, False, False], [4, 4, 4, 4, 4], [True] * 2 + [False] * 3)
+    [[0, 1], [2], [3, 4]]
+    >>> update_runs([False] * 4, [3, 2, 2, 2], [False] * 4)
+    [[0], [1], [2], [3]]
+    >>> update_runs([False] * 5, [3, 3, 2, 2, 2], [True, True, False, False, False])
+    [[0, 1], [2, 3, 4]]
     """
+    cap = max(
+        sum(size for size, home in zip(state_bytes, resident, strict=True) if home),
+        max(state_bytes, default=0),
+    )
     runs: list[list[int]] = []
-    seen: set[Hashable] = set()
     closed = True  # the last run takes no more chunks
-    at_home = False  # every chunk of the last run is resident
-    for c, (params, created, home) in enumerate(zip(touched, creates, resident, strict=True)):
-        repeats = any(p in seen for p in params) and not (home and at_home)
-        if closed or created or repeats:
+    held = 0
+    for c, (created, size) in enumerate(zip(creates, state_bytes, strict=True)):
+        if closed or created or held + size > cap:
             runs.append([])
-            seen, at_home = set(), True
+            held = 0
         runs[-1].append(c)
-        seen.update(params)
-        closed, at_home = created, at_home and home
+        held += size
+        closed = created
     return runs
 
 

@@ -52,7 +52,7 @@ when its per-param updates are independent.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -70,11 +70,13 @@ class SubsetStep(Protocol):
 
 @dataclass(frozen=True)
 class ParamSlice:
-    """Elements [start, stop) of `param`'s flattened local shard (a DTensor's `to_local()`)."""
+    """Elements [start, stop) of `param`'s flattened local shard (a DTensor's `to_local()`),
+    and `state`: the slice's state tensors by key (flat, `stop - start` elements each)."""
 
     param: Tensor
     start: int
     stop: int
+    state: Mapping[str, Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 @runtime_checkable
@@ -84,9 +86,10 @@ class SlicingSubsetStep(SubsetStep, Protocol):
     `step_slices(params, slices)` updates the whole params `params` (as
     `step_params`) and each slice of `slices`, with the same result, bit for bit,
     as the full step, provided every element of a param is in exactly one slice
-    per step. For a slice it reads `optimizer.state[param][key]` (each key whose
-    tensor is shaped like the param at `begin_subset_step`) as that slice's state: a
-    flat tensor of `stop - start` elements the wrapper has swapped in. A param's other
+    per step. A slice's state is `slice.state[key]`, for each key whose tensor in
+    `optimizer.state[param]` is shaped like the param at `begin_subset_step` (a key the
+    slice lacks is state the step does not keep: left as it is), so one call may hold
+    several slices of a param. A param's other
     state (the `step` counter, of shape () or (1,), ...) advances once per step however
     many slices it is cut into. Only one-param units whose state
     tensors are shaped like the param may be sliced.
@@ -390,7 +393,9 @@ class ElementwiseGroupStep(GroupStep):
             for k, v in own.items()
             if _is_offloaded(v) and (param, k) not in self._not_param_sized
         }
-        entries = {k: local_tensor(own[k]) for k in sliced}
+        # State the plan does not home (kept by options since turned off) is not read by
+        # the step: left as it is.
+        entries = {k: local_tensor(piece.state[k]) for k in sliced if k in piece.state}
         if param not in self._scalars:  # its scalars at the step's start, for every slice
             self._own_scalars[param] = {k: v for k, v in own.items() if k not in sliced}
             self._scalars[param] = {k: _copied(v) for k, v in self._own_scalars[param].items()}
