@@ -1130,9 +1130,11 @@ def _rank(
     runs = [
         [ready[i] for i in run]
         for run in update_runs(
+            [offload.chunks[c].params for c in ready],
             [False] * len(ready),
             [offload.chunks[c].invariant_bytes for c in ready],
             [offload.chunks[c].resident for c in ready],
+            slices_together=False,  # `MuonStep` slices no param
         )
     ]
     runs += [[c] for c in sorted(set(range(len(offload.chunks))) - set(ready))]

@@ -330,18 +330,19 @@ class StepExecutor:
                     staging = _carve(staging[: view.stop - view.start], view.shape, param)
                 staging_state = staging if view.sliced else as_state(param, staging)
                 views.append(_View(param, spec.key, home, staging, staging_state))
-            sliced_state: dict[Tensor, dict[str, Tensor]] = {}
+            # a chunk holds one slice of a param at most
+            slice_state: dict[Tensor, dict[str, Tensor]] = {}
             for view, built in zip(layout.views, views, strict=True):
                 if view.sliced:
-                    sliced_state.setdefault(built.param, {})[built.key] = built.staging_state
+                    slice_state.setdefault(built.param, {})[built.key] = built.staging_state
+            slices = []
+            for s in layout.slices:
+                param = self.params[s.param]
+                slices.append(ParamSlice(param, s.start, s.stop, slice_state.get(param, {})))
             chunks.append(
                 _Chunk(
                     [self.params[i] for i in layout.params],
-                    [
-                        ParamSlice(p, s.start, s.stop, sliced_state.get(p, {}))
-                        for s in layout.slices
-                        for p in (self.params[s.param],)
-                    ],
+                    slices,
                     slot,
                     layout.invariant_bytes,
                     copies,
@@ -520,7 +521,7 @@ class StepExecutor:
         for c in schedule.ready:
             if self.chunks[c].slot >= 0:
                 run("load", c)
-        for cs in self._update_groups(schedule.ready, had_state, had):
+        for cs in self._update_groups(subset, schedule.ready, had_state, had):
             step_chunks(cs)
         for op in schedule.prologue:
             run(*op)
@@ -538,7 +539,11 @@ class StepExecutor:
             self.ring.release([streams.h2d, streams.d2h, compute])
 
     def _update_groups(
-        self, cs: Sequence[int], had_state: set[Tensor], had: set[tuple[Tensor, str]]
+        self,
+        subset: SubsetStep,
+        cs: Sequence[int],
+        had_state: set[Tensor],
+        had: set[tuple[Tensor, str]],
     ) -> list[list[int]]:
         """Chunks `cs` (in order) cut into runs that update in one call (`update_runs`)."""
         chunks = [self.chunks[c] for c in cs]
@@ -548,9 +553,11 @@ class StepExecutor:
             for chunk in chunks
         ]
         runs = update_runs(
+            [chunk.touched for chunk in chunks],
             creates,
             [chunk.invariant_bytes for chunk in chunks],
             [chunk.slot < 0 for chunk in chunks],
+            getattr(subset, "reads_slice_state", False),
         )
         return [[cs[i] for i in run] for run in runs]
 
@@ -587,11 +594,10 @@ class StepExecutor:
         for chunk in chunks:
             if not (joined and chunk.slot < 0):
                 params += chunk.params
-                slices += chunk.slices  # each holds its own state
-                whole = set(chunk.params)
-                entries.update(
-                    {(v.param, v.key): v.staging_state for v in chunk.views if v.param in whole}
-                )
+                slices += chunk.slices
+                # a slice's state is swapped in too, for a subset step that reads it there
+                # (where a run holds several slices of a param, it reads `ParamSlice.state`)
+                entries.update({(v.param, v.key): v.staging_state for v in chunk.views})
         for (param, key), entry in entries.items():
             if (param, key) in had:
                 state[param][key] = entry
@@ -639,8 +645,9 @@ class StepExecutor:
                 )
             else:
                 flat = {key: self.homes[param, key].home.view(-1) for key in keys[param]}
-                state = {key: home[piece.start : piece.stop] for key, home in flat.items()}
-                slices.append(ParamSlice(param, piece.start, piece.stop, state))
+                piece_state = {key: home[piece.start : piece.stop] for key, home in flat.items()}
+                slices.append(ParamSlice(param, piece.start, piece.stop, piece_state))
+                entries.update({(param, key): t for key, t in piece_state.items()})
         entries.update({(v.param, v.key): v.staging_state for v in views if v.param not in held})
         return params, slices, entries
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,21 +58,37 @@ Op = tuple[Literal["load", "step", "write_back"], int]
 
 
 def update_runs(
-    creates: Sequence[bool], state_bytes: Sequence[int], resident: Sequence[bool]
+    touched: Sequence[Collection[Hashable]],
+    creates: Sequence[bool],
+    state_bytes: Sequence[int],
+    resident: Sequence[bool],
+    slices_together: bool,
 ) -> list[list[int]]:
-    """Chunks in step order (whether each one's update creates state, its state bytes,
-    whether its state is `resident`) cut into runs that update in one call, as the step
-    runs its `ready` chunks. Each slice of a param carries its own state
-    (`ParamSlice.state`), so a run may hold several of one param. A chunk that creates
-    state runs alone (a sliced param's slices each create their own, adopted after their
-    call). A run holds at most the state of the resident chunks together or of the
-    largest chunk, whichever is more: a foreach update's temporaries grow with its call.
+    """Chunks in step order (each the params it updates, whether its update creates
+    state, its state bytes, whether its state is `resident`) cut into runs that update in
+    one call, as the step runs its `ready` chunks. A chunk that creates state runs alone (a
+    sliced param's slices each create their own, adopted after their call).
 
-    >>> update_runs([False, False, True, False, False], [4, 4, 4, 4, 4], [True] * 2 + [False] * 3)
-    [[0, 1], [2], [3, 4]]
-    >>> update_runs([False] * 4, [3, 2, 2, 2], [False] * 4)
+    With `slices_together` (the subset step reads each slice's state from
+    `ParamSlice.state`) a run may hold several slices of one param, and holds at most the
+    state of the resident chunks together or of the largest chunk, whichever is more: a
+    foreach update's temporaries grow with its call. Otherwise a run holds each param
+    once (its state entry points at that chunk's slice), but for resident chunks, whose
+    slices of a param are views of its one home and join into one
+    (`executor.joined_slices`).
+
+    >>> five = [{"a"}, {"b"}, {"b", "c"}, {"d"}, {"e"}]
+    >>> update_runs(five, [0, 0, 0, 1, 0], [1] * 5, [0] * 5, False)
+    [[0, 1], [2], [3], [4]]
+    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [0] * 4, [1] * 4, [1, 1, 1, 0], False)
+    [[0, 1, 2], [3]]
+    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [0] * 4, [2, 1, 1, 1], [1, 1, 0, 0], False)
+    [[0, 1], [2], [3]]
+    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [0] * 4, [2, 1, 1, 1], [1, 1, 0, 0], True)
+    [[0, 1], [2, 3]]
+    >>> update_runs([{"a"}, {"a"}, {"b"}, {"b"}], [0] * 4, [3, 2, 2, 2], [0] * 4, True)
     [[0], [1], [2], [3]]
-    >>> update_runs([False] * 5, [3, 3, 2, 2, 2], [True, True, False, False, False])
+    >>> update_runs(five, [0] * 5, [3, 3, 2, 2, 2], [1, 1, 0, 0, 0], True)
     [[0, 1], [2, 3, 4]]
     """
     cap = max(
@@ -80,15 +96,24 @@ def update_runs(
         max(state_bytes, default=0),
     )
     runs: list[list[int]] = []
+    seen: set[Hashable] = set()
     closed = True  # the last run takes no more chunks
-    held = 0
-    for c, (created, size) in enumerate(zip(creates, state_bytes, strict=True)):
-        if closed or created or held + size > cap:
+    at_home = False  # every chunk of the last run is resident
+    held = 0  # state bytes of the last run
+    for c, (params, created, size, home) in enumerate(
+        zip(touched, creates, state_bytes, resident, strict=True)
+    ):
+        if slices_together:
+            cut = held + size > cap
+        else:
+            cut = any(p in seen for p in params) and not (home and at_home)
+        if closed or created or cut:
             runs.append([])
-            held = 0
+            seen, at_home, held = set(), True, 0
         runs[-1].append(c)
+        seen.update(params)
         held += size
-        closed = created
+        closed, at_home = created, at_home and home
     return runs
 
 

@@ -86,13 +86,15 @@ class SlicingSubsetStep(SubsetStep, Protocol):
     `step_slices(params, slices)` updates the whole params `params` (as
     `step_params`) and each slice of `slices`, with the same result, bit for bit,
     as the full step, provided every element of a param is in exactly one slice
-    per step. A slice's state is `slice.state[key]`, for each key whose tensor in
-    `optimizer.state[param]` is shaped like the param at `begin_subset_step` (a key the
-    slice lacks is state the step does not keep: left as it is), so one call may hold
-    several slices of a param. A param's other
-    state (the `step` counter, of shape () or (1,), ...) advances once per step however
-    many slices it is cut into. Only one-param units whose state
-    tensors are shaped like the param may be sliced.
+    per step. For a slice it reads `optimizer.state[param][key]` (each key whose
+    tensor is shaped like the param at `begin_subset_step`) as that slice's state: a
+    flat tensor of `stop - start` elements the wrapper has swapped in, also given as
+    `slice.state[key]`. One that reads `slice.state` instead sets the attribute
+    `reads_slice_state = True` (not a member `isinstance` checks); its calls may then
+    hold several slices of one param (where they do, the swapped-in entry is one of
+    them). A param's other state (the `step` counter, of shape () or (1,), ...)
+    advances once per step however many slices it is cut into. Only one-param units
+    whose state tensors are shaped like the param may be sliced.
     """
 
     def step_slices(self, params: Collection[Tensor], slices: Sequence[ParamSlice]) -> None: ...
@@ -305,12 +307,15 @@ class ElementwiseGroupStep(GroupStep):
     assigned by hand) given to every slice as its state was stepped once a slice.
     """
 
+    reads_slice_state = True  # `_stand_in`: one call may take several slices of a param
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         state = optimizer.state
         self._had_state = {p for p in self._group_of if state.get(p)}
         # Told apart now, by size (a DTensor's state is placed as it is: global sizes, no
-        # unwrap): a slice's state, swapped in by the caller, has no param's size.
+        # unwrap): a slice's state, swapped in by the caller for the call, has no param's
+        # size.
         self._not_param_sized: set[tuple[Tensor, str]] = set()
         for p in self._had_state:
             numel = p.numel()
@@ -393,8 +398,8 @@ class ElementwiseGroupStep(GroupStep):
             for k, v in own.items()
             if _is_offloaded(v) and (param, k) not in self._not_param_sized
         }
-        # State the plan does not home (kept by options since turned off) is not read by
-        # the step: left as it is.
+        # State the plan does not home (kept by options since turned off, which re-plan
+        # once they keep it again) is not read by the step: left out of the stand-in's.
         entries = {k: local_tensor(piece.state[k]) for k in sliced if k in piece.state}
         if param not in self._scalars:  # its scalars at the step's start, for every slice
             self._own_scalars[param] = {k: v for k, v in own.items() if k not in sliced}

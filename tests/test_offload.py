@@ -643,6 +643,66 @@ def test_the_chunks_ready_at_a_steps_start_update_in_few_calls(monkeypatch):
     assert_same_state(plain, opt)
 
 
+class _SlicingMomentum(torch.optim.Optimizer):
+    """A user's optimizer with its own subset step whose `step_slices` reads a slice's
+    state where the wrapper swaps it in, `optimizer.state[param]` (no
+    `reads_slice_state`)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            m = self.state[p].setdefault("m", torch.zeros_like(p))
+            p.add_(m.mul_(0.9).add_(p.grad), alpha=-0.1)
+
+    def state_layout(self, p):
+        return {"m": (p.shape, p.dtype)}
+
+    def begin_subset_step(self):
+        return self._Step(self)
+
+    class _Step:
+        def __init__(self, opt):
+            self.opt, self.units = opt, [[p] for p in opt.param_groups[0]["params"]]
+            self.had = {p for p in opt.state if opt.state[p]}
+
+        @torch.no_grad()
+        def _update(self, param, value, grad):
+            if param not in self.had:
+                self.opt.state[param]["m"] = torch.zeros_like(value)
+            value.add_(self.opt.state[param]["m"].mul_(0.9).add_(grad), alpha=-0.1)
+
+        def step_params(self, params):
+            for p in params:
+                self._update(p, p, p.grad)
+
+        def step_slices(self, params, slices):
+            self.step_params(params)
+            for s in slices:
+                cut = slice(s.start, s.stop)
+                self._update(s.param, s.param.view(-1)[cut], s.param.grad.view(-1)[cut])
+
+
+def test_a_users_slicing_step_reads_each_slices_state_where_it_is_swapped_in():
+    # found by a review: slices carrying their state stopped swapping it in, and a
+    # user's step reading it there got the whole host home
+    torch.manual_seed(0)
+    w_plain = torch.nn.Parameter(torch.randn(8, 64))
+    w = torch.nn.Parameter(w_plain.detach().clone())
+    plain = _SlicingMomentum([w_plain])
+    opt = CPUOffloadOptimizer(_SlicingMomentum([w]), chunk_bytes=256, staging_slots=2)
+    for _ in range(3):
+        grad = torch.randn(8, 64)
+        for p, o in ((w_plain, plain), (w, opt)):
+            p.grad = grad.clone()
+            o.step()
+    assert sum(len(c.slices) for c in opt.plan.chunks) == 8
+    assert torch.equal(w_plain, w)
+    assert torch.equal(plain.state[w_plain]["m"], opt.state[w]["m"])
+
+
 def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
     model = make_model()
     opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
