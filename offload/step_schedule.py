@@ -66,55 +66,52 @@ def update_runs(
 ) -> list[list[int]]:
     """Chunks in step order (each the params it updates, whether its update creates
     state, its state bytes, whether its state is `resident`) cut into runs that update in
-    one call, as the step runs its `ready` chunks. A chunk that creates state runs alone (a
-    sliced param's slices each create their own, adopted after their call).
+    one call, as the step runs its `ready` chunks. A chunk that creates state runs alone
+    (a sliced param's slices each create their own, adopted after their call). A run
+    holds each param once (its state entry points at that chunk's slice), but for
+    resident chunks, whose slices of a param are views of its one home and join into one
+    (`executor.joined_slices`).
 
     With `slices_together` (the subset step reads each slice's state from
-    `ParamSlice.state`) a run may hold several slices of one param, and holds at most the
-    state of the resident chunks together or of the largest chunk, whichever is more: a
-    foreach update's temporaries grow with its call. Otherwise a run holds each param
-    once (its state entry points at that chunk's slice), but for resident chunks, whose
-    slices of a param are views of its one home and join into one
-    (`executor.joined_slices`).
+    `ParamSlice.state`) a run may hold several slices of one param: runs take as many
+    chunks as fit in the largest run the rule above makes, so they are no more, and no
+    larger (a foreach update's temporaries grow with its call).
 
     >>> five = [{"a"}, {"b"}, {"b", "c"}, {"d"}, {"e"}]
     >>> update_runs(five, [0, 0, 0, 1, 0], [1] * 5, [0] * 5, False)
     [[0, 1], [2], [3], [4]]
-    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [0] * 4, [1] * 4, [1, 1, 1, 0], False)
-    [[0, 1, 2], [3]]
-    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [0] * 4, [2, 1, 1, 1], [1, 1, 0, 0], False)
+    >>> four = [{"a"}, {"a", "b"}, {"b"}, {"b"}]
+    >>> update_runs(four, [0] * 4, [2, 1, 1, 1], [1, 1, 0, 0], False)
     [[0, 1], [2], [3]]
-    >>> update_runs([{"a"}, {"a", "b"}, {"b"}, {"b"}], [0] * 4, [2, 1, 1, 1], [1, 1, 0, 0], True)
+    >>> update_runs(four, [0] * 4, [2, 1, 1, 1], [1, 1, 0, 0], True)
     [[0, 1], [2, 3]]
-    >>> update_runs([{"a"}, {"a"}, {"b"}, {"b"}], [0] * 4, [3, 2, 2, 2], [0] * 4, True)
-    [[0], [1], [2], [3]]
-    >>> update_runs(five, [0] * 5, [3, 3, 2, 2, 2], [1, 1, 0, 0, 0], True)
-    [[0, 1], [2, 3, 4]]
+    >>> update_runs(five, [0, 0, 0, 1, 0], [1] * 5, [0] * 5, True)
+    [[0, 1], [2], [3], [4]]
     """
-    cap = max(
-        sum(size for size, home in zip(state_bytes, resident, strict=True) if home),
-        max(state_bytes, default=0),
-    )
     runs: list[list[int]] = []
     seen: set[Hashable] = set()
     closed = True  # the last run takes no more chunks
     at_home = False  # every chunk of the last run is resident
-    held = 0  # state bytes of the last run
-    for c, (params, created, size, home) in enumerate(
-        zip(touched, creates, state_bytes, resident, strict=True)
-    ):
-        if slices_together:
-            cut = held + size > cap
-        else:
-            cut = any(p in seen for p in params) and not (home and at_home)
-        if closed or created or cut:
+    for c, (params, created, home) in enumerate(zip(touched, creates, resident, strict=True)):
+        repeats = any(p in seen for p in params) and not (home and at_home)
+        if closed or created or repeats:
             runs.append([])
-            seen, at_home, held = set(), True, 0
+            seen, at_home = set(), True
         runs[-1].append(c)
         seen.update(params)
-        held += size
         closed, at_home = created, at_home and home
-    return runs
+    if not slices_together:
+        return runs
+    cap = max(sum(state_bytes[c] for c in run) for run in runs) if runs else 0
+    together: list[list[int]] = []
+    held = 0
+    for c, (created, size) in enumerate(zip(creates, state_bytes, strict=True)):
+        if not together or created or creates[together[-1][-1]] or held + size > cap:
+            together.append([])
+            held = 0
+        together[-1].append(c)
+        held += size
+    return together
 
 
 def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: int | None) -> int:

@@ -71,7 +71,8 @@ class SubsetStep(Protocol):
 @dataclass(frozen=True)
 class ParamSlice:
     """Elements [start, stop) of `param`'s flattened local shard (a DTensor's `to_local()`),
-    and `state`: the slice's state tensors by key (flat, `stop - start` elements each)."""
+    and `state`: the slice's state tensors by key (flat, `stop - start` elements each; on
+    the step that creates a key's state, the uninitialised memory it is created in)."""
 
     param: Tensor
     start: int
@@ -304,7 +305,9 @@ class ElementwiseGroupStep(GroupStep):
     counters, and the result (the same from every slice) is copied into the param's
     own scalar tensors, in place as torch steps them. A scalar is any state not shaped
     like the param, whatever its dims: a counter of shape (1,) (a checkpoint's, one
-    assigned by hand) given to every slice as its state was stepped once a slice.
+    assigned by hand) given to every slice as its state was stepped once a slice. A
+    slice's state is its `ParamSlice.state` (`reads_slice_state`), so one call may take
+    several slices of a param.
     """
 
     reads_slice_state = True  # `_stand_in`: one call may take several slices of a param
@@ -398,9 +401,9 @@ class ElementwiseGroupStep(GroupStep):
             for k, v in own.items()
             if _is_offloaded(v) and (param, k) not in self._not_param_sized
         }
-        # State the plan does not home (kept by options since turned off, which re-plan
-        # once they keep it again) is not read by the step: left out of the stand-in's.
-        entries = {k: local_tensor(piece.state[k]) for k in sliced if k in piece.state}
+        # A slice without its own state (a caller of the protocol's swap-in, or state the
+        # plan does not home, which the step does not read) takes the entry swapped in.
+        entries = {k: local_tensor(piece.state.get(k, own[k])) for k in sliced}
         if param not in self._scalars:  # its scalars at the step's start, for every slice
             self._own_scalars[param] = {k: v for k, v in own.items() if k not in sliced}
             self._scalars[param] = {k: _copied(v) for k, v in self._own_scalars[param].items()}

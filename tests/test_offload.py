@@ -703,6 +703,30 @@ def test_a_users_slicing_step_reads_each_slices_state_where_it_is_swapped_in():
     assert torch.equal(plain.state[w_plain]["m"], opt.state[w]["m"])
 
 
+@pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])
+def test_the_adapter_steps_a_slice_from_the_state_swapped_in_where_it_carries_none(name):
+    # found by a review: slices carrying their state left a caller of the protocol's
+    # swap-in (`ParamSlice(param, start, stop)`) with the momentum made anew, or none
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(16))
+    b = torch.nn.Parameter(a.detach().clone())
+    plain, opt = OPTIMIZERS[name]([a]), OPTIMIZERS[name]([b])
+    for step in range(3):
+        a.grad, b.grad = (g := torch.randn(16)), g.clone()
+        plain.step()
+        if step == 0:
+            opt.step()
+            continue
+        subset = GroupSubsetStep(opt).begin_subset_step()
+        homes = {k: v for k, v in opt.state[b].items() if v.ndim}
+        for start, stop in [(0, 8), (8, 16)]:
+            opt.state[b].update({k: v.view(-1)[start:stop] for k, v in homes.items()})
+            subset.step_slices([], [ParamSlice(b, start, stop)])
+        opt.state[b].update(homes)
+    assert torch.equal(a, b)
+    assert all(torch.equal(v, opt.state[b][k]) for k, v in plain.state[a].items())
+
+
 def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
     model = make_model()
     opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
