@@ -51,6 +51,7 @@ when its per-param updates are independent.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -72,12 +73,14 @@ class SubsetStep(Protocol):
 class ParamSlice:
     """Elements [start, stop) of `param`'s flattened local shard (a DTensor's `to_local()`),
     and `state`: the slice's state tensors by key (flat, `stop - start` elements each; on
-    the step that creates a key's state, the uninitialised memory it is created in)."""
+    the step that creates a key's state, the uninitialised memory it is created in; a key
+    left out is state the step does not keep), or None: the entries swapped into
+    `optimizer.state[param]` are the slice's."""
 
     param: Tensor
     start: int
     stop: int
-    state: Mapping[str, Tensor] = field(default_factory=dict, compare=False, repr=False)
+    state: Mapping[str, Tensor] | None = field(default=None, compare=False, repr=False)
 
 
 @runtime_checkable
@@ -307,7 +310,8 @@ class ElementwiseGroupStep(GroupStep):
     like the param, whatever its dims: a counter of shape (1,) (a checkpoint's, one
     assigned by hand) given to every slice as its state was stepped once a slice. A
     slice's state is its `ParamSlice.state` (`reads_slice_state`), so one call may take
-    several slices of a param.
+    several slices of a param; a slice carrying none (None) reads the entries swapped
+    into the optimizer's state, one slice of a param a call, or is refused.
     """
 
     reads_slice_state = True  # `_stand_in`: one call may take several slices of a param
@@ -340,10 +344,11 @@ class ElementwiseGroupStep(GroupStep):
         state = self._optimizer.state
         stand_ins, unmade = [], []
         try:  # whatever raises, no stand-in stays in the optimizer's state
+            swapped = collections.Counter(s.param for s in slices if s.state is None)
             for param, piece in [(p, None) for p in params] + [(s.param, s) for s in slices]:
                 if self._grad(param) is None:  # the full step skips a param without a grad
                     continue
-                stand_in, entries = self._stand_in(param, piece)
+                stand_in, entries = self._stand_in(param, piece, swapped[param])
                 stand_ins.append((param, stand_in))
                 state[stand_in] = entries
             if stand_ins:
@@ -379,8 +384,11 @@ class ElementwiseGroupStep(GroupStep):
             # they create their slice's state): they get an empty grad.
             self._grads[param] = None if local is None else local.new_empty(0)
 
-    def _stand_in(self, param: Tensor, piece: ParamSlice | None) -> tuple[Tensor, dict[str, Any]]:
-        """`param`'s stand-in (a flat view for a slice) with its grad, and its state entries."""
+    def _stand_in(
+        self, param: Tensor, piece: ParamSlice | None, swapped: int = 0
+    ) -> tuple[Tensor, dict[str, Any]]:
+        """`param`'s stand-in (a flat view for a slice) with its grad, and its state entries
+        (`swapped`: the call's slices of `param` that read the entries swapped in)."""
         stand_in = local_tensor(param).detach()
         stand_in_grad = local_tensor(self._grad(param))
         if piece is not None:
@@ -401,9 +409,24 @@ class ElementwiseGroupStep(GroupStep):
             for k, v in own.items()
             if _is_offloaded(v) and (param, k) not in self._not_param_sized
         }
-        # A slice without its own state (a caller of the protocol's swap-in, or state the
-        # plan does not home, which the step does not read) takes the entry swapped in.
-        entries = {k: local_tensor(piece.state.get(k, own[k])) for k in sliced}
+        if piece.state is not None:
+            # a key it leaves out is not homed (options keep it no longer): not read
+            entries = {k: local_tensor(piece.state[k]) for k in sliced if k in piece.state}
+        else:  # the entries swapped in: the slice's, one slice of the param a call
+            entries = {k: local_tensor(own[k]) for k in sliced}
+            length = piece.stop - piece.start
+            if swapped > 1 or any(t.shape != (length,) for t in entries.values()):
+                raise ValueError(
+                    f"a slice [{piece.start}, {piece.stop}) of a param of shape "
+                    f"{tuple(param.shape)} carries no state (ParamSlice.state), and "
+                    + (
+                        f"the call holds {swapped} such slices of it"
+                        if swapped > 1
+                        else "optimizer.state holds no state of its length for it"
+                    )
+                    + ": swap each slice's state in, one slice of a param a call, or give "
+                    "it in ParamSlice.state"
+                )
         if param not in self._scalars:  # its scalars at the step's start, for every slice
             self._own_scalars[param] = {k: v for k, v in own.items() if k not in sliced}
             self._scalars[param] = {k: _copied(v) for k, v in self._own_scalars[param].items()}

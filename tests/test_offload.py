@@ -727,6 +727,34 @@ def test_the_adapter_steps_a_slice_from_the_state_swapped_in_where_it_carries_no
     assert all(torch.equal(v, opt.state[b][k]) for k, v in plain.state[a].items())
 
 
+@pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])
+@pytest.mark.parametrize("case", ["two slices in a call", "nothing swapped in"])
+def test_the_adapter_refuses_a_slice_without_state_it_cannot_tell_apart(name, case):
+    # found by a review: both slices read the one entry swapped in (or the whole state),
+    # and stepped it wrong without a word
+    torch.manual_seed(0)
+    b = torch.nn.Parameter(torch.randn(2, 8))
+    opt = OPTIMIZERS[name]([b])
+    b.grad = torch.randn(2, 8)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[b].items()}
+    param_before = b.detach().clone()
+    subset = GroupSubsetStep(opt).begin_subset_step()
+    homes = {k: v for k, v in opt.state[b].items() if v.ndim}
+    if case == "two slices in a call":
+        opt.state[b].update({k: v.view(-1)[0:8] for k, v in homes.items()})
+        slices = [ParamSlice(b, 0, 8), ParamSlice(b, 8, 16)]
+        match = "the call holds 2 such slices"
+    else:
+        slices = [ParamSlice(b, 0, 8)]
+        match = "no state of its length"
+    with pytest.raises(ValueError, match=match):
+        subset.step_slices([], slices)
+    opt.state[b].update(homes)
+    assert torch.equal(b, param_before)
+    assert all(torch.equal(v, opt.state[b][k]) for k, v in before.items())
+
+
 def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
     model = make_model()
     opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
