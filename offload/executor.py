@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,13 +110,17 @@ class Home:
 
 @dataclass
 class _View:
-    """The part of one state tensor a chunk steps, built once."""
+    """The part of one state tensor a chunk steps, built once. Views of the staging ring
+    are left out of its repr: between steps the ring holds no memory, and printing them
+    read freed memory (a debugger's or a test report's repr crashed the process)."""
 
     param: Tensor
     key: str
     home: Home
-    staging: Tensor  # a view of the staging ring (of the home, in a resident chunk)
-    staging_state: Tensor  # as the step reads it (a flat tensor for a slice)
+    # a view of the staging ring (of the home, in a resident chunk)
+    staging: Tensor = field(repr=False)
+    # as the step reads it (a flat tensor for a slice)
+    staging_state: Tensor = field(repr=False)
 
 
 @dataclass
@@ -127,7 +131,8 @@ class _Chunk:
     slices: list[ParamSlice]  # updated in slices
     slot: int  # staging slot; -1 when resident
     invariant_bytes: int  # rank-invariant state bytes ("auto" times its loads by them)
-    copies: list[tuple[Tensor, Tensor]]  # (home slab range, staging slot range)
+    # (home slab range, staging slot range); not in the repr, as `_View`'s staging
+    copies: list[tuple[Tensor, Tensor]] = field(repr=False)
     views: list[_View]
 
     @property

@@ -755,6 +755,16 @@ def test_the_adapter_refuses_a_slice_without_state_it_cannot_tell_apart(name, ca
     assert all(torch.equal(v, opt.state[b][k]) for k, v in before.items())
 
 
+def test_the_executors_chunks_print_between_steps():
+    # found while writing a test: a failed assertion's report printed the chunks, whose
+    # views of the staging ring hold no memory between steps, and the process crashed
+    model = make_model()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_bytes=1000)
+    model(torch.randint(0, 50, (4, 6))).square().mean().backward()
+    opt.step()
+    assert opt._executor.ring is not None and "slot=" in repr(opt._executor.chunks)
+
+
 def test_the_adapter_lets_go_of_a_params_grad_once_all_of_it_has_stepped():
     model = make_model()
     opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
