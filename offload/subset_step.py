@@ -342,13 +342,13 @@ class ElementwiseGroupStep(GroupStep):
 
     def step_slices(self, params: Collection[Tensor], slices: Sequence[ParamSlice]) -> None:
         state = self._optimizer.state
+        self._check_swapped_in(slices)
         stand_ins, unmade = [], []
         try:  # whatever raises, no stand-in stays in the optimizer's state
-            swapped = collections.Counter(s.param for s in slices if s.state is None)
             for param, piece in [(p, None) for p in params] + [(s.param, s) for s in slices]:
                 if self._grad(param) is None:  # the full step skips a param without a grad
                     continue
-                stand_in, entries = self._stand_in(param, piece, swapped[param])
+                stand_in, entries = self._stand_in(param, piece)
                 stand_ins.append((param, stand_in))
                 state[stand_in] = entries
             if stand_ins:
@@ -384,11 +384,42 @@ class ElementwiseGroupStep(GroupStep):
             # they create their slice's state): they get an empty grad.
             self._grads[param] = None if local is None else local.new_empty(0)
 
-    def _stand_in(
-        self, param: Tensor, piece: ParamSlice | None, swapped: int = 0
-    ) -> tuple[Tensor, dict[str, Any]]:
-        """`param`'s stand-in (a flat view for a slice) with its grad, and its state entries
-        (`swapped`: the call's slices of `param` that read the entries swapped in)."""
+    def _check_swapped_in(self, slices: Sequence[ParamSlice]) -> None:
+        """Refuse, before anything is touched, a slice carrying no state whose entries
+        swapped into the optimizer's state cannot be its own: the call holds another such
+        slice of its param, or an entry is not a flat tensor of the slice's length."""
+        swapped = collections.Counter(s.param for s in slices if s.state is None)
+        for piece in slices:
+            param = piece.param
+            if piece.state is not None or param not in self._had_state or self._grad(param) is None:
+                continue
+            own = self._optimizer.state[param]
+            length = piece.stop - piece.start
+            if swapped[param] > 1 or any(
+                local_tensor(own[k]).shape != (length,) for k in self._sliced_keys(param)
+            ):
+                raise ValueError(
+                    f"a slice [{piece.start}, {piece.stop}) of a param of shape "
+                    f"{tuple(param.shape)} carries no state (ParamSlice.state), and "
+                    + (
+                        f"the call holds {swapped[param]} such slices of it"
+                        if swapped[param] > 1
+                        else "optimizer.state holds no state of its length for it"
+                    )
+                    + ": swap each slice's state in, one slice of a param a call, or give "
+                    "it in ParamSlice.state"
+                )
+
+    def _sliced_keys(self, param: Tensor) -> set[str]:
+        """`param`'s state a slice of it steps its own slice of (shaped like the param)."""
+        return {
+            k
+            for k, v in self._optimizer.state[param].items()
+            if _is_offloaded(v) and (param, k) not in self._not_param_sized
+        }
+
+    def _stand_in(self, param: Tensor, piece: ParamSlice | None) -> tuple[Tensor, dict[str, Any]]:
+        """`param`'s stand-in (a flat view for a slice) with its grad, and its state entries."""
         stand_in = local_tensor(param).detach()
         stand_in_grad = local_tensor(self._grad(param))
         if piece is not None:
@@ -404,29 +435,12 @@ class ElementwiseGroupStep(GroupStep):
         own = self._optimizer.state[param]
         if piece is None:  # one stand-in: it steps the param's own scalars, as torch does
             return stand_in, {k: local_tensor(v) if _is_offloaded(v) else v for k, v in own.items()}
-        sliced = {
-            k
-            for k, v in own.items()
-            if _is_offloaded(v) and (param, k) not in self._not_param_sized
-        }
+        sliced = self._sliced_keys(param)
         if piece.state is not None:
             # a key it leaves out is not homed (options keep it no longer): not read
             entries = {k: local_tensor(piece.state[k]) for k in sliced if k in piece.state}
-        else:  # the entries swapped in: the slice's, one slice of the param a call
+        else:  # the entries swapped in (`_check_swapped_in`)
             entries = {k: local_tensor(own[k]) for k in sliced}
-            length = piece.stop - piece.start
-            if swapped > 1 or any(t.shape != (length,) for t in entries.values()):
-                raise ValueError(
-                    f"a slice [{piece.start}, {piece.stop}) of a param of shape "
-                    f"{tuple(param.shape)} carries no state (ParamSlice.state), and "
-                    + (
-                        f"the call holds {swapped} such slices of it"
-                        if swapped > 1
-                        else "optimizer.state holds no state of its length for it"
-                    )
-                    + ": swap each slice's state in, one slice of a param a call, or give "
-                    "it in ParamSlice.state"
-                )
         if param not in self._scalars:  # its scalars at the step's start, for every slice
             self._own_scalars[param] = {k: v for k, v in own.items() if k not in sliced}
             self._scalars[param] = {k: _copied(v) for k, v in self._own_scalars[param].items()}

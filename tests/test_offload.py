@@ -728,31 +728,48 @@ def test_the_adapter_steps_a_slice_from_the_state_swapped_in_where_it_carries_no
 
 
 @pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum"])
-@pytest.mark.parametrize("case", ["two slices in a call", "nothing swapped in"])
+@pytest.mark.parametrize(
+    "case", ["two slices in a call", "nothing swapped in", "after a slice with state"]
+)
 def test_the_adapter_refuses_a_slice_without_state_it_cannot_tell_apart(name, case):
     # found by a review: both slices read the one entry swapped in (or the whole state),
-    # and stepped it wrong without a word
+    # and stepped it wrong without a word; then, refused, the slices before it were left
+    # swapped into the optimizer's state
     torch.manual_seed(0)
-    b = torch.nn.Parameter(torch.randn(2, 8))
-    opt = OPTIMIZERS[name]([b])
-    b.grad = torch.randn(2, 8)
-    opt.step()
+    a = torch.nn.Parameter(torch.randn(2, 8))
+    b = torch.nn.Parameter(a.detach().clone())
+    plain, opt = OPTIMIZERS[name]([a]), OPTIMIZERS[name]([b])
+    for grad in (torch.randn(2, 8), torch.randn(2, 8)):
+        a.grad, b.grad = grad, grad.clone()
+        plain.step()
+        if len(opt.state) == 0:
+            opt.step()
     before = {k: v.clone() for k, v in opt.state[b].items()}
+    entries = dict(opt.state[b])
     param_before = b.detach().clone()
     subset = GroupSubsetStep(opt).begin_subset_step()
     homes = {k: v for k, v in opt.state[b].items() if v.ndim}
+    flat = {k: v.view(-1) for k, v in homes.items()}
     if case == "two slices in a call":
-        opt.state[b].update({k: v.view(-1)[0:8] for k, v in homes.items()})
+        opt.state[b].update({k: v[0:8] for k, v in flat.items()})
         slices = [ParamSlice(b, 0, 8), ParamSlice(b, 8, 16)]
         match = "the call holds 2 such slices"
-    else:
+    elif case == "nothing swapped in":
         slices = [ParamSlice(b, 0, 8)]
+        match = "no state of its length"
+    else:
+        slices = [ParamSlice(b, 0, 8, {k: v[0:8] for k, v in flat.items()}), ParamSlice(b, 8, 16)]
         match = "no state of its length"
     with pytest.raises(ValueError, match=match):
         subset.step_slices([], slices)
-    opt.state[b].update(homes)
+    if case == "two slices in a call":
+        opt.state[b].update(homes)
+    assert all(opt.state[b][k] is v for k, v in entries.items())  # nothing left swapped
     assert torch.equal(b, param_before)
     assert all(torch.equal(v, opt.state[b][k]) for k, v in before.items())
+    subset.step_slices([b], [])  # and the step goes on, as torch's
+    assert torch.equal(a, b)
+    assert all(torch.equal(v, opt.state[b][k]) for k, v in plain.state[a].items())
 
 
 def test_the_executors_chunks_print_between_steps():
