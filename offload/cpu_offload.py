@@ -1843,12 +1843,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ran = (self._resident_budget, self._load_in_backward, self.backward_load_bytes)
         error: Exception | None = None
         stays: frozenset[tuple[Tensor, str]] = frozenset()
+        keep_on_device = False
         try:
             step = self._planned_with(split)
             stays = self._resident_in_place(step)
+            keep_on_device = self._both_plans_fit(step)
         except Exception as err:
             error = err
-        self._give_back_gpu_state(stays)
+        self._give_back_gpu_state(stays, keep_on_device)
         self._resident_budget = split.resident_bytes
         if self._overlap is not None:
             backward = split.backward_load_bytes
@@ -1884,14 +1886,33 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._resident_budget, self._load_in_backward, self.backward_load_bytes = ran
         self._executor.forget()
 
-    def _give_back_gpu_state(self, stays: frozenset[tuple[Tensor, str]] = frozenset()) -> None:
+    def _give_back_gpu_state(
+        self, stays: frozenset[tuple[Tensor, str]] = frozenset(), keep_on_device: bool = False
+    ) -> None:
         """Before a re-plan within one host layout: resident state, but `stays`, to its room
-        in the host slabs, and the staging slots dropped
+        in the host slabs, and the staging slots dropped, or with `keep_on_device` held
+        until the new plan has copied from them what it would load
         (`StepExecutor.give_back_gpu_state`)."""
         self._executor.give_back_gpu_state(
             plan_offload(self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True),
             stays,
+            keep_on_device,
         )
+
+    def _both_plans_fit(self, step: OffloadedStep) -> bool:
+        """Whether the plan running now and `step` may be held at once, for the re-plan to
+        copy device to device the state the backward loaded and the resident state leaving
+        the device (`StepExecutor.give_back_gpu_state`): within the `gpu_budget_bytes`
+        given, or else `step` within the device's headroom (free at the peak so far, which
+        the plan running now held)."""
+        executor = self._executor
+        if executor.plan is None:
+            return False
+        held = executor.plan.held_bytes(executor.schedule.slots, executor.schedule.ring_slots)
+        budget = self._gpu_budget_bytes
+        if budget is None:
+            return step.held_bytes <= device_headroom_bytes(self.device)
+        return held + step.held_bytes <= budget
 
     def _resident_in_place(self, step: OffloadedStep) -> frozenset[tuple[Tensor, str]]:
         """The state (param, key) resident now and in `step` (`chunk_plan.resident_in_both`),

@@ -16,6 +16,7 @@ with no copies. What to plan, when to step and what the user sees are
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -81,6 +82,12 @@ def _carve(flat: Tensor, shape: torch.Size, param: Tensor) -> Tensor:
     if shape != local.shape:
         return flat.view(shape)
     return flat.as_strided(shape, torch.empty_like(local, device="meta").stride())
+
+
+def _flat(carved: Tensor) -> Tensor:
+    """A tensor `_carve` made, as the flat range it was carved from (its elements in
+    memory order)."""
+    return carved.as_strided((carved.numel(),), (1,))
 
 
 @contextlib.contextmanager
@@ -219,6 +226,41 @@ def _state_versions(chunk: _Chunk) -> list[int]:
     return [version(t) for view in chunk.views for t in (view.home.home, view.home.home_state)]
 
 
+class _OnDevice:
+    """Ranges of the host slabs whose values are on the device too, per dtype (state the
+    backward loaded, and resident state a re-plan moves home), and the memory holding them
+    until a re-plan has copied from it device to device what it would load from the host
+    (`StepExecutor.build`). Ranges do not overlap: each is one chunk's or one tensor's."""
+
+    def __init__(self) -> None:
+        self._ranges: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
+        self._starts: dict[torch.dtype, list[int]] = {}
+        self.held: list[_StagingRing] = []  # the old backward's slots, given back after
+
+    def add(self, dtype: torch.dtype, start: int, device: Tensor) -> None:
+        """Host slab elements [start, start + numel) of `dtype` are `device` (flat)."""
+        self._ranges.setdefault(dtype, []).append((start, device))
+        self._starts.pop(dtype, None)
+
+    def pieces(self, dtype: torch.dtype, start: int, numel: int) -> list[tuple[int, Tensor]] | None:
+        """Device pieces covering host elements [start, start + numel), each with its offset
+        in that range; None where some of it is not on the device."""
+        ranges = self._ranges.get(dtype, [])
+        if dtype not in self._starts:
+            ranges.sort(key=lambda r: r[0])
+            self._starts[dtype] = [begin for begin, _ in ranges]
+        first = max(0, bisect.bisect_right(self._starts[dtype], start) - 1)
+        at, stop, found = start, start + numel, []
+        for begin, device in ranges[first:]:
+            if at >= stop or begin > at:
+                break
+            end = begin + device.numel()
+            if end > at:
+                found.append((at - start, device[at - begin : min(end, stop) - begin]))
+                at = min(end, stop)
+        return found if at >= stop else None
+
+
 class StepExecutor:
     """Holds an offloaded step's memory and enqueues its copies and updates.
 
@@ -252,6 +294,7 @@ class StepExecutor:
         self.loaded_ahead: dict[int, bool] = {}  # staged chunk index -> state copied in
         self.loaded_ahead_done: torch.Event | None = None
         self.loaded_ahead_versions: list[int] = []  # of their state, once the backward loaded
+        self.on_device: _OnDevice | None = None  # a re-plan's device copies of host state
         self.chunks_loaded_in_backward = 0
         self.slice_counts: collections.Counter[Tensor] = collections.Counter()  # per param
 
@@ -273,6 +316,7 @@ class StepExecutor:
         kept = {dtype: slab.numel() for dtype, slab in self.host_slabs.items()}
         kept_host_slabs = keep_host_slabs and kept == dict(plan.host_numel)
         if not kept_host_slabs:
+            self.drop_on_device()  # its ranges are of the old slabs
             self.host_slabs = allocate_host_slabs(plan.host_numel, self.device)
         self.resident_slabs = {
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
@@ -373,12 +417,63 @@ class StepExecutor:
                     # trainer's stream: the host does not wait (the homes' readers wait for
                     # `step_done`). Not from old host slabs, freed once this returns, nor
                     # from a device tensor, which could be freed before its copy ran.
-                    home.home.copy_(
-                        current, non_blocking=kept_host_slabs and current.device.type == "cpu"
-                    )
+                    if not self._copy_on_device(_flat(home.home), current):
+                        home.home.copy_(
+                            current, non_blocking=kept_host_slabs and current.device.type == "cpu"
+                        )
                 entries[key] = home.home_state
         self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step
+        if ring and self.on_device is not None:
+            self._load_on_device()
+        self.drop_on_device()
+
+    def _copy_on_device(self, into: Tensor, home: Tensor) -> bool:
+        """Copy into `into` (flat) the state at `home`, a host home, from `on_device`, on
+        the trainer's stream; False where it is not all there."""
+        on_device = self.on_device
+        slab = self.host_slabs.get(home.dtype)
+        if (
+            on_device is None
+            or slab is None
+            or not home.untyped_storage().data_ptr() == (slab.untyped_storage().data_ptr())
+        ):
+            return False
+        pieces = on_device.pieces(home.dtype, self._host_offset(home), home.numel())
+        for offset, piece in pieces or ():
+            into[offset : offset + piece.numel()].copy_(piece)
+        return pieces is not None
+
+    def _load_on_device(self) -> None:
+        """After a re-plan: the schedule's first chunks loaded in the backward whose state
+        `on_device` holds (the last plan's backward loaded it, or held it resident) are
+        copied into their slots device to device, on the trainer's stream, and count as
+        loaded in the backward: the first step of the plan does not load them from the
+        host again (all of them through the next forward's copies otherwise)."""
+        streams, state = self.streams, self.optimizer.state
+        staged = self.schedule.loaded_in_backward
+        on_device = self.on_device
+        for index, c in enumerate(staged):
+            chunk = self.chunks[c]
+            if not any(state.get(p) for p in chunk.touched):
+                break
+            sources = [
+                on_device.pieces(home.dtype, self._host_offset(home), home.numel())
+                for home, _ in chunk.copies
+            ]
+            if any(pieces is None for pieces in sources):
+                break  # loaded ahead: a leading run of the chunks (`load_ahead`)
+            self.extra_slots[chunk.slot - self.staging_slots].acquire()
+            for (_, staging), pieces in zip(chunk.copies, sources, strict=True):
+                for offset, piece in pieces:
+                    staging[offset : offset + piece.numel()].copy_(piece)
+            streams.record(streams.loaded[chunk.slot], streams.current())
+            self.loaded_ahead[index] = True
+        if self.loaded_ahead:
+            self.loaded_ahead_versions = [
+                v for i in self.loaded_ahead for v in _state_versions(self.chunks[staged[i]])
+            ]
+            self.loaded_ahead_done = streams.mark(streams.current())
 
     def _move_left_state(self, plan: OffloadPlan) -> dict[tuple[Tensor, str], Home]:
         """State `give_back_gpu_state` left in the old resident slabs into its resident
@@ -406,7 +501,10 @@ class StepExecutor:
         return homes
 
     def give_back_gpu_state(
-        self, everything_home: OffloadPlan, stays: Collection[tuple[Tensor, str]] = ()
+        self,
+        everything_home: OffloadPlan,
+        stays: Collection[tuple[Tensor, str]] = (),
+        keep_on_device: bool = False,
     ) -> None:
         """Before a re-plan within one host layout: state in the resident slabs to its room
         in the host slabs (where `everything_home`, the plan of that layout with nothing
@@ -419,11 +517,22 @@ class StepExecutor:
 
         The host does not wait: the state moves on the trainer's stream after the last
         step's write-backs, `step_done` marks it, and the slots go back once the copy
-        streams are past them (the backward's loads into them are dropped)."""
+        streams are past them. With `keep_on_device`, the backward's loads and the
+        resident state moving home stay on the device (`on_device`) until `build` has
+        copied from them what the next plan would load from the host; else they are
+        dropped."""
         state, streams = self.optimizer.state, self.streams
         current = streams.current()
+        self.drop_on_device()
         if self.step_done is not None:
             streams.wait(current, self.step_done)
+        on_device = _OnDevice() if keep_on_device else None
+        if on_device is not None and self.loaded_ahead:
+            staged = self.schedule.loaded_in_backward
+            for index, copied in self.loaded_ahead.items():
+                for home, staging in self.chunks[staged[index]].copies if copied else ():
+                    on_device.add(home.dtype, self._host_offset(home), staging)
+            streams.wait(current, self.loaded_ahead_done)
         slabs = [*self.resident_slabs.values(), *self.left_slabs]
         resident = {slab.untyped_storage().data_ptr() for slab in slabs}
         seen = set(stays)  # a sliced tensor has a view per chunk
@@ -441,6 +550,8 @@ class StepExecutor:
                 host = _carve(slab, spec.shape, param)
                 host.copy_(current_state, non_blocking=True)
                 entries[spec.key] = as_state(param, host)
+                if on_device is not None:
+                    on_device.add(spec.dtype, view.home_offset, _flat(current_state))
         self.step_done = streams.mark(current)
         if current is not None:
             for slab in slabs:  # freed once the copies are done
@@ -452,15 +563,32 @@ class StepExecutor:
         }
         self.left_slabs = [slab for slab in slabs if slab.untyped_storage().data_ptr() in left]
         self.loaded_ahead, self.loaded_ahead_done = {}, None
-        for slots in (self.ring, *self.extra_slots):
+        if on_device is not None:
+            on_device.held, self.on_device = self.extra_slots, on_device
+        for slots in (self.ring, *(self.extra_slots if on_device is None else ())):
             if slots is not None:
                 slots.release([streams.h2d, streams.d2h])
         self.chunks, self.homes, self.resident_slabs = [], {}, {}
         self.ring, self.extra_slots = None, []
 
+    def drop_on_device(self) -> None:
+        """Give back what `give_back_gpu_state` kept on the device (once the streams that
+        read it are past it)."""
+        if self.on_device is None:
+            return
+        streams = self.streams
+        for slots in self.on_device.held:
+            slots.release([streams.h2d, streams.d2h, streams.current()])
+        self.on_device = None
+
+    def _host_offset(self, home: Tensor) -> int:
+        """Where `home`, a view of a host slab, starts in it (elements)."""
+        return home.storage_offset() - self.host_slabs[home.dtype].storage_offset()
+
     def forget(self) -> None:
         """Drop the plan and its GPU memory (after a failed re-plan, with the state in its
         host homes; the next step plans anew)."""
+        self.drop_on_device()
         self.plan, self.resident_slabs = None, {}
         self.ring, self.extra_slots = None, []
 

@@ -1099,11 +1099,14 @@ def test_auto_never_settles_on_a_split_over_its_budget():
 
 
 def test_an_auto_replan_gives_back_the_old_plans_gpu_state_before_it_allocates(monkeypatch):
-    """A re-plan moves resident state to its host room and drops the old ring first: the
-    budget holds one plan, not the old and the new side by side. The old resident slabs
-    holding state resident in both plans live until that state is copied device to
-    device into the new resident slabs, before the new staging is allocated."""
+    """Where the two plans may not be held at once (`_both_plans_fit`), a re-plan moves
+    resident state to its host room and drops the old ring first: the budget holds one
+    plan, not the old and the new side by side. The old resident slabs holding state
+    resident in both plans live until that state is copied device to device into the new
+    resident slabs, before the new staging is allocated."""
     import offload.executor
+
+    monkeypatch.setattr(CPUOffloadOptimizer, "_both_plans_fit", lambda self, step: False)
 
     old_slabs: list[weakref.ref] = []
     old_rings: list[weakref.ref] = []

@@ -424,20 +424,27 @@ def test_auto_re_plans_with_no_host_wait_and_alone_no_collective(async_branches,
 
 
 @pytest.mark.parametrize("faster_up_to", [1.0, 0.5], ids=["settles_largest", "settles_smaller"])
+@pytest.mark.parametrize("both_plans_fit", [True, False], ids=["both_fit", "one_fits"])
 def test_auto_re_plans_move_only_the_state_whose_residency_changes(
-    async_branches, monkeypatch, faster_up_to
+    async_branches, monkeypatch, faster_up_to, both_plans_fit
 ):
     """A re-plan of "auto" copies state resident before and after device to device, and
     only what joins or leaves the resident state crosses the host link (a round trip
-    through the host put the trainer's stream behind twice its copies). Bitwise equal to
-    plain AdamW."""
+    through the host put the trainer's stream behind twice its copies). Where both plans
+    may be held at once, what the last backward loaded and the resident state leaving the
+    device are copied device to device too, into the new resident state and the chunks the
+    new plan loads in the backward, which its first step does not load again (it loaded
+    them all through the forward). Bitwise equal to plain AdamW."""
 
     from offload.residency import AUTO_STEPS_AT_MOST
 
+    monkeypatch.setattr(CPUOffloadOptimizer, "_both_plans_fit", lambda self, step: both_plans_fit)
     plain_model, model = _model(), _model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     opt = _searching_auto(model, faster_up_to)
     moves = []  # per re-plan: resident state before, after; bytes to the host, from it, within
+    carried = []  # per re-plan: its step, the chunks it copied in on the device, their bytes
+    loads: list[set[int]] = []  # per step: the chunks it loaded from the host
 
     def resident() -> dict[tuple[int, str], int]:  # (param, key) -> bytes
         chunks = opt._executor.plan.chunks
@@ -471,13 +478,29 @@ def test_auto_re_plans_move_only_the_state_whose_residency_changes(
         finally:
             replanning[0] = False
         moves[-1][1] = resident()
+        executor = opt._executor
+        copied = {executor.schedule.loaded_in_backward[i] for i in executor.loaded_ahead}
+        nbytes = sum(
+            h.numel() * h.element_size() for c in copied for h, _ in executor.chunks[c].copies
+        )
+        carried.append((len(loads) - 1, copied, nbytes))
+        loads[-1] = set()  # the old plan's loads in the backward are of its own chunks
+
+    load = offload.executor.StepExecutor._load
+
+    def watched_load(self, chunk, *args, **kwargs):
+        loads[-1].add(next(c for c, x in enumerate(self.chunks) if x is chunk))
+        return load(self, chunk, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
     monkeypatch.setattr(CPUOffloadOptimizer, "_replan", counted_replan)
+    monkeypatch.setattr(offload.executor.StepExecutor, "_load", watched_load)
     gen = torch.Generator().manual_seed(3)
     for _ in range(AUTO_STEPS_AT_MOST + 1):
         tokens = torch.randint(0, 40, (3, 4), generator=gen)
         for m, o in ((plain_model, plain), (model, opt)):
+            if o is opt:  # the loads of the step to come: in the backward, step(), forward
+                loads.append(set())
             o.zero_grad()
             m(tokens).square().mean().backward()
             o.step()
@@ -485,11 +508,16 @@ def test_auto_re_plans_move_only_the_state_whose_residency_changes(
     assert len(moves) >= 3
     assert any(after and before.keys() > after.keys() for before, after, *_ in moves)  # left
     assert any(before and before.keys() < after.keys() for before, after, *_ in moves)  # joined
-    for before, after, to_host, from_host, within in moves:
+    for (before, after, to_host, from_host, within), (step, copied, into_slots) in zip(
+        moves, carried, strict=True
+    ):
         left = sum(n for key, n in before.items() if key not in after)
         joined = sum(n for key, n in after.items() if key not in before)
         stayed = sum(n for key, n in after.items() if key in before)
-        assert (to_host, from_host, within) == (left, joined, stayed)
+        assert (to_host, from_host + within) == (left, joined + stayed + into_slots)
+        assert within >= stayed and not (copied and not both_plans_fit)
+        assert not copied & loads[step]  # its first step did not load them again
+    assert any(copied for _, copied, _ in carried) == both_plans_fit
     assert opt.plan.resident_bytes > 0
     opt.wait_for_optimizer_step()
     assert_equal(plain_model, plain, model, opt)
