@@ -888,7 +888,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def chunks_loaded_in_backward(self) -> int:
-        """How many chunks the last step found loaded in the backward (`load_in_backward`)."""
+        """How many chunks the last step found loaded in the backward (`load_in_backward`;
+        at a re-plan of "auto", copied from what the old plan held on the device)."""
         return self._executor.chunks_loaded_in_backward
 
     def zero_grad(self, set_to_none: bool = True) -> None:

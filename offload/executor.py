@@ -239,8 +239,9 @@ class _OnDevice:
 
     def add(self, dtype: torch.dtype, start: int, device: Tensor) -> None:
         """Host slab elements [start, start + numel) of `dtype` are `device` (flat)."""
-        self._ranges.setdefault(dtype, []).append((start, device))
-        self._starts.pop(dtype, None)
+        if device.numel():  # an empty one would start a scan that finds nothing
+            self._ranges.setdefault(dtype, []).append((start, device))
+            self._starts.pop(dtype, None)
 
     def pieces(self, dtype: torch.dtype, start: int, numel: int) -> list[tuple[int, Tensor]] | None:
         """Device pieces covering host elements [start, start + numel), each with its offset
@@ -453,6 +454,8 @@ class StepExecutor:
         streams, state = self.streams, self.optimizer.state
         staged = self.schedule.loaded_in_backward
         on_device = self.on_device
+        if not self.extra_slots:  # nothing staged here (a 0-d param's state, empty shards)
+            return
         for index, c in enumerate(staged):
             chunk = self.chunks[c]
             if not any(state.get(p) for p in chunk.touched):

@@ -1568,3 +1568,67 @@ def test_a_backward_byte_count_below_the_first_chunk_says_it_loads_nothing():
         train(model, opt, steps=2)
     assert not opt.schedule.loaded_in_backward
     opt.close()
+
+
+def test_device_ranges_a_replan_copies_from_cover_what_they_hold():
+    """`_OnDevice.pieces`: adjacent ranges cover a span across them, a gap does not, and an
+    empty range (an empty tensor leaving residency) starting where another starts, added
+    in either order, hides nothing (it did: the scan started at it and found no cover)."""
+    from offload.executor import _OnDevice
+
+    a, b = torch.arange(10.0), torch.arange(10.0, 15.0)
+    for empty_first in (True, False):
+        on_device = _OnDevice()
+        ranges = [(10, a), (20, b)]
+        if empty_first:
+            ranges.insert(0, (10, torch.empty(0)))
+        else:
+            ranges.append((10, torch.empty(0)))
+        for start, device in ranges:
+            on_device.add(torch.float32, start, device)
+        pieces = on_device.pieces(torch.float32, 12, 11)
+        assert [(offset, piece.tolist()) for offset, piece in pieces] == [
+            (0, list(range(2, 10))),
+            (8, [10.0, 11.0, 12.0]),
+        ]
+        assert on_device.pieces(torch.float32, 10, 10)[0][1].tolist() == a.tolist()
+        assert on_device.pieces(torch.float32, 18, 8) is None  # past b's end
+        assert on_device.pieces(torch.float32, 5, 6) is None  # before a's start
+        assert on_device.pieces(torch.float64, 10, 1) is None  # another dtype
+        assert on_device.pieces(torch.float32, 30, 0) == []
+
+
+def test_an_auto_replan_to_a_plan_staging_nothing_here_builds(monkeypatch):
+    """A split whose staged chunks hold no bytes here (a 0-d param's state is not homed)
+    while the backward still loads them builds with no slots to copy into (it raised
+    IndexError from the re-plan's device copies); bit-equal to plain AdamW."""
+    from offload.auto_residency import AutoResidency
+    from offload.residency import Split
+
+    class WithTemperature(torch.nn.Sequential):
+        def __init__(self):
+            torch.manual_seed(0)
+            super().__init__(torch.nn.Embedding(40, 16), torch.nn.Linear(16, 5))
+            self.temperature = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return super().forward(x) * self.temperature
+
+    plain_model, model = WithTemperature(), WithTemperature()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = _overlapped(model, gpu_resident_bytes="auto", load_in_backward=True)
+    everything = sum(8 * p.numel() for p in model.parameters())
+    decisions = iter([None, Split(everything, 0)])
+    monkeypatch.setattr(AutoResidency, "decide", lambda self, *args: next(decisions, None))
+    monkeypatch.setattr(AutoResidency, "measuring", property(lambda self: False))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        tokens = torch.randint(0, 40, (3, 4), generator=gen)
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            o.step()
+    assert opt.schedule.loaded_in_backward and opt._executor.ring is None
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
