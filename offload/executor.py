@@ -434,12 +434,10 @@ class StepExecutor:
         the trainer's stream; False where it is not all there."""
         on_device = self.on_device
         slab = self.host_slabs.get(home.dtype)
-        if (
-            on_device is None
-            or slab is None
-            or not home.untyped_storage().data_ptr() == (slab.untyped_storage().data_ptr())
-        ):
+        if on_device is None or slab is None:
             return False
+        if home.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr():
+            return False  # not in the host slabs (a tensor given by hand)
         pieces = on_device.pieces(home.dtype, self._host_offset(home), home.numel())
         for offset, piece in pieces or ():
             into[offset : offset + piece.numel()].copy_(piece)
@@ -535,7 +533,8 @@ class StepExecutor:
             for index, copied in self.loaded_ahead.items():
                 for home, staging in self.chunks[staged[index]].copies if copied else ():
                     on_device.add(home.dtype, self._host_offset(home), staging)
-            streams.wait(current, self.loaded_ahead_done)
+            if self.loaded_ahead_done is not None:
+                streams.wait(current, self.loaded_ahead_done)
         slabs = [*self.resident_slabs.values(), *self.left_slabs]
         resident = {slab.untyped_storage().data_ptr() for slab in slabs}
         seen = set(stays)  # a sliced tensor has a view per chunk
