@@ -1909,10 +1909,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         executor = self._executor
         if executor.plan is None:
             return False
-        held = executor.plan.held_bytes(executor.schedule.slots, executor.schedule.ring_slots)
         budget = self._gpu_budget_bytes
         if budget is None:
             return step.held_bytes <= device_headroom_bytes(self.device)
+        held = executor.plan.held_bytes(executor.schedule.slots, executor.schedule.ring_slots)
         return held + step.held_bytes <= budget
 
     def _resident_in_place(self, step: OffloadedStep) -> frozenset[tuple[Tensor, str]]:

@@ -262,6 +262,12 @@ class _OnDevice:
         return found if at >= stop else None
 
 
+def _copy_from(into: Tensor, pieces: Sequence[tuple[int, Tensor]]) -> None:
+    """Copy `_OnDevice.pieces` into `into` (flat), each at its offset."""
+    for offset, piece in pieces:
+        into[offset : offset + piece.numel()].copy_(piece)
+
+
 class StepExecutor:
     """Holds an offloaded step's memory and enqueues its copies and updates.
 
@@ -439,8 +445,7 @@ class StepExecutor:
         if home.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr():
             return False  # not in the host slabs (a tensor given by hand)
         pieces = on_device.pieces(home.dtype, self._host_offset(home), home.numel())
-        for offset, piece in pieces or ():
-            into[offset : offset + piece.numel()].copy_(piece)
+        _copy_from(into, pieces or [])
         return pieces is not None
 
     def _load_on_device(self) -> None:
@@ -449,11 +454,11 @@ class StepExecutor:
         copied into their slots device to device, on the trainer's stream, and count as
         loaded in the backward: the first step of the plan does not load them from the
         host again (all of them through the next forward's copies otherwise)."""
+        if not self.extra_slots:  # nothing staged here (a 0-d param's state, empty shards)
+            return
         streams, state = self.streams, self.optimizer.state
         staged = self.schedule.loaded_in_backward
         on_device = self.on_device
-        if not self.extra_slots:  # nothing staged here (a 0-d param's state, empty shards)
-            return
         for index, c in enumerate(staged):
             chunk = self.chunks[c]
             if not any(state.get(p) for p in chunk.touched):
@@ -466,8 +471,7 @@ class StepExecutor:
                 break  # loaded ahead: a leading run of the chunks (`load_ahead`)
             self.extra_slots[chunk.slot - self.staging_slots].acquire()
             for (_, staging), pieces in zip(chunk.copies, sources, strict=True):
-                for offset, piece in pieces:
-                    staging[offset : offset + piece.numel()].copy_(piece)
+                _copy_from(staging, pieces)
             streams.record(streams.loaded[chunk.slot], streams.current())
             self.loaded_ahead[index] = True
         if self.loaded_ahead:
