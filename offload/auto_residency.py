@@ -9,7 +9,11 @@ the same chunks).
 
 Steps: the first `AUTO_WARMUP_STEPS` pin slabs and create state; the next
 `AUTO_MEASURED_STEPS` run everything offloaded and are measured (stalls, the backward's
-length, the load rate, each step). Then the stall model's total, split between the
+length, the load rate, each step). With forward overlap on a device that times events,
+the last measured step's backward loads what the backward may carry (its measured length
+at the load rate), the leading chunks: the first split the search tries keeps them off
+the forward's path too, and its re-plan copies them on the device instead of loading
+them again. Then the stall model's total, split between the
 backward and residency; with forward overlap on a device that times events, the search
 tries splits, `PROBE_STEPS` steps each, settles (`residency.next_split`), and checks the
 settled split on the next `PROBE_STEPS` steps: against the largest split tried (the most
@@ -89,6 +93,7 @@ class AutoResidency:
         self.timer = timer
         self.device = device
         self.budget_bytes = budget_bytes
+        self._budget_given = budget_bytes is not None
         self.backward = backward
         self.choice: ResidencyChoice | None = None
         self._steps = 0
@@ -137,6 +142,21 @@ class AutoResidency:
         """This step is one of the measured ones (everything offloaded, timed)."""
         return AUTO_WARMUP_STEPS <= self._steps - 1 < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
 
+    @property
+    def profiling(self) -> bool:
+        """This step's chunks and waits are timed: a measured step running everything
+        offloaded, not the last one once its backward loads (`_load_ahead`), whose plan
+        cuts the first chunks otherwise (the stall model reads the profiles against one
+        plan's chunks)."""
+        return self.measuring and self._current == Split(0, 0)
+
+    @property
+    def timing_backward(self) -> bool:
+        """The backward after this step is timed: the warmup's too, so that the last
+        measured step knows what the backward may load, from a backward that ended
+        before it started (`StepTimer.backward_ms`)."""
+        return self._steps - 1 < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
+
     def step_started(self, stream: torch.Stream | None) -> None:
         """A step starts on the trainer's stream (each step's, before its own work)."""
         self.timer.iteration_started(stream)
@@ -157,8 +177,10 @@ class AutoResidency:
         `room_bytes()`: what a split may hold without raising the run's peak (None:
         unknown); each asked at most once."""
         step = self._steps - 1
-        if step < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
+        if step < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS - 1:
             return None
+        if step < AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS:
+            return self._load_ahead(shape, held, headroom_bytes)
         if self._base is None:  # at the step after the measured ones, or the first to get
             # here (the user may have mended a step refused before it asked)
             return self._first_choice(
@@ -210,25 +232,15 @@ class AutoResidency:
             shape = dataclasses.replace(
                 shape, chunk_bytes=shape.chunk_bytes[::-1], unit_bytes=shape.unit_bytes[::-1]
             )
-        budget = self.budget_bytes
-        if budget is None:
-            budget = min(headroom_bytes(), held(Split(sum(shape.unit_bytes), 0)))
-        backward = 0
-        if self.backward == "auto":
-            backward = int(
-                BACKWARD_LOAD_SHARE * self.timer.backward_ms() * self.timer.load_bytes_per_ms()
-            )
-        elif isinstance(self.backward, int):
-            backward = self.backward
+        budget, backward = self._limits(shape, held, headroom_bytes, since=AUTO_WARMUP_STEPS)
+        self._backward_cap = backward
         # the measured steps' iterations (each to the next step's start)
         measured_end = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
         measured = self._probe(Split(0, 0), self._before_this_step(AUTO_WARMUP_STEPS, measured_end))
-        # Ranks agree (each holds its own shards): the least budget and backward, the
-        # slowest step; the least of their largest totals that fit; then which splits fit
-        # every rank (what a split holds need not grow with its total), the largest model
-        # choice, and whether its split fits everywhere.
-        _, (budget, backward) = self._agree([], [budget, backward])
-        budget, backward = int(budget), int(backward)
+        # Ranks agree (each holds its own shards): the slowest step; the least of their
+        # largest totals that fit; then which splits fit every rank (what a split holds
+        # need not grow with its total), the largest model choice, and whether its split
+        # fits everywhere.
 
         def fits(split: Split) -> bool:
             return held(split) <= budget
@@ -256,7 +268,7 @@ class AutoResidency:
             default = Split(0, default_backward_bytes())
             _, (default_fits,) = self._agree([], [fits(default)])
             capped = isinstance(self.backward, int) and default.backward_load_bytes > backward
-            if default.total > 0 and not capped and (default_fits or self.budget_bytes is None):
+            if default.total > 0 and not capped and (default_fits or not self._budget_given):
                 splits = with_split(splits, default)
         first = split_total(int(total), shape.unit_bytes, backward)
         _, (first_fits,) = self._agree([], [fits(first)])
@@ -264,8 +276,6 @@ class AutoResidency:
             smaller = [s for s in splits if s.total <= first.total]
             first = max(smaller, key=_total, default=Split(0, 0))
         self._base = model
-        self._backward_cap = backward
-        self.budget_bytes = budget
         self._shape, self._profiles = shape, profiles
         if not (shape.overlap and self.timer.timed):
             # Nothing to search with: the model's choice.
@@ -283,6 +293,50 @@ class AutoResidency:
         self._splits = splits
         self._default = default
         return self._next(step)
+
+    def _limits(
+        self,
+        shape: StepShape,
+        held: Callable[[Split], int],
+        headroom_bytes: Callable[[], int],
+        since: int,
+    ) -> tuple[int, int]:
+        """The budget (`budget_bytes` resolved, at the first step that asks: the peak as
+        measured before any split ran) and what the backward may load, from the
+        backwards of steps `since` on (`StepTimer.backward_ms`); each the least over the
+        ranks (each holds its own shards)."""
+        budget = self.budget_bytes
+        if budget is None:
+            budget = min(headroom_bytes(), held(Split(sum(shape.unit_bytes), 0)))
+        backward = 0
+        if self.backward == "auto":
+            backward = int(
+                BACKWARD_LOAD_SHARE * self.timer.backward_ms(since) * self.timer.load_bytes_per_ms()
+            )
+        elif isinstance(self.backward, int):
+            backward = self.backward
+        _, (budget, backward) = self._agree([], [budget, backward])
+        self.budget_bytes = int(budget)
+        return self.budget_bytes, int(backward)
+
+    def _load_ahead(
+        self,
+        shape: StepShape,
+        held: Callable[[Split], int],
+        headroom_bytes: Callable[[], int],
+    ) -> Split | None:
+        """At the last measured step, with forward overlap on a timed device: the split
+        whose backward loads the leading chunks within what the backward may load, where
+        it fits every rank's budget. Its forward still loads everything (the backward
+        before it loaded nothing), so the step measures as the others; the first split
+        the search tries then copies those chunks on the device."""
+        if not (shape.overlap and self.timer.timed):
+            return None
+        # the warmup's backward too: a measured step's ends as this step starts
+        budget, backward = self._limits(shape, held, headroom_bytes, since=0)
+        split = Split(0, backward)
+        _, (fits,) = self._agree([], [float(backward > 0 and held(split) <= budget)])
+        return self._run(split) if fits else None
 
     def _next(self, step: int) -> Split | None:
         split = next_split(self._probes, self._splits, self._default, self._free)
@@ -319,9 +373,11 @@ class AutoResidency:
 
     def settle_on(self, split: Split) -> None:
         """The split returned could not be run (its re-plan failed, e.g. out of memory):
-        settle on `split`, the one that ran before."""
+        settle on `split`, the one that ran before (at the last measured step, run it: the
+        first choice comes at the next step)."""
         self._current = split
-        self._settle(split, self._shape, self._profiles)
+        if self._base is not None:  # else still measuring: the first choice comes next
+            self._settle(split, self._shape, self._profiles)
 
     def _settle(
         self,

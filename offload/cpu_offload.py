@@ -444,7 +444,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             `overlap_forward` (overlap cannot hide them), else the last ones
             (nothing overlaps their copies), up to the first unit that does not fit.
             "auto": measure the first steps with everything offloaded (the trainer's
-            stalls for chunks, the backward's length, the load rate, each step), then
+            stalls for chunks, the backward's length, the load rate, each step; on a
+            GPU with `overlap_forward`, the last one's backward loads the leading chunks
+            its length carries, which the first choice then copies on the device), then
             choose how much state the forward does not load: with `overlap_forward`,
             the backward loads what its length carries and the leading units of the
             rest stay resident; then, on a GPU, run the most the budget allows a few
@@ -1340,7 +1342,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout, sparse)
         if auto is not None and first_plan:  # its checks are the plan's
             auto.step_started(streams.current())
-        timer = self._auto.timer if self._auto is not None and self._auto.measuring else None
+        timer = self._auto.timer if self._auto is not None and self._auto.profiling else None
         if timer is not None:
             timer.step_started(streams.current())
         if self._overlap is not None:  # the next forward's waits: timed in measured steps only
@@ -1421,12 +1423,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _backward_reached(self, passed: int, watched: int) -> None:
         """The backward passed the `passed`-th of `watched` owner modules (see
         `ForwardOverlap.backward_reached`): with `load_in_backward`, load its share of the
-        next step's first chunks (`StepExecutor.load_ahead`). Not while "auto" measures
-        (everything offloaded, nothing loaded ahead), nor while any of the last step is
-        still to be enqueued (a backward over a graph retained from before it): the loads
-        would read homes its write-backs have not reached, and fill slots they still
-        read; the next step loads those chunks itself."""
-        if self._auto is not None and self._auto.measuring:
+        next step's first chunks (`StepExecutor.load_ahead`); "auto" times the backwards
+        of its first steps (`AutoResidency.timing_backward`). Not while any of the last
+        step is still to be enqueued (a backward over a graph retained from before it):
+        the loads would read homes its write-backs have not reached, and fill slots they
+        still read; the next step loads those chunks itself."""
+        if self._auto is not None and self._auto.timing_backward:
             self._auto.timer.backward_started(self._streams.current())
         if self._load_in_backward and not self._closed and self._overlap.step_enqueued:
             self._executor.load_ahead(passed, watched)
@@ -1750,7 +1752,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._replan(split, auto.failed_ranks)
             except BaseException:
                 auto.settle_on(ran)  # the state is home; the next step plans `ran` again
-                self._say_what_auto_chose(auto.choice)
+                if auto.choice is not None:
+                    self._say_what_auto_chose(auto.choice)
                 raise
         if settled is not None:
             self._say_what_auto_chose(settled)

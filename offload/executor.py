@@ -246,20 +246,34 @@ class _OnDevice:
     def pieces(self, dtype: torch.dtype, start: int, numel: int) -> list[tuple[int, Tensor]] | None:
         """Device pieces covering host elements [start, start + numel), each with its offset
         in that range; None where some of it is not on the device."""
+        found, gaps = self.cover(dtype, start, numel)
+        return None if gaps else found
+
+    def cover(
+        self, dtype: torch.dtype, start: int, numel: int
+    ) -> tuple[list[tuple[int, Tensor]], list[tuple[int, int]]]:
+        """Of host elements [start, start + numel): the device pieces holding some of them,
+        each with its offset in that range, and the (offset, length) runs none holds."""
         ranges = self._ranges.get(dtype, [])
         if dtype not in self._starts:
             ranges.sort(key=lambda r: r[0])
             self._starts[dtype] = [begin for begin, _ in ranges]
         first = max(0, bisect.bisect_right(self._starts[dtype], start) - 1)
-        at, stop, found = start, start + numel, []
+        at, stop, found, gaps = start, start + numel, [], []
         for begin, device in ranges[first:]:
-            if at >= stop or begin > at:
+            if begin >= stop:
                 break
             end = begin + device.numel()
-            if end > at:
-                found.append((at - start, device[at - begin : min(end, stop) - begin]))
-                at = min(end, stop)
-        return found if at >= stop else None
+            if end <= at:
+                continue
+            if begin > at:
+                gaps.append((at - start, begin - at))
+                at = begin
+            found.append((at - start, device[at - begin : min(end, stop) - begin]))
+            at = min(end, stop)
+        if at < stop:
+            gaps.append((at - start, stop - at))
+        return found, gaps
 
 
 def _copy_from(into: Tensor, pieces: Sequence[tuple[int, Tensor]]) -> None:
@@ -424,10 +438,13 @@ class StepExecutor:
                     # trainer's stream: the host does not wait (the homes' readers wait for
                     # `step_done`). Not from old host slabs, freed once this returns, nor
                     # from a device tensor, which could be freed before its copy ran.
-                    if not self._copy_on_device(_flat(home.home), current):
-                        home.home.copy_(
-                            current, non_blocking=kept_host_slabs and current.device.type == "cpu"
-                        )
+                    non_blocking = kept_host_slabs and current.device.type == "cpu"
+                    gaps = self._copy_on_device(_flat(home.home), current)
+                    if gaps is None:
+                        home.home.copy_(current, non_blocking=non_blocking)
+                    for offset, length in gaps or ():  # what the device did not hold
+                        run = slice(offset, offset + length)
+                        _flat(home.home)[run].copy_(_flat(current)[run], non_blocking=non_blocking)
                 entries[key] = home.home_state
         self.step_done = streams.mark(streams.current())
         self.release_staging()  # acquired again at the start of each step
@@ -435,18 +452,22 @@ class StepExecutor:
             self._load_on_device()
         self.drop_on_device()
 
-    def _copy_on_device(self, into: Tensor, home: Tensor) -> bool:
-        """Copy into `into` (flat) the state at `home`, a host home, from `on_device`, on
-        the trainer's stream; False where it is not all there."""
+    def _copy_on_device(self, into: Tensor, home: Tensor) -> list[tuple[int, int]] | None:
+        """Copy into `into` (flat) what `on_device` holds of the state at `home`, a host
+        home, on the trainer's stream; the (offset, length) runs of `into` left to copy
+        from the host, or None where none of it is on the device (or it is not in the host
+        slabs)."""
         on_device = self.on_device
         slab = self.host_slabs.get(home.dtype)
         if on_device is None or slab is None:
-            return False
+            return None
         if home.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr():
-            return False  # not in the host slabs (a tensor given by hand)
-        pieces = on_device.pieces(home.dtype, self._host_offset(home), home.numel())
-        _copy_from(into, pieces or [])
-        return pieces is not None
+            return None  # not in the host slabs (a tensor given by hand)
+        pieces, gaps = on_device.cover(home.dtype, self._host_offset(home), home.numel())
+        if not pieces:
+            return None
+        _copy_from(into, pieces)
+        return gaps
 
     def _load_on_device(self) -> None:
         """After a re-plan: the schedule's first chunks loaded in the backward whose state

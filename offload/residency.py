@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 AUTO_WARMUP_STEPS = 1  # the first step pins slabs and creates state: not measured
-AUTO_MEASURED_STEPS = 3
+AUTO_MEASURED_STEPS = 2
 STALL_TOLERANCE_MS = 1.0
 """"auto" keeps the least state whose predicted stall is within this of the least the
 cap allows: a millisecond a step is not worth more GPU memory."""
@@ -435,12 +435,12 @@ class StepTimer:
         """A chunk of `nbytes` rank-invariant state bytes was copied in between the marks."""
         self._loads.append((nbytes, before, after))
 
-    def backward_ms(self) -> float:
-        """Median time from a backward's mark to the next step's start, of the steps
-        started before the last (whose start the device may not have reached: waiting
-        for it drains the device); 0 where not measured."""
+    def backward_ms(self, since: int = 0) -> float:
+        """Median time from a backward's mark to the next step's start, of the steps from
+        `since` on started before the last (whose start the device may not have reached:
+        waiting for it drains the device); 0 where not measured."""
         marks = self._iterations
-        ends = {s: marks[s + 1] for s in self._backwards if s + 2 < len(marks)}
+        ends = {s: marks[s + 1] for s in self._backwards if since <= s and s + 2 < len(marks)}
         if not self._timed or not ends:
             return 0.0
         for end in ends.values():

@@ -64,7 +64,7 @@ class FakeSearchTimer(FakeStepTimer):
         times = self.clock[first : last + 1]
         return [b - a for a, b in zip(times, times[1:], strict=False)]
 
-    def backward_ms(self) -> float:
+    def backward_ms(self, since: int = 0) -> float:
         return self.backward
 
     def load_bytes_per_ms(self) -> float:

@@ -524,6 +524,83 @@ def test_auto_re_plans_move_only_the_state_whose_residency_changes(
     opt.close()
 
 
+def test_auto_loads_in_the_last_measured_backward_what_its_first_split_copies_on_device(
+    async_branches, monkeypatch
+):
+    """The last measured step re-plans for its backward to load the leading chunks within
+    what the backward may carry; the first split the search tries keeps the leading units
+    resident, and its re-plan copies their state from those chunks device to device: of
+    the state that joins the resident state, only what they did not hold crosses the host
+    link (it all did, the forward before it having loaded everything). The measured steps'
+    forwards still load everything. Bitwise equal to plain AdamW."""
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_STEPS_AT_MOST, AUTO_WARMUP_STEPS
+
+    monkeypatch.setattr(CPUOffloadOptimizer, "_both_plans_fit", lambda self, step: True)
+    plain_model, model = _model(), _model()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = _searching_auto(model)
+    opt_timer = opt._auto.timer
+    replans = []  # (step, split, resident bytes after, bytes into it from the host slabs)
+    loaded_ahead = []  # per step: chunks its backward had loaded when it started
+    replan, copy = CPUOffloadOptimizer._replan, torch.Tensor.copy_
+    from_host = [None, None]  # into the resident state at a re-plan: from the host, on device
+
+    def counted_copy(self, source, non_blocking=False):
+        if from_host[0] is not None:
+            executor = opt._executor
+            host = {s.untyped_storage().data_ptr() for s in executor.host_slabs.values()}
+            resident = {s.untyped_storage().data_ptr() for s in executor.resident_slabs.values()}
+            nbytes = self.numel() * self.element_size()
+            if self.untyped_storage().data_ptr() in resident:
+                from_host[0 if source.untyped_storage().data_ptr() in host else 1] += nbytes
+        return copy(self, source, non_blocking=non_blocking)
+
+    def counted_replan(self, split, *args, **kwargs):
+        from_host[:] = [0, 0]
+        try:
+            replan(self, split, *args, **kwargs)
+        finally:
+            resident = sum(  # each resident state tensor's bytes
+                {
+                    (v.param, v.spec.key): v.spec.numel * v.spec.dtype.itemsize
+                    for c in self.plan.chunks
+                    if c.resident
+                    for v in c.views
+                }.values()
+            )
+            replans.append((len(loaded_ahead) - 1, split, resident, *from_host))
+            from_host[:] = [None, None]
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+    monkeypatch.setattr(CPUOffloadOptimizer, "_replan", counted_replan)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(AUTO_STEPS_AT_MOST + 1):
+        tokens = torch.randint(0, 40, (3, 4), generator=gen)
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            m(tokens).square().mean().backward()
+            if o is opt:
+                loaded_ahead.append(len(opt._executor.loaded_ahead))
+            o.step()
+            if o is opt and len(loaded_ahead) == AUTO_WARMUP_STEPS + 1:
+                measured_chunks = len(opt._executor.chunks)  # the plan the model reads
+    last_measured = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS - 1
+    # the stall model's profiles: the steps that ran that plan (the loads in the backward
+    # cut the first chunks otherwise)
+    profiles = opt_timer.recorded
+    assert len(profiles) == AUTO_MEASURED_STEPS - 1
+    assert all(len(p.chunk_done_ms) == measured_chunks for p in profiles)
+    assert loaded_ahead[: last_measured + 1] == [0] * (last_measured + 1)
+    (step, split, resident, *_), (first, largest, kept, over_link, on_device) = replans[:2]
+    assert (step, split.resident_bytes) == (last_measured, 0) and split.backward_load_bytes > 0
+    assert first == last_measured + 1 and loaded_ahead[first] > 0
+    assert largest.resident_bytes > 0 and resident == 0 < kept
+    assert over_link + on_device == kept and on_device > 0
+    opt.wait_for_optimizer_step()
+    assert_equal(plain_model, plain, model, opt)
+    opt.close()
+
+
 def test_a_rebuild_into_new_host_slabs_reads_the_old_ones_before_they_go(
     async_branches, monkeypatch
 ):

@@ -450,7 +450,7 @@ class _SplitTimer:
     def profiles(self):
         return [PROFILE] * AUTO_MEASURED_STEPS
 
-    def backward_ms(self):
+    def backward_ms(self, since=0):
         return 1000.0
 
     def load_bytes_per_ms(self):
