@@ -106,6 +106,8 @@ class AutoResidency:
         self._settled: Split | None = None  # what the search settled on, being checked
         self._rerunning = False  # the largest split runs again before the check
         self._reference: Probe | None = None  # that run: what the check compares with
+        # the measured plan's chunks, once the last measured step re-plans (`_load_ahead`)
+        self._measured_chunk_bytes: tuple[int, ...] | None = None
         # Set by the first choice:
         self._base: ResidencyChoice | None = None  # the stall model's
         self._backward_cap = 0
@@ -227,6 +229,8 @@ class AutoResidency:
         # the device covers: plan each split once.
         held = functools.cache(held)
         profiles = self.timer.profiles()
+        if self._measured_chunk_bytes is not None:  # the profiles' chunks, not the running plan's
+            shape = dataclasses.replace(shape, chunk_bytes=self._measured_chunk_bytes)
         if not shape.overlap:  # the last units stay resident: the step seen from its end
             profiles = [p.from_the_end() for p in profiles]
             shape = dataclasses.replace(
@@ -336,7 +340,10 @@ class AutoResidency:
         budget, backward = self._limits(shape, held, headroom_bytes, since=0)
         split = Split(0, backward)
         _, (fits,) = self._agree([], [float(backward > 0 and held(split) <= budget)])
-        return self._run(split) if fits else None
+        if not fits:
+            return None
+        self._measured_chunk_bytes = shape.chunk_bytes  # its plan cuts the first chunks anew
+        return self._run(split)
 
     def _next(self, step: int) -> Split | None:
         split = next_split(self._probes, self._splits, self._default, self._free)
@@ -372,9 +379,10 @@ class AutoResidency:
         return split
 
     def settle_on(self, split: Split) -> None:
-        """The split returned could not be run (its re-plan failed, e.g. out of memory):
-        settle on `split`, the one that ran before (at the last measured step, run it: the
-        first choice comes at the next step)."""
+        """The split returned is not run (its re-plan failed, e.g. out of memory, or at the
+        last measured step it would load nothing in the backward): settle on `split`, the
+        one that ran before (at the last measured step, run it: the first choice comes at
+        the next step)."""
         self._current = split
         if self._base is not None:  # else still measuring: the first choice comes next
             self._settle(split, self._shape, self._profiles)

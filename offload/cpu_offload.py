@@ -505,9 +505,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     Host syncs: none inside `step()`, but the first step pins the host slabs, and
     "auto" reads its measured steps' events (the first step after them waits for the
-    forward before it) and, with peers in the process group, each decision's agreement
-    (one all-reduce read back). Reading state (`state_dict`, `load_state_dict`) first
-    waits for the last write-back.
+    forward before it; the last of them reads the step before it's, which the device has
+    passed unless the host runs a whole backward ahead) and, with peers in the process
+    group, each decision's agreement (one all-reduce read back). Reading state
+    (`state_dict`, `load_state_dict`) first waits for the last write-back.
 
     `close()` finishes the last step, removes the forward hooks and gives back
     the staging ring; state stays readable. A dropped optimizer is collected even
@@ -1746,8 +1747,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         ):  # measured without backward loads; the choice keeps nothing more but loads
             split = Split(settled.resident_bytes, settled.backward_load_bytes)
+        ran = Split(self._resident_budget, self._backward_loads_chosen())
+        if (
+            auto.measuring
+            and split is not None
+            and not self._planned_with(split).backward_load_bytes
+        ):
+            auto.settle_on(ran)  # loading ahead, it would load no whole chunk: no re-plan
+            split = None
         if split is not None:
-            ran = Split(self._resident_budget, self._backward_loads_chosen())
             try:
                 self._replan(split, auto.failed_ranks)
             except BaseException:

@@ -1193,6 +1193,63 @@ def test_an_auto_replan_that_fails_leaves_the_optimizer_stepping_what_ran_before
     assert_same_state(plain, opt)
 
 
+@pytest.mark.parametrize("backward_ms", [50.0, 1.0], ids=["loads_ahead", "loads_nothing"])
+def test_auto_models_stalls_on_the_chunks_its_measured_steps_ran(backward_ms):
+    """The last measured step's loads in the backward cut the first chunks anew (no ramp):
+    the stall model reads the measured steps' profiles against the chunks they ran, not
+    the plan running at the first choice. A backward too short to load a whole chunk
+    (130 bytes against chunks of 4096) re-plans nothing, and that step is profiled too."""
+    from fake_step_timer import FakeSearchTimer
+
+    import offload.auto_residency as auto_residency
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_STEPS_AT_MOST
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 24),
+        torch.nn.Linear(24, 96),
+        torch.nn.Tanh(),
+        torch.nn.Linear(96, 40),
+        torch.nn.Tanh(),
+        torch.nn.Linear(40, 5),
+    )
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=4096,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+    )
+    timer = opt._auto.timer = FakeSearchTimer(lambda: 100.0, backward_ms, 200.0)
+    timer.stall_first = True  # the forward's first wait stalls until its chunk is done
+    modeled, replans = [], []
+    real_choose, real_replan = auto_residency.choose_residency, opt._replan
+
+    def choose(profiles, chunk_bytes, *args):
+        modeled.append(([len(p.chunk_done_ms) for p in profiles], chunk_bytes))
+        return real_choose(profiles, chunk_bytes, *args)
+
+    def replan(split, *args):
+        real_replan(split, *args)
+        replans.append((split, tuple(c.invariant_bytes for c in opt.plan.chunks)))
+
+    opt._replan = replan
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(auto_residency, "choose_residency", choose)
+        train(model, opt, steps=AUTO_WARMUP_STEPS + 1)
+        measured = tuple(c.invariant_bytes for c in opt.plan.chunks)
+        train(model, opt, steps=AUTO_STEPS_AT_MOST)
+    ((counts, chunk_bytes),) = modeled
+    assert chunk_bytes == measured and counts == [len(measured)] * len(counts)
+    (first, cut), *_ = replans
+    if backward_ms == 1.0:  # nothing re-planned at the last measured step, which is profiled
+        assert len(counts) == AUTO_MEASURED_STEPS and first.resident_bytes > 0
+    else:
+        assert len(counts) == AUTO_MEASURED_STEPS - 1
+        assert first.resident_bytes == 0 and first.backward_load_bytes > 0
+        assert cut != measured  # the loads ahead cut the first chunks anew
+
+
 def test_an_auto_replan_failing_with_state_left_in_place_sends_that_home_too():
     """A re-plan that raises after state resident before and after was left on the device
     (out of memory building the new plan): that state goes to its host home too, and the
