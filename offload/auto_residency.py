@@ -15,7 +15,8 @@ at the load rate), the leading chunks: the first split the search tries keeps th
 the forward's path too, and its re-plan copies them on the device instead of loading
 them again. Then the stall model's total, split between the
 backward and residency; with forward overlap on a device that times events, the search
-tries splits, `PROBE_STEPS` steps each, settles (`residency.next_split`), and checks the
+tries splits, `PROBE_STEPS` steps each (`SLOW_PROBE_STEPS` where each of its steps
+so far is clearly slower than the fastest), settles (`residency.next_split`), and checks the
 settled split on the next `PROBE_STEPS` steps: against the largest split tried (the most
 kept off the forward's path), run again just before, where the search settled on another,
 so the two runs compared are next to each other. A run's steps get faster over its first
@@ -38,12 +39,14 @@ from offload.residency import (
     AUTO_WARMUP_STEPS,
     BACKWARD_LOAD_SHARE,
     PROBE_STEPS,
+    SLOW_PROBE_STEPS,
     Probe,
     ResidencyChoice,
     Split,
     StepProfile,
     StepTimer,
     choose_residency,
+    clearly_slower,
     largest_fitting_total,
     leading_units,
     median_error_ms,
@@ -188,11 +191,18 @@ class AutoResidency:
             return self._first_choice(
                 step, shape, held, headroom_bytes, default_backward_bytes, room_bytes
             )
-        if step < self._probe_start + PROBE_STEPS:
+        searching = self._settled is None
+        if step < self._probe_start + PROBE_STEPS and not (
+            searching and step == self._probe_start + SLOW_PROBE_STEPS
+        ):
             return None
         # The probe's first iteration re-planned and loaded the whole state (its backward
         # loaded for the split before): left out, as is the last (`_before_this_step`).
-        probe = self._probe(self._current, self._before_this_step(self._probe_start + 1, step))
+        probe, least = self._probe(
+            self._current, self._before_this_step(self._probe_start + 1, step)
+        )
+        if step < self._probe_start + PROBE_STEPS and not clearly_slower(least, self._probes):
+            return None
         if self._rerunning:
             self._rerunning, self._reference = False, probe
             self._probe_start = step
@@ -209,12 +219,14 @@ class AutoResidency:
         the device while the host re-plans."""
         return self.timer.iterations_ms(first, min(last, self._steps - 2))
 
-    def _probe(self, split: Split, took: Sequence[float]) -> Probe:
+    def _probe(self, split: Split, took: Sequence[float]) -> tuple[Probe, float]:
         """`split`'s steps `took`: the slowest rank's median and its error (every rank
-        compares the same numbers, so every rank settles alike)."""
+        compares the same numbers, so every rank settles alike), and the least step of
+        any rank."""
         median = statistics.median(took) if took else 0.0
-        (iteration, error), _ = self._agree([median, median_error_ms(took)], [])
-        return Probe(split, iteration, tuple(took), error)
+        least = min(took, default=0.0)
+        (iteration, error), (least,) = self._agree([median, median_error_ms(took)], [least])
+        return Probe(split, iteration, tuple(took), error), least
 
     def _first_choice(
         self,
@@ -240,7 +252,9 @@ class AutoResidency:
         self._backward_cap = backward
         # the measured steps' iterations (each to the next step's start)
         measured_end = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
-        measured = self._probe(Split(0, 0), self._before_this_step(AUTO_WARMUP_STEPS, measured_end))
+        measured, _ = self._probe(
+            Split(0, 0), self._before_this_step(AUTO_WARMUP_STEPS, measured_end)
+        )
         # Ranks agree (each holds its own shards): the slowest step; the least of their
         # largest totals that fit; then which splits fit every rank (what a split holds
         # need not grow with its total), the largest model choice, and whether its split

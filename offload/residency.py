@@ -53,6 +53,10 @@ PROBE_STEPS = 6
 (its re-plan loads the whole state: the backward before it loaded for the split before)
 and the last (read as the next step starts, before the device gets there) counts (steps
 of one run vary by several percent)."""
+SLOW_PROBE_STEPS = 4
+"""A split of the search whose every timed step so far (two by then) is slower than the
+fastest by more than `NOISE_CAP` ends its probe after this many steps (`clearly_slower`):
+the rest could not make it near the fastest, and each costs what it runs slower."""
 MAX_PROBES = 4
 AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 2) * PROBE_STEPS + 1
 """Steps until "auto" has settled and checked, at most (it says what it chose then)."""
@@ -235,6 +239,13 @@ def near_fastest(probe: Probe, probes: Sequence[Probe]) -> bool:
     noise = NOISE_SIGMAS * math.hypot(probe.error_ms, fastest.error_ms)
     allowed = max(NEAR_FASTEST, min(noise / fastest.iteration_ms, NOISE_CAP))
     return probe.iteration_ms - fastest.iteration_ms <= allowed * fastest.iteration_ms
+
+
+def clearly_slower(least_ms: float, probes: Sequence[Probe]) -> bool:
+    """A split whose fastest step was `least_ms` (the least over the ranks) is slower than
+    the fastest of `probes` by more than `NOISE_CAP`, the most `near_fastest` allows."""
+    fastest = min(p.iteration_ms for p in probes)
+    return least_ms > (1 + NOISE_CAP) * fastest
 
 
 def with_split(splits: Sequence[Split], split: Split) -> list[Split]:

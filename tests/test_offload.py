@@ -960,6 +960,25 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     assert "loaded in the backward" in caplog.text and "steps tried" in caplog.text
 
 
+def test_auto_ends_the_probe_of_a_clearly_slower_split_early():
+    """A split whose every step so far is slower than the fastest by more than NOISE_CAP
+    could not be near it: its probe ends after SLOW_PROBE_STEPS steps (two timed), the
+    others run PROBE_STEPS (four timed), and the search settles as before."""
+    from offload.residency import NOISE_CAP, PROBE_STEPS, SLOW_PROBE_STEPS
+
+    opt = _search_auto(
+        lambda opt: max(60.0, 100.0 - 80.0 * _kept(opt) / STATE_BYTES),
+        lambda opt, built: None,
+    )
+    probes = opt.residency.probes
+    slow = [p for p in probes[1:] if min(p.iterations_ms) > (1 + NOISE_CAP) * 60.0]
+    assert slow and len(slow) < len(probes) - 1
+    for probe in probes[1:]:
+        steps = SLOW_PROBE_STEPS if probe in slow else PROBE_STEPS
+        assert len(probe.iterations_ms) == steps - 2
+    assert opt.residency.resident_bytes + opt.residency.backward_load_bytes < STATE_BYTES
+
+
 def test_auto_loads_no_more_in_the_backward_than_a_byte_count_given():
     # the default's loads were tried past the count, and settled on: 6400 bytes for 700
     cap = 700
