@@ -56,7 +56,8 @@ of one run vary by several percent)."""
 SLOW_PROBE_STEPS = 4
 """A split of the search whose every timed step so far (two by then) is slower than the
 fastest by more than `NOISE_CAP` ends its probe after this many steps (`clearly_slower`):
-the rest could not make it near the fastest, and each costs what it runs slower."""
+only steps much faster than those could bring its median near the fastest, and each step
+costs what it runs slower."""
 MAX_PROBES = 4
 AUTO_STEPS_AT_MOST = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + (MAX_PROBES + 2) * PROBE_STEPS + 1
 """Steps until "auto" has settled and checked, at most (it says what it chose then)."""
