@@ -30,7 +30,7 @@ from offload.chunk_plan import OffloadPlan
 from offload.host_memory import allocate_host_slabs
 from offload.residency import StepTimer
 from offload.step_plan import OffloadedStep
-from offload.step_schedule import StepSchedule, backward_load_share, update_runs
+from offload.step_schedule import StepSchedule, backward_load_share, ramped_runs, update_runs
 from offload.streams import CopyStreams
 from offload.subset_step import ParamSlice, SubsetStep, local_tensor, version
 
@@ -677,11 +677,13 @@ class StepExecutor:
                 step_chunks([c])
 
         # The chunks ready at the start (resident, or loaded in the backward; loaded here
-        # if it did not, e.g. on the first step) update first, a few calls for all of them.
+        # if it did not, e.g. on the first step) update first, a few calls for all of them
+        # (with overlap, short ones first: the forward waits for the first chunks' calls).
         for c in schedule.ready:
             if self.chunks[c].slot >= 0:
                 run("load", c)
-        for cs in self._update_groups(subset, schedule.ready, had_state, had):
+        runs = self._update_groups(subset, schedule.ready, had_state, had)
+        for cs in ramped_runs(runs) if chunk_done is not None else runs:
             step_chunks(cs)
         for op in schedule.prologue:
             run(*op)

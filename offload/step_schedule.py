@@ -114,6 +114,25 @@ def update_runs(
     return together
 
 
+def ramped_runs(runs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`runs` (`update_runs`) cut so that the k-th holds at most 2**k chunks, for a step
+    the forward overlaps: the forward waits for the chunk it needs first until that
+    chunk's run is done, so short first runs let it start while the later, longer ones
+    update, in a few more calls (log2 of the ready chunks).
+
+    >>> ramped_runs([[0, 1, 2, 3, 4, 5, 6, 7, 8], [9]])
+    [[0], [1, 2], [3, 4, 5, 6], [7, 8], [9]]
+    """
+    out: list[list[int]] = []
+    for run in runs:
+        at = 0
+        while at < len(run):
+            size = 2 ** len(out)
+            out.append(list(run[at : at + size]))
+            at += size
+    return out
+
+
 def backward_load_count(staged_bytes: Sequence[int], ring_slots: int, budget: int | None) -> int:
     """How many of the step's first staged chunks the backward loads.
 

@@ -360,10 +360,12 @@ def test_gpu_resident_budget_is_bitwise_equal(budget, chunk_bytes, overlap):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_resident_chunks_that_slice_params_update_in_one_call_bitwise(fused, monkeypatch):
-    """With overlap, the resident chunks update first, in one call: chunks cut through a
+    """With overlap, the resident chunks update first, in one run: chunks cut through a
     param (slices of it, views of its one home) join rather than each taking a call (each
-    call is host work in `step()`, on the trainer's path)."""
+    call is host work in `step()`, on the trainer's path); the run is cut into calls of
+    1, 2, 4, ... chunks, since the forward waits for the first chunks' call to end."""
     from offload import subset_step
+    from offload.step_schedule import ramped_runs
 
     plain_model, model = make_model(), make_model()
     options = {"lr": 1e-2, "weight_decay": 0.1, "fused": fused}
@@ -392,7 +394,8 @@ def test_resident_chunks_that_slice_params_update_in_one_call_bitwise(fused, mon
     train(plain_model, plain, steps=3)
     train(model, opt, steps=3)
     opt.wait_for_optimizer_step()
-    assert calls[0] == 3  # one a step
+    # one run a step, cut into calls of 1, 2, 4, ... chunks (the forward waits for the first)
+    assert calls[0] == 3 * len(ramped_runs([list(range(len(opt._executor.chunks)))]))
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert_same_state(plain, opt)
@@ -614,6 +617,16 @@ def test_the_chunks_ready_at_a_steps_start_update_in_few_calls(monkeypatch):
         return step_slices(self, params, slices)
 
     monkeypatch.setattr(ElementwiseGroupStep, "step_slices", counted)
+    import offload.executor
+
+    runs = []
+    ramped = offload.executor.ramped_runs
+
+    def recorded(cut):
+        runs.append(([len(r) for r in cut], [len(r) for r in ramped(cut)]))
+        return ramped(cut)
+
+    monkeypatch.setattr(offload.executor, "ramped_runs", recorded)
     plain_model, model = make_model(), make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     opt = _overlapped(model, gpu_resident_bytes=7000, load_in_backward=1 << 20)
@@ -624,11 +637,16 @@ def test_the_chunks_ready_at_a_steps_start_update_in_few_calls(monkeypatch):
             o.zero_grad()
             m(tokens).square().mean().backward()
             calls.clear()
+            runs.clear()
             o.step()
         if step >= 2:  # state exists: nothing is created
             # the embedding's 6400 bytes resident, as one; the other 8880 bytes loaded in
-            # the backward, 17 chunks, in two runs of at most 6400
-            assert len(calls) == 3, calls
+            # the backward, 17 chunks, in two runs of at most 6400; with overlap, cut
+            # into calls of 1, 2, 4, ... chunks (the forward waits for the first)
+            ((cut, calls_made),) = runs
+            assert len(cut) == 3, cut
+            assert len(calls) == len(calls_made), calls
+            assert all(n <= 2**k for k, n in enumerate(calls_made))
     chunks = opt._executor.chunks
     resident = [c.invariant_bytes for c in chunks if c.slot < 0]
     assert sum(resident) == 6400 and len(resident) == 12
