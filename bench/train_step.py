@@ -97,7 +97,7 @@ from bench.timing import GcPauses, full_collections, sync, timed_window
 from bench.train import free_port
 from muon_offload import OptimizerConfig, setup_optimizer
 from offload import CPUOffloadOptimizer
-from offload.residency import AUTO_STEPS_AT_MOST
+from offload.residency import AUTO_MEASURED_STEPS, AUTO_STEPS_AT_MOST, AUTO_WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -292,6 +292,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "trace next to the JSON, one per arm (every stream's kernels and copies)",
     )
     parser.add_argument(
+        "--trace-search",
+        action="store_true",
+        help=f'profile "auto"\'s search steps {TRACE_SEARCH_STEPS[0]}-{TRACE_SEARCH_STEPS[1] - 1} '
+        "(the last measured step, whose backward loads ahead, and the first choice's two "
+        "steps): a gzipped Chrome trace next to the JSON; the search's later steps and the "
+        "window run after the profiler's export, which holds the host",
+    )
+    parser.add_argument(
         "--host-profile",
         action="store_true",
         help=f"after the window, run {HOST_PROFILE_STEPS} steps per arm under cProfile: the "
@@ -452,12 +460,20 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     if arm.resident == "auto":
         started = time.perf_counter()
         starts = []  # CUDA events at each step's start on the trainer's stream (no sync)
+        profiler = None
         while optimizer.residency is None and search_steps < AUTO_STEPS_AT_MOST:
+            if args.trace_search and search_steps == TRACE_SEARCH_STEPS[0]:
+                profiler = started_profiler(device)
             if device.type == "cuda":
                 starts.append(torch.cuda.Event(enable_timing=True))
                 starts[-1].record()
             step()
             search_steps += 1
+            if profiler is not None and search_steps == TRACE_SEARCH_STEPS[1]:
+                export_trace(profiler, device, trace_path(args.json, arm, "search"))
+                profiler = None
+        if profiler is not None:  # settled sooner (nothing to search with)
+            export_trace(profiler, device, trace_path(args.json, arm, "search"))
             if search_steps == 1:  # it pins and builds: synced and timed apart, as none's
                 sync(device)  # first warmup step is
                 first_step_s = time.perf_counter() - started
@@ -593,23 +609,45 @@ def copy_floor_ms(size: int, both_gb_s: float | None) -> float | None:
     return None if not both_gb_s else 1e3 * size / (both_gb_s * 1e9)
 
 
-def trace_path(json_path: Path, arm: Arm) -> Path:
-    name = re.sub(r"[^A-Za-z0-9_.-]", "-", arm.name)
+TRACE_SEARCH_STEPS = (
+    AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS - 1,
+    AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 2,
+)
+"""The search steps `--trace-search` profiles, from the first to before the second: the
+last measured step (its backward loads ahead) and the first choice's two."""
+
+
+def trace_path(json_path: Path, arm: Arm, what: str = "") -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", arm.name) + (f".{what}" if what else "")
     return json_path.with_name(f"{json_path.stem}.{name}.trace.json.gz")
 
 
-def trace_steps(step: Callable[[], object], device: torch.device, path: Path) -> None:
-    """Profile 2 steps (host and device activity) and write a gzipped Chrome trace."""
+def started_profiler(device: torch.device) -> Any:
+    """A started torch.profiler of host and device activity."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        timed_window(step, 2, device)
+    profiler = profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def export_trace(profiler: Any, device: torch.device, path: Path) -> None:
+    """Stop `profiler` once the device is done and write a gzipped Chrome trace."""
+    sync(device)
+    profiler.stop()
     path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))  # a .gz name is written gzipped
+    profiler.export_chrome_trace(str(path))  # a .gz name is written gzipped
     print(f"trace: {path}", flush=True)
+
+
+def trace_steps(step: Callable[[], object], device: torch.device, path: Path) -> None:
+    """Profile 2 steps (host and device activity) and write a gzipped Chrome trace."""
+    profiler = started_profiler(device)
+    timed_window(step, 2, device)
+    export_trace(profiler, device, path)
 
 
 HOST_PROFILE_STEPS = 5

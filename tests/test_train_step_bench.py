@@ -97,6 +97,33 @@ def test_the_host_profile_names_the_offloaded_steps_own_functions(tmp_path, caps
     assert len(run["host_profile"]) <= HOST_PROFILE_TOP
 
 
+def test_trace_search_profiles_auto_from_its_last_measured_step_until_it_settles(tmp_path):
+    """--trace-search: a trace of the "auto" search's steps from the last measured one on
+    (on the CPU it settles at the first choice, with nothing to search with: two steps,
+    so two backwards whose every linear layer's grad is in it)."""
+    pytest.importorskip("transformers")
+    import gzip
+    import json
+
+    from bench.train_step import TRACE_SEARCH_STEPS, main
+    from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
+
+    out = tmp_path / "search.json"
+    main(
+        ["--device", "cpu", "--model", "hf-llama-tiny", "--arms", "adamw/offload+overlap@auto"]
+        + ["--steps", "1", "--warmup", "1", "--baseline-runs", "1", "--trace-search"]
+        + ["--json", str(out)]
+    )
+    (run,) = json.loads(out.read_text())["runs"]
+    traced = run["search_steps"] - 1 - TRACE_SEARCH_STEPS[0]  # less the window's first
+    assert traced == AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 1 - TRACE_SEARCH_STEPS[0] == 2
+    trace = tmp_path / "search.adamw-offload-overlap-auto.search.trace.json.gz"
+    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    grads = sum(e.get("name") == "MmBackward0" for e in events)
+    linears = 2 * 7 + 1  # hf-llama-tiny: 2 layers of 7 projections, and the head
+    assert grads == traced * linears  # one MmBackward0 node per linear layer a backward
+
+
 def test_a_plain_arm_can_load_state_in_the_backward_and_names_its_bytes():
     arms = selected_arms("plain/offload+overlap,plain/offload+overlap+bwd=2GiB", [], "")
     assert [(a.mode, a.backward_load) for a in arms] == [
