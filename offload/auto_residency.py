@@ -221,11 +221,12 @@ class AutoResidency:
 
     def _probe(self, split: Split, took: Sequence[float]) -> tuple[Probe, float]:
         """`split`'s steps `took`: the slowest rank's median and its error (every rank
-        compares the same numbers, so every rank settles alike), and the least step of
-        any rank."""
+        compares the same numbers, so every rank settles alike), and the slowest rank's
+        least step (no more than its median, the probe's: ranks that run at different
+        speeds compare the same rank's steps)."""
         median = statistics.median(took) if took else 0.0
         least = min(took, default=0.0)
-        (iteration, error), (least,) = self._agree([median, median_error_ms(took)], [least])
+        (iteration, error, least), _ = self._agree([median, median_error_ms(took), least], [])
         return Probe(split, iteration, tuple(took), error), least
 
     def _first_choice(

@@ -707,7 +707,8 @@ class StepExecutor:
         had_state: set[Tensor],
         had: set[tuple[Tensor, str]],
     ) -> list[list[int]]:
-        """Chunks `cs` (in order) cut into runs that update in one call (`update_runs`)."""
+        """Chunks `cs` (in order) cut into runs that may each update in one call
+        (`update_runs`)."""
         chunks = [self.chunks[c] for c in cs]
         creates = [
             not all(p in had_state for p in chunk.touched)

@@ -243,8 +243,9 @@ def near_fastest(probe: Probe, probes: Sequence[Probe]) -> bool:
 
 
 def clearly_slower(least_ms: float, probes: Sequence[Probe]) -> bool:
-    """A split whose fastest step was `least_ms` (the least over the ranks) is slower than
-    the fastest of `probes` by more than `NOISE_CAP`, the most `near_fastest` allows."""
+    """A split whose fastest step was `least_ms` (on the rank whose median is the probe's,
+    the slowest) is slower than the fastest of `probes` by more than `NOISE_CAP`, the most
+    `near_fastest` allows."""
     fastest = min(p.iteration_ms for p in probes)
     return least_ms > (1 + NOISE_CAP) * fastest
 

@@ -11,7 +11,8 @@ write-back is done. The schedule says:
   for the forward's loads when the step starts;
 - which leading chunks are ready when the step starts (resident, or loaded in the
   backward): their updates are enqueued first (`ready`), in as few optimizer calls as
-  their params allow, so the host pays a few calls' overhead for them, not one a chunk;
+  their params allow, so the host pays a few calls' overhead for them, not one a chunk
+  (with forward overlap, a few more: `ramped_runs` cuts them so the first call is short);
 - in which order the copies and updates are enqueued: the first `ring_slots - 1`
   loads up front, then per chunk the load `ring_slots - 1` staged chunks ahead, its
   update, its write-back; with forward overlap the extra slots' write-backs go last
@@ -65,8 +66,9 @@ def update_runs(
     slices_together: bool,
 ) -> list[list[int]]:
     """Chunks in step order (each the params it updates, whether its update creates
-    state, its state bytes, whether its state is `resident`) cut into runs that update in
-    one call, as the step runs its `ready` chunks. A chunk that creates state runs alone
+    state, its state bytes, whether its state is `resident`) cut into runs that may each
+    update in one call, as the step runs its `ready` chunks (with forward overlap
+    `ramped_runs` cuts them further). A chunk that creates state runs alone
     (a sliced param's slices each create their own, adopted after their call). A run
     holds each param once (its state entry points at that chunk's slice), but for
     resident chunks, whose slices of a param are views of its one home and join into one

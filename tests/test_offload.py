@@ -359,7 +359,7 @@ def test_gpu_resident_budget_is_bitwise_equal(budget, chunk_bytes, overlap):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_resident_chunks_that_slice_params_update_in_one_call_bitwise(fused, monkeypatch):
+def test_resident_chunks_that_slice_params_update_in_one_run_bitwise(fused, monkeypatch):
     """With overlap, the resident chunks update first, in one run: chunks cut through a
     param (slices of it, views of its one home) join rather than each taking a call (each
     call is host work in `step()`, on the trainer's path); the run is cut into calls of

@@ -447,6 +447,39 @@ def test_fsdp2_auto_search_agrees_across_ranks_bitwise(world, make):
     run_on_ranks(_auto_search_worker, world, make)
 
 
+def _slower_rank_worker(rank: int, world: int) -> None:
+    # Rank r's steps take (1 + r) times rank 0's: each rank's own steps of a split are as
+    # much slower than its own fastest, so a split clearly slower than the fastest (past
+    # NOISE_CAP) ends its probe early on every rank alike.
+    from fake_step_timer import FakeSearchTimer
+
+    from offload.residency import AUTO_STEPS_AT_MOST, NOISE_CAP, SLOW_PROBE_STEPS
+
+    def iteration_ms(opt) -> float:
+        state = 2 * 4 * sum(p.numel() for p in opt._params)  # rank-invariant
+        kept = opt._resident_budget + (opt.backward_load_bytes or 0)
+        return (1 + rank) * max(50.0, 100.0 - 100.0 * kept / state)
+
+    plain_model, plain, model, opt = _sharded_auto(
+        world, lambda opt: FakeSearchTimer(lambda: iteration_ms(opt), 5.0, 100.0), _adamw
+    )
+    steps = AUTO_STEPS_AT_MOST + 1
+    _train(plain_model, plain, rank, steps)
+    _train(model, opt, rank, steps)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    probes = opt.residency.probes
+    fastest = min(p.iteration_ms for p in probes)
+    slow = [p for p in probes[1:] if p.iteration_ms > (1 + NOISE_CAP) * fastest]
+    assert slow, probes
+    assert all(len(p.iterations_ms) == SLOW_PROBE_STEPS - 2 for p in slow), probes
+
+
+def test_fsdp2_auto_ends_a_clearly_slower_probe_early_on_ranks_of_different_speeds():
+    run_on_ranks(_slower_rank_worker, 2)
+
+
 def _whole_checkpoint_worker(rank: int, world: int) -> None:
     """A single-process Muon checkpoint (whole plain tensors, or Replicate DTensors) loaded
     on every rank into offloaded Muon over FSDP2 params: each rank's homes take its shard,
