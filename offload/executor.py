@@ -678,7 +678,7 @@ class StepExecutor:
 
         # The chunks ready at the start (resident, or loaded in the backward; loaded here
         # if it did not, e.g. on the first step) update first, a few calls for all of them
-        # (with overlap, short ones first: the forward waits for the first chunks' calls).
+        # (with overlap, short ones first: the forward waits for its first chunks' calls).
         for c in schedule.ready:
             if self.chunks[c].slot >= 0:
                 run("load", c)

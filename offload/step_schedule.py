@@ -118,9 +118,10 @@ def update_runs(
 
 def ramped_runs(runs: Sequence[Sequence[int]]) -> list[list[int]]:
     """`runs` (`update_runs`) cut so that the k-th holds at most 2**k chunks, for a step
-    the forward overlaps: the forward waits for the chunk it needs first until that
-    chunk's run is done, so short first runs let it start while the later, longer ones
-    update, in a few more calls (log2 of the ready chunks).
+    the forward overlaps: the forward waits for the chunks it needs first (its first
+    unit's, and those FSDP2 all-gathers with it) until the call that updates the last of
+    them is done, so short first calls let it start while the later, longer ones update,
+    in a few more calls (log2 of the ready chunks).
 
     >>> ramped_runs([[0, 1, 2, 3, 4, 5, 6, 7, 8], [9]])
     [[0], [1, 2], [3, 4, 5, 6], [7, 8], [9]]
