@@ -191,17 +191,16 @@ class AutoResidency:
             return self._first_choice(
                 step, shape, held, headroom_bytes, default_backward_bytes, room_bytes
             )
+        ended = step >= self._probe_start + PROBE_STEPS
         searching = self._settled is None
-        if step < self._probe_start + PROBE_STEPS and not (
-            searching and step == self._probe_start + SLOW_PROBE_STEPS
-        ):
+        if not ended and not (searching and step == self._probe_start + SLOW_PROBE_STEPS):
             return None
         # The probe's first iteration re-planned and loaded the whole state (its backward
         # loaded for the split before): left out, as is the last (`_before_this_step`).
         probe, least = self._probe(
             self._current, self._before_this_step(self._probe_start + 1, step)
         )
-        if step < self._probe_start + PROBE_STEPS and not clearly_slower(least, self._probes):
+        if not ended and not clearly_slower(least, self._probes):
             return None
         if self._rerunning:
             self._rerunning, self._reference = False, probe
