@@ -35,8 +35,16 @@ from offload.streams import CopyStreams
 from offload.subset_step import ParamSlice, SubsetStep, local_tensor, version
 
 
-def as_state(param: Tensor, local: Tensor) -> Tensor:
+def as_state(
+    param: Tensor, local: Tensor, specs: dict[tuple[Tensor, torch.dtype], Any] | None = None
+) -> Tensor:
     """`local` shaped as the optimizer keeps it: a DTensor like `param`, or itself.
+
+    `specs` caches the DTensor spec per param and dtype across the calls of one build:
+    a plan carves hundreds of state views on the host while the device still runs the
+    backward, and building the spec took most of each call. A spec is shared by the
+    DTensors of one param and dtype, as torch's ops leave specs unchanged (an in-place op
+    assigns its result a new one).
 
     The DTensor wraps `local` where it lies: `DTensor.from_local` would copy a
     host view to the mesh's device, leaving a stale GPU copy in the state.
@@ -54,8 +62,13 @@ def as_state(param: Tensor, local: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    meta = TensorMeta(param.shape, param.stride(), local.dtype)
-    spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+    spec = specs.get((param, local.dtype)) if specs is not None else None
+    if spec is None:
+        meta = TensorMeta(param.shape, param.stride(), local.dtype)
+        spec = DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta)
+        if specs is not None:
+            specs[param, local.dtype] = spec
+    meta = spec.tensor_meta
     state = torch.Tensor._make_wrapper_subclass(
         DTensor,
         meta.shape,
@@ -343,8 +356,9 @@ class StepExecutor:
             dtype: torch.zeros(n, dtype=dtype, device=self.device)
             for dtype, n in plan.resident_numel.items()
         }
+        specs: dict[tuple[Tensor, torch.dtype], Any] = {}  # `as_state`'s
         # State left on the device goes home first: its old slabs free before the staging.
-        homes = self._move_left_state(plan) if self.left_slabs else {}
+        homes = self._move_left_state(plan, specs) if self.left_slabs else {}
         ring_numel = plan.ring_slot_numel(schedule.slots, self.staging_slots)
         staging_numel = {dtype: schedule.ring_slots_taken * n for dtype, n in ring_numel.items()}
         self.streams.ensure_slots(self.staging_slots + schedule.extra_slots)
@@ -389,7 +403,7 @@ class StepExecutor:
                     h = _carve(
                         slabs[spec.dtype][view.home_offset :][: spec.numel], spec.shape, param
                     )
-                    home = homes[param, spec.key] = Home(h, as_state(param, h))
+                    home = homes[param, spec.key] = Home(h, as_state(param, h, specs))
                 if layout.resident:
                     staging = home.home if not view.sliced else home.home.view(-1)
                     staging = staging[view.start : view.stop] if view.sliced else staging
@@ -398,7 +412,12 @@ class StepExecutor:
                 else:
                     staging = slot_buffer(spec.dtype, slot)[view.staging_offset :]
                     staging = _carve(staging[: view.stop - view.start], view.shape, param)
-                staging_state = staging if view.sliced else as_state(param, staging)
+                if view.sliced:
+                    staging_state = staging
+                elif staging is home.home:
+                    staging_state = home.home_state
+                else:
+                    staging_state = as_state(param, staging, specs)
                 views.append(_View(param, spec.key, home, staging, staging_state))
             # a chunk holds one slice of a param at most
             slice_state: dict[Tensor, dict[str, Tensor]] = {}
@@ -501,7 +520,9 @@ class StepExecutor:
             ]
             self.loaded_ahead_done = streams.mark(streams.current())
 
-    def _move_left_state(self, plan: OffloadPlan) -> dict[tuple[Tensor, str], Home]:
+    def _move_left_state(
+        self, plan: OffloadPlan, specs: dict[tuple[Tensor, torch.dtype], Any]
+    ) -> dict[tuple[Tensor, str], Home]:
         """State `give_back_gpu_state` left in the old resident slabs into its resident
         home in `plan` (returned, for `build` to carve no other), device to device on the
         trainer's stream, which `give_back_gpu_state` made wait for the last step; the old
@@ -520,7 +541,7 @@ class StepExecutor:
                     continue
                 slab = self.resident_slabs[spec.dtype][view.home_offset :][: spec.numel]
                 h = _carve(slab, spec.shape, param)
-                home = homes[param, spec.key] = Home(h, as_state(param, h))
+                home = homes[param, spec.key] = Home(h, as_state(param, h, specs))
                 home.home.copy_(current)
                 entries[spec.key] = home.home_state
         self.left_slabs = []
@@ -563,6 +584,7 @@ class StepExecutor:
         slabs = [*self.resident_slabs.values(), *self.left_slabs]
         resident = {slab.untyped_storage().data_ptr() for slab in slabs}
         seen = set(stays)  # a sliced tensor has a view per chunk
+        specs: dict[tuple[Tensor, torch.dtype], Any] = {}  # `as_state`'s
         for layout in everything_home.chunks:
             for view in layout.views:
                 param, spec = self.params[view.param], view.spec
@@ -576,7 +598,7 @@ class StepExecutor:
                 slab = self.host_slabs[spec.dtype][view.home_offset :][: spec.numel]
                 host = _carve(slab, spec.shape, param)
                 host.copy_(current_state, non_blocking=True)
-                entries[spec.key] = as_state(param, host)
+                entries[spec.key] = as_state(param, host, specs)
                 if on_device is not None:
                     on_device.add(spec.dtype, view.home_offset, _flat(current_state))
         self.step_done = streams.mark(current)
