@@ -622,6 +622,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # anew from the state as it is (a load's options may keep other state).
         self._plan_from_state = False
         self._auto: AutoResidency | None = None
+        # "auto"'s plans while it searches (`_step_plan`), and what they were planned from
+        self._search_plans: dict[Any, OffloadedStep] = {}
+        self._search_plans_of: tuple[Any, ...] = ()
         self._host_room_for_all = gpu_resident_bytes == "auto"
         # A byte count for the backward's loads, or None (the ring's chunks, or "auto"'s).
         backward_bytes = None
@@ -1660,7 +1663,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return specs
 
     def _step_plan(self, resident_bytes: int, backward: BackwardLoads | None) -> OffloadedStep:
-        """The step's plan (`step_plan`) with `resident_bytes` resident and `backward`'s loads."""
+        """The step's plan (`step_plan`) with `resident_bytes` resident and `backward`'s loads.
+
+        While "auto" searches, each plan is made once (`_search_plan`)."""
+        return self._search_plan(
+            (resident_bytes, backward), lambda: self._step_plan_now(resident_bytes, backward)
+        )
+
+    def _step_plan_now(self, resident_bytes: int, backward: BackwardLoads | None) -> OffloadedStep:
         return plan_offloaded_step(
             self._units_key,
             self._specs,
@@ -1671,6 +1681,30 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             backward=backward,
             host_room_for_all=self._host_room_for_all,
         )
+
+    def _search_plan(self, key: Any, plan: Callable[[], Any]) -> Any:
+        """`plan()`, made once per `key` while "auto" searches and nothing it is planned
+        from changes: a re-plan step's host work is exposed (the backward's device work has
+        ended before it), and the search asks for the same plans at several steps (what fits,
+        the split it re-plans to, where the state goes home). Pure plans: sharing is safe."""
+        if self._auto is None:
+            return plan()
+        of = (
+            self._units_key,
+            self._specs,
+            self.chunk_bytes,
+            self.staging_slots,
+            self._overlap is not None,
+            self._host_room_for_all,
+        )
+        last = self._search_plans_of
+        if not last or last[0] is not of[0] or last[1] is not of[1] or last[2:] != of[2:]:
+            # held, not only compared by identity: the objects stay alive, so another's id
+            # cannot match
+            self._search_plans, self._search_plans_of = {}, of
+        if key not in self._search_plans:
+            self._search_plans[key] = plan()
+        return self._search_plans[key]
 
     def _planned_now(self) -> OffloadedStep:
         """The step's plan with the options as they are now (a byte budget, or what "auto"
@@ -1771,6 +1805,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _say_what_auto_chose(self, choice: ResidencyChoice) -> None:
         self._auto = None
+        self._search_plans, self._search_plans_of = {}, ()
         # What runs, not the split's label: a split's backward bytes are a cap (True loads
         # a ring's worth under a label of 0), and the ring may outgrow a budget. After a
         # failed re-plan no plan is held: the one the next step builds again.
@@ -1906,7 +1941,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         until the new plan has copied from them what it would load
         (`StepExecutor.give_back_gpu_state`)."""
         self._executor.give_back_gpu_state(
-            plan_offload(self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True),
+            self._search_plan(
+                "home",
+                lambda: plan_offload(
+                    self._units_key, self._specs, self.chunk_bytes, host_room_for_all=True
+                ),
+            ),
             stays,
             keep_on_device,
         )

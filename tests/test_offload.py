@@ -999,6 +999,38 @@ def test_auto_ends_the_probe_of_a_clearly_slower_split_early():
     assert opt.residency.resident_bytes + opt.residency.backward_load_bytes < STATE_BYTES
 
 
+def test_auto_plans_each_split_once_while_it_searches(monkeypatch):
+    """A re-plan step's host work is exposed on the device (in a traced search the
+    trainer's stream sat idle through it): the search plans each split, and where the
+    state goes home, once, though it asks at several steps (what fits at the load-ahead
+    and at the first choice, then the re-plan to it), and bit-equal to plain AdamW
+    (`_search_auto`)."""
+    import offload.cpu_offload as cpu_offload
+
+    planned, homes = [], []
+    real_step, real_home = cpu_offload.plan_offloaded_step, cpu_offload.plan_offload
+
+    def step_plan(units, specs, **options):
+        planned.append((options["resident_bytes"], options["backward"]))
+        return real_step(units, specs, **options)
+
+    def home_plan(*args, **kwargs):
+        homes.append(args[2:])
+        return real_home(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_offload, "plan_offloaded_step", step_plan)
+    monkeypatch.setattr(cpu_offload, "plan_offload", home_plan)
+    replans = []
+    opt = _search_auto(
+        lambda opt: max(60.0, 100.0 - 80.0 * _kept(opt) / STATE_BYTES),
+        lambda opt, built: replans.append(built),
+    )
+    assert len(replans) // 2 > 2  # the search re-planned (a build per re-plan)
+    assert len(planned) == len(set(planned)), planned
+    assert len(homes) == 1  # one host layout for every re-plan of the search
+    assert opt.residency is not None
+
+
 def test_auto_loads_no_more_in_the_backward_than_a_byte_count_given():
     # the default's loads were tried past the count, and settled on: 6400 bytes for 700
     cap = 700
