@@ -469,14 +469,14 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
                 starts[-1].record()
             step()
             search_steps += 1
+            if search_steps == 1:  # it pins and builds: synced and timed apart, as none's
+                sync(device)  # first warmup step is
+                first_step_s = time.perf_counter() - started
             if profiler is not None and search_steps == TRACE_SEARCH_STEPS[1]:
                 export_trace(profiler, device, trace_path(args.json, arm, "search"))
                 profiler = None
         if profiler is not None:  # settled sooner (nothing to search with)
             export_trace(profiler, device, trace_path(args.json, arm, "search"))
-            if search_steps == 1:  # it pins and builds: synced and timed apart, as none's
-                sync(device)  # first warmup step is
-                first_step_s = time.perf_counter() - started
         if starts:
             starts.append(torch.cuda.Event(enable_timing=True))
             starts[-1].record()

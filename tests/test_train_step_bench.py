@@ -368,3 +368,34 @@ def test_each_run_records_its_full_collections_in_the_window(monkeypatch):
     assert len(full["outside_steps_ms"]) == 1
     assert train_step.describe_gc(full).startswith("; full gc in the window's steps")
     assert train_step.describe_gc({"steps": [], "ms": [], "outside_steps_ms": []}) == ""
+
+
+def test_auto_steps_1_to_30_leave_out_the_first_step(monkeypatch):
+    """The first step pins slabs and builds: it is timed apart (synced), and the means
+    without it ("steps 1-30") hold none of it. Each step() call here takes 1 s but the
+    first, 1000 s (a made-up clock)."""
+    import time
+
+    from bench import train_step
+    from offload import CPUOffloadOptimizer
+
+    now, calls = [0.0], [0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    real_step = CPUOffloadOptimizer.step
+
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        now[0] += 1000.0 if calls[0] == 1 else 1.0
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(CPUOffloadOptimizer, "step", step)
+    args = train_step.parse_args(
+        ["--device", "cpu", "--model", "tiny", "--batch", "1", "--seq", "8"]
+        + ["--steps", "3", "--warmup", "1"]
+    )
+    (arm,) = selected_arms("adamw/offload+overlap@auto", [], "")
+    with one_rank_group():
+        result = train_step.measure(arm, args, torch.device("cpu"))
+    assert result["search_steps"] > 1
+    assert result["steps_1_to_30_mean_ms"] == 1000.0
+    assert result["first_30_mean_ms"] > 1000.0
