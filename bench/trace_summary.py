@@ -4,7 +4,8 @@
 
 Prints, over the traced steps: each CUDA stream's busy time (kernels and copies, with
 the copies' GB/s and whether their host memory was pinned), the compute stream's idle
-gaps and what the other streams did meanwhile, the host's CUDA runtime calls (the
+gaps and what the other streams did meanwhile, each `optimizer.step()` call's host time
+and how much of it the compute stream sat idle, the host's CUDA runtime calls (the
 longest ones are where the host blocked), and a coarse timeline, one row per stream.
 """
 
@@ -145,6 +146,7 @@ def summarize(
             }
             for name, r in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]
         },
+        "optimizer_steps": optimizer_steps(events, compute),
         "trainer_copies": {
             "count_per_step": len(trainer_copies) / steps,
             "waited_ms_per_step": sum(w for w, _ in trainer_copies) / 1e3 / steps,
@@ -156,6 +158,39 @@ def summarize(
         "timeline": timeline,
         "timeline_bin_ms": width / 1e3,
     }
+
+
+def optimizer_steps(events: list[dict[str, Any]], compute: int) -> list[dict[str, float]]:
+    """Per `optimizer.step()` call on the host (torch's `Optimizer.step#...` annotation):
+    when it started (ms from the trace's first event), its host ms, and how much of that
+    the compute stream sat idle: the step's host work the device did not cover (a re-plan
+    of "auto", with the backward's device work already done, shows here)."""
+    start = min(e["ts"] for e in events)
+    compute_ivs = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") in DEVICE_CATEGORIES and _stream(e) == compute
+    ]
+    steps = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") == "user_annotation" and e["name"].startswith("Optimizer.step#")
+        ),
+        key=lambda e: e["ts"],
+    )
+    out = []
+    for e in steps:
+        lo, hi = e["ts"], e["ts"] + e["dur"]
+        busy = union_ms([(max(a, lo), min(b, hi)) for a, b in compute_ivs if b > lo and a < hi])
+        out.append(
+            {
+                "at_ms": (lo - start) / 1e3,
+                "host_ms": e["dur"] / 1e3,
+                "compute_idle_ms": e["dur"] / 1e3 - busy,
+            }
+        )
+    return out
 
 
 def _trainer_copy_waits(events: list[dict[str, Any]], compute: int) -> list[tuple[float, bool]]:
@@ -221,6 +256,9 @@ def print_summary(name: str, s: dict[str, Any]) -> None:
         f"({t['waited_behind_ms_per_step']:.1f} ms while another stream copied; "
         f"longest {t['longest_ms']:.1f} ms)"
     )
+    print("  optimizer.step() calls (at ms, host ms, of which the compute stream sat idle):")
+    for o in s["optimizer_steps"]:
+        print(f"    {o['at_ms']:8.1f} {o['host_ms']:7.1f} {o['compute_idle_ms']:7.1f}")
     print("  host CUDA calls (per step: count, ms; longest single call ms):")
     for call, r in s["runtime_calls"].items():
         print(

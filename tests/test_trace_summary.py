@@ -92,3 +92,36 @@ def test_a_trainer_copy_queued_behind_another_streams_copy_is_counted(tmp_path):
     assert copies["waited_ms_per_step"] == 3.5 + 0.005
     assert copies["waited_behind_ms_per_step"] == 3.5
     assert copies["longest_ms"] == 3.5
+
+
+def test_an_optimizer_step_whose_host_work_the_device_did_not_cover_is_told(tmp_path):
+    # compute kernels 0-10 ms and 30-40 ms; step() calls at 5-35 ms (the device idled
+    # 20 ms of its 30) and 50-60 ms (after the last kernel: all 10 idle)
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": lo, "dur": 10_000.0, "args": {"stream": 7}}
+        for lo in (0.0, 30_000.0)
+    ]
+    events += [
+        {"ph": "X", "cat": "user_annotation", "name": f"Optimizer.step#{n}.step", "ts": t, "dur": d}
+        for n, t, d in (("A", 5_000.0, 30_000.0), ("A", 50_000.0, 10_000.0))
+    ]
+    events.append(  # its device-side projection is not a host call
+        {
+            "ph": "X",
+            "cat": "gpu_user_annotation",
+            "name": "Optimizer.step#A.step",
+            "ts": 30_000.0,
+            "dur": 10_000.0,
+            "args": {"stream": 7},
+        }
+    )
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+    steps = summarize(load_events(path), steps=2, bins=10)["optimizer_steps"]
+
+    assert steps == [
+        {"at_ms": 5.0, "host_ms": 30.0, "compute_idle_ms": 20.0},
+        {"at_ms": 50.0, "host_ms": 10.0, "compute_idle_ms": 10.0},
+    ]
