@@ -1684,9 +1684,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _search_plan(self, key: Any, plan: Callable[[], Any]) -> Any:
         """`plan()`, made once per `key` while "auto" searches and nothing it is planned
-        from changes: a re-plan step's host work is exposed (the backward's device work has
-        ended before it), and the search asks for the same plans at several steps (what fits,
-        the split it re-plans to, where the state goes home). Pure plans: sharing is safe."""
+        from changes: a re-plan step's host work outlasts what the backward still queued on
+        the device covers (the device idles until the step's work is enqueued), and the search
+        asks for the same plans at several steps (what fits, the split it re-plans to, where
+        the state goes home). Pure plans: sharing is safe."""
         if self._auto is None:
             return plan()
         of = (

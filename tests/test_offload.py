@@ -1000,11 +1000,10 @@ def test_auto_ends_the_probe_of_a_clearly_slower_split_early():
 
 
 def test_auto_plans_each_split_once_while_it_searches(monkeypatch):
-    """A re-plan step's host work is exposed on the device (in a traced search the
-    trainer's stream sat idle through it): the search plans each split, and where the
-    state goes home, once, though it asks at several steps (what fits at the load-ahead
-    and at the first choice, then the re-plan to it), and bit-equal to plain AdamW
-    (`_search_auto`)."""
+    """A re-plan step's host work outlasts what the backward's device work covers: the
+    search plans each split, and where the state goes home, once, though it asks at
+    several steps (what fits at the load-ahead and at the first choice, then the re-plan
+    to it), and bit-equal to plain AdamW (`_search_auto`)."""
     import offload.cpu_offload as cpu_offload
 
     planned, homes = [], []
