@@ -8,6 +8,14 @@ import json
 from bench.trace_summary import load_events, summarize, union_ms
 
 
+def _written(tmp_path, events: list[dict]):
+    """`events` as a gzipped Chrome trace, as torch.profiler writes one."""
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
 def test_union_counts_overlaps_once():
     assert union_ms([(0, 1000), (500, 2000), (3000, 4000)]) == 3.0
     assert union_ms([]) == 0.0
@@ -31,9 +39,7 @@ def test_summary_of_a_copy_bound_trace(tmp_path):
             }
         )
     events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 0, "dur": 7})
-    path = tmp_path / "t.trace.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
+    path = _written(tmp_path, events)
 
     s = summarize(load_events(path), steps=2, bins=10)
 
@@ -82,9 +88,7 @@ def test_a_trainer_copy_queued_behind_another_streams_copy_is_counted(tmp_path):
             "args": {"correlation": 2},
         },
     ]
-    path = tmp_path / "t.trace.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
+    path = _written(tmp_path, events)
 
     copies = summarize(load_events(path), steps=1, bins=4)["trainer_copies"]
 
@@ -105,19 +109,9 @@ def test_an_optimizer_step_whose_host_work_the_device_did_not_cover_is_told(tmp_
         {"ph": "X", "cat": "user_annotation", "name": f"Optimizer.step#{n}.step", "ts": t, "dur": d}
         for n, t, d in (("A", 5_000.0, 30_000.0), ("A", 50_000.0, 10_000.0))
     ]
-    events.append(  # its device-side projection is not a host call
-        {
-            "ph": "X",
-            "cat": "gpu_user_annotation",
-            "name": "Optimizer.step#A.step",
-            "ts": 30_000.0,
-            "dur": 10_000.0,
-            "args": {"stream": 7},
-        }
-    )
-    path = tmp_path / "t.trace.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
+    projection = {"cat": "gpu_user_annotation", "name": "Optimizer.step#A.step", "dur": 1e4}
+    events.append({"ph": "X", "ts": 30_000.0, "args": {"stream": 7}, **projection})  # no host call
+    path = _written(tmp_path, events)
 
     steps = summarize(load_events(path), steps=2, bins=10)["optimizer_steps"]
 
