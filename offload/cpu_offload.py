@@ -622,8 +622,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # anew from the state as it is (a load's options may keep other state).
         self._plan_from_state = False
         self._auto: AutoResidency | None = None
-        # "auto"'s plans while it searches (`_step_plan`), and what they were planned from
-        self._search_plans: dict[Any, OffloadedStep] = {}
+        # "auto"'s plans while it searches (`_search_plan`), and what they were planned from
+        self._search_plans: dict[Any, OffloadedStep | OffloadPlan] = {}
         self._search_plans_of: tuple[Any, ...] = ()
         self._host_room_for_all = gpu_resident_bytes == "auto"
         # A byte count for the backward's loads, or None (the ring's chunks, or "auto"'s).
@@ -1700,8 +1700,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
         last = self._search_plans_of
         if not last or last[0] is not of[0] or last[1] is not of[1] or last[2:] != of[2:]:
-            # held, not only compared by identity: the objects stay alive, so another's id
-            # cannot match
             self._search_plans, self._search_plans_of = {}, of
         if key not in self._search_plans:
             self._search_plans[key] = plan()

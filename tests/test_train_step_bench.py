@@ -72,6 +72,14 @@ def test_each_arm_records_the_machine_it_ran_on(tmp_path, capsys):
     assert f"host loop {machine['host_loop_ms']:.2f} ms" in capsys.readouterr().out
 
 
+def _tiny_hf_llama_run(main, arm: str, flag: str, out) -> None:
+    """`bench.train_step`'s `main` on the CPU: `arm` of hf-llama-tiny, one step, with `flag`."""
+    main(
+        ["--device", "cpu", "--model", "hf-llama-tiny", "--arms", arm]
+        + ["--steps", "1", "--warmup", "1", "--baseline-runs", "1", flag, "--json", str(out)]
+    )
+
+
 def test_the_host_profile_names_the_offloaded_steps_own_functions(tmp_path, capsys):
     """--host-profile: per arm, the project's functions by host ms a step in the JSON, and
     the whole cProfile text next to it."""
@@ -81,11 +89,7 @@ def test_the_host_profile_names_the_offloaded_steps_own_functions(tmp_path, caps
     from bench.train_step import HOST_PROFILE_TOP, main
 
     out = tmp_path / "host.json"
-    main(
-        ["--device", "cpu", "--model", "hf-llama-tiny", "--arms", "adamw/offload+overlap"]
-        + ["--steps", "1", "--warmup", "1", "--baseline-runs", "1", "--host-profile"]
-        + ["--json", str(out)]
-    )
+    _tiny_hf_llama_run(main, "adamw/offload+overlap", "--host-profile", out)
     runs = json.loads(out.read_text())["runs"]
     (run,) = [r for r in runs if r["arm"] == "adamw/offload+overlap"]
     functions = {f["function"].split(" ")[-1]: f for f in run["host_profile"]}
@@ -109,11 +113,7 @@ def test_trace_search_profiles_auto_from_its_last_measured_step_until_it_settles
     from offload.residency import AUTO_MEASURED_STEPS, AUTO_WARMUP_STEPS
 
     out = tmp_path / "search.json"
-    main(
-        ["--device", "cpu", "--model", "hf-llama-tiny", "--arms", "adamw/offload+overlap@auto"]
-        + ["--steps", "1", "--warmup", "1", "--baseline-runs", "1", "--trace-search"]
-        + ["--json", str(out)]
-    )
+    _tiny_hf_llama_run(main, "adamw/offload+overlap@auto", "--trace-search", out)
     (run,) = json.loads(out.read_text())["runs"]
     traced = run["search_steps"] - 1 - TRACE_SEARCH_STEPS[0]  # less the window's first
     assert traced == AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 1 - TRACE_SEARCH_STEPS[0] == 2
