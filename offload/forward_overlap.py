@@ -251,10 +251,11 @@ class ForwardOverlap:
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
         self._units = [m for m, _ in self.owners if is_fsdp_module(m)]
+        # per owner, the params its all-gather holds: asked at every re-plan (`set_chunks`)
+        self._owner_waits = _with_shared_all_gathers([m for m, _ in self.owners])
         optimized = {id(p) for p in params}
         self._owner_stepped = [  # per owner, the optimizer's params its all-gather holds
-            [p for p in waited if id(p) in optimized]
-            for waited in _with_shared_all_gathers([m for m, _ in self.owners])
+            [p for p in waited if id(p) in optimized] for waited in self._owner_waits
         ]
         # The stream the last wait was on, and the last chunk it has waited for this step.
         self._waited: tuple[torch.Stream | None, int] = (None, -1)
@@ -371,7 +372,7 @@ class ForwardOverlap:
         """Of `params`, those the next forward waits for first: the first owner module's
         that reads any of them, with those of the modules FSDP2 all-gathers with it (one
         unit, or prefetched from its pre-forward: `_before_module` waits for them too)."""
-        waited = _with_shared_all_gathers([m for m, _ in self.owners])
+        waited = self._owner_waits
         for index, own in enumerate(waited):
             if any(p in params for p in own):
                 first = {id(p): p for i in self._gathered_with(index) for p in waited[i]}
@@ -397,7 +398,7 @@ class ForwardOverlap:
         for c, params in enumerate(chunk_params):
             for p in params:
                 chunk_of[p] = c  # a param cut into slices is done with its last chunk
-        waited = _with_shared_all_gathers([m for m, _ in self.owners])
+        waited = self._owner_waits
         self._module_chunk = [
             max((chunk_of[p] for p in params if p in chunk_of), default=-1) for params in waited
         ]
