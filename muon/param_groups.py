@@ -30,6 +30,9 @@ from muon.optimizer import _user_stacklevel  # warnings point at the caller, pas
 # `bbox_embed.layers.0.weight`), not in the modules above: a wrapper attribute named
 # `embedder` or `normalizer` holding a whole backbone would send every matrix in it to
 # AdamW.
+NORM_PATTERN = r"(^|\.)[^.]*norm(?!al)[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$"  # not normal(ize)
+"""Norms' params, by the name of the param, its module or that module's parent; not the
+matrices of a module that fuses a norm into a linear map (`_fused_norm_matrices`)."""
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"(^|\.)[^.]*embed[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)(lm_head|head)(\.[^.]+)?\.weight$",
@@ -37,19 +40,21 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     r"^(?!.*\.\d+\.)(.*\.)?output\.weight$",  # not in a numbered block: a hidden one
     r"^((module|_orig_mod|model)\.)*output_layer\.weight$",  # at the top, under wrappers
     r"(^|\.)[^.]*tokens?$",
-    r"(^|\.)[^.]*norm(?!al)[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",  # not normal(ize)
+    NORM_PATTERN,
     r"(^|\.)[^.]*bias[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)[^.]*router[^.]*(\.\d+)*(\.[^.]+(\.\d+)*){0,2}$",
     r"(^|\.)A_log$",
 )
 # Names of params that usually hold several logical matrices (q|k|v, gate|up): Phi3's
 # qkv_proj and gate_up_proj, MoE expert stacks' gate_up_proj, GPT-NeoX's query_key_value,
-# GPT-2's c_attn, Baichuan's W_pack, MPT's Wqkv, nn.MultiheadAttention's in_proj_weight.
+# GPT-2's c_attn, Baichuan's W_pack, MPT's Wqkv, nn.MultiheadAttention's in_proj_weight,
+# TransformerEngine's layernorm_qkv, Megatron's linear_qkv.
 # Without `row_blocks` Muon orthogonalizes each as one matrix, so they are warned about,
 # as are recurrent gate weights (`_gate_row_blocks`), found by module since nn.RNN's
 # unfused weights have the same names.
 FUSED_PATTERNS: tuple[str, ...] = (
     r"(^|\.)(qkv|qkv_proj|in_proj_qkv|Wqkv|W_pack|query_key_value|c_attn|gate_up_proj)\.weight$",
+    r"(^|\.)(layernorm_qkv|linear_qkv)\.weight$",  # TransformerEngine's, Megatron's
     r"(^|\.)(gate_up_proj|in_proj_weight)$",
 )
 # Modules whose params go to AdamW whatever their names: embeddings (GPT-2's wte, wpe;
@@ -130,7 +135,8 @@ def muon_param_groups(
     param has several) matches one of `adamw_patterns` (regular expressions, `re.search`
     over the dotted name; by default embeddings, the output head, norms, biases and
     routers, looked for in the param's own name, its module's and that module's parent's,
-    not in a wrapper's above),
+    not in a wrapper's above; a module that fuses a norm into a linear map, such as
+    TransformerEngine's LayerNormLinear, keeps its matrices for Muon),
     it is an MoE router's (a module `gate` beside `experts`), a module of a type in
     `adamw_modules` holds it (by default embeddings and convolutions, nn.Conv1d / 2d /
     3d and their transposes: a conv weight is a kernel, not a stack of matrices), or
@@ -197,6 +203,7 @@ def muon_param_groups(
     }
     by_module |= {id(p) for head in _output_heads(model) for p in head.parameters()}
     by_module |= _moe_gates(model)
+    fused_norm = _fused_norm_matrices(model)
     gates = _gate_row_blocks(model)
     # Every name of a tied param: named_parameters() gives only its first
     names: dict[int, list[str]] = {}
@@ -208,7 +215,12 @@ def muon_param_groups(
             p.ndim not in (2, 3)
             or min(p.shape[-2:]) <= 1
             or id(p) in by_module
-            or any(re.search(pattern, n) for n in names[id(p)] for pattern in adamw_patterns)
+            or any(
+                re.search(pattern, n)
+                for n in names[id(p)]
+                for pattern in adamw_patterns
+                if not (pattern == NORM_PATTERN and id(p) in fused_norm)
+            )
         ):
             adamw.append(p)
             outside = "AdamW"
@@ -270,6 +282,20 @@ def muon_param_groups(
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert grouped == trainable, f"{grouped} params grouped, {trainable} trainable"
     return groups
+
+
+def _fused_norm_matrices(model: nn.Module) -> set[int]:
+    """Ids of the matrices of modules that fuse a norm into a linear map, whose class
+    name says both (TransformerEngine's LayerNormLinear and LayerNormMLP, Megatron's
+    TELayerNormColumnParallelLinear): TransformerEngine names them `layernorm_qkv` and
+    `layernorm_mlp`, and the norm pattern would send their matrices to AdamW."""
+    return {
+        id(p)
+        for m in model.modules()
+        if re.search(r"Norm.*(Linear|MLP)", type(m).__name__)
+        for name, p in m.named_parameters(recurse=False)
+        if p.ndim >= 2 and "norm" not in name.lower()
+    }
 
 
 def _refuse_flattened(model: nn.Module) -> None:

@@ -625,6 +625,46 @@ def test_a_layer_named_for_normals_is_not_taken_for_a_norm():
     assert names == {"normal_proj.weight", "abnormality_scorer.weight", "denormalize.weight"}
 
 
+class LayerNormLinear(nn.Module):
+    """TransformerEngine's: a norm fused into the linear map after it."""
+
+    def __init__(self, dim: int, out: int) -> None:
+        super().__init__()
+        self.layer_norm_weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.randn(out, dim))
+
+
+class LayerNormMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.layer_norm_weight = nn.Parameter(torch.ones(dim))
+        self.fc1_weight = nn.Parameter(torch.randn(hidden, dim))
+        self.fc2_weight = nn.Parameter(torch.randn(dim, hidden))
+
+
+def test_a_norm_fused_into_a_linear_map_keeps_its_matrices_for_muon():
+    # TransformerEngine's TransformerLayer names them `layernorm_qkv` and `layernorm_mlp`:
+    # the norm pattern sent the QKV and MLP matrices to AdamW, silently (hostile review)
+    layer = nn.Module()
+    layer.self_attention = nn.Module()
+    layer.self_attention.layernorm_qkv = LayerNormLinear(16, 48)
+    layer.self_attention.proj = nn.Linear(16, 16, bias=False)
+    layer.layernorm_mlp = LayerNormMLP(16, 64)
+    model = nn.ModuleDict({"layers": nn.ModuleList([layer])})
+    with pytest.warns(
+        UserWarning, match=r"\['layers.0.self_attention.layernorm_qkv.weight'\] look"
+    ):
+        groups = muon_param_groups(model)
+    muon = {id(p) for g in groups if g.get("algorithm", "muon") == "muon" for p in g["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in muon}
+    assert names == {
+        "layers.0.self_attention.layernorm_qkv.weight",
+        "layers.0.self_attention.proj.weight",
+        "layers.0.layernorm_mlp.fc1_weight",
+        "layers.0.layernorm_mlp.fc2_weight",
+    }
+
+
 def test_fsdp1_modules_are_refused_by_name():
     # FSDP1 flattens a unit's params into 1-D shards: every param went to AdamW, silently
     from torch.distributed.fsdp import FullyShardedDataParallel
