@@ -272,6 +272,16 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     missing = [key for key in needed if not config.get(key)]
     if missing:
         raise ValueError(f"config is missing keys {missing} (or gives 0)")
+    heads = config["num_attention_heads"]
+    if (
+        not config.get("kv_lora_rank")
+        and not config.get("head_dim")
+        and heads > config["hidden_size"]
+    ):
+        raise ValueError(  # hidden // heads: the attention's matrices would have 0 rows
+            f"config's num_attention_heads ({heads}) is more than its hidden_size "
+            f"({config['hidden_size']}) and it gives no head_dim: each head would have 0 dims"
+        )
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     shapes = [ParamShape("model.embed_tokens.weight", (vocab, hidden))]
     for layer in range(config["num_hidden_layers"]):

@@ -314,6 +314,15 @@ def test_a_config_whose_sizes_make_no_model_is_refused_naming_the_key(key, value
         from_config({**TINY_DENSE, key: value})
 
 
+def test_more_heads_than_hidden_dims_without_a_head_dim_is_refused():
+    # hidden // heads is 0: the planner laid out (0, hidden) q, k, v matrices (hostile review)
+    config = {**TINY_DENSE, "num_attention_heads": TINY_DENSE["hidden_size"] * 2, "head_dim": None}
+    with pytest.raises(ValueError, match=r"num_attention_heads \(\d+\) is more than its hidden"):
+        from_config(config)
+    shapes = from_config({**config, "head_dim": 4})  # a head_dim given: each head has 4
+    assert min(min(s.shape) for s in shapes) >= 1
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
