@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import math
 import sys
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -368,6 +369,7 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
+        _refuse_misspelled_keys(param_group, index, self.defaults)
         if param_group.get("algorithm", "muon") == "muon" and "betas" in param_group:
             raise ValueError(  # else ignored: the group's matrices would be orthogonalized
                 f"param group {index} sets betas, which only AdamW groups read, but is a Muon "
@@ -899,6 +901,29 @@ def _validate_hyperparameters(values: dict[str, Any]) -> None:
 
 # torch.optim.AdamW options the step does not implement: a group may carry only torch's
 # default (or False), never have one silently ignored. AdamW groups honour `maximize`.
+# Group keys torch's optimizers and schedulers read or write that `defaults` lacks.
+_TORCH_GROUP_KEYS = ("params", "param_names", "initial_lr", "betas", "amsgrad", "maximize")
+
+
+def _refuse_misspelled_keys(
+    group: Mapping[str, Any], index: int, defaults: Mapping[str, Any]
+) -> None:
+    """A key no group reads, this close to one that some group reads, is a typo (`beta`,
+    `weight_decy`): kept, as torch keeps a group's own keys, the setting it meant would
+    silently stay at its default. A key of the user's own (`name`, `lr_mult`) is kept."""
+    known = {*defaults, *_TORCH_GROUP_KEYS, *_UNSUPPORTED_OPTIONS}
+    for key in group:
+        if not isinstance(key, str) or key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(
+                f"param group {index} sets {key!r}, which no group reads: did you mean "
+                f"{close[0]!r}? (a key of your own is kept, as torch keeps it, unless it is "
+                "this close to a setting's name)"
+            )
+
+
 _UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
 # torch.optim.AdamW options AdamW groups honour; torch.optim.Muon has neither.
 _ADAMW_OPTIONS = ("amsgrad", "maximize")

@@ -9,7 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from muon.optimizer import _user_stacklevel  # warnings point at the caller, past setup_optimizer
+from muon.optimizer import (
+    _MUON_KEYS,
+    _user_stacklevel,
+)  # warnings: at the caller, past setup_optimizer
 
 # Names of params Muon should not orthogonalize even though they are matrices:
 # embeddings and the output head (Keller Jordan, Moonlight): the weight of a module
@@ -176,6 +179,16 @@ def muon_param_groups(
                 f"adamw_options may not set {option!r}: muon_param_groups fills the AdamW "
                 "group's params and algorithm itself (lr, betas, eps, weight_decay go there)"
             )
+    muon_only = [
+        option
+        for option in (*_MUON_KEYS, "ns_coefficients", "ns_steps", "row_blocks")
+        if option in (adamw_options or {})
+    ]
+    if muon_only:  # else kept in the group and never read
+        raise ValueError(
+            f"adamw_options sets {muon_only}, which only Muon groups read (AdamW's momentum "
+            "is betas[0]): pass them to Muon(...) instead"
+        )
     for where, patterns in (("row_blocks", row_blocks), ("adamw_patterns", adamw_patterns)):
         for pattern in patterns:
             try:

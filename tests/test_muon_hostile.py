@@ -694,6 +694,26 @@ def test_betas_in_a_group_left_muon_are_refused():
     Muon([{"params": [linear.weight]}, {"params": [embedding.weight], "algorithm": "adamw"}])
 
 
+@pytest.mark.parametrize(("key", "meant"), [("beta", "betas"), ("weight_decy", "weight_decay")])
+def test_a_misspelled_group_key_is_refused_naming_the_setting(key, meant):
+    # kept in the group as torch keeps any key, and never read: the AdamW group ran with
+    # the default betas / weight decay, silently (hostile review)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    with pytest.raises(
+        ValueError, match=f"sets '{key}', which no group reads: did you mean '{meant}'"
+    ):
+        Muon(muon_param_groups(model, adamw_options={key: (0.5, 0.5)}), lr=0.02)
+    # a key of one's own that is no near miss is kept, as torch keeps it
+    groups = muon_param_groups(model, adamw_options={"name": "x", "weight_decay_mult": 0.0})
+    assert Muon(groups, lr=0.02).param_groups[1]["weight_decay_mult"] == 0.0
+
+
+def test_muon_settings_in_adamw_options_are_refused():
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    with pytest.raises(ValueError, match=r"adamw_options sets \['momentum'\], which only Muon"):
+        muon_param_groups(model, adamw_options={"momentum": 0.5})
+
+
 def test_an_adamw_checkpoint_loaded_into_a_muon_group_is_refused_at_the_load():
     # switching from AdamW pretraining to Muon: the load succeeded and the first step
     # raised a bare KeyError: 'momentum'
