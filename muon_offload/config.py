@@ -167,7 +167,7 @@ class OptimizerConfig:
                 )
                 continue
             if f.name == "offload_load_in_backward":  # --flag (True), --flag BYTES, --no-flag
-                load = _checked(int, offload_checks.check_load_in_backward, f.name)
+                load = _checked(_byte_count, offload_checks.check_load_in_backward, f.name)
                 group.add_argument(
                     flag, nargs="?", const=True, type=load, metavar="BYTES", **described
                 )
@@ -181,8 +181,8 @@ class OptimizerConfig:
                 parse: Callable[[str], Any] = _json_object
             elif f.name == "offload_gpu_resident_bytes":
                 parse = _bytes_or_auto
-            elif default is None:  # offload_gpu_budget_bytes
-                parse = int
+            elif f.name.endswith("_bytes"):  # offload_chunk_bytes, offload_gpu_budget_bytes
+                parse = _byte_count
             else:
                 parse = float if isinstance(default, tuple) else type(default)
             kwargs: dict[str, Any] = {"nargs": len(default)} if isinstance(default, tuple) else {}
@@ -222,7 +222,10 @@ class OptimizerConfig:
             raise RuntimeError("reading TOML configs needs Python >= 3.11") from err
 
         with open(path, "rb") as f:
-            document = tomllib.load(f)
+            try:
+                document = tomllib.load(f)
+            except tomllib.TOMLDecodeError as error:
+                raise ValueError(f"{path} is not valid TOML: {error}") from error
         values: Any = document.get(table)  # a quoted key with a dot (["a.b"]) first
         if values is None:
             values = document
@@ -656,6 +659,17 @@ def _bytes_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(
             f"should be 'auto' or a whole number of bytes (e.g. {2**30} for 1 GiB), "
             f"but is: {text!r}"
+        ) from None
+
+
+def _byte_count(text: str) -> int:
+    """A flag's byte count: a whole number (argparse said only "invalid int value" to
+    `256MiB`)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"should be a whole number of bytes (e.g. {256 * 2**20} for 256 MiB), but is: {text!r}"
         ) from None
 
 

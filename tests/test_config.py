@@ -431,6 +431,8 @@ def test_valid_muon_options_and_int_lr_are_accepted():
             "[optimizer]\noffload_overlap_forward = true\n",
             r'offload_overlap_forward = true needs offload = "optimizer"',
         ),
+        # tomllib's bare TOMLDecodeError named no file (hostile review)
+        ("[optimizer\nlr = 1\n", r"train\.toml is not valid TOML: Expected ']'"),
     ],
 )
 def test_toml_with_a_wrong_table_or_value_fails_naming_it(tmp_path, text, message):
@@ -456,6 +458,19 @@ def test_resident_bytes_flag_says_what_it_takes(capsys):
         parser.parse_args(["--offload-gpu-resident-bytes", "1GiB"])
     error = capsys.readouterr().err
     assert "argument --offload-gpu-resident-bytes: should be 'auto' or a whole number" in error
+
+
+@pytest.mark.parametrize(
+    "flag", ["--offload-chunk-bytes", "--offload-gpu-budget-bytes", "--offload-load-in-backward"]
+)
+def test_byte_count_flags_say_what_they_take(capsys, flag):
+    # argparse's "invalid int value: '256MiB'" (hostile review)
+    parser = argparse.ArgumentParser()
+    OptimizerConfig.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "256MiB"])
+    error = capsys.readouterr().err
+    assert f"argument {flag}: should be a whole number of bytes (e.g. 268435456 for 256" in error
 
 
 @pytest.mark.parametrize(
