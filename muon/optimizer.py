@@ -901,8 +901,13 @@ def _validate_hyperparameters(values: dict[str, Any]) -> None:
 
 # torch.optim.AdamW options the step does not implement: a group may carry only torch's
 # default (or False), never have one silently ignored. AdamW groups honour `maximize`.
+_UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+# torch.optim.AdamW options AdamW groups honour; torch.optim.Muon has neither.
+_ADAMW_OPTIONS = ("amsgrad", "maximize")
+
+
 # Group keys torch's optimizers and schedulers read or write that `defaults` lacks.
-_TORCH_GROUP_KEYS = ("params", "param_names", "initial_lr", "betas", "amsgrad", "maximize")
+_TORCH_GROUP_KEYS = ("params", "param_names", "initial_lr", "betas")
 
 
 def _refuse_misspelled_keys(
@@ -911,7 +916,7 @@ def _refuse_misspelled_keys(
     """A key no group reads, this close to one that some group reads, is a typo (`beta`,
     `weight_decy`): kept, as torch keeps a group's own keys, the setting it meant would
     silently stay at its default. A key of the user's own (`name`, `lr_mult`) is kept."""
-    known = {*defaults, *_TORCH_GROUP_KEYS, *_UNSUPPORTED_OPTIONS}
+    known = {*defaults, *_TORCH_GROUP_KEYS, *_ADAMW_OPTIONS, *_UNSUPPORTED_OPTIONS}
     for key in group:
         if not isinstance(key, str) or key in known:
             continue
@@ -922,11 +927,6 @@ def _refuse_misspelled_keys(
                 f"{close[0]!r}? (a key of your own is kept, as torch keeps it, unless it is "
                 "this close to a setting's name)"
             )
-
-
-_UNSUPPORTED_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
-# torch.optim.AdamW options AdamW groups honour; torch.optim.Muon has neither.
-_ADAMW_OPTIONS = ("amsgrad", "maximize")
 
 
 def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any]]) -> None:

@@ -9,10 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from muon.optimizer import (
-    _MUON_KEYS,
-    _user_stacklevel,
-)  # warnings: at the caller, past setup_optimizer
+# _user_stacklevel: warnings point at the caller, past setup_optimizer
+from muon.optimizer import _MUON_KEYS, _user_stacklevel
 
 # Names of params Muon should not orthogonalize even though they are matrices:
 # embeddings and the output head (Keller Jordan, Moonlight): the weight of a module

@@ -251,10 +251,10 @@ class ForwardOverlap:
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
         self._owner_is_unit = [is_fsdp_module(module) for module, _ in self.owners]
         self._units = [m for m, _ in self.owners if is_fsdp_module(m)]
-        # per owner, the params its all-gather holds: asked at every re-plan (`set_chunks`)
+        # per owner, the params its all-gather holds (found once: every re-plan asks)
         self._owner_waits = _with_shared_all_gathers([m for m, _ in self.owners])
         optimized = {id(p) for p in params}
-        self._owner_stepped = [  # per owner, the optimizer's params its all-gather holds
+        self._owner_stepped = [  # of those, the optimizer's
             [p for p in waited if id(p) in optimized] for waited in self._owner_waits
         ]
         # The stream the last wait was on, and the last chunk it has waited for this step.
