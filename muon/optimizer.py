@@ -477,10 +477,11 @@ class Muon(torch.optim.Optimizer):
         """`state_dict` with the keys torch's checkpoints lack (`_OWN_GROUP_KEYS`) taken, where
         a saved group lacks them, from the group it replaces, not the defaults: a
         torch.optim.AdamW checkpoint loaded into an AdamW group stays AdamW, a
-        torch.optim.Muon one keeps the declared `row_blocks`. The declared `row_blocks`
-        are kept over a checkpoint's too (they describe the model), with a warning where
-        they differ. The caller's dict is not changed. Unchanged where the group counts
-        differ: torch's load says how."""
+        torch.optim.Muon one keeps the declared `row_blocks`. The declared
+        `_DECLARED_GROUP_KEYS` are kept over a checkpoint's too (they describe the model or
+        how this run computes, not the training state), with a warning where they differ.
+        The caller's dict is not changed. Unchanged where the group counts differ: torch's
+        load says how."""
         saved_groups = state_dict.get("param_groups", [])
         if len(saved_groups) != len(self.param_groups):
             return state_dict
@@ -489,17 +490,21 @@ class Muon(torch.optim.Optimizer):
             for group, saved in zip(self.param_groups, saved_groups, strict=True)
         ]
         for index, (group, loaded) in enumerate(zip(self.param_groups, groups, strict=True)):
-            declared = group.get("row_blocks")
-            if _blocks(loaded.get("row_blocks")) != _blocks(declared):
-                warnings.warn(
-                    f"param group {index}: the checkpoint's row_blocks "
-                    f"{loaded.get('row_blocks')} differ from the declared {declared}; the "
-                    "declared ones describe the model and are kept (the momentum does not "
-                    "depend on them)",
-                    UserWarning,
-                    stacklevel=_user_stacklevel(),
+            for key, why in _DECLARED_GROUP_KEYS.items():
+                declared, saved = group.get(key), loaded.get(key)
+                differ = (
+                    _blocks(saved) != _blocks(declared)
+                    if key == "row_blocks"
+                    else saved != declared
                 )
-            loaded["row_blocks"] = declared
+                if differ:
+                    warnings.warn(
+                        f"param group {index}: the checkpoint's {key} {saved!r} differs from "
+                        f"this optimizer's {declared!r}, which is kept: {why}",
+                        UserWarning,
+                        stacklevel=_user_stacklevel(),
+                    )
+                loaded[key] = declared
         return {**state_dict, "param_groups": groups}
 
     def _finish_load(self, state_dict: dict[str, Any]) -> None:
@@ -876,6 +881,12 @@ def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None
 
 # Group keys of this optimizer that torch's optimizers do not have.
 _OWN_GROUP_KEYS = ("algorithm", "row_blocks", "ns_algorithm", "replica_owners")
+# Of those, what a load keeps of the groups it loads into, and why.
+_DECLARED_GROUP_KEYS = {
+    "row_blocks": "they describe the model (the momentum does not depend on them)",
+    "ns_algorithm": "it says how this run orthogonalizes, as ns_dtype does",
+    "replica_owners": "it says how this run's mesh shares the work (the update is the same)",
+}
 # Hyperparameters every group has, and those only a Muon group reads.
 _COMMON_KEYS = ("lr", "weight_decay", "eps")
 _MUON_KEYS = ("momentum", "nesterov", "adjust_lr_fn", "ns_algorithm", "replica_owners")

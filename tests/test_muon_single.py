@@ -663,7 +663,7 @@ def test_a_resume_keeps_the_declared_row_blocks_and_says_where_the_checkpoint_di
         q.data.copy_(p)
         r.data.copy_(p)
     opt, ref = build(resumed, (32, 32)), build(declared, (32, 32))
-    with pytest.warns(UserWarning, match=r"group 0: the checkpoint's row_blocks None differ"):
+    with pytest.warns(UserWarning, match=r"group 0: the checkpoint's row_blocks None differs"):
         opt.load_state_dict(checkpoint)
     assert opt.param_groups[0]["row_blocks"] == (32, 32)
     without_blocks = copy.deepcopy(checkpoint)  # as a torch.optim.Muon checkpoint: no key
@@ -673,6 +673,51 @@ def test_a_resume_keeps_the_declared_row_blocks_and_says_where_the_checkpoint_di
     _run(opt, resumed, steps=2, seed=5)
     _run(ref, declared, steps=2, seed=5)
     for p, q in zip(resumed, declared, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_resume_keeps_how_this_run_computes_and_says_where_the_checkpoint_differs(offload):
+    # ns_algorithm and replica_owners came from the checkpoint, silently: a run resumed with
+    # "standard" Newton-Schulz to compare against another ran the saved "gram" (hostile
+    # review)
+    def build(params, ns_algorithm, replica_owners):
+        opt = Muon(
+            params,
+            lr=0.02,
+            ns_dtype=torch.float32,
+            ns_algorithm=ns_algorithm,
+            replica_owners=replica_owners,
+        )
+        return CPUOffloadOptimizer(opt, chunk_bytes=1) if offload else opt
+
+    first = _params([(64, 16), (16, 32)])
+    opt = build(first, "gram", "spread")
+    _run(opt, first, steps=2)
+    checkpoint = copy.deepcopy(opt.state_dict())
+    resumed, fresh = _params([(64, 16), (16, 32)]), _params([(64, 16), (16, 32)])
+    for p, q, r in zip(first, resumed, fresh, strict=True):
+        q.data.copy_(p)
+        r.data.copy_(p)
+    opt, ref = build(resumed, "standard", "per_replica"), build(fresh, "standard", "per_replica")
+    with pytest.warns(UserWarning) as record:
+        opt.load_state_dict(checkpoint)
+    said = [str(w.message) for w in record]
+    assert any(
+        "checkpoint's ns_algorithm 'gram' differs from this optimizer's 'standard'" in m
+        for m in said
+    )
+    assert any("checkpoint's replica_owners 'spread' differs" in m for m in said)
+    group = opt.param_groups[0]
+    assert (group["ns_algorithm"], group["replica_owners"]) == ("standard", "per_replica")
+    # the same as loading a checkpoint saved with this run's settings
+    same = copy.deepcopy(checkpoint)
+    for saved in same["param_groups"]:
+        saved["ns_algorithm"], saved["replica_owners"] = "standard", "per_replica"
+    ref.load_state_dict(same)
+    _run(opt, resumed, steps=2, seed=5)
+    _run(ref, fresh, steps=2, seed=5)
+    for p, q in zip(resumed, fresh, strict=True):
         assert torch.equal(p, q)
 
 
