@@ -1148,6 +1148,22 @@ def _placements_text(t: Tensor) -> str:
     return str(tuple(t.placements)) if isinstance(t, DTensor) else "a plain tensor"
 
 
+def _grad_placement_fix(grad: Tensor, p: Tensor) -> str:
+    """How to give `p` a grad the step reads, where `grad`'s placements are not `p`'s."""
+    if not isinstance(p, DTensor):
+        return "give it the whole grad (p.grad = p.grad.full_tensor())"
+    if not isinstance(grad, DTensor):
+        return (
+            "give it a DTensor grad of the param's placements: this rank's shard as "
+            "p.grad = DTensor.from_local(shard, p.device_mesh, p.placements), or the whole "
+            "grad as distribute_tensor(grad, p.device_mesh, p.placements)"
+        )
+    return (
+        "reduce or redistribute the grad to the param's placements first "
+        "(p.grad = p.grad.redistribute(p.device_mesh, p.placements))"
+    )
+
+
 def _check_grads(group: dict[str, Any], index: int) -> None:
     """Grads the step can read as they are: dense, as torch.optim.Muon and AdamW require,
     and on a DTensor param of the param's mesh and placements. The step reads the grad's
@@ -1171,10 +1187,18 @@ def _check_grads(group: dict[str, Any], index: int) -> None:
         )
         if not same:
             raise ValueError(
-                f"param group {index}: {_param_text(group, k)} has a grad with placements "
-                f"{_placements_text(grad)} but the param has {_placements_text(p)}; reduce "
-                "or redistribute the grad to the param's placements first "
-                "(p.grad = p.grad.redistribute(p.device_mesh, p.placements))"
+                f"param group {index}: {_param_text(group, k)} has "
+                + (
+                    f"a grad with placements {_placements_text(grad)}"
+                    if isinstance(grad, DTensor)
+                    else "a plain-tensor grad"
+                )
+                + (
+                    f" but the param has {_placements_text(p)}; "
+                    if isinstance(p, DTensor)
+                    else " but the param is a plain tensor; "
+                )
+                + _grad_placement_fix(grad, p)
             )
         if algorithm == "AdamW" and grad.dtype != p.dtype:
             # torch's AdamW refuses it too, but mid-step: the Muon groups had stepped

@@ -82,6 +82,22 @@ def test_a_grad_placed_unlike_its_param_is_refused_before_anything_steps(algorit
         _assert_nothing_stepped(opt, params, before)
 
 
+def test_a_plain_grad_on_a_sharded_param_is_told_how_to_place_it():
+    # it said "a grad with placements a plain tensor" and advised p.grad.redistribute,
+    # which a plain tensor lacks (hostile review)
+    with _fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        sharded = nn.Parameter(DTensor.from_local(_randn(2, 4), mesh, [Shard(0)]))
+        opt = Muon([sharded])
+        sharded.grad = _randn(4, 4, seed=1)  # the whole grad, where this rank's shard is read
+        with pytest.raises(
+            ValueError,
+            match=r"has a plain-tensor grad but the param has \(Shard\(dim=0\),\); give it a "
+            r"DTensor grad .*DTensor\.from_local\(shard, p\.device_mesh, p\.placements\)",
+        ):
+            opt.step()
+
+
 def test_sparse_grads_are_refused_before_anything_steps():
     # An nn.Embedding(sparse=True), which muon_param_groups sends to AdamW, failed deep in
     # torch's dispatcher after the Muon params had stepped and the embedding had decayed
