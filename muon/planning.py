@@ -238,25 +238,33 @@ class Bucket:
 
 
 def plan_buckets(
-    layouts: Sequence[ParamLayout], cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, itemsize: int = 2
+    layouts: Sequence[ParamLayout],
+    cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+    itemsize: int = 2,
+    replica_owners: Mapping[int, str] | None = None,
 ) -> tuple[Bucket, ...]:
     """Group params into buckets in layer order under `cap_bytes`, one open bucket per domain.
 
-    A domain is (mesh, exchange axis, replica axis): a bucket's params exchange over one
-    axis and are replicated (HSDP) over the same one or none, so whether the bucket
-    spreads its owners over the replicas holds for all of them (an expert stack sharded
-    over the axis that replicates a dense matrix shared a bucket with it, and took
-    another expert's update). A param larger than the cap gets a bucket of its own.
-    Depends only on global shapes and mesh sizes, so every rank builds the same buckets.
-    Buckets are numbered by their first param.
+    A domain is (mesh, exchange axis, replica axis, and under HSDP the group's
+    `replica_owners`, group -> `REPLICA_OWNERS`, default "per_replica"): a bucket's params
+    exchange over one axis and are replicated (HSDP) over the same one or none, so whether
+    the bucket spreads its owners over the replicas holds for all of them (an expert stack
+    sharded over the axis that replicates a dense matrix shared a bucket with it, and took
+    another expert's update), as their groups chose (a "spread" group beside a
+    "per_replica" one ran per replica). A param larger than the cap gets a bucket of its
+    own. Depends only on global shapes, mesh sizes and groups, so every rank builds the
+    same buckets. Buckets are numbered by their first param.
     """
+    replica_owners = replica_owners or {}
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap should be > 0 bytes but is: {cap_bytes}")
-    Domain = tuple[Hashable, int | None, int | None]
+    Domain = tuple[Hashable, int | None, int | None, str | None]
     open_buckets: dict[Domain, tuple[list[int], int]] = {}
     closed: list[tuple[list[int], Domain, int]] = []
     for index, layout in enumerate(layouts):
-        domain = (layout.mesh_key, layout.exchange_axis, layout.replica_axis)
+        replicated = layout.replica_axis is not None and layout.exchange_axis is not None
+        choice = replica_owners.get(layout.group, "per_replica") if replicated else None
+        domain = (layout.mesh_key, layout.exchange_axis, layout.replica_axis, choice)
         nbytes = layout.exchange_bytes(itemsize)
         members, total = open_buckets.get(domain, ([], 0))
         if members and total + nbytes > cap_bytes:
@@ -267,7 +275,7 @@ def plan_buckets(
     closed.sort(key=lambda entry: entry[0][0])
     return tuple(
         Bucket(i, tuple(members), key, axis, total)
-        for i, (members, (key, axis, _), total) in enumerate(closed)
+        for i, (members, (key, axis, _, _), total) in enumerate(closed)
     )
 
 
@@ -575,14 +583,16 @@ class MuonPlan:
         domain so that remainders rotate over the ranks.
 
         Under HSDP (a replica axis), `replica_owners` (group -> `REPLICA_OWNERS`, default
-        "per_replica") decides per bucket: "spread" if all its groups say so, per replica
-        if any says "per_replica", else `spread_model` decides. A spread bucket's owners
+        "per_replica") decides per bucket (a bucket's groups chose alike,
+        `plan_buckets`): "spread" spreads, "per_replica" does not, "auto" asks
+        `spread_model`. Local buckets (matrices whole on each rank: a shard axis of one,
+        experts sharded by expert) run on every replica. A spread bucket's owners
         are balanced over replicas x exchange ranks (flat index owner * replicas + replica,
         so that ties alternate replicas); every rank decides alike from global shapes.
         """
         layouts = tuple(layouts)
         replica_owners = replica_owners or {}
-        buckets = list(plan_buckets(layouts, cap_bytes, itemsize))
+        buckets = list(plan_buckets(layouts, cap_bytes, itemsize, replica_owners))
         prior: dict[tuple[Hashable, int | None, int], list[int]] = {}
         planned = []
         for index, bucket in enumerate(buckets):

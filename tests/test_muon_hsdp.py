@@ -145,6 +145,23 @@ def test_auto_spreads_where_the_model_says_it_pays():
     assert not MuonPlan.build(flat, replica_owners=auto).buckets[0].spread
 
 
+def test_each_group_gets_the_owners_it_chose_where_groups_share_a_domain():
+    # a "spread" group bucketed with a "per_replica" (or "auto") group's params ran per
+    # replica, silently: one bucket spreads for all its params (hostile review)
+    def layout(group: int) -> ParamLayout:
+        return ParamLayout((16, 8), (), (2, 2), (None, 0), (0, 0), "m", group)
+
+    layouts = [layout(0), layout(1), layout(0), layout(1)]
+    for other in ("per_replica", "auto"):
+        plan = MuonPlan.build(layouts, replica_owners={0: "spread", 1: other})
+        spread = {i: b.spread for b in plan.buckets for i in b.params}
+        assert spread[0] and spread[2] and not spread[1] and not spread[3]
+    # without a replica axis the choice is moot: the groups share buckets as before
+    flat = [ParamLayout((16, 8), (), (4,), (0,), (0,), "m", g) for g in (0, 1, 0, 1)]
+    plan = MuonPlan.build(flat, replica_owners={0: "spread", 1: "per_replica"})
+    assert [b.params for b in plan.buckets] == [(0, 1, 2, 3)]
+
+
 # test_muon_plan's tiny DeepSeek-like MoE with 4 routed experts: two expert-parallel ranks.
 TINY_MOE = {**PLAN_TINY_MOE, "n_routed_experts": 4}
 
