@@ -191,8 +191,9 @@ class StepSettings:
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     ns_dtype: torch.dtype = torch.bfloat16
     """On the wire and in Newton-Schulz."""
-    param_dtype: torch.dtype = torch.float32
-    """Of params and grads, and so of AdamW's moments."""
+    param_dtype: torch.dtype | None = None
+    """Of params and grads, and so of AdamW's moments. None: `estimate`'s live module's
+    (its trainable params', one dtype), float32 for shapes."""
     nesterov: bool = True
     device: str = "cuda"
     """"cuda": the fused momentum kernel (Triton) packs straight into the buffers and
@@ -245,6 +246,11 @@ class StepSettings:
             return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
         return {name: plain(getattr(self, name)) for name in self.__slots__}
+
+    @property
+    def moment_dtype(self) -> torch.dtype:
+        """AdamW's moments', the params' dtype (float32 where `param_dtype` is None)."""
+        return self.param_dtype or torch.float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -572,6 +578,24 @@ def _memory(rank: RankEstimate, offload: bool) -> StepMemory:
     return rank.offload if offload else rank.no_offload
 
 
+def _with_param_dtype(
+    settings: StepSettings, shapes: Sequence[ParamShape] | nn.Module
+) -> StepSettings:
+    """`settings` with `param_dtype` set: a live module's own (a bf16 model's AdamW
+    moments are bf16: planned as fp32 they came out 22% too large), else float32."""
+    if settings.param_dtype is not None:
+        return settings
+    dtypes = set()
+    if isinstance(shapes, nn.Module):
+        dtypes = {p.dtype for p in shapes.parameters() if p.requires_grad}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"the module's trainable params have several dtypes ({sorted(map(str, dtypes))}): "
+            "say which the run steps, StepSettings(param_dtype=...)"
+        )
+    return replace(settings, param_dtype=dtypes.pop() if dtypes else torch.float32)
+
+
 def _split(
     module: nn.Module, row_blocks: Mapping[str, Sequence[int]] | None
 ) -> tuple[
@@ -624,7 +648,7 @@ def _momentum_bytes(numels: Sequence[int], settings: StepSettings) -> int:
     if settings.device == "cuda":
         return 0
     size = MOMENTUM_DTYPE.itemsize
-    cast = settings.param_dtype != MOMENTUM_DTYPE
+    cast = settings.moment_dtype != MOMENTUM_DTYPE
     alive = peak = 0
     for n in numels:  # params in index order, as `_TorchElementwise.momentum` updates them
         result = n * size if settings.nesterov else 0
@@ -712,7 +736,7 @@ def screen_ranks(
         step, size = -(-shape[0] // fsdp), torch.tensor(shape[0])
         index = rows % fsdp
         chunk = torch.minimum(index * step + step, size) - torch.minimum(index * step, size)
-        state += 2 * chunk * math.prod(shape[1:]) * settings.param_dtype.itemsize
+        state += 2 * chunk * math.prod(shape[1:]) * settings.moment_dtype.itemsize
 
     flops = torch.zeros(len(buckets), ranks, dtype=torch.int64)
     send, full, own, region, width = (torch.zeros_like(flops) for _ in range(5))
@@ -921,8 +945,8 @@ def compare_replica_owners(
     "per_replica", from `screen_ranks` (no rank planned in full). "auto" decides per
     bucket on the bucket's busiest owner (its latency), so it spreads only buckets whose
     busiest owner gains: these totals over the step can favour spread more."""
-    settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    settings = _with_param_dtype(settings or StepSettings(), shapes)
     muon, adamw, _ = _split(module, row_blocks)
     steps = SCHEDULES[settings.ns_schedule].steps
     figures = []
@@ -966,8 +990,8 @@ def estimate(
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
     deadline = _Deadline(mesh, time_limit_s)
-    settings = settings or StepSettings()
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
+    settings = _with_param_dtype(settings or StepSettings(), shapes)
     muon, adamw, params = _split(module, row_blocks)
     plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
@@ -1062,7 +1086,7 @@ def _rank(
         for b, bucket in enumerate(plan.buckets)
     )
     adamw_local = [math.prod(mesh.local_shape(shape, rank)) for _, shape in adamw]
-    moment = settings.param_dtype.itemsize
+    moment = settings.moment_dtype.itemsize
     muon_state = sum(local) * MOMENTUM_DTYPE.itemsize
     adamw_state = 2 * sum(adamw_local) * moment
 
@@ -1087,7 +1111,7 @@ def _rank(
         ParamSpec(
             math.prod(shape) // mesh.fsdp,
             tuple(
-                StateSpec(k, torch.Size(mesh.local_shape(shape, rank)), settings.param_dtype)
+                StateSpec(k, torch.Size(mesh.local_shape(shape, rank)), settings.moment_dtype)
                 for k in ("exp_avg", "exp_avg_sq")
             ),
         )
