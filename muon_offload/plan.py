@@ -235,8 +235,11 @@ def summary(model: ModelEstimate) -> dict[str, Any]:
         "bytes_sent_max": int(model.screen.bytes_sent.sum(0).max()),
         "imbalance": model.imbalance,
         "padded_wire_bytes": sum(p.wire_bytes for p in padded),
-        "padded_buffer_bytes": model.settings.max_inflight
-        * max((p.buffer_bytes for p in padded), default=0),
+        # the most `max_inflight` buckets alive at once hold (64 in flight of one bucket
+        # counted its buffers 64 times)
+        "padded_buffer_bytes": sum(
+            sorted((p.buffer_bytes for p in padded), reverse=True)[: model.settings.max_inflight]
+        ),
         "padding_bytes": sum(p.padding_bytes for p in padded),
         "padding_fraction": model.padding_fraction,
         "spread_buckets": sum(b.spread for b in model.plan(0).buckets),

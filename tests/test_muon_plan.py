@@ -420,6 +420,22 @@ def test_cli_json_sweep_config(tmp_path, capsys):
     assert "model_type 'gpt_neox' is not one whose params" in capsys.readouterr().err
 
 
+def test_padded_buffers_count_no_more_buckets_than_there_are(tmp_path, capsys):
+    # with one exchanged bucket, --max-inflight 64 counted its buffers 64 times
+    # (117,187.5 MiB of buffers for a tiny model at 10**6; hostile review)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_DENSE))
+
+    def summary(inflight: str) -> dict:
+        argv = ["--config", str(config), "--fsdp", "4", "--max-inflight", inflight, "--json"]
+        assert main([*argv, "--bucket-cap-mib", "512"]) == 0
+        return json.loads(capsys.readouterr().out)["summary"]
+
+    one = summary("1")
+    assert one["buckets"] == 1
+    assert summary("64")["padded_buffer_bytes"] == one["padded_buffer_bytes"] > 0
+
+
 @pytest.mark.parametrize(
     "flags, said",
     [
