@@ -151,14 +151,14 @@ _OPTIONAL_COUNTS = (
 
 
 def _is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
-    """Qwen-MoE (`decoder_sparse_step`, `mlp_only_layers`) and DeepSeek (`first_k_dense_replace`,
-    `moe_layer_freq`) rules for which decoder layers hold routed experts."""
+    """Qwen-MoE (`decoder_sparse_step`, `mlp_only_layers`) and DeepSeek (`first_k_dense_replace`)
+    rules for which decoder layers hold routed experts, as transformers builds them (its
+    DeepSeek ignores `moe_layer_freq`, which DeepSeek's own code reads)."""
     return (
         _num_experts(config) > 0
         and layer not in (config.get("mlp_only_layers") or ())
         and (layer + 1) % (config.get("decoder_sparse_step") or 1) == 0
         and layer >= (config.get("first_k_dense_replace") or 0)
-        and layer % (config.get("moe_layer_freq") or 1) == 0
     )
 
 
@@ -241,7 +241,12 @@ MODELED_TYPES = (
 def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     """Params of a decoder-only model from Hugging Face config keys (see `PRESETS`)."""
     model_type = config.get("model_type")
-    if model_type is not None and model_type not in MODELED_TYPES:
+    if model_type is None:  # transformers' config.json always names it
+        raise ValueError(
+            "config has no model_type, so which params it has is not known: add the "
+            f"model_type of its config.json (this planner lays out {', '.join(MODELED_TYPES)})"
+        )
+    if model_type not in MODELED_TYPES:
         raise ValueError(
             f"config's model_type {model_type!r} is not one whose params this planner lays "
             f"out ({', '.join(MODELED_TYPES)}): its matrices would be guessed as a Llama's "
@@ -273,6 +278,18 @@ def from_config(config: Mapping[str, Any]) -> tuple[ParamShape, ...]:
     if missing:
         raise ValueError(f"config is missing keys {missing} (or gives 0)")
     heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not config.get("kv_lora_rank") and heads % kv_heads:
+        raise ValueError(  # transformers' attention repeats each key/value head alike
+            f"config's num_attention_heads ({heads}) should be a multiple of its "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    layers = config["num_hidden_layers"]
+    outside = [n for n in (config.get("mlp_only_layers") or ()) if not 0 <= n < layers]
+    if outside:
+        raise ValueError(
+            f"config's mlp_only_layers {outside} are not layers of its {layers} (0 to {layers - 1})"
+        )
     if (
         not config.get("kv_lora_rank")
         and not config.get("head_dim")

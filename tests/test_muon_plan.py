@@ -106,7 +106,7 @@ def test_presets_match_published_sizes_and_group_like_the_optimizer():
     # transformers keeps the router's e_score_correction_bias as a buffer
     assert not any("e_score" in name for name in deepseek)
     with pytest.raises(ValueError, match="missing keys"):
-        from_config({"hidden_size": 8})
+        from_config({"model_type": "llama", "hidden_size": 8})
 
 
 @pytest.mark.parametrize("config", [TINY_MOE, TINY_DENSE], ids=["moe", "dense"])
@@ -327,6 +327,10 @@ def test_more_heads_than_hidden_dims_without_a_head_dim_is_refused():
     ("edit", "message"),
     [
         ({"intermediate_size": None}, "config is missing keys ['intermediate_size']"),
+        # planned as a Llama, silently (hostile review)
+        ({"model_type": None}, "config has no model_type, so which params it has"),
+        ({"num_key_value_heads": 4}, "num_attention_heads (2) should be a multiple of its"),
+        ({"mlp_only_layers": [-1, 7]}, "mlp_only_layers [-1, 7] are not layers of its 2"),
         (
             {"model_type": "deepseek_v3", "kv_lora_rank": 16},
             "config is missing keys ['qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim']",
@@ -341,7 +345,16 @@ def test_more_heads_than_hidden_dims_without_a_head_dim_is_refused():
         ),
         ({"mlp_only_layers": 3}, "config's mlp_only_layers should be a list of layer numbers"),
     ],
-    ids=["no_intermediate_size", "mla_without_head_dims", "negative_moe", "string_moe", "int_list"],
+    ids=[
+        "no_intermediate_size",
+        "no_model_type",
+        "kv_heads_not_dividing",
+        "layers_outside",
+        "mla_without_head_dims",
+        "negative_moe",
+        "string_moe",
+        "int_list",
+    ],
 )
 def test_a_config_missing_or_misgiving_a_key_it_plans_with_is_refused_naming_it(edit, message):
     # a KeyError, a TypeError or torch's negative-dimension error from deep in the planning
@@ -952,6 +965,8 @@ DEEPSEEK_TINY = {
         ("Qwen3MoeConfig", {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8}),
         ("DeepseekV3Config", DEEPSEEK_TINY),
         ("DeepseekV2Config", DEEPSEEK_TINY),
+        # transformers' DeepSeek ignores moe_layer_freq: layer 1 was planned dense
+        ("DeepseekV3Config", {**DEEPSEEK_TINY, "moe_layer_freq": 2}),
     ],
 )
 def test_a_config_plans_the_params_transformers_builds_from_it(family, options):
