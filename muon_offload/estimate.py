@@ -56,6 +56,7 @@ from functools import cache, lru_cache
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from muon.model_shapes import ParamShape, meta_module
 from muon.newton_schulz import every_matrix_alone, ns_flops, ns_workspace_numel
@@ -111,7 +112,8 @@ class MeshSpec:
     Expert stacks (E, out, in): Shard(0) over `ep`, then over the `fsdp // ep`
     ranks of each EP group on the expert dim ("experts": whole matrices, no
     exchange) or on rows ("rows": exchanged); "auto" takes rows only when the
-    experts are fewer than `fsdp` (torchtitan's rule). Global rank r of a replica
+    experts are fewer than `fsdp` (torchtitan's rule; plain `fully_shard` shards the
+    expert dim, and `estimate` of a live FSDP2 module reads it). Global rank r of a replica
     sits at fsdp index r, EP coordinate r // (fsdp // ep).
     """
 
@@ -578,6 +580,21 @@ def _memory(rank: RankEstimate, offload: bool) -> StepMemory:
     return rank.offload if offload else rank.no_offload
 
 
+def _with_live_expert_shard(mesh: MeshSpec, module: nn.Module) -> MeshSpec:
+    """`mesh` with `expert_shard` "auto" resolved from a live FSDP2 module's expert stacks
+    (3-D DTensor params): plain `fully_shard` shards the expert dim whatever the expert
+    count, where "auto" takes torchtitan's rows for fewer experts than ranks (planned
+    so, a rank's state came out 12% off). Only without expert parallelism: the last
+    Shard placement is FSDP's."""
+    if mesh.expert_shard != "auto" or mesh.ep > 1:
+        return mesh
+    for p in module.parameters():
+        shards = [pl.dim for pl in getattr(p, "placements", ()) if isinstance(pl, Shard)]
+        if p.ndim == 3 and shards:
+            return replace(mesh, expert_shard="experts" if shards[-1] == 0 else "rows")
+    return mesh
+
+
 def _with_param_dtype(
     settings: StepSettings, shapes: Sequence[ParamShape] | nn.Module
 ) -> StepSettings:
@@ -992,6 +1009,7 @@ def estimate(
     deadline = _Deadline(mesh, time_limit_s)
     module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
     settings = _with_param_dtype(settings or StepSettings(), shapes)
+    mesh = _with_live_expert_shard(mesh, module)
     muon, adamw, params = _split(module, row_blocks)
     plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)

@@ -419,7 +419,8 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "--expert-shard", choices=EXPERT_SHARDS, default="auto",
         help="how FSDP shards expert stacks within an EP group: on the expert dim (whole "
         "matrices, no exchange) or on rows (exchanged); auto: rows only when the experts are "
-        "fewer than --fsdp (torchtitan's rule)",
+        "fewer than --fsdp (torchtitan's rule; plain fully_shard, as transformers' Trainer "
+        "runs it, shards the expert dim: pass experts)",
     )  # fmt: skip
     p.add_argument(
         "--bucket-cap-mib", type=_mib_size(positive=True), default=None,

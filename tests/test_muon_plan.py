@@ -945,6 +945,30 @@ def test_estimate_of_a_live_module_takes_its_params_dtype():
         estimate(model, MeshSpec(1), StepSettings(device="cpu"))
 
 
+def test_estimate_of_a_live_fsdp2_module_lays_expert_stacks_as_they_are_sharded():
+    # plain fully_shard shards an expert stack's expert dim whatever the expert count;
+    # "auto" planned torchtitan's rows for fewer experts than ranks: a rank's state came
+    # out 12% off (hostile review)
+    from spawn_ranks import one_rank_group
+    from torch.distributed.fsdp import fully_shard
+
+    class MoE(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, bias=False)
+            self.experts = torch.nn.Parameter(torch.randn(2, 12, 8))
+
+    with one_rank_group():
+        model = MoE()
+        fully_shard(model)  # Shard(0): the expert dim
+        settings = StepSettings(device="cpu")
+        live = estimate(model, MeshSpec(3), settings)
+        assert live.mesh.expert_shard == "experts"
+        experts = estimate(model, MeshSpec(3, expert_shard="experts"), settings)
+        for rank in range(3):
+            assert live.screen.state_bytes[rank] == experts.screen.state_bytes[rank]
+
+
 DEEPSEEK_TINY = {
     "moe_intermediate_size": 32, "n_routed_experts": 8, "first_k_dense_replace": 1,
     "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
