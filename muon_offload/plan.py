@@ -386,6 +386,11 @@ def print_sweep(rows: Sequence[dict[str, Any]]) -> None:
         f"{'wire MiB':>9} {'imbalance':>9} {'pad waste':>9}"
     )
     print(f"optimizer GPU peak per rank ({where}): kept between steps + step transient")
+    if rows and rows[0]["offload"]:  # as `print_report` says of its top peak
+        print(
+            "(peak max: the highest of the ranks planned in full, picked without offload; "
+            "with offload another rank's may be a little higher)"
+        )
     print(head)
     print("-" * len(head))
     for r in rows:
