@@ -644,6 +644,18 @@ def test_loads_a_torch_muon_state_dict_and_continues_bitwise():
         assert torch.equal(p, q)
 
 
+def _checkpoint_and_two_copies(opt, params):
+    """`opt`'s state dict after two steps of `params`, and two copies of the params then:
+    one to resume, one for the reference."""
+    _run(opt, params, steps=2)
+    checkpoint = copy.deepcopy(opt.state_dict())
+    copies = _params([tuple(p.shape) for p in params]), _params([tuple(p.shape) for p in params])
+    for p, q, r in zip(params, *copies, strict=True):
+        q.data.copy_(p)
+        r.data.copy_(p)
+    return checkpoint, *copies
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_a_resume_keeps_the_declared_row_blocks_and_says_where_the_checkpoint_differs(offload):
     # row_blocks describe the model: a run resumed after declaring a fused param's blocks
@@ -655,13 +667,7 @@ def test_a_resume_keeps_the_declared_row_blocks_and_says_where_the_checkpoint_di
         return CPUOffloadOptimizer(opt, chunk_bytes=1) if offload else opt
 
     first = _params([(64, 16), (16, 32)])
-    opt = build(first, None)
-    _run(opt, first, steps=2)
-    checkpoint = copy.deepcopy(opt.state_dict())
-    resumed, declared = _params([(64, 16), (16, 32)]), _params([(64, 16), (16, 32)])
-    for p, q, r in zip(first, resumed, declared, strict=True):
-        q.data.copy_(p)
-        r.data.copy_(p)
+    checkpoint, resumed, declared = _checkpoint_and_two_copies(build(first, None), first)
     opt, ref = build(resumed, (32, 32)), build(declared, (32, 32))
     with pytest.warns(UserWarning, match=r"group 0: the checkpoint's row_blocks None differs"):
         opt.load_state_dict(checkpoint)
@@ -692,13 +698,7 @@ def test_a_resume_keeps_how_this_run_computes_and_says_where_the_checkpoint_diff
         return CPUOffloadOptimizer(opt, chunk_bytes=1) if offload else opt
 
     first = _params([(64, 16), (16, 32)])
-    opt = build(first, "gram", "spread")
-    _run(opt, first, steps=2)
-    checkpoint = copy.deepcopy(opt.state_dict())
-    resumed, fresh = _params([(64, 16), (16, 32)]), _params([(64, 16), (16, 32)])
-    for p, q, r in zip(first, resumed, fresh, strict=True):
-        q.data.copy_(p)
-        r.data.copy_(p)
+    checkpoint, resumed, fresh = _checkpoint_and_two_copies(build(first, "gram", "spread"), first)
     opt, ref = build(resumed, "standard", "per_replica"), build(fresh, "standard", "per_replica")
     with pytest.warns(UserWarning) as record:
         opt.load_state_dict(checkpoint)
