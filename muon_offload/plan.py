@@ -157,6 +157,7 @@ def rank_dict(rank: RankEstimate) -> dict[str, Any]:
         "offload_chunks": rank.offload_chunks,
         "offload_schedule": rank.offload_schedule.describe(),
         "offload_forward_load_bytes": rank.offload_forward_load_bytes,
+        "offload_host_bytes": rank.offload_plan.host_bytes,
         "no_offload": _memory_dict(rank.no_offload),
         "offload": _memory_dict(rank.offload),
     }
@@ -313,6 +314,9 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: 
                 f"{_gib(value(r.offload if offload else r.no_offload)):>20}" for _, r in columns
             )
             print(f"  {label:<{width}}{cells}")
+        if offload:  # where the offloaded state lives: pinned host slabs, padded per chunk
+            cells = "".join(f"{_gib(r.offload_plan.host_bytes):>20}" for _, r in columns)
+            print(f"  {'pinned host memory':<{width}}{cells}")
         print()
     if not offloaded:
         print("(with offload: --offload, which caps Muon's buckets as setup_optimizer does)")

@@ -502,6 +502,31 @@ def test_cli_lists_the_offloaded_chunks_the_estimate_plans(tmp_path, capsys):
     assert "offloaded chunks of rank" in capsys.readouterr().out
 
 
+def test_cli_reports_the_pinned_host_memory_the_wrapper_holds(tmp_path, capsys):
+    # the offload plan knew its host slabs, padded per chunk, but the report said nothing of
+    # host memory (hostile review)
+    from muon_offload import OptimizerConfig, setup_optimizer
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_DENSE))
+    chunk = 2048  # bytes, exact through the flag
+    flags = ["--config", str(config), "--fsdp", "1", "--offload"]
+    flags += ["--offload-chunk-mib", str(chunk / 2**20)]
+    assert main([*flags, "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["summary"]["ranks"]
+    module = meta_module(from_config(TINY_DENSE)).to_empty(device="cpu")
+    settings = OptimizerConfig(type="muon", offload="optimizer", offload_chunk_bytes=chunk)
+    opt = setup_optimizer(module, settings)
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    held = sum(s.numel() * s.element_size() for s in opt._executor.host_slabs.values())
+    assert {r["offload_host_bytes"] for r in ranks} == {held}
+    assert held > sum(r["state_bytes"] for r in ranks)  # padded per chunk
+    assert main(flags) == 0
+    assert "pinned host memory" in capsys.readouterr().out
+
+
 # -- the optimizer builds the same plan (gloo, world sizes 1..4) -----------------------------------
 
 
