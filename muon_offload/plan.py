@@ -419,7 +419,7 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS))
     source.add_argument("--config", help="a Hugging Face config.json")
-    p.add_argument("--fsdp", type=_at_least(1), default=8, help="FSDP (shard) size")
+    p.add_argument("--fsdp", type=_at_least(1), help=f"FSDP (shard) size (default {DEFAULT_FSDP})")
     p.add_argument("--replicate", type=_at_least(1), default=1, help="HSDP replicas")
     p.add_argument(
         "--ep", type=_at_least(1), default=1, help="expert-parallel size (divides --fsdp)"
@@ -529,9 +529,9 @@ def _sizes(text: str) -> list[int]:
         sizes = [int(size) for size in text.split(",")]
     except ValueError:
         sizes = []
-    if not sizes or min(sizes) < 1:
+    if not sizes or min(sizes) < 1 or len(set(sizes)) < len(sizes):
         raise argparse.ArgumentTypeError(
-            f"should be comma-separated sizes >= 1, e.g. 8,16,32, but is: {text!r}"
+            f"should be comma-separated sizes >= 1, each once, e.g. 8,16,32, but is: {text!r}"
         )
     return sizes
 
@@ -644,6 +644,7 @@ def estimate_from(args: argparse.Namespace, fsdp: int | None = None) -> ModelEst
     return estimate(shapes, mesh, settings, time_limit_s=args.time_limit_s, fsdp_modules=wrapped)
 
 
+DEFAULT_FSDP = 8
 MAX_RANKS = 1 << 17
 """The largest mesh planned: the plan holds per-rank bounds and owners, and 10**7 ranks (a
 typo) ran out of a 24 GB host's memory before `--time-limit-s` stopped it."""
@@ -652,6 +653,10 @@ typo) ran out of a 24 GB host's memory before `--time-limit-s` stopped it."""
 def main(argv: Sequence[str] | None = None) -> int:
     parse = parser()
     args = parse.parse_args(argv)
+    if args.fsdp is not None and args.sweep_fsdp:  # else the sweep's sizes, silently
+        parse.error("--fsdp plans one size and --sweep-fsdp several: give one of them")
+    if args.fsdp is None:
+        args.fsdp = DEFAULT_FSDP
     if args.budget_gib is not None and not args.sweep_fsdp:
         parse.error("--budget-gib picks among --sweep-fsdp's sizes: give --sweep-fsdp too")
     if args.chunks and not args.offload:

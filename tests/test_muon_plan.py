@@ -455,6 +455,9 @@ def test_padded_buffers_count_no_more_buckets_than_there_are(tmp_path, capsys):
         (["--offload-resident-mib", "100"], "--offload-resident-mib set the offloaded step"),
         (["--offload-overlap-forward", "--offload-slots", "2"], "--offload-slots, "),
         (["--offload", "--sweep-fsdp", "8,16", "--chunks"], "--chunks lists one mesh's"),
+        # --fsdp was dropped for the sweep's sizes, and a size twice made two rows
+        (["--fsdp", "5", "--sweep-fsdp", "3,4"], "--fsdp plans one size and --sweep-fsdp"),
+        (["--sweep-fsdp", "3,3"], "sizes >= 1, each once"),
         # a typo'd size: 10**7 ran a 24 GB host out of memory before the time limit
         (["--fsdp", "10000000"], "fsdp 10000000 x replicate 1 is past the 131072 ranks"),
         (["--sweep-fsdp", "8,1000000"], "fsdp 1000000 x replicate 1 is past"),
