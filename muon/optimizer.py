@@ -497,7 +497,8 @@ class Muon(torch.optim.Optimizer):
                     if key == "row_blocks"
                     else saved != declared
                 )
-                if differ:
+                muon = group.get("algorithm", "muon") == "muon"
+                if differ and (muon or key == "row_blocks"):  # AdamW groups read neither
                     warnings.warn(
                         f"param group {index}: the checkpoint's {key} {saved!r} differs from "
                         f"this optimizer's {declared!r}, which is kept: {why}",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -145,6 +146,15 @@ class Trainer(transformers.Trainer):
         checkpoint's optimizer is not the one `optimizer_config` builds over the params
         that train now (torch says only that the groups differ). Private API (transformers'
         resume hook; 5.x checked)."""
+        if checkpoint is not None and os.path.isdir(checkpoint):
+            names = os.listdir(checkpoint)
+            if not any(name.startswith("optimizer") for name in names):
+                warnings.warn(  # the Trainer then starts both anew, silently
+                    f"resuming from {checkpoint}, which holds no optimizer state (saved with "
+                    "save_only_model=True?): the optimizer's state and the learning-rate "
+                    "schedule start anew from this step",
+                    stacklevel=3,
+                )
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except ValueError as error:
@@ -152,8 +162,9 @@ class Trainer(transformers.Trainer):
                 f"resuming from {checkpoint}: its optimizer or scheduler state does not fit "
                 f"the optimizer built now (optimizer_config type="
                 f"{self.optimizer_config.type!r}, offload={self.optimizer_config.offload!r}, "
-                f"over the params that train now): {error}. Resume with the optimizer_config "
-                "and the trainable params the checkpoint was saved with"
+                f"over the params that train now): {error}. Resume with the optimizer the "
+                "checkpoint was saved with (this Trainer's: the same optimizer_config) and "
+                "the params that trained then"
             ) from error
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

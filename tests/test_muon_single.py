@@ -688,8 +688,9 @@ def test_a_resume_keeps_how_this_run_computes_and_says_where_the_checkpoint_diff
     # "standard" Newton-Schulz to compare against another ran the saved "gram" (hostile
     # review)
     def build(params, ns_algorithm, replica_owners):
+        groups = [{"params": params[:1]}, {"params": params[1:], "algorithm": "adamw"}]
         opt = Muon(
-            params,
+            groups,
             lr=0.02,
             ns_dtype=torch.float32,
             ns_algorithm=ns_algorithm,
@@ -708,6 +709,7 @@ def test_a_resume_keeps_how_this_run_computes_and_says_where_the_checkpoint_diff
         for m in said
     )
     assert any("checkpoint's replica_owners 'spread' differs" in m for m in said)
+    assert not any("param group 1" in m for m in said)  # an AdamW group reads neither
     group = opt.param_groups[0]
     assert (group["ns_algorithm"], group["replica_owners"]) == ("standard", "per_replica")
     # the same as loading a checkpoint saved with this run's settings

@@ -203,3 +203,17 @@ def test_resuming_with_another_optimizer_type_says_the_config_differs(tmp_path):
             fsdp=False,
             resume=tmp_path / "muon" / f"checkpoint-{SAVE_AT}",
         )
+
+
+def test_resuming_from_a_checkpoint_without_optimizer_state_says_both_start_anew(tmp_path):
+    # a save_only_model=True checkpoint: the optimizer's state and the schedule started
+    # anew with no word, against the README's "a resumed run takes the optimizer's state"
+    # (hostile review)
+    config = OptimizerConfig(type="muon", lr=1e-2)
+    train(config, tmp_path / "run", fsdp=False)
+    checkpoint = tmp_path / "run" / f"checkpoint-{SAVE_AT}"
+    for path in checkpoint.iterdir():
+        if path.name.startswith(("optimizer", "scheduler")):
+            path.unlink()  # what save_only_model=True leaves out
+    with pytest.warns(UserWarning, match=r"holds no optimizer state \(saved with save_only"):
+        train(config, tmp_path / "resumed", fsdp=False, resume=checkpoint)
