@@ -580,6 +580,17 @@ def _memory(rank: RankEstimate, offload: bool) -> StepMemory:
     return rank.offload if offload else rank.no_offload
 
 
+def _resolved(
+    shapes: Sequence[ParamShape] | nn.Module, mesh: MeshSpec, settings: StepSettings | None
+) -> tuple[nn.Module, MeshSpec, StepSettings]:
+    """The module to plan (a live one, or shapes on the meta device), and `mesh` and
+    `settings` with what a live module says of itself: its expert stacks' sharding and its
+    params' dtype."""
+    if isinstance(shapes, nn.Module):
+        return shapes, _with_live_expert_shard(mesh, shapes), _with_param_dtype(settings, shapes)
+    return meta_module(shapes), mesh, _with_param_dtype(settings, None)
+
+
 def _with_live_expert_shard(mesh: MeshSpec, module: nn.Module) -> MeshSpec:
     """`mesh` with `expert_shard` "auto" resolved from a live FSDP2 module's expert stacks
     (3-D DTensor params): plain `fully_shard` shards the expert dim whatever the expert
@@ -595,16 +606,16 @@ def _with_live_expert_shard(mesh: MeshSpec, module: nn.Module) -> MeshSpec:
     return mesh
 
 
-def _with_param_dtype(
-    settings: StepSettings, shapes: Sequence[ParamShape] | nn.Module
-) -> StepSettings:
-    """`settings` with `param_dtype` set: a live module's own (a bf16 model's AdamW
-    moments are bf16: planned as fp32 they came out 22% too large), else float32."""
+def _with_param_dtype(settings: StepSettings | None, module: nn.Module | None) -> StepSettings:
+    """`settings` (default: `StepSettings()`) with `param_dtype` set: a live `module`'s own
+    (a bf16 model's AdamW moments are bf16: planned as fp32 they came out 22% too large),
+    else float32."""
+    settings = settings or StepSettings()
     if settings.param_dtype is not None:
         return settings
     dtypes = set()
-    if isinstance(shapes, nn.Module):
-        dtypes = {p.dtype for p in shapes.parameters() if p.requires_grad}
+    if module is not None:
+        dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
     if len(dtypes) > 1:
         raise ValueError(
             f"the module's trainable params have several dtypes ({sorted(map(str, dtypes))}): "
@@ -962,8 +973,7 @@ def compare_replica_owners(
     "per_replica", from `screen_ranks` (no rank planned in full). "auto" decides per
     bucket on the bucket's busiest owner (its latency), so it spreads only buckets whose
     busiest owner gains: these totals over the step can favour spread more."""
-    module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    settings = _with_param_dtype(settings or StepSettings(), shapes)
+    module, mesh, settings = _resolved(shapes, mesh, settings)
     muon, adamw, _ = _split(module, row_blocks)
     steps = SCHEDULES[settings.ns_schedule].steps
     figures = []
@@ -1007,9 +1017,7 @@ def estimate(
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
     deadline = _Deadline(mesh, time_limit_s)
-    module = shapes if isinstance(shapes, nn.Module) else meta_module(shapes)
-    settings = _with_param_dtype(settings or StepSettings(), shapes)
-    mesh = _with_live_expert_shard(mesh, module)
+    module, mesh, settings = _resolved(shapes, mesh, settings)
     muon, adamw, params = _split(module, row_blocks)
     plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
