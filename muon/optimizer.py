@@ -490,6 +490,7 @@ class Muon(torch.optim.Optimizer):
             for group, saved in zip(self.param_groups, saved_groups, strict=True)
         ]
         for index, (group, loaded) in enumerate(zip(self.param_groups, groups, strict=True)):
+            muon = group.get("algorithm", "muon") == "muon"
             for key, why in _DECLARED_GROUP_KEYS.items():
                 declared, saved = group.get(key), loaded.get(key)
                 differ = (
@@ -497,7 +498,6 @@ class Muon(torch.optim.Optimizer):
                     if key == "row_blocks"
                     else saved != declared
                 )
-                muon = group.get("algorithm", "muon") == "muon"
                 if differ and (muon or key == "row_blocks"):  # AdamW groups read neither
                     warnings.warn(
                         f"param group {index}: the checkpoint's {key} {saved!r} differs from "
