@@ -97,6 +97,7 @@ from bench.timing import GcPauses, full_collections, sync, timed_window
 from bench.train import free_port
 from muon_offload import OptimizerConfig, setup_optimizer
 from offload import CPUOffloadOptimizer
+from offload.backward_tuning import TUNING_STEPS_AT_MOST
 from offload.residency import AUTO_MEASURED_STEPS, AUTO_STEPS_AT_MOST, AUTO_WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -484,9 +485,12 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         search_steps += 1
         search_s = time.perf_counter() - started
         search_step_ms = [a.elapsed_time(b) for a, b in zip(starts, starts[1:], strict=False)]
-    # Warmup builds plans, allocates state and host slabs.
+    # Warmup builds plans, allocates state and host slabs; the default's backward loads
+    # grow over the first steps (`offload.backward_tuning`): the window starts after.
     warm_s: list[float] = []
-    for _ in range(args.warmup):
+    while len(warm_s) < args.warmup or (
+        getattr(optimizer, "backward_tuning", ()) is None and len(warm_s) < TUNING_STEPS_AT_MOST
+    ):
         started = time.perf_counter()
         timed_window(step, 1, device)
         warm_s.append(time.perf_counter() - started)
@@ -560,6 +564,8 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             )
         if optimizer.residency is not None:
             result["residency"] = dataclasses.asdict(optimizer.residency)
+        if optimizer.backward_tuning:
+            result["backward_tuning"] = [dataclasses.asdict(r) for r in optimizer.backward_tuning]
     if marks is not None:
         result["phases"] = marks.summary()
         marks.close()
@@ -924,6 +930,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
             if r.get("forward_load_floor_ms") is not None:
                 loads += f": >= {r['forward_load_floor_ms']:.1f} ms at the link's both-ways rate"
             print(f"{'':<{width}} {r['schedule']}{loads}")
+        for t in r.get("backward_tuning", ()):
+            print(
+                f"{'':<{width}} backward loads tuned: stall {t['stall_ms']:.1f} ms of "
+                f"{t['iteration_ms']:.1f}, loads {t['load_bytes_per_ms'] * 1e3 / GiB:.1f} GiB/s, "
+                f"backward {t['backward_ms']:.1f} ms: {t['loaded_bytes'] / GiB:.2f} -> "
+                f"{t['chosen_bytes'] / GiB:.2f} GiB"
+            )
         if "residency" in r:
             c = r["residency"]
             print(

@@ -120,27 +120,10 @@ class AutoResidency:
     def _agree(
         self, largest: Sequence[float], least: Sequence[float]
     ) -> tuple[list[float], list[float]]:
-        """Across ranks: the largest of each of `largest`, the least of each of `least` (as
-        given without a process group). One collective, at the same step on every rank, on
-        the optimizer's device (NCCL's rank r on its own GPU)."""
-        if not has_peers():
-            return list(largest), list(least)
-        values = torch.tensor(
-            [*largest, *(-float(v) for v in least)], dtype=torch.float64, device=self.device
-        )
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-        out = values.tolist()
-        return out[: len(largest)], [-v for v in out[len(largest) :]]
+        return agree_across_ranks(largest, least, self.device)
 
     def failed_ranks(self, failed: bool) -> list[int]:
-        """The ranks where `failed` is true (given on every rank at the same step; [0] or []
-        without a process group). One collective, like `_agree`."""
-        if not has_peers():
-            return [0] if failed else []
-        flags = torch.zeros(torch.distributed.get_world_size(), device=self.device)
-        flags[torch.distributed.get_rank()] = float(failed)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        return failed_ranks(failed, self.device)
 
     @property
     def measuring(self) -> bool:
@@ -435,3 +418,30 @@ def has_peers() -> bool:
     a collective and reading its result back would only wait for the device)."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def agree_across_ranks(
+    largest: Sequence[float], least: Sequence[float], device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Across ranks: the largest of each of `largest`, the least of each of `least` (as
+    given without a process group). One collective, at the same step on every rank, on
+    `device` (NCCL's rank r on its own GPU)."""
+    if not has_peers():
+        return list(largest), list(least)
+    values = torch.tensor(
+        [*largest, *(-float(v) for v in least)], dtype=torch.float64, device=device
+    )
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    out = values.tolist()
+    return out[: len(largest)], [-v for v in out[len(largest) :]]
+
+
+def failed_ranks(failed: bool, device: torch.device) -> list[int]:
+    """The ranks where `failed` is true (given on every rank at the same step; [0] or []
+    without a process group). One collective, like `agree_across_ranks`."""
+    if not has_peers():
+        return [0] if failed else []
+    flags = torch.zeros(torch.distributed.get_world_size(), device=device)
+    flags[torch.distributed.get_rank()] = float(failed)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]

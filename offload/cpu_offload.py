@@ -28,7 +28,14 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
-from offload.auto_residency import AutoResidency, StepShape, has_peers
+from offload.auto_residency import (
+    AutoResidency,
+    StepShape,
+    agree_across_ranks,
+    failed_ranks,
+    has_peers,
+)
+from offload.backward_tuning import BackwardTuning, TuningRound
 from offload.chunk_plan import (
     OffloadPlan,
     ParamSpec,
@@ -661,6 +668,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._load_in_backward = self._load_first_wait or (
             bool(load_in_backward) and self._auto is None
         )
+        # The default's loads grow to what the forward stalls for, where events are timed.
+        self._tuning: BackwardTuning | None = None
+        if self._load_first_wait and self.device.type != "cpu":
+            device = self.device
+            self._tuning = BackwardTuning(lambda: StepTimer(device))
+        self.backward_tuning: tuple[TuningRound, ...] | None = None if self._tuning else ()
+        """The rounds the default's backward loads took to grow (`offload.backward_tuning`)
+        once it is done; None while it runs; empty where nothing is timed (the CPU) or the
+        options chose the loads."""
         if self._overlap is not None and (
             self._load_in_backward or (self._auto is not None and self._auto.backward is not None)
         ):
@@ -686,7 +702,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.backward_load_bytes = backward_bytes
         """With loads in the backward, their byte budget: `load_in_backward`'s bytes as
         given (the backward loads the leading whole chunks within it; None: the ring's);
-        by default, once planned, the bytes of the chunks the forward first waits for;
+        by default, once planned, the bytes of the chunks the forward first waits for and
+        those the room under the peak holds, grown over the first steps to what the forward
+        stalls for (`offload.backward_tuning`; the rounds: `backward_tuning`);
         under "auto", once settled, the budget of the split it chose (what that loads:
         `residency.backward_load_bytes`). The chunks it loads: `schedule.loaded_in_backward`."""
         _WRAPPERS[optimizer] = weakref.ref(self)
@@ -1346,7 +1364,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._ensure_plan(subset, units_key, regrouped, self._subset.state_layout, sparse)
         if auto is not None and first_plan:  # its checks are the plan's
             auto.step_started(streams.current())
-        timer = self._auto.timer if self._auto is not None and self._auto.profiling else None
+        tuning = self._tuning
+        if tuning is not None and not first_plan:
+            tuning.step_started(streams.current())
+            self._run_tuning(tuning)
+        timer = None
+        if auto is not None and auto.profiling:
+            timer = auto.timer
+        elif self._tuning is not None and self._tuning.profiling:
+            timer = self._tuning.timer
         if timer is not None:
             timer.step_started(streams.current())
         if self._overlap is not None:  # the next forward's waits: timed in measured steps only
@@ -1434,6 +1460,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         still read; the next step loads those chunks itself."""
         if self._auto is not None and self._auto.timing_backward:
             self._auto.timer.backward_started(self._streams.current())
+        if self._tuning is not None and self._tuning.timing_backward:
+            self._tuning.timer.backward_started(self._streams.current())
         if self._load_in_backward and not self._closed and self._overlap.step_enqueued:
             self._executor.load_ahead(passed, watched)
 
@@ -1799,6 +1827,66 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if settled is not None:
             self._say_what_auto_chose(settled)
 
+    def _run_tuning(self, tuning: BackwardTuning) -> None:
+        """The default's backward loads at this step (`BackwardTuning.decide`): re-planned
+        with more (or, undoing a round that took back too little of the stall, fewer)
+        leading chunks, a byte budget from then on; once it is done, said in one line."""
+        executor = self._executor
+        plan, schedule = executor.plan, executor.schedule
+        staged = [plan.chunks[c].invariant_bytes for c in schedule.staged]
+        loaded = sum(plan.chunks[c].invariant_bytes for c in schedule.loaded_in_backward)
+        held = plan.held_bytes(schedule.slots, schedule.ring_slots)
+        headroom = device_headroom_bytes(self.device)
+        resident = self._resident_budget
+
+        def fits(backward: int) -> bool:
+            step = self._step_plan(resident, BackwardLoads(budget=backward))
+            return step.held_bytes - held <= headroom
+
+        device = self.device
+        chosen, done = tuning.decide(
+            staged, loaded, fits, lambda most, least: agree_across_ranks(most, least, device)
+        )
+        if done:
+            self._tuning = None
+        if chosen is not None:
+            first_wait, self._load_first_wait = self._load_first_wait, False
+            try:
+                self._replan(
+                    Split(resident, chosen),
+                    lambda failed: failed_ranks(failed, device),
+                    "load_in_backward's default",
+                )
+            except BaseException:
+                self._load_first_wait, self._tuning = first_wait, None
+                self._say_what_tuning_chose(tuning)
+                raise
+        if done:
+            self._say_what_tuning_chose(tuning)
+
+    def _say_what_tuning_chose(self, tuning: BackwardTuning) -> None:
+        self.backward_tuning = tuple(tuning.rounds)
+        rounds = "; ".join(
+            f"stalled {r.stall_ms:.1f} ms of a {r.iteration_ms:.1f} ms step, loads at "
+            f"{r.load_bytes_per_ms * 1000 / 2**30:.1f} GiB/s, backward {r.backward_ms:.1f} ms: "
+            f"{r.loaded_bytes / 2**30:.2f} -> {r.chosen_bytes / 2**30:.2f} GiB"
+            for r in tuning.rounds
+        )
+        executor = self._executor
+        loaded = (
+            0
+            if executor.plan is None  # a failed re-plan: the next step plans again
+            else sum(
+                executor.plan.chunks[c].invariant_bytes
+                for c in executor.schedule.loaded_in_backward
+            )
+        )
+        logger.info(
+            "load_in_backward's default loads %d bytes of state in the backward (%s)",
+            loaded,
+            rounds or "nothing timed",
+        )
+
     def _backward_loads_chosen(self) -> int:
         return (self.backward_load_bytes or 0) if self._load_in_backward else 0
 
@@ -1871,8 +1959,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 next(p.iteration_ms for p in choice.probes if p.split == choice.reference.split),
             )
 
-    def _replan(self, split: Split, failed_ranks: Callable[[bool], list[int]]) -> None:
-        """Run from this step with `split` kept off the forward's path (host slabs kept).
+    def _replan(
+        self,
+        split: Split,
+        failed_ranks: Callable[[bool], list[int]],
+        chooser: str = "gpu_resident_bytes='auto'",
+    ) -> None:
+        """Run from this step with `split` kept off the forward's path (host slabs kept);
+        `chooser` chose it (named where it fails).
 
         Every rank re-plans at this step, and `failed_ranks(failed here)` says on which it
         failed: if on any, every rank goes back to what ran before (the state in its host
@@ -1919,7 +2013,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         raise RuntimeError(
-            f"gpu_resident_bytes='auto': re-planning to {split.resident_bytes} bytes resident "
+            f"{chooser}: re-planning to {split.resident_bytes} bytes resident "
             f"and {split.backward_load_bytes} loaded in the backward failed on rank(s) "
             f"{failed}, so no rank ran this step; every rank steps what ran before from the "
             "next step (see the failing rank's error)"

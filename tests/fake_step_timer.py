@@ -69,3 +69,35 @@ class FakeSearchTimer(FakeStepTimer):
 
     def load_bytes_per_ms(self) -> float:
         return self.bytes_per_ms
+
+
+class FakeTuningTimer(StepTimer):
+    """A timed `StepTimer` for the default's backward tuning: each timed forward stalls
+    `stall_ms()` (asked once the round is read, so of the plan its steps ran) in its first
+    wait, each step takes 100 ms, the backward `backward` ms, and loads copy
+    `bytes_per_ms`."""
+
+    def __init__(self, stall_ms: Callable[[], float], backward: float, bytes_per_ms: float):
+        super().__init__(torch.device("cpu"))
+        self.stall_ms, self.backward, self.bytes_per_ms = stall_ms, backward, bytes_per_ms
+
+    @property
+    def timed(self) -> bool:
+        return True
+
+    def profiles(self) -> list[StepProfile]:
+        stall = self.stall_ms()
+        return [
+            StepProfile(p.chunk_done_ms, (dataclasses.replace(p.waits[0], stall_ms=stall),))
+            for p in super().profiles()
+        ]
+
+    def iterations_ms(self, first: int, last: int) -> list[float]:
+        assert last < len(self._iterations) - 1, "read the start of the step now starting"
+        return [100.0] * (last - first)
+
+    def backward_ms(self, since: int = 0) -> float:
+        return self.backward
+
+    def load_bytes_per_ms(self) -> float:
+        return self.bytes_per_ms

@@ -1,0 +1,171 @@
+"""The default's backward loads, grown to what the next forward stalls for.
+
+With forward overlap and `load_in_backward` left unset (no "auto"), the backward loads
+the chunks the next forward waits for first, and more within the room under the measured
+peak (`BackwardLoads(first_wait=...)`): no memory beyond what the run has used anyway.
+Where the forward is short beside the state it loads (a small micro-batch), it still
+stalls for the loads: the host link carries only what fits in the forward's time. Each ms
+of that stall is a ms of loads the backward can carry instead, at the cost of holding them
+from the backward on. So `TIMED_STEPS` steps are timed (`StepTimer`: the trainer's stalls,
+the loads' rate, the backward's length), and the backward then loads the leading chunks
+that the stall's ms carry at that rate besides what it loads already
+(`grown_backward_bytes`), within what the backward's length carries and the device's
+headroom (free at the peak). The next timed steps check it: a round that took back less
+than half the stall it moved goes back to the bytes before it (the stall was not the
+link's: an update's own time); one that took back enough grows again while a stall is
+left, `TUNING_ROUNDS` rounds at most. A stall under `STALL_FLOOR_FRACTION` of the step, or
+under `STALL_TOLERANCE_MS`, is left. On a device that times no events (the CPU) nothing
+grows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from offload.residency import BACKWARD_LOAD_SHARE, STALL_TOLERANCE_MS, StepTimer
+
+TIMED_STEPS = 2
+"""Steps timed per round, after the first plan's step and after each re-plan's step (whose
+forward loads what the backward before it loaded for the plan before)."""
+TUNING_ROUNDS = 2
+STALL_FLOOR_FRACTION = 0.02
+"""A stall under this share of the step is not worth holding state from the backward on."""
+TOOK_BACK_ENOUGH = 0.5
+"""A round that took back less than this share of the stall it moved is undone."""
+TUNING_STEPS_AT_MOST = 1 + (TUNING_ROUNDS + 1) * (TIMED_STEPS + 1)
+"""Steps until the tuning is done, at most: the first plan's, then per round its re-plan's
+(none before the first), its timed ones and the one it decides at."""
+
+
+@dataclass(frozen=True)
+class TuningRound:
+    """One round's measurement (the slowest rank's stall, the least rate and backward)
+    and what the backward loads after it (`loaded_bytes`: before it)."""
+
+    stall_ms: float
+    iteration_ms: float
+    load_bytes_per_ms: float
+    backward_ms: float
+    loaded_bytes: int
+    chosen_bytes: int
+
+
+def grown_backward_bytes(
+    chunk_bytes: Sequence[int], loaded: int, stall_ms: float, bytes_per_ms: float, most: int
+) -> int:
+    """The bytes of leading chunks the backward loads once it also carries what the forward
+    stalled `stall_ms` for: `loaded` (a prefix it loads now) and `stall_ms` of loads at
+    `bytes_per_ms`, rounded up to whole chunks, but no more than the whole chunks within
+    `most`, and never less than `loaded`.
+
+    >>> grown_backward_bytes([10, 10, 10, 10], 10, 1.5, 10.0, 40)
+    30
+    >>> grown_backward_bytes([10, 10, 10, 10], 10, 1.5, 10.0, 25)
+    20
+    """
+    ends = list(itertools.accumulate(chunk_bytes))
+    wanted = loaded + stall_ms * bytes_per_ms
+    up = next((end for end in ends if end >= wanted), ends[-1] if ends else 0)
+    down = max((end for end in ends if end <= most), default=0)
+    return max(loaded, min(up, down))
+
+
+class BackwardTuning:
+    """The default's backward loads, from the first plan until it has settled (`rounds`).
+
+    `new_timer()`: a fresh `StepTimer` per round (each round's profiles are its own)."""
+
+    def __init__(self, new_timer: Callable[[], StepTimer]) -> None:
+        self.new_timer = new_timer
+        self.timer = new_timer()
+        self.rounds: list[TuningRound] = []
+        self._steps = 0  # steps started since the round's first
+        self._undoing = False
+
+    @property
+    def profiling(self) -> bool:
+        """This step's chunks, loads and the next forward's waits are timed."""
+        return 1 <= self._steps <= TIMED_STEPS
+
+    @property
+    def timing_backward(self) -> bool:
+        return self.profiling
+
+    def step_started(self, stream: object) -> None:
+        """A step starts on the trainer's stream (every step after the first plan's)."""
+        self._steps += 1
+        self.timer.iteration_started(stream)
+
+    def decide(
+        self,
+        chunk_bytes: Sequence[int],
+        loaded: int,
+        fits: Callable[[int], bool],
+        agree: Callable[[Sequence[float], Sequence[float]], tuple[list[float], list[float]]],
+    ) -> tuple[int | None, bool]:
+        """At the step just started: the backward's bytes from here (None: keep what runs),
+        and whether the tuning is done. `chunk_bytes`: the running plan's chunks
+        (rank-invariant, in step order); `loaded`: the leading bytes its backward loads;
+        `fits(bytes)`: whether this rank's device holds that plan beside the run's peak;
+        `agree(largest, least)`: those across the ranks (one collective)."""
+        if self._steps <= TIMED_STEPS:
+            return None, False
+        if not self.timer.timed:
+            return None, True
+        timer = self.timer
+        profiles = timer.profiles()
+        stall = statistics.median(p.stall_ms for p in profiles) if profiles else 0.0
+        # each to the next step's start, but this one's (queued behind the backward: waiting
+        # for it drains the device while the host plans)
+        iterations = timer.iterations_ms(0, TIMED_STEPS - 1)
+        iteration = statistics.median(iterations) if iterations else 0.0
+        (stall, iteration), (rate, backward) = agree(
+            [stall, iteration], [timer.load_bytes_per_ms(), timer.backward_ms()]
+        )
+        last = self.rounds[-1] if self.rounds else None
+        if last is not None and last.chosen_bytes > last.loaded_bytes:
+            moved_ms = (last.chosen_bytes - last.loaded_bytes) / max(last.load_bytes_per_ms, 1e-9)
+            took_back = last.stall_ms - stall
+            if took_back < TOOK_BACK_ENOUGH * min(moved_ms, last.stall_ms):
+                self._record(stall, iteration, rate, backward, loaded, last.loaded_bytes)
+                return last.loaded_bytes, True
+        if (
+            len(self.rounds) >= TUNING_ROUNDS
+            or stall <= max(STALL_TOLERANCE_MS, STALL_FLOOR_FRACTION * iteration)
+            or rate <= 0
+        ):
+            self._record(stall, iteration, rate, backward, loaded, loaded)
+            return None, True
+        carried = int(BACKWARD_LOAD_SHARE * backward * rate)
+        chosen = grown_backward_bytes(chunk_bytes, loaded, stall, rate, max(carried, loaded))
+        ends = [end for end in itertools.accumulate(chunk_bytes) if loaded < end <= chosen]
+        # The largest that fits on every rank (each holds its own shards), from the top:
+        # each is a plan.
+        fitting = next((end for end in reversed(ends) if fits(end)), loaded)
+        _, (fitting,) = agree([], [float(fitting)])
+        chosen = int(fitting)
+        self._record(stall, iteration, rate, backward, loaded, chosen)
+        if chosen <= loaded:
+            return None, True
+        self._next_round()
+        return chosen, False
+
+    def _record(
+        self,
+        stall: float,
+        iteration: float,
+        rate: float,
+        backward: float,
+        loaded: int,
+        chosen: int,
+    ) -> None:
+        self.rounds.append(TuningRound(stall, iteration, rate, backward, loaded, chosen))
+
+    def _next_round(self) -> None:
+        """The re-plan's step is not timed (its forward loads what the backward before it
+        loaded for the old plan); the two after it are."""
+        self.timer = self.new_timer()
+        self._steps = 0

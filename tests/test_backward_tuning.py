@@ -1,0 +1,133 @@
+"""The default's backward loads grow to what the forward stalls for (`offload.backward_tuning`),
+on the CPU with made-up times (`FakeTuningTimer`): exact, and sized by the stall."""
+
+from __future__ import annotations
+
+import doctest
+import logging
+
+import pytest
+import torch
+from fake_step_timer import FakeTuningTimer
+from test_offload import assert_same_state, make_model, train
+
+import offload.backward_tuning
+import offload.cpu_offload
+from offload import CPUOffloadOptimizer
+from offload.backward_tuning import (
+    STALL_FLOOR_FRACTION,
+    TUNING_STEPS_AT_MOST,
+    BackwardTuning,
+    grown_backward_bytes,
+)
+from offload.residency import BACKWARD_LOAD_SHARE
+
+RATE = 100.0  # bytes per ms the fake loads copy
+BACKWARD_MS = 400.0  # carries 26000 bytes: more than the state
+STEPS = TUNING_STEPS_AT_MOST + 2
+
+
+def _loaded_in_backward(opt: CPUOffloadOptimizer) -> int:
+    return sum(opt.plan.chunks[c].invariant_bytes for c in opt.schedule.loaded_in_backward)
+
+
+def _tuned(stall_ms, backward_ms: float = BACKWARD_MS):
+    """Overlapped AdamW (chunks of 1000 bytes, a ring of 2), its tuning timed by
+    `stall_ms(opt, first_loaded)`, trained beside plain AdamW: bit-equal. Returns the
+    optimizer, the bytes its backward loaded at first and the log's records."""
+    plain_model, model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    assert opt._tuning is None  # the CPU times nothing: given a made-up timer here
+    first = []
+    opt.backward_tuning = None
+    opt._tuning = BackwardTuning(
+        lambda: FakeTuningTimer(lambda: stall_ms(opt, first[0]), backward_ms, RATE)
+    )
+    real_build = opt._build
+
+    def build(*args, **kwargs):
+        real_build(*args, **kwargs)
+        if not first:
+            first.append(_loaded_in_backward(opt))
+
+    opt._build = build
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    train(plain_model, plain, steps=STEPS)
+    train(model, opt, steps=STEPS)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, opt)
+    return opt, first[0]
+
+
+def test_the_backward_loads_what_the_forward_stalled_for_and_stops_once_it_is_gone(caplog):
+    """6 ms of stall at 100 bytes/ms: the backward loads 600 bytes more (whole chunks, up),
+    the stall is gone at the check, and the tuning stops there."""
+
+    def stall(opt, first):
+        return max(0.0, 6.0 - (_loaded_in_backward(opt) - first) / RATE)
+
+    with caplog.at_level(logging.INFO, logger="offload.cpu_offload"):
+        opt, first = _tuned(stall)
+    grown, check = opt.backward_tuning
+    assert grown.stall_ms == 6.0 and grown.loaded_bytes == first
+    assert first + 600 <= grown.chosen_bytes < first + 600 + 1000  # rounded up to a chunk
+    assert check.stall_ms == 0.0 and check.chosen_bytes == check.loaded_bytes
+    assert _loaded_in_backward(opt) == check.loaded_bytes > first
+    assert opt._tuning is None and not opt._load_first_wait
+    assert "load_in_backward's default loads" in caplog.text
+
+
+def test_a_round_that_took_back_too_little_of_the_stall_is_undone():
+    """A stall the loads do not shorten (an update's own time) goes back to what ran."""
+    opt, first = _tuned(lambda opt, first: 6.0)
+    grown, undone = opt.backward_tuning
+    assert grown.chosen_bytes > first
+    assert undone.chosen_bytes == first and _loaded_in_backward(opt) == first
+
+
+def test_it_grows_no_more_than_the_backward_carries_or_the_device_holds(monkeypatch):
+    """The backward's share of its length at the load rate caps the growth; a device with
+    no headroom grows nothing; a stall under the floor grows nothing."""
+    carried = int(BACKWARD_LOAD_SHARE * 150.0 * RATE)  # 9750 bytes, all it loads
+    # a stall past it, which the loads moved shorten
+    opt, first = _tuned(
+        lambda opt, first: 1000.0 - (_loaded_in_backward(opt) - first) / RATE, backward_ms=150.0
+    )
+    assert first < opt.backward_tuning[0].chosen_bytes <= carried
+    assert first < _loaded_in_backward(opt) <= carried
+
+    floor = STALL_FLOOR_FRACTION * 100.0  # of the fake's 100 ms steps
+    opt, first = _tuned(lambda opt, first: floor)
+    assert [r.chosen_bytes for r in opt.backward_tuning] == [first]
+
+    monkeypatch.setattr(offload.cpu_offload, "device_headroom_bytes", lambda device: 0)
+    opt, first = _tuned(lambda opt, first: 6.0)
+    assert [r.chosen_bytes for r in opt.backward_tuning] == [first]
+    assert _loaded_in_backward(opt) == first
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"load_in_backward": False}, {"load_in_backward": True}, {"load_in_backward": 3000}],
+)
+def test_backward_loads_the_user_chose_are_not_tuned(options):
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), chunk_bytes=1000, overlap_forward=model, **options
+    )
+    assert opt._tuning is None and not opt._load_first_wait and opt.backward_tuning == ()
+
+
+def test_the_examples_run():
+    tests = doctest.testmod(offload.backward_tuning)
+    assert tests.attempted > 0 and tests.failed == 0
+    # at least what it loads, never past the whole chunks within `most`
+    assert grown_backward_bytes([10, 10], 20, 5.0, 10.0, 10) == 20
+    assert grown_backward_bytes([10, 10], 0, 50.0, 10.0, 100) == 20
