@@ -774,3 +774,62 @@ def test_ranks_see_an_environment_variable_the_test_set(monkeypatch):
     # test sets (a backend for its workers) must still reach them
     monkeypatch.setenv("MUON_ELEMENTWISE_BACKEND", "torch")
     run_on_ranks(_sees_the_environment, 2, "MUON_ELEMENTWISE_BACKEND", "torch")
+
+
+def _tuning_worker(rank: int, world: int, make) -> None:
+    # The default's backward loads grow from what each rank timed (rank r stalls (1 + r)
+    # times rank 0's, loads a little slower, has a longer backward and its own headroom):
+    # every rank takes the slowest rank's stall and the least rate and backward, and
+    # grows to the same chunks at the same steps.
+    from fake_step_timer import FakeTuningTimer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import offload.cpu_offload
+    from offload.backward_tuning import TUNING_STEPS_AT_MOST, BackwardTuning
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    plain = make(plain_model)
+    opt = CPUOffloadOptimizer(make(model), chunk_bytes=1, staging_slots=2, overlap_forward=model)
+    first: list[int] = []
+
+    def loaded() -> int:
+        return sum(opt.plan.chunks[c].invariant_bytes for c in opt.schedule.loaded_in_backward)
+
+    def stall() -> float:
+        if not first:
+            first.extend(
+                (loaded(), opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots))
+            )
+        return max(0.0, 20.0 * (1 + rank) - (loaded() - first[0]) / 10.0)
+
+    opt.backward_tuning = None
+    opt._tuning = BackwardTuning(lambda: FakeTuningTimer(stall, 200.0 + rank, 10.0 + rank))
+    headroom = [10**9, 600, 300][rank]  # at world 3, rank 2's holds part of the growth
+
+    def free_at_peak(device) -> int:  # what a round grew is held at the next one's
+        held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
+        return headroom - (held - first[1]) if first else headroom
+
+    offload.cpu_offload.device_headroom_bytes = free_at_peak
+    _train(plain_model, plain, rank, TUNING_STEPS_AT_MOST + 1)
+    _train(model, opt, rank, TUNING_STEPS_AT_MOST + 1)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    mine = (opt.backward_tuning, opt.schedule.loaded_in_backward)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    assert all(g == gathered[0] for g in gathered)
+    grown = opt.backward_tuning[0]
+    assert grown.stall_ms == 20.0 * world  # the slowest rank's
+    assert (grown.load_bytes_per_ms, grown.backward_ms) == (10.0, 200.0)  # the least
+    assert grown.chosen_bytes > grown.loaded_bytes == first[0]
+    assert loaded() > first[0]
+    held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
+    assert held - first[1] <= headroom
+
+
+@pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
+def test_fsdp2_default_backward_loads_grow_alike_on_every_rank_bitwise(world, make):
+    run_on_ranks(_tuning_worker, world, make)
