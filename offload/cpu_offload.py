@@ -668,15 +668,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._load_in_backward = self._load_first_wait or (
             bool(load_in_backward) and self._auto is None
         )
-        # The default's loads grow to what the forward stalls for, where events are timed.
+        # The default's loads grow to what the forward stalls for, with nothing resident:
+        # its re-plans keep one host layout (all the state is on the host anyway), so the
+        # pinned slabs stay and no resident state moves.
         self._tuning: BackwardTuning | None = None
-        if self._load_first_wait and self.device.type != "cpu":
+        if self._load_first_wait and gpu_resident_bytes == 0:
             device = self.device
             self._tuning = BackwardTuning(lambda: StepTimer(device))
+            self._host_room_for_all = True
         self.backward_tuning: tuple[TuningRound, ...] | None = None if self._tuning else ()
         """The rounds the default's backward loads took to grow (`offload.backward_tuning`)
-        once it is done; None while it runs; empty where nothing is timed (the CPU) or the
-        options chose the loads."""
+        once it is done; None while it runs; empty where nothing is timed (the CPU) or
+        nothing is tuned (state kept resident, or the loads given)."""
         if self._overlap is not None and (
             self._load_in_backward or (self._auto is not None and self._auto.backward is not None)
         ):
@@ -986,6 +989,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # flight reads it (the step and those loads are done).
             self._executor.release_staging()
         self._executor.ring, self._executor.extra_slots = None, []
+        if self._tuning is not None:  # not done: what it did so far
+            self.backward_tuning, self._tuning = tuple(self._tuning.rounds), None
         self._closed = True
         _WRAPPERS.pop(self.optimizer, None)
 
@@ -1844,9 +1849,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             return step.held_bytes - held <= headroom
 
         device = self.device
-        chosen, done = tuning.decide(
-            staged, loaded, fits, lambda most, least: agree_across_ranks(most, least, device)
-        )
+        try:
+            chosen, done = tuning.decide(
+                staged, loaded, fits, lambda most, least: agree_across_ranks(most, least, device)
+            )
+        except BaseException:  # once: the loads stay as they are
+            self._tuning = None
+            self.backward_tuning = tuple(tuning.rounds)
+            raise
         if done:
             self._tuning = None
         if chosen is not None:
@@ -1859,32 +1869,35 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 )
             except BaseException:
                 self._load_first_wait, self._tuning = first_wait, None
-                self._say_what_tuning_chose(tuning)
+                self._say_what_tuning_chose(tuning, failed=True)
                 raise
         if done:
             self._say_what_tuning_chose(tuning)
 
-    def _say_what_tuning_chose(self, tuning: BackwardTuning) -> None:
+    def _say_what_tuning_chose(self, tuning: BackwardTuning, failed: bool = False) -> None:
+        """One line, once the tuning is done (`failed`: its last re-plan failed, and what
+        ran before runs again)."""
         self.backward_tuning = tuple(tuning.rounds)
+        if not tuning.rounds:
+            return  # nothing timed (the CPU)
+        mib = 2**20
         rounds = "; ".join(
             f"stalled {r.stall_ms:.1f} ms of a {r.iteration_ms:.1f} ms step, loads at "
-            f"{r.load_bytes_per_ms * 1000 / 2**30:.1f} GiB/s, backward {r.backward_ms:.1f} ms: "
-            f"{r.loaded_bytes / 2**30:.2f} -> {r.chosen_bytes / 2**30:.2f} GiB"
+            f"{r.load_bytes_per_ms * 1000 / 2**30:.2f} GiB/s, backward {r.backward_ms:.1f} ms: "
+            f"{r.loaded_bytes / mib:.1f} -> {r.chosen_bytes / mib:.1f} MiB"
             for r in tuning.rounds
         )
         executor = self._executor
-        loaded = (
-            0
-            if executor.plan is None  # a failed re-plan: the next step plans again
-            else sum(
-                executor.plan.chunks[c].invariant_bytes
-                for c in executor.schedule.loaded_in_backward
-            )
+        running = (  # after a failed re-plan none is held: the one the next step builds
+            self._planned_now()
+            if executor.plan is None
+            else OffloadedStep(executor.plan, executor.schedule)
         )
         logger.info(
-            "load_in_backward's default loads %d bytes of state in the backward (%s)",
-            loaded,
-            rounds or "nothing timed",
+            "load_in_backward's default loads %.1f MiB of state in the backward (%s)%s",
+            running.backward_load_bytes / mib,
+            rounds,
+            "; the last re-plan failed, and what ran before runs again" if failed else "",
         )
 
     def _backward_loads_chosen(self) -> int:
