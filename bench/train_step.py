@@ -453,16 +453,26 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             marks.mark()
         return returned
 
-    # "auto" measures and searches over its first steps, run as a trainer runs them (no
-    # host sync between steps); the window starts once it has settled.
+    # "auto" measures and searches over its first steps, and the default's backward loads
+    # grow over them (`offload.backward_tuning`), run as a trainer runs them (no host sync
+    # between steps: a synced step starts its forward with the device idle); the window
+    # starts once it has settled.
     search_steps, search_s, first_step_s = 0, 0.0, 0.0
     retries_before = alloc_retries(device)
     search_step_ms: list[float] = []  # each search step on the device, to the next's start
-    if arm.resident == "auto":
+    auto = arm.resident == "auto"
+
+    def settling() -> bool:
+        if auto:
+            return optimizer.residency is None and search_steps < AUTO_STEPS_AT_MOST
+        tuning = getattr(optimizer, "backward_tuning", ())
+        return tuning is None and search_steps < TUNING_STEPS_AT_MOST
+
+    if settling():
         started = time.perf_counter()
         starts = []  # CUDA events at each step's start on the trainer's stream (no sync)
         profiler = None
-        while optimizer.residency is None and search_steps < AUTO_STEPS_AT_MOST:
+        while settling():
             if args.trace_search and search_steps == TRACE_SEARCH_STEPS[0]:
                 profiler = started_profiler(device)
             if device.type == "cuda":
@@ -485,12 +495,9 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         search_steps += 1
         search_s = time.perf_counter() - started
         search_step_ms = [a.elapsed_time(b) for a, b in zip(starts, starts[1:], strict=False)]
-    # Warmup builds plans, allocates state and host slabs; the default's backward loads
-    # grow over the first steps (`offload.backward_tuning`): the window starts after.
+    # Warmup builds plans, allocates state and host slabs.
     warm_s: list[float] = []
-    while len(warm_s) < args.warmup or (
-        getattr(optimizer, "backward_tuning", ()) is None and len(warm_s) < TUNING_STEPS_AT_MOST
-    ):
+    for _ in range(args.warmup):
         started = time.perf_counter()
         timed_window(step, 1, device)
         warm_s.append(time.perf_counter() - started)

@@ -12,8 +12,9 @@ that the stall's ms carry at that rate besides what it loads already
 (`grown_backward_bytes`), within what the backward's length carries and the device's
 headroom (free at the peak). The next timed steps check it: a round that took back less
 than half the stall it moved goes back to the bytes before it (the stall was not the
-link's: an update's own time); one that took back enough grows again while a stall is
-left, `TUNING_ROUNDS` rounds at most. A stall under `STALL_FLOOR_FRACTION` of the step, or
+link's: an update's own time), or that lengthened the backward by as much as it shortened
+the stall; one that took back enough grows again while a stall is left, `TUNING_ROUNDS`
+rounds at most. A stall under `STALL_FLOOR_FRACTION` of the step, or
 under `STALL_TOLERANCE_MS`, is left. On a device that times no events (the CPU) nothing
 grows.
 """
@@ -128,7 +129,8 @@ class BackwardTuning:
         last = self.rounds[-1] if self.rounds else None
         if last is not None and last.chosen_bytes > last.loaded_bytes:
             moved_ms = (last.chosen_bytes - last.loaded_bytes) / max(last.load_bytes_per_ms, 1e-9)
-            took_back = last.stall_ms - stall
+            # the forward's stall it took back, less what it added to the backward
+            took_back = last.stall_ms - stall - max(0.0, backward - last.backward_ms)
             if took_back < TOOK_BACK_ENOUGH * min(moved_ms, last.stall_ms):
                 self._record(stall, iteration, rate, backward, loaded, last.loaded_bytes)
                 return last.loaded_bytes, True

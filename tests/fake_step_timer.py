@@ -74,10 +74,15 @@ class FakeSearchTimer(FakeStepTimer):
 class FakeTuningTimer(StepTimer):
     """A timed `StepTimer` for the default's backward tuning: each timed forward stalls
     `stall_ms()` (asked once the round is read, so of the plan its steps ran) in its first
-    wait, each step takes 100 ms, the backward `backward` ms, and loads copy
-    `bytes_per_ms`."""
+    wait, each step takes 100 ms, the backward `backward` ms (or `backward()`, asked as the
+    stall is), and loads copy `bytes_per_ms`."""
 
-    def __init__(self, stall_ms: Callable[[], float], backward: float, bytes_per_ms: float):
+    def __init__(
+        self,
+        stall_ms: Callable[[], float],
+        backward: float | Callable[[], float],
+        bytes_per_ms: float,
+    ):
         super().__init__(torch.device("cpu"))
         self.stall_ms, self.backward, self.bytes_per_ms = stall_ms, backward, bytes_per_ms
 
@@ -97,7 +102,7 @@ class FakeTuningTimer(StepTimer):
         return [100.0] * (last - first)
 
     def backward_ms(self, since: int = 0) -> float:
-        return self.backward
+        return self.backward() if callable(self.backward) else self.backward
 
     def load_bytes_per_ms(self) -> float:
         return self.bytes_per_ms
