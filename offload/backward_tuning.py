@@ -95,6 +95,11 @@ class BackwardTuning:
     def timing_backward(self) -> bool:
         return self.profiling
 
+    @property
+    def deciding(self) -> bool:
+        """This step decides (`decide`): the round's timed steps are done."""
+        return self._steps > TIMED_STEPS
+
     def step_started(self, stream: object) -> None:
         """A step starts on the trainer's stream (every step after the first plan's)."""
         self._steps += 1
@@ -112,7 +117,7 @@ class BackwardTuning:
         (rank-invariant, in step order); `loaded`: the leading bytes its backward loads;
         `fits(bytes)`: whether this rank's device holds that plan beside the run's peak;
         `agree(largest, least)`: those across the ranks (one collective)."""
-        if self._steps <= TIMED_STEPS:
+        if not self.deciding:
             return None, False
         if not self.timer.timed:
             return None, True

@@ -1836,6 +1836,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The default's backward loads at this step (`BackwardTuning.decide`): re-planned
         with more (or, undoing a round that took back too little of the stall, fewer)
         leading chunks, a byte budget from then on; once it is done, said in one line."""
+        if not tuning.deciding:
+            return
         executor = self._executor
         plan, schedule = executor.plan, executor.schedule
         staged = [plan.chunks[c].invariant_bytes for c in schedule.staged]
