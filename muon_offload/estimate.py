@@ -214,8 +214,10 @@ class StepSettings:
     chunks within it, in an extra slot per chunk. 0: no loads in the backward
     (`load_in_backward=False`). None (the default, as the wrapper's), with overlap: the
     chunks holding what the forward waits for first, at least the ring's; on CUDA the
-    wrapper also loads more while they fit under the activations' peak, which this estimate
-    cannot see (it plans the optimizer's memory alone), so it plans the first-wait chunks."""
+    wrapper also loads more while they fit under the activations' peak, and over its first
+    steps more where the forward stalls for its loads, within the device's free memory
+    (`offload.backward_tuning`), which this estimate cannot see (it plans the optimizer's
+    memory alone), so it plans the first-wait chunks: a floor on the GPU."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""

@@ -25,6 +25,7 @@ import itertools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from offload.residency import BACKWARD_LOAD_SHARE, STALL_TOLERANCE_MS, StepTimer
 
@@ -97,8 +98,9 @@ class BackwardTuning:
 
     @property
     def deciding(self) -> bool:
-        """This step decides (`decide`): the round's timed steps are done."""
-        return self._steps > TIMED_STEPS
+        """This step decides (`decide`): the round's timed steps are done, or nothing is
+        timed (the CPU: done at once)."""
+        return self._steps > TIMED_STEPS or not self.timer.timed
 
     def step_started(self, stream: object) -> None:
         """A step starts on the trainer's stream (every step after the first plan's)."""
@@ -116,21 +118,26 @@ class BackwardTuning:
         and whether the tuning is done. `chunk_bytes`: the running plan's chunks
         (rank-invariant, in step order); `loaded`: the leading bytes its backward loads;
         `fits(bytes)`: whether this rank's device holds that plan beside the run's peak;
-        `agree(largest, least)`: those across the ranks (one collective)."""
+        `agree(largest, least)`: those across the ranks (one collective).
+
+        An error here (reading the times, planning) ends the tuning on every rank at this
+        step, each rank joining the collectives its peers make: raised where it happened,
+        and a RuntimeError on its peers, so no rank steps alone."""
         if not self.deciding:
             return None, False
         if not self.timer.timed:
             return None, True
-        timer = self.timer
-        profiles = timer.profiles()
-        stall = statistics.median(p.stall_ms for p in profiles) if profiles else 0.0
-        # each to the next step's start, but this one's (queued behind the backward: waiting
-        # for it drains the device while the host plans)
-        iterations = timer.iterations_ms(0, TIMED_STEPS - 1)
-        iteration = statistics.median(iterations) if iterations else 0.0
-        (stall, iteration), (rate, backward) = agree(
-            [stall, iteration], [timer.load_bytes_per_ms(), timer.backward_ms()]
+        error: Exception | None = None
+        try:
+            measured = self._measured()
+        except Exception as err:
+            error, measured = err, (0.0, 0.0, 0.0, 0.0)
+        stall, iteration, rate, backward = measured
+        (stall, iteration, failed), (rate, backward) = agree(
+            [stall, iteration, float(error is not None)], [rate, backward]
         )
+        if failed:
+            self._failed(error)
         last = self.rounds[-1] if self.rounds else None
         if last is not None and last.chosen_bytes > last.loaded_bytes:
             moved_ms = (last.chosen_bytes - last.loaded_bytes) / max(last.load_bytes_per_ms, 1e-9)
@@ -151,14 +158,40 @@ class BackwardTuning:
         ends = [end for end in itertools.accumulate(chunk_bytes) if loaded < end <= chosen]
         # The largest that fits on every rank (each holds its own shards), from the top:
         # each is a plan.
-        fitting = next((end for end in reversed(ends) if fits(end)), loaded)
+        try:
+            fitting = next((end for end in reversed(ends) if fits(end)), loaded)
+        except Exception as err:
+            error, fitting = err, -1
         _, (fitting,) = agree([], [float(fitting)])
+        if fitting < 0:
+            self._failed(error)
         chosen = int(fitting)
         self._record(stall, iteration, rate, backward, loaded, chosen)
         if chosen <= loaded:
             return None, True
         self._next_round()
         return chosen, False
+
+    def _measured(self) -> tuple[float, float, float, float]:
+        """This rank's round: the median stall and iteration, the load rate, the backward."""
+        timer = self.timer
+        profiles = timer.profiles()
+        stall = statistics.median(p.stall_ms for p in profiles) if profiles else 0.0
+        # each to the next step's start, but this one's (queued behind the backward: waiting
+        # for it drains the device while the host plans)
+        iterations = timer.iterations_ms(0, TIMED_STEPS - 1)
+        iteration = statistics.median(iterations) if iterations else 0.0
+        return stall, iteration, timer.load_bytes_per_ms(), timer.backward_ms()
+
+    @staticmethod
+    def _failed(error: Exception | None) -> NoReturn:
+        """Raised on every rank (no rank steps alone): the error where it happened."""
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            "load_in_backward's default tuning failed on another rank (see its error), so "
+            "no rank ran this step; every rank steps with the loads it had from the next step"
+        )
 
     def _record(
         self,

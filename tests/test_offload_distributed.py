@@ -833,3 +833,46 @@ def _tuning_worker(rank: int, world: int, make) -> None:
 @pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
 def test_fsdp2_default_backward_loads_grow_alike_on_every_rank_bitwise(world, make):
     run_on_ranks(_tuning_worker, world, make)
+
+
+def _tuning_fails_on_one_rank_worker(rank: int, world: int, make) -> None:
+    # The timer raises on rank 0 alone as the tuning decides: every rank's step raises
+    # there (rank 0 its error, the others that it failed elsewhere), none hangs in the
+    # tuning's collectives or steps alone, and the next steps go on with the loads they had.
+    from fake_step_timer import FakeTuningTimer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from offload.backward_tuning import TIMED_STEPS, BackwardTuning
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    plain = make(plain_model)
+    opt = CPUOffloadOptimizer(make(model), chunk_bytes=1, staging_slots=2, overlap_forward=model)
+
+    def stall() -> float:
+        if rank == 0:
+            raise ValueError("the timer broke on rank 0")
+        return 50.0
+
+    opt._tuning = BackwardTuning(lambda: FakeTuningTimer(stall, 200.0, 10.0))
+    fails = 1 + TIMED_STEPS  # the first plan's step, the timed ones, then it decides
+    for m, o in ((plain_model, plain), (model, opt)):
+        gen = torch.Generator().manual_seed(100 + rank)
+        for step in range(fails + 3):
+            o.zero_grad()
+            m(torch.randn(3, m[0].in_features, generator=gen)).square().mean().backward()
+            if step != fails:
+                o.step()
+            elif o is opt:
+                error = ValueError if rank == 0 else RuntimeError
+                with pytest.raises(error, match="rank 0" if rank == 0 else "another rank"):
+                    o.step()
+    opt.wait_for_optimizer_step()
+    assert opt._tuning is None and opt.backward_tuning == ()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+
+
+@pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
+def test_fsdp2_a_tuning_that_fails_on_one_rank_fails_that_step_on_every_rank(world, make):
+    run_on_ranks(_tuning_fails_on_one_rank_worker, world, make)
