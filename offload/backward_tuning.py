@@ -89,12 +89,9 @@ class BackwardTuning:
 
     @property
     def profiling(self) -> bool:
-        """This step's chunks, loads and the next forward's waits are timed."""
+        """This step's chunks, loads, the next forward's waits and the backward after it
+        are timed."""
         return 1 <= self._steps <= TIMED_STEPS
-
-    @property
-    def timing_backward(self) -> bool:
-        return self.profiling
 
     @property
     def deciding(self) -> bool:

@@ -1465,7 +1465,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         still read; the next step loads those chunks itself."""
         if self._auto is not None and self._auto.timing_backward:
             self._auto.timer.backward_started(self._streams.current())
-        if self._tuning is not None and self._tuning.timing_backward:
+        if self._tuning is not None and self._tuning.profiling:
             self._tuning.timer.backward_started(self._streams.current())
         if self._load_in_backward and not self._closed and self._overlap.step_enqueued:
             self._executor.load_ahead(passed, watched)

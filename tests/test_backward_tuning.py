@@ -191,11 +191,14 @@ def test_a_timer_that_raises_ends_the_tuning_once():
 
 
 def test_close_ends_the_tuning():
+    """Closed between its timed steps (a timed tuning, still running), it is done."""
     model = make_model()
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters()), chunk_bytes=1000, overlap_forward=model
     )
+    opt._tuning = BackwardTuning(lambda: FakeTuningTimer(lambda: 6.0, BACKWARD_MS, RATE))
     train(model, opt, steps=2)
+    assert opt._tuning is not None and opt.backward_tuning is None
     opt.close()
     assert opt._tuning is None and opt.backward_tuning == ()
 

@@ -343,6 +343,22 @@ def test_fsdp2_loads_in_the_backward_and_auto_agree_across_ranks_bitwise():
     run_on_ranks(_backward_loads_and_auto_worker, 2)
 
 
+def _train_failing_at(fails: int, plain, offloaded, rank: int, error: type, match: str) -> None:
+    """`fails + 3` steps of the plain (model, optimizer) and the offloaded one, alike but
+    that the offloaded step `fails` raises `error` (matching `match`) and the plain one
+    skips it."""
+    for m, o in (plain, offloaded):
+        gen = torch.Generator().manual_seed(100 + rank)
+        for step in range(fails + 3):
+            o.zero_grad()
+            m(torch.randn(3, m[0].in_features, generator=gen)).square().mean().backward()
+            if step != fails:
+                o.step()
+            elif o is offloaded[1]:
+                with pytest.raises(error, match=match):
+                    o.step()
+
+
 def _failed_replan_worker(rank: int, world: int) -> None:
     # The last rank runs out of memory in "auto"'s re-plan: every rank raises at that step
     # and steps what ran before from the next, bit-equal to AdamW skipping that step.
@@ -361,18 +377,15 @@ def _failed_replan_worker(rank: int, world: int) -> None:
         real_build(*args, **kwargs)
 
     opt._build = build
-    fails = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
-    for m, o in ((plain_model, plain), (model, opt)):
-        gen = torch.Generator().manual_seed(100 + rank)
-        for step in range(fails + 3):
-            o.zero_grad()
-            m(torch.randn(3, m[0].in_features, generator=gen)).square().mean().backward()
-            if step != fails:
-                o.step()
-            elif o is opt:
-                error = torch.OutOfMemoryError if rank == world - 1 else RuntimeError
-                with pytest.raises(error, match="no room" if rank == world - 1 else "rank"):
-                    o.step()
+    failing = rank == world - 1
+    _train_failing_at(
+        AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS,
+        (plain_model, plain),
+        (model, opt),
+        rank,
+        torch.OutOfMemoryError if failing else RuntimeError,
+        "no room" if failing else "rank",
+    )
     opt.wait_for_optimizer_step()
     assert (opt.residency.resident_bytes, opt.plan.resident_bytes) == (0, 0)
     assert len(builds) == 3  # planned anew at the next step, once
@@ -855,18 +868,14 @@ def _tuning_fails_on_one_rank_worker(rank: int, world: int, make) -> None:
         return 50.0
 
     opt._tuning = BackwardTuning(lambda: FakeTuningTimer(stall, 200.0, 10.0))
-    fails = 1 + TIMED_STEPS  # the first plan's step, the timed ones, then it decides
-    for m, o in ((plain_model, plain), (model, opt)):
-        gen = torch.Generator().manual_seed(100 + rank)
-        for step in range(fails + 3):
-            o.zero_grad()
-            m(torch.randn(3, m[0].in_features, generator=gen)).square().mean().backward()
-            if step != fails:
-                o.step()
-            elif o is opt:
-                error = ValueError if rank == 0 else RuntimeError
-                with pytest.raises(error, match="rank 0" if rank == 0 else "another rank"):
-                    o.step()
+    _train_failing_at(
+        1 + TIMED_STEPS,  # the first plan's step, the timed ones, then it decides
+        (plain_model, plain),
+        (model, opt),
+        rank,
+        ValueError if rank == 0 else RuntimeError,
+        "rank 0" if rank == 0 else "another rank",
+    )
     opt.wait_for_optimizer_step()
     assert opt._tuning is None and opt.backward_tuning == ()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
