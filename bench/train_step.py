@@ -278,8 +278,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--gpu-budget",
         type=parse_bytes,
-        help="offload_gpu_budget_bytes of the @auto arms (e.g. 3.5GiB; default: the config's, "
-        "what the device has free)",
+        help="offload_gpu_budget_bytes of the @auto arms and of the offload+overlap arms "
+        "whose backward loads are tuned (nothing resident, no +bwd bytes; plain ones too) "
+        "(e.g. 3.5GiB; default: the config's, what the device has free)",
     )
     parser.add_argument(
         "--phases",
@@ -396,9 +397,12 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         chunking = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
         if arm.backward_load is not None:
             chunking["load_in_backward"] = arm.backward_load
+        elif arm.mode == "offload+overlap" and args.gpu_budget is not None:
+            chunking["gpu_budget_bytes"] = args.gpu_budget
         return CPUOffloadOptimizer(adamw, overlap_forward=model, **chunking)
     extra = {} if arm.resident is None else {RESIDENT_FIELD: arm.resident}
-    if arm.resident == "auto" and args.gpu_budget is not None:
+    tuned = arm.mode == "offload+overlap" and arm.resident in (None, 0)
+    if (arm.resident == "auto" or tuned) and args.gpu_budget is not None:
         extra["offload_gpu_budget_bytes"] = args.gpu_budget
     config = OptimizerConfig(
         type=arm.optimizer,
@@ -1053,7 +1057,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"{args.model}, batch {args.micro_batches} x {args.batch} x "
         f"{args.seq or sequence_length(args.model)}, bf16, activation checkpointing, "
-        f"wrap {args.wrap}, one process per arm, {gpu}",
+        f"wrap {args.wrap}, one process per arm, {gpu}"
+        + ("" if args.gpu_budget is None else f", gpu budget {bytes_text(args.gpu_budget)}"),
         flush=True,
     )
     runs = []
@@ -1079,6 +1084,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "batch": args.batch,
         "micro_batches": args.micro_batches,
         "offload_chunk_bytes": args.chunk_bytes,
+        "offload_gpu_budget_bytes": args.gpu_budget,
         "seq": args.seq or sequence_length(args.model),
         "mixed_precision": "bf16 params, fp32 reduce (plain arms: bf16 autocast)",
         "activation_checkpointing": True,

@@ -97,9 +97,11 @@ class OptimizerConfig:
     """With offload: state bytes kept on the GPU, or "auto" (CPUOffloadOptimizer's
     `gpu_resident_bytes`)."""
     offload_gpu_budget_bytes: int | None = None
-    """With `offload_gpu_resident_bytes="auto"`: the GPU memory the optimizer may hold
-    for state (default: what the device had free at the measured peak;
-    CPUOffloadOptimizer's `gpu_budget_bytes`)."""
+    """The GPU memory the optimizer may hold for state, for what it chooses: with
+    `offload_gpu_resident_bytes="auto"` what it keeps and loads in the backward (default:
+    what the device had free at the measured peak); with forward overlap and nothing
+    resident, what the default's backward loads hold with the ring (CPUOffloadOptimizer's
+    `gpu_budget_bytes`)."""
     offload_load_in_backward: bool | int | None = None
     """With forward overlap: load the next step's first chunks during the backward: True
     one ring's worth, or a byte count (more holds extra staging slots from the backward

@@ -218,6 +218,12 @@ class StepSettings:
     steps more where the forward stalls for its loads, within the device's free memory
     (`offload.backward_tuning`), which this estimate cannot see (it plans the optimizer's
     memory alone), so it plans the first-wait chunks: a floor on the GPU."""
+    offload_gpu_budget_bytes: int | None = None
+    """`CPUOffloadOptimizer`'s `gpu_budget_bytes` with the default backward loads (overlap,
+    nothing resident, `offload_backward_load_bytes` None): the first-wait chunks are cut to
+    what the step may hold within it, as planned here, and the wrapper's growth on CUDA
+    stays within it: the state the step holds on the GPU is at most the budget (or the
+    ring, where the ring alone holds more)."""
     ns_algorithm: str = "auto"
     """Muon's `ns_algorithm` for every Muon group: "gram" plans Gram Newton-Schulz's
     workspace; "auto" and "standard" the standard iteration's, which bounds "auto"'s."""
@@ -240,6 +246,18 @@ class StepSettings:
         check_bytes(self.offload_resident_bytes, "offload_resident_bytes")
         if self.offload_backward_load_bytes is not None:
             check_bytes(self.offload_backward_load_bytes, "offload_backward_load_bytes")
+        if self.offload_gpu_budget_bytes is not None:
+            check_bytes(self.offload_gpu_budget_bytes, "offload_gpu_budget_bytes")
+            if not (
+                self.offload_overlap_forward
+                and self.offload_resident_bytes == 0
+                and self.offload_backward_load_bytes is None
+            ):
+                raise ValueError(
+                    "offload_gpu_budget_bytes bounds the default backward loads: it needs "
+                    "offload_overlap_forward, offload_resident_bytes 0 and "
+                    "offload_backward_load_bytes None (the wrapper refuses it otherwise)"
+                )
         check_ns_algorithm(self.ns_algorithm)
         check_ns_schedule(self.ns_schedule)
         check_replica_owners(self.replica_owners)
@@ -1161,7 +1179,9 @@ def _rank(
     overlap = settings.offload_overlap_forward or bool(load_bytes)
     backward = None
     if overlap and load_bytes is None:
-        backward = BackwardLoads(first_wait=forward_use.first_wait)
+        backward = BackwardLoads(
+            first_wait=forward_use.first_wait, most=settings.offload_gpu_budget_bytes
+        )
     elif load_bytes:
         backward = BackwardLoads(budget=load_bytes)
     step = _plan_offloaded_step(

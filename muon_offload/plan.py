@@ -492,6 +492,12 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
         "CUDA it loads more where they fit under the activations' peak, not planned here)",
     )  # fmt: skip
     p.add_argument(
+        "--offload-gpu-budget-mib", type=_mib_size(positive=False), default=None,
+        help="CPUOffloadOptimizer's gpu_budget_bytes with the default backward loads "
+        "(needs --offload-overlap-forward, nothing resident): the first-wait chunks cut to "
+        "fit it; on CUDA the loads grow no further than it",
+    )  # fmt: skip
+    p.add_argument(
         "--wrap", choices=FSDP_WRAPS, default="per-layer",
         help="the modules the run gives fully_shard (each layer and the root; torchtitan's, "
         "the final norm and head a unit too; the root only; none: a plain module on one "
@@ -609,6 +615,9 @@ def settings_from(args: argparse.Namespace, fsdp: int | None = None) -> StepSett
         offload_backward_load_bytes=None
         if args.offload_backward_load_mib is None
         else int(args.offload_backward_load_mib * 2**20),
+        offload_gpu_budget_bytes=None
+        if args.offload_gpu_budget_mib is None
+        else int(args.offload_gpu_budget_mib * 2**20),
         ns_algorithm=args.ns_algorithm,
         ns_schedule=args.ns_schedule,
         replica_owners=args.replica_owners,

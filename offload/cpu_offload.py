@@ -470,12 +470,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             overlap the last units stay resident. `residency` says what it chose, and
             one log line. It keeps room in the host slabs for the whole state, so
             re-choosing never allocates pinned memory.
-        gpu_budget_bytes: with "auto", the GPU memory the optimizer may hold for state
-            (resident state, the staging ring and the backward's extra slots); default:
-            what the device had free at the measured steps' peak, less
+        gpu_budget_bytes: the GPU memory the optimizer may hold for state (resident
+            state, the staging ring and the backward's extra slots), for what it chooses:
+            with "auto", what it keeps and loads in the backward; default: what the
+            device had free at the measured steps' peak, less
             `residency.BUDGET_MARGIN_FRACTION` of its memory, and never more than
             keeping the whole state on the GPU would hold; the default's backward loads
             (what runs without "auto", within the room under the peak) are tried too.
+            With `overlap_forward`, nothing resident and `load_in_backward` unset, what
+            the default's backward loads hold with the ring, first and as they grow
+            (`backward_tuning`): fewer chunks than the forward first waits for, or none,
+            where those would hold more; default: the room under the peak, and the
+            device's headroom as they grow.
         load_in_backward: with `overlap_forward`, load the next step's first chunks in
             the backward of the first forward after a step, spread over the modules it
             passes from the last module that forward ran on (by then the loss and head's
@@ -1538,12 +1544,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._specs = specs
         self._units_key = units_key
         step = self._planned_now()
+        if first_plan:
+            step = self._least_first_loads(step)
         if agree is not None:  # refused, nothing is built: the next step checks again
             agree(self._step_chunks(step))
         self._build(step, keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
             self._warn_if_nothing_loaded_in_backward()
+            self._warn_if_over_budget(step)
 
     def _rank_agreement(self) -> Callable[[Sequence[tuple[str, Any]]], None] | None:
         """Where the chunks' updates communicate (distributed Muon), every rank must make
@@ -1681,6 +1690,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             stacklevel=user_stacklevel(),
         )
 
+    def _warn_if_over_budget(self, step: OffloadedStep) -> None:
+        """A `gpu_budget_bytes` below what the staging ring alone holds (the backward loads
+        nothing within it): the ring is the least the step holds."""
+        budget = self._gpu_budget_bytes
+        if budget is None or step.held_bytes <= budget:
+            return
+        warnings.warn(
+            f"the staging ring holds {step.held_bytes} bytes of GPU memory for state, over "
+            f"the gpu_budget_bytes={budget} given, so the backward loads nothing. Give a "
+            f"budget of at least {step.held_bytes} bytes, or fewer staging_slots or a "
+            "smaller chunk_bytes",
+            stacklevel=user_stacklevel(),
+        )
+
     def _specs_of(
         self, subset: SubsetStep, layout: Callable[[Tensor], StateLayout]
     ) -> list[ParamSpec]:
@@ -1767,9 +1790,29 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _first_wait_loads(self) -> BackwardLoads:
         """What the default backward loads (forward overlap without "auto"): the chunks
         holding what the forward first waits for, and more while the step holds no more
-        than its share of the room under the measured peak."""
+        than its share of the room under the measured peak, within `gpu_budget_bytes`."""
         first = tuple(self._index[p] for p in self._overlap.first_wait(self._index))
-        return BackwardLoads(first_wait=first, room=self._room_for_state())
+        return BackwardLoads(
+            first_wait=first, room=self._room_for_state(), most=self._gpu_budget_bytes
+        )
+
+    def _least_first_loads(self, step: OffloadedStep) -> OffloadedStep:
+        """The first plan's default backward loads, the fewest any rank's room or
+        `gpu_budget_bytes` holds (one collective): each rank's slots hold its own shards,
+        and a budget may be the rank's own (its free memory), while ranks exchanging in
+        their updates (distributed Muon) must run the same chunks."""
+        room, budget = self._room_for_state(), self._gpu_budget_bytes
+        if not (self._load_first_wait and has_peers()) or (room is None and budget is None):
+            return step
+        schedule = step.schedule
+        least = torch.tensor([schedule.backward_loads], dtype=torch.int64, device=self.device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        count = int(least.item())
+        if count == schedule.backward_loads:
+            return step
+        # the leading chunks' rank-invariant bytes load just those on every rank
+        loads = sum(step.plan.chunks[c].invariant_bytes for c in schedule.staged[:count])
+        return self._step_plan(self._resident_budget, BackwardLoads(budget=loads))
 
     def _default_backward_bytes(self) -> int:
         """What the backward loads without "auto" (`_first_wait_loads`, of the plan with
@@ -1844,11 +1887,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         loaded = sum(plan.chunks[c].invariant_bytes for c in schedule.loaded_in_backward)
         held = plan.held_bytes(schedule.slots, schedule.ring_slots)
         headroom = device_headroom_bytes(self.device)
-        resident = self._resident_budget
+        resident, budget = self._resident_budget, self._gpu_budget_bytes
 
         def fits(backward: int) -> bool:
             step = self._step_plan(resident, BackwardLoads(budget=backward))
-            return step.held_bytes - held <= headroom
+            within = budget is None or step.held_bytes <= budget
+            return within and step.held_bytes - held <= headroom
 
         device = self.device
         try:

@@ -80,12 +80,24 @@ def check_offload_options(
     check_gpu_resident_bytes(gpu_resident_bytes, f"{prefix}gpu_resident_bytes")
     check_optional_bytes(gpu_budget_bytes, f"{prefix}gpu_budget_bytes")
     auto = gpu_resident_bytes == "auto"
-    if gpu_budget_bytes is not None and not auto:
-        raise ValueError(
-            f"{prefix}gpu_budget_bytes bounds what {prefix}gpu_resident_bytes='auto' chooses; "
-            f"set {prefix}gpu_resident_bytes='auto' or leave {prefix}gpu_budget_bytes unset"
-        )
     check_load_in_backward(load_in_backward, f"{prefix}load_in_backward")
+    # Without "auto", the budget bounds the default's backward loads (grown to what the
+    # forward stalls for): with state kept resident or the loads given, nothing is chosen.
+    tuned = gpu_resident_bytes == 0 and overlap_forward and load_in_backward is None
+    if gpu_budget_bytes is not None and not (auto or tuned):
+        raise ValueError(
+            f"{prefix}gpu_budget_bytes bounds what the optimizer chooses to hold on the GPU: "
+            f"what {prefix}gpu_resident_bytes='auto' keeps, or, with {overlap_on} and "
+            f"nothing resident, what the backward loads by default; here nothing is chosen ("
+            + (
+                f"{prefix}gpu_resident_bytes={gpu_resident_bytes!r}"
+                if gpu_resident_bytes != 0
+                else f"{prefix}load_in_backward={load_in_backward!r}"
+                if overlap_forward
+                else f"no {overlap_on}"
+            )
+            + f"): leave {prefix}gpu_budget_bytes unset, or let the optimizer choose"
+        )
     if load_in_backward not in (None, False) and not overlap_forward:
         raise ValueError(
             f"{prefix}load_in_backward={load_in_backward!r} needs {overlap_on} (the forward "

@@ -12,10 +12,10 @@ first unit resident, the backward loading the chunks the forward first waits for
     >>> from offload.chunk_plan import ParamSpec, StateSpec
     >>> specs = [ParamSpec(256, (StateSpec("m", torch.Size([256]), torch.float32),))] * 5
     >>> units = tuple((i,) for i in range(5))
-    >>> def plan(room):
+    >>> def plan(room, most=None):
     ...     return plan_offloaded_step(
     ...         units, specs, chunk_bytes=1024, staging_slots=2, resident_bytes=1024,
-    ...         overlap=True, backward=BackwardLoads(first_wait=(1,), room=room))
+    ...         overlap=True, backward=BackwardLoads(first_wait=(1,), room=room, most=most))
     >>> step = plan(room=None)
     >>> step.schedule.describe()
     '5 chunks: 1 resident, 4 staged in a ring of 2 slots and 2 extra slots; the backward loads 2'
@@ -27,6 +27,12 @@ ring, with nothing left to it, holds nothing):
 
     >>> plan(room=5120).schedule.describe()
     '5 chunks: 1 resident, 4 staged in 4 extra slots; the backward loads 4'
+
+Within a budget of 4 KiB for state on the device (`gpu_budget_bytes`), fewer than the
+forward first waits for:
+
+    >>> plan(room=5120, most=4096).schedule.describe()
+    '5 chunks: 1 resident, 4 staged in a ring of 2 slots and 1 extra slots; the backward loads 1'
 """
 
 from __future__ import annotations
@@ -49,14 +55,16 @@ class BackwardLoads:
 
     With `first_wait` (the default with overlap): the chunks holding those params (by
     index; what the next forward waits for first), at least the ring's, and more while
-    the step holds at most `room` bytes of state on the device (None: no more). Without:
-    the leading whole chunks within `budget` state bytes (rank-invariant, at most that
-    much; None: the ring's).
+    the step holds at most `room` bytes of state on the device (None: no more), but never
+    so many that it holds more than `most` bytes (the user's `gpu_budget_bytes`: fewer,
+    down to none, where those would). Without: the leading whole chunks within `budget`
+    state bytes (rank-invariant, at most that much; None: the ring's).
     """
 
     first_wait: tuple[int, ...] | None = None
     room: int | None = None
     budget: int | None = None
+    most: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,9 @@ def plan_offloaded_step(
     def schedule(loads: int) -> StepSchedule:
         return plan_step(staged, staging_slots, loads, overlap=overlap)
 
+    def held(step_schedule: StepSchedule) -> int:
+        return plan.held_bytes(step_schedule.slots, staging_slots)
+
     loads = 0
     if backward is not None and overlap:
         loads = chosen_backward_loads(
@@ -124,7 +135,9 @@ def plan_offloaded_step(
                 loads,
                 sum(staged),
                 staging_slots,
-                lambda count: plan.held_bytes(schedule(count).slots, staging_slots),
+                lambda count: held(schedule(count)),
                 backward.room,
             )
+        if backward.first_wait is not None and backward.most is not None:
+            loads = next((n for n in range(loads, 0, -1) if held(schedule(n)) <= backward.most), 0)
     return OffloadedStep(plan, schedule(loads))

@@ -25,23 +25,26 @@ from offload.residency import BACKWARD_LOAD_SHARE
 RATE = 100.0  # bytes per ms the fake loads copy
 BACKWARD_MS = 400.0  # carries 26000 bytes: more than the state
 STEPS = TUNING_STEPS_AT_MOST + 2
+SLOT_BYTES = 1024  # a ring slot of `_tuned`'s plans: chunk_bytes=1000, aligned
 
 
 def _loaded_in_backward(opt: CPUOffloadOptimizer) -> int:
     return sum(opt.plan.chunks[c].invariant_bytes for c in opt.schedule.loaded_in_backward)
 
 
-def _tuned(stall_ms, backward_ms=BACKWARD_MS):
-    """Overlapped AdamW (chunks of 1000 bytes, a ring of 2), its tuning timed by
+def _tuned(stall_ms, backward_ms=BACKWARD_MS, held=None, **options):
+    """Overlapped AdamW (chunks of 1000 bytes, a ring of 2, `options`), its tuning timed by
     `stall_ms(opt, first_loaded)` and `backward_ms` (a number, or called as `stall_ms`),
     trained beside plain AdamW: bit-equal, in the pinned slabs it had. Returns the
-    optimizer and the bytes its backward loaded at first."""
+    optimizer and the bytes its backward loaded at first; each plan's GPU bytes for state
+    go into the list `held`."""
     plain_model, model = make_model(), make_model()
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         chunk_bytes=1000,
         staging_slots=2,
         overlap_forward=model,
+        **options,
     )
     assert opt._tuning is not None  # the CPU times nothing: a made-up timer here
     first, slabs = [], []
@@ -59,6 +62,8 @@ def _tuned(stall_ms, backward_ms=BACKWARD_MS):
         if not first:
             first.append(_loaded_in_backward(opt))
         slabs.append({d: t.data_ptr() for d, t in opt._executor.host_slabs.items()})
+        if held is not None:
+            held.append(opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots))
 
     opt._build = build
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
@@ -133,6 +138,58 @@ def test_it_grows_no_more_than_the_backward_carries_or_the_device_holds(monkeypa
     opt, first = _tuned(lambda opt, first: 6.0)
     assert [r.chosen_bytes for r in opt.backward_tuning] == [first]
     assert _loaded_in_backward(opt) == first
+
+
+def test_a_gpu_budget_bounds_the_growth():
+    """A stall the backward's whole length could carry, within gpu_budget_bytes: every plan
+    holds no more than the budget, and the loads grow up to it."""
+
+    def stall(opt, first):
+        return 1000.0 - (_loaded_in_backward(opt) - first) / RATE
+
+    unbounded_held: list[int] = []
+    unbounded, first = _tuned(stall, held=unbounded_held)
+    budget = unbounded_held[0] + 2500  # a few more chunks (slots of at most 1024 bytes)
+    assert max(unbounded_held) > budget  # the tuning alone grows past it
+    held: list[int] = []
+    opt, bounded_first = _tuned(stall, held=held, gpu_budget_bytes=budget)
+    assert bounded_first == first and max(held) <= budget
+    assert first < _loaded_in_backward(opt) < _loaded_in_backward(unbounded)
+    assert budget - SLOT_BYTES < held[-1]  # as many as fit
+
+
+def test_a_gpu_budget_cuts_what_the_forward_first_waits_for():
+    """Under the budget the default's first loads (the embedding's chunks) are cut to fit,
+    down to none where the ring alone holds more, which is said."""
+    held: list[int] = []
+    unbounded, first = _tuned(lambda opt, first: 0.0, held=held)
+    ring = 2 * SLOT_BYTES
+    assert first > 3000 and held == [ring + first + 128]  # the embedding's, slots aligned
+    cut: list[int] = []
+    opt, loaded = _tuned(lambda opt, first: 0.0, held=cut, gpu_budget_bytes=ring + 3000)
+    assert 0 < loaded < first and ring + 3000 - SLOT_BYTES < cut[0] <= ring + 3000
+    with pytest.warns(UserWarning, match="ring holds 2048 bytes .* gpu_budget_bytes=2047 given"):
+        opt, loaded = _tuned(lambda opt, first: 0.0, gpu_budget_bytes=ring - 1)
+    assert loaded == 0
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"gpu_resident_bytes": 7000}, r"\(gpu_resident_bytes=7000\)"),
+        ({"load_in_backward": 3000}, r"\(load_in_backward=3000\)"),
+        ({"load_in_backward": False}, r"\(load_in_backward=False\)"),
+    ],
+)
+def test_a_gpu_budget_where_nothing_is_chosen_is_refused(options, named):
+    model = make_model()
+    with pytest.raises(ValueError, match=f"here nothing is chosen {named}"):
+        CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters()),
+            overlap_forward=model,
+            gpu_budget_bytes=2**30,
+            **options,
+        )
 
 
 @pytest.mark.parametrize(

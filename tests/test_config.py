@@ -555,8 +555,12 @@ def test_flags_that_do_not_combine_are_named_as_flags():
     with pytest.raises(ValueError, match=r"^--no-nesterov is set .* set --type 'muon'"):
         OptimizerConfig.from_args(parser.parse_args(["--no-nesterov"]))  # not "--nesterov False"
     flags = ["--offload-gpu-budget-bytes", "100", "--offload", "optimizer"]
-    with pytest.raises(ValueError, match=r"or leave --offload-gpu-budget-bytes unset$"):
+    unset = r"\(no --offload-overlap-forward\): leave --offload-gpu-budget-bytes unset"
+    with pytest.raises(ValueError, match=unset):
         OptimizerConfig.from_args(parser.parse_args(flags))
+    # with overlap and nothing resident it bounds the default's backward loads
+    overlapped = OptimizerConfig.from_args(parser.parse_args([*flags, "--offload-overlap-forward"]))
+    assert overlapped.offload_gpu_budget_bytes == 100
 
 
 def test_configs_parsed_by_one_parser_do_not_share_muon_options():

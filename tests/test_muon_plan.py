@@ -786,8 +786,15 @@ def test_backward_loads_add_an_extra_slot_per_chunk():
 
 
 BACKWARD_LOADS = 10 * OFFLOAD_CHUNK  # bytes: the backward loads several chunks
-# (load_in_backward, gpu_resident_bytes) of the overlapped wrapper the estimate must match
-OVERLAPPED = ((BACKWARD_LOADS, 0), (False, 3 * OFFLOAD_CHUNK), (None, 0), (None, OFFLOAD_CHUNK))
+# (load_in_backward, gpu_resident_bytes, gpu_budget_bytes) of the overlapped wrapper the
+# estimate must match; "cut": a byte under what the default's first-wait loads hold
+OVERLAPPED = (
+    (BACKWARD_LOADS, 0, None),
+    (False, 3 * OFFLOAD_CHUNK, None),
+    (None, 0, None),
+    (None, OFFLOAD_CHUNK, None),
+    (None, 0, "cut"),
+)
 
 
 def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
@@ -795,7 +802,10 @@ def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
     resident state) are those `CPUOffloadOptimizer` builds over the model on this rank."""
     shapes = from_module(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for load_in_backward, resident in OVERLAPPED:
+    default_held = default_loads = 0
+    for load_in_backward, resident, budget in OVERLAPPED:
+        if budget == "cut":
+            budget = default_held - 1
         settings = StepSettings(
             bucket_cap_bytes=CAP,
             device="cpu",
@@ -804,6 +814,7 @@ def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
             offload_resident_bytes=resident,
             offload_overlap_forward=True,
             offload_backward_load_bytes=None if load_in_backward is None else int(load_in_backward),
+            offload_gpu_budget_bytes=budget,
         )
         estimated = estimate(
             shapes, MeshSpec(world), settings, ranks=[rank], fsdp_modules=fsdp_modules
@@ -814,6 +825,7 @@ def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
             staging_slots=2,
             overlap_forward=model,
             gpu_resident_bytes=resident,
+            gpu_budget_bytes=budget,
             load_in_backward=load_in_backward,
         )
         ids = torch.randint(0, model.config.vocab_size, (2, 8))
@@ -821,7 +833,12 @@ def _overlapped_plan(model, world: int, fsdp_modules: tuple[str, ...]) -> None:
         opt.step()
         opt.wait_for_optimizer_step()
         planned = [(c.params, c.resident) for c in estimated.offload_plan.chunks]
-        where = (load_in_backward, resident)
+        where = (load_in_backward, resident, budget)
+        held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
+        if budget is not None:  # cut to fit: fewer than the forward first waits for
+            assert opt.schedule.backward_loads < default_loads and held <= budget, where
+        elif load_in_backward is None and resident == 0:
+            default_held, default_loads = held, opt.schedule.backward_loads
         assert [(c.params, c.resident) for c in opt.plan.chunks] == planned, where
         assert opt.schedule == estimated.offload_schedule, where
         opt.close()

@@ -848,6 +848,46 @@ def test_fsdp2_default_backward_loads_grow_alike_on_every_rank_bitwise(world, ma
     run_on_ranks(_tuning_worker, world, make)
 
 
+def _budget_per_rank_worker(rank: int, world: int, make) -> None:
+    # Each rank gives its own gpu_budget_bytes (its own free memory, say), the lower ones
+    # under what the default's first loads hold: every rank loads the fewest any rank's
+    # budget holds (distributed Muon's exchanges need the same chunks), within its budget.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    models = [_shard(_deep_model(0), mesh) for _ in range(3)]
+    plain_model, probe_model, model = models
+
+    def offloaded(m, **options) -> CPUOffloadOptimizer:
+        return CPUOffloadOptimizer(
+            make(m), chunk_bytes=1, staging_slots=2, overlap_forward=m, **options
+        )
+
+    probe = offloaded(probe_model)
+    _train(probe_model, probe, rank, steps=1)
+    held = probe.plan.held_bytes(probe.schedule.slots, probe.schedule.ring_slots)
+    default_loads = probe.schedule.backward_loads
+    probe.close()
+    budget = held - rank  # under the default on every rank but 0
+    opt = offloaded(model, gpu_budget_bytes=budget)
+    plain = make(plain_model)
+    _train(plain_model, plain, rank)
+    _train(model, opt, rank)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    gathered = [None] * world
+    dist.all_gather_object(gathered, opt.schedule)
+    assert all(g == gathered[0] for g in gathered)
+    assert opt.schedule.backward_loads < default_loads
+    assert opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots) <= budget
+
+
+@pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
+def test_fsdp2_a_gpu_budget_per_rank_loads_the_fewest_on_every_rank_bitwise(world, make):
+    run_on_ranks(_budget_per_rank_worker, world, make)
+
+
 def _tuning_fails_on_one_rank_worker(rank: int, world: int, make) -> None:
     # The timer raises on rank 0 alone as the tuning decides: every rank's step raises
     # there (rank 0 its error, the others that it failed elsewhere), none hangs in the
