@@ -947,6 +947,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
                 f"{t['iteration_ms']:.1f}, loads {t['load_bytes_per_ms'] * 1e3 / GiB:.1f} GiB/s, "
                 f"backward {t['backward_ms']:.1f} ms: {t['loaded_bytes'] / GiB:.2f} -> "
                 f"{t['chosen_bytes'] / GiB:.2f} GiB"
+                + (f" (held back by {t['held_back_by']})" if t.get("held_back_by") else "")
             )
         if "residency" in r:
             c = r["residency"]

@@ -42,10 +42,16 @@ TUNING_STEPS_AT_MOST = 1 + (TUNING_ROUNDS + 1) * (TIMED_STEPS + 1)
 (none before the first), its timed ones and the one it decides at."""
 
 
+HELD_BACK = ("the backward's length", "the device's headroom", "gpu_budget_bytes")
+"""What may stop a round short of the bytes its stall carries, in the order it is found."""
+
+
 @dataclass(frozen=True)
 class TuningRound:
     """One round's measurement (the slowest rank's stall, the least rate and backward)
-    and what the backward loads after it (`loaded_bytes`: before it)."""
+    and what the backward loads after it (`loaded_bytes`: before it); `held_back_by`: of
+    `HELD_BACK`, what kept a growing round from all the stall carries (on any rank), or
+    None."""
 
     stall_ms: float
     iteration_ms: float
@@ -53,6 +59,7 @@ class TuningRound:
     backward_ms: float
     loaded_bytes: int
     chosen_bytes: int
+    held_back_by: str | None = None
 
 
 def grown_backward_bytes(
@@ -108,13 +115,14 @@ class BackwardTuning:
         self,
         chunk_bytes: Sequence[int],
         loaded: int,
-        fits: Callable[[int], bool],
+        limit: Callable[[int], str | None],
         agree: Callable[[Sequence[float], Sequence[float]], tuple[list[float], list[float]]],
     ) -> tuple[int | None, bool]:
         """At the step just started: the backward's bytes from here (None: keep what runs),
         and whether the tuning is done. `chunk_bytes`: the running plan's chunks
         (rank-invariant, in step order); `loaded`: the leading bytes its backward loads;
-        `fits(bytes)`: whether this rank's device holds that plan beside the run's peak;
+        `limit(bytes)`: what keeps that plan off this rank's device (of `HELD_BACK`: the
+        headroom beside the run's peak, the user's budget), None where it fits;
         `agree(largest, least)`: those across the ranks (one collective).
 
         An error here (reading the times, planning) ends the tuning on every rank at this
@@ -151,19 +159,29 @@ class BackwardTuning:
             self._record(stall, iteration, rate, backward, loaded, loaded)
             return None, True
         carried = int(BACKWARD_LOAD_SHARE * backward * rate)
+        everything = sum(chunk_bytes)
+        wanted = grown_backward_bytes(chunk_bytes, loaded, stall, rate, everything)
         chosen = grown_backward_bytes(chunk_bytes, loaded, stall, rate, max(carried, loaded))
+        held_back = 1 if chosen < wanted else 0  # the backward's length
         ends = [end for end in itertools.accumulate(chunk_bytes) if loaded < end <= chosen]
         # The largest that fits on every rank (each holds its own shards), from the top:
-        # each is a plan.
+        # each is a plan. What kept the next one larger off is kept as its 1-based index.
+        fitting = loaded
         try:
-            fitting = next((end for end in reversed(ends) if fits(end)), loaded)
+            for end in reversed(ends):
+                reason = limit(end)
+                if reason is None:
+                    fitting = end
+                    break
+                held_back = 1 + HELD_BACK.index(reason)
         except Exception as err:
             error, fitting = err, -1
-        _, (fitting,) = agree([], [float(fitting)])
+        (held_back,), (fitting,) = agree([float(held_back)], [float(fitting)])
         if fitting < 0:
             self._failed(error)
         chosen = int(fitting)
-        self._record(stall, iteration, rate, backward, loaded, chosen)
+        reason = HELD_BACK[int(held_back) - 1] if held_back and chosen < wanted else None
+        self._record(stall, iteration, rate, backward, loaded, chosen, reason)
         if chosen <= loaded:
             return None, True
         self._next_round()
@@ -198,8 +216,11 @@ class BackwardTuning:
         backward: float,
         loaded: int,
         chosen: int,
+        held_back_by: str | None = None,
     ) -> None:
-        self.rounds.append(TuningRound(stall, iteration, rate, backward, loaded, chosen))
+        self.rounds.append(
+            TuningRound(stall, iteration, rate, backward, loaded, chosen, held_back_by)
+        )
 
     def _next_round(self) -> None:
         """The re-plan's step is not timed (its forward loads what the backward before it

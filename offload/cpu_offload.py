@@ -1889,15 +1889,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         headroom = device_headroom_bytes(self.device)
         resident, budget = self._resident_budget, self._gpu_budget_bytes
 
-        def fits(backward: int) -> bool:
+        def limit(backward: int) -> str | None:
             step = self._step_plan(resident, BackwardLoads(budget=backward))
-            within = budget is None or step.held_bytes <= budget
-            return within and step.held_bytes - held <= headroom
+            if budget is not None and step.held_bytes > budget:
+                return "gpu_budget_bytes"
+            return "the device's headroom" if step.held_bytes - held > headroom else None
 
         device = self.device
         try:
             chosen, done = tuning.decide(
-                staged, loaded, fits, lambda most, least: agree_across_ranks(most, least, device)
+                staged, loaded, limit, lambda most, least: agree_across_ranks(most, least, device)
             )
         except BaseException:  # once: the loads stay as they are
             self._tuning = None
@@ -1931,6 +1932,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             f"stalled {r.stall_ms:.1f} ms of a {r.iteration_ms:.1f} ms step, loads at "
             f"{r.load_bytes_per_ms * 1000 / 2**30:.2f} GiB/s, backward {r.backward_ms:.1f} ms: "
             f"{r.loaded_bytes / mib:.1f} -> {r.chosen_bytes / mib:.1f} MiB"
+            + ("" if r.held_back_by is None else f" (held back by {r.held_back_by})")
             for r in tuning.rounds
         )
         executor = self._executor

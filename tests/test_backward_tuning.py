@@ -88,6 +88,7 @@ def test_the_backward_loads_what_the_forward_stalled_for_and_stops_once_it_is_go
         opt, first = _tuned(stall)
     grown, check = opt.backward_tuning
     assert grown.stall_ms == 6.0 and grown.loaded_bytes == first
+    assert grown.held_back_by is None  # it took all the stall carries
     assert first + 600 <= grown.chosen_bytes < first + 600 + 1000  # rounded up to a chunk
     assert check.stall_ms == 0.0 and check.chosen_bytes == check.loaded_bytes
     assert _loaded_in_backward(opt) == check.loaded_bytes > first
@@ -129,6 +130,7 @@ def test_it_grows_no_more_than_the_backward_carries_or_the_device_holds(monkeypa
     )
     assert first < opt.backward_tuning[0].chosen_bytes <= carried
     assert first < _loaded_in_backward(opt) <= carried
+    assert opt.backward_tuning[0].held_back_by == "the backward's length"
 
     floor = STALL_FLOOR_FRACTION * 100.0  # of the fake's 100 ms steps
     opt, first = _tuned(lambda opt, first: floor)
@@ -138,9 +140,10 @@ def test_it_grows_no_more_than_the_backward_carries_or_the_device_holds(monkeypa
     opt, first = _tuned(lambda opt, first: 6.0)
     assert [r.chosen_bytes for r in opt.backward_tuning] == [first]
     assert _loaded_in_backward(opt) == first
+    assert opt.backward_tuning[0].held_back_by == "the device's headroom"
 
 
-def test_a_gpu_budget_bounds_the_growth():
+def test_a_gpu_budget_bounds_the_growth(caplog):
     """A stall the backward's whole length could carry, within gpu_budget_bytes: every plan
     holds no more than the budget, and the loads grow up to it."""
 
@@ -152,10 +155,13 @@ def test_a_gpu_budget_bounds_the_growth():
     budget = unbounded_held[0] + 2500  # a few more chunks (slots of at most 1024 bytes)
     assert max(unbounded_held) > budget  # the tuning alone grows past it
     held: list[int] = []
-    opt, bounded_first = _tuned(stall, held=held, gpu_budget_bytes=budget)
+    with caplog.at_level(logging.INFO, logger="offload.cpu_offload"):
+        opt, bounded_first = _tuned(stall, held=held, gpu_budget_bytes=budget)
+    assert "(held back by gpu_budget_bytes)" in caplog.text
     assert bounded_first == first and max(held) <= budget
     assert first < _loaded_in_backward(opt) < _loaded_in_backward(unbounded)
     assert budget - SLOT_BYTES < held[-1]  # as many as fit
+    assert opt.backward_tuning[0].held_back_by == "gpu_budget_bytes"
 
 
 def test_a_gpu_budget_cuts_what_the_forward_first_waits_for():

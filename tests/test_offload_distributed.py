@@ -841,6 +841,8 @@ def _tuning_worker(rank: int, world: int, make) -> None:
     assert loaded() > first[0]
     held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
     assert held - first[1] <= headroom
+    # at world 3 rank 2's headroom held the growth back, which every rank's record says
+    assert grown.held_back_by == ("the device's headroom" if world == 3 else None)
 
 
 @pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
