@@ -308,6 +308,14 @@ def print_plan(model: ModelEstimate, rows: Sequence[dict[str, Any]], offloaded: 
         )
         columns = [*shown, (f"top peak (rank {top.rank})", top)]
         print(f"GiB per rank, {title}")
+        budget = settings.offload_gpu_budget_bytes
+        schedule = top.offload_schedule
+        held = top.offload_plan.held_bytes(schedule.slots, schedule.ring_slots)
+        if offload and budget is not None and held > budget:
+            print(
+                f"  (the staging ring alone holds {held / 2**30:.2f} GiB, over "
+                "--offload-gpu-budget-mib: the wrapper warns, and the backward loads nothing)"
+            )
         print(f"  {'':<{width}}" + "".join(f"{c:>20}" for c, _ in columns))
         for label, value in MEMORY_LINES:
             cells = "".join(
@@ -601,6 +609,18 @@ def settings_from(args: argparse.Namespace, fsdp: int | None = None) -> StepSett
         bucket_cap = offload_bucket_cap(chunk_bytes, args.fsdp if fsdp is None else fsdp)
     else:
         bucket_cap = DEFAULT_BUCKET_CAP_BYTES
+    default_loads = (
+        args.offload
+        and args.offload_overlap_forward
+        and not args.offload_resident_mib
+        and args.offload_backward_load_mib is None
+    )
+    if args.offload_gpu_budget_mib is not None and not default_loads:
+        raise ValueError(
+            "--offload-gpu-budget-mib bounds the default backward loads: it needs --offload "
+            "and --offload-overlap-forward, with no --offload-resident-mib and no "
+            "--offload-backward-load-mib (the wrapper refuses it otherwise)"
+        )
     return StepSettings(
         bucket_cap_bytes=bucket_cap,
         max_inflight=args.max_inflight,

@@ -1553,6 +1553,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._warn_if_nothing_resident(units_key)
             self._warn_if_nothing_loaded_in_backward()
             self._warn_if_over_budget(step)
+        if first_plan and self._load_first_wait and has_peers():
+            # Later plans (a regrouped Muon group, state created later) load the agreed
+            # bytes (`backward_load_bytes`, set by the build): planned from each rank's
+            # own room or budget, the ranks ran other chunks, and agreeing again would put
+            # a collective where one rank may re-plan alone.
+            self._load_first_wait = False
 
     def _rank_agreement(self) -> Callable[[Sequence[tuple[str, Any]]], None] | None:
         """Where the chunks' updates communicate (distributed Muon), every rank must make
@@ -1691,16 +1697,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         )
 
     def _warn_if_over_budget(self, step: OffloadedStep) -> None:
-        """A `gpu_budget_bytes` below what the staging ring alone holds (the backward loads
-        nothing within it): the ring is the least the step holds."""
-        budget = self._gpu_budget_bytes
-        if budget is None or step.held_bytes <= budget:
+        """A `gpu_budget_bytes` that leaves this rank no room for the default's backward
+        loads beside the staging ring: the forward then waits for every load."""
+        budget, schedule = self._gpu_budget_bytes, step.schedule
+        if budget is None or schedule.backward_loads or not schedule.staged:
             return
+        first = step.plan.chunks[schedule.staged[0]].invariant_bytes
+        one = self._step_plan(self._resident_budget, BackwardLoads(budget=first)).held_bytes
+        if one <= budget:
+            return  # this rank could load one: another rank's budget cut them all
         warnings.warn(
-            f"the staging ring holds {step.held_bytes} bytes of GPU memory for state, over "
-            f"the gpu_budget_bytes={budget} given, so the backward loads nothing. Give a "
-            f"budget of at least {step.held_bytes} bytes, or fewer staging_slots or a "
-            "smaller chunk_bytes",
+            f"gpu_budget_bytes={budget} leaves no room for the backward's loads: the staging "
+            f"ring holds {step.held_bytes} bytes of GPU memory for state, and loading the "
+            f"first chunk in the backward as well {one}. Give at least {one} bytes, or fewer "
+            "staging_slots or a smaller chunk_bytes; as it is, the next forward waits for "
+            "every load",
             stacklevel=user_stacklevel(),
         )
 
@@ -1792,17 +1803,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         holding what the forward first waits for, and more while the step holds no more
         than its share of the room under the measured peak, within `gpu_budget_bytes`."""
         first = tuple(self._index[p] for p in self._overlap.first_wait(self._index))
-        return BackwardLoads(
-            first_wait=first, room=self._room_for_state(), most=self._gpu_budget_bytes
-        )
+        # "auto" weighs its own budget: what it tries as the default's loads is unbounded
+        most = None if self._auto is not None else self._gpu_budget_bytes
+        return BackwardLoads(first_wait=first, room=self._room_for_state(), most=most)
 
     def _least_first_loads(self, step: OffloadedStep) -> OffloadedStep:
         """The first plan's default backward loads, the fewest any rank's room or
         `gpu_budget_bytes` holds (one collective): each rank's slots hold its own shards,
         and a budget may be the rank's own (its free memory), while ranks exchanging in
-        their updates (distributed Muon) must run the same chunks."""
-        room, budget = self._room_for_state(), self._gpu_budget_bytes
-        if not (self._load_first_wait and has_peers()) or (room is None and budget is None):
+        their updates (distributed Muon) must run the same chunks. Later plans load those
+        bytes (`_ensure_plan`), rank-invariant, without another collective."""
+        # Whether to agree is decided from the options alone: a rank's own room or budget
+        # (one rank given a budget, another none) left its peers in the collective.
+        if not (self._load_first_wait and has_peers()):
             return step
         schedule = step.schedule
         least = torch.tensor([schedule.backward_loads], dtype=torch.int64, device=self.device)

@@ -85,17 +85,18 @@ def check_offload_options(
     # forward stalls for): with state kept resident or the loads given, nothing is chosen.
     tuned = gpu_resident_bytes == 0 and overlap_forward and load_in_backward is None
     if gpu_budget_bytes is not None and not (auto or tuned):
+        chosen_by_hand = [
+            f"{prefix}gpu_resident_bytes={gpu_resident_bytes!r}" if gpu_resident_bytes else "",
+            f"{prefix}load_in_backward={load_in_backward!r}"
+            if load_in_backward is not None
+            else "",
+            "" if overlap_forward else f"no {overlap_on}",
+        ]
         raise ValueError(
             f"{prefix}gpu_budget_bytes bounds what the optimizer chooses to hold on the GPU: "
             f"what {prefix}gpu_resident_bytes='auto' keeps, or, with {overlap_on} and "
             f"nothing resident, what the backward loads by default; here nothing is chosen ("
-            + (
-                f"{prefix}gpu_resident_bytes={gpu_resident_bytes!r}"
-                if gpu_resident_bytes != 0
-                else f"{prefix}load_in_backward={load_in_backward!r}"
-                if overlap_forward
-                else f"no {overlap_on}"
-            )
+            + ", ".join(reason for reason in chosen_by_hand if reason)
             + f"): leave {prefix}gpu_budget_bytes unset, or let the optimizer choose"
         )
     if load_in_backward not in (None, False) and not overlap_forward:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import logging
+import re
 
 import pytest
 import torch
@@ -174,9 +175,15 @@ def test_a_gpu_budget_cuts_what_the_forward_first_waits_for():
     cut: list[int] = []
     opt, loaded = _tuned(lambda opt, first: 0.0, held=cut, gpu_budget_bytes=ring + 3000)
     assert 0 < loaded < first and ring + 3000 - SLOT_BYTES < cut[0] <= ring + 3000
-    with pytest.warns(UserWarning, match="ring holds 2048 bytes .* gpu_budget_bytes=2047 given"):
-        opt, loaded = _tuned(lambda opt, first: 0.0, gpu_budget_bytes=ring - 1)
-    assert loaded == 0
+    # under the ring, at it, or short of the first chunk's slot beside it: none, said
+    for budget in (ring - 1, ring, ring + 300):
+        with pytest.warns(UserWarning, match=f"gpu_budget_bytes={budget} leaves no room") as w:
+            opt, loaded = _tuned(lambda opt, first: 0.0, gpu_budget_bytes=budget)
+        assert loaded == 0
+        least = int(re.search(r"Give at least (\d+) bytes", str(w[0].message)).group(1))
+        assert ring < least <= ring + SLOT_BYTES
+        opt, loaded = _tuned(lambda opt, first: 0.0, gpu_budget_bytes=least)
+        assert loaded > 0  # the least it names loads one
 
 
 @pytest.mark.parametrize(
@@ -185,6 +192,10 @@ def test_a_gpu_budget_cuts_what_the_forward_first_waits_for():
         ({"gpu_resident_bytes": 7000}, r"\(gpu_resident_bytes=7000\)"),
         ({"load_in_backward": 3000}, r"\(load_in_backward=3000\)"),
         ({"load_in_backward": False}, r"\(load_in_backward=False\)"),
+        (
+            {"gpu_resident_bytes": 7000, "load_in_backward": 3000},
+            r"\(gpu_resident_bytes=7000, load_in_backward=3000\)",
+        ),
     ],
 )
 def test_a_gpu_budget_where_nothing_is_chosen_is_refused(options, named):

@@ -433,6 +433,21 @@ def test_cli_json_sweep_config(tmp_path, capsys):
     assert "model_type 'gpt_neox' is not one whose params" in capsys.readouterr().err
 
 
+def test_cli_gpu_budget_names_its_flags_and_the_ring_over_it(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_DENSE))
+    base = ["--config", str(config), "--fsdp", "2", "--offload"]
+    assert main([*base, "--offload-gpu-budget-mib", "1"]) == 2  # no overlap: refused
+    err = capsys.readouterr().err
+    assert "--offload-gpu-budget-mib bounds the default backward loads" in err
+    assert "needs --offload and --offload-overlap-forward" in err
+    overlapped = [*base, "--offload-overlap-forward"]
+    assert main([*overlapped, "--offload-gpu-budget-mib", "0"]) == 0
+    assert "the staging ring alone holds" in capsys.readouterr().out
+    assert main([*overlapped, "--offload-gpu-budget-mib", "4096"]) == 0
+    assert "the staging ring alone holds" not in capsys.readouterr().out
+
+
 def test_padded_buffers_count_no_more_buckets_than_there_are(tmp_path, capsys):
     # with one exchanged bucket, --max-inflight 64 counted its buffers 64 times
     # (117,187.5 MiB of buffers for a tiny model at 10**6; hostile review)

@@ -850,10 +850,12 @@ def test_fsdp2_default_backward_loads_grow_alike_on_every_rank_bitwise(world, ma
     run_on_ranks(_tuning_worker, world, make)
 
 
-def _budget_per_rank_worker(rank: int, world: int, make) -> None:
-    # Each rank gives its own gpu_budget_bytes (its own free memory, say), the lower ones
-    # under what the default's first loads hold: every rank loads the fewest any rank's
-    # budget holds (distributed Muon's exchanges need the same chunks), within its budget.
+def _budget_per_rank_worker(rank: int, world: int, make, none_on_rank_0: bool) -> None:
+    # Each rank gives its own gpu_budget_bytes (its own free memory, say; rank 0 maybe
+    # none), the lower ones under what the default's first loads hold: every rank loads the
+    # fewest any rank's budget holds (distributed Muon's exchanges need the same chunks),
+    # within its budget, and so again where a Muon group switched to AdamW and back
+    # re-plans.
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -870,24 +872,39 @@ def _budget_per_rank_worker(rank: int, world: int, make) -> None:
     held = probe.plan.held_bytes(probe.schedule.slots, probe.schedule.ring_slots)
     default_loads = probe.schedule.backward_loads
     probe.close()
-    budget = held - rank  # under the default on every rank but 0
+    budget = None if none_on_rank_0 and rank == 0 else held - rank  # under it but on rank 0
     opt = offloaded(model, gpu_budget_bytes=budget)
     plain = make(plain_model)
-    _train(plain_model, plain, rank)
-    _train(model, opt, rank)
+    schedules = []
+    build = opt._build
+    opt._build = lambda step, **kw: (schedules.append(step.schedule), build(step, **kw))[1]
+    regroups = make is _muon
+    for m, o in ((plain_model, plain), (model, opt)):
+        gen = torch.Generator().manual_seed(100 + rank)
+        for step in range(6):
+            if regroups and step in (2, 4):
+                o.param_groups[0]["algorithm"] = "adamw" if step == 2 else "muon"
+            o.zero_grad()
+            m(torch.randn(3, 12, generator=gen)).square().mean().backward()
+            o.step()
     opt.wait_for_optimizer_step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.to_local(), b.to_local())
     gathered = [None] * world
-    dist.all_gather_object(gathered, opt.schedule)
+    dist.all_gather_object(gathered, schedules)
     assert all(g == gathered[0] for g in gathered)
-    assert opt.schedule.backward_loads < default_loads
-    assert opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots) <= budget
+    assert len(schedules) == (3 if regroups else 1)
+    assert schedules[0].backward_loads < default_loads
+    if budget is not None:
+        assert opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots) <= budget
 
 
+@pytest.mark.parametrize("none_on_rank_0", [False, True], ids=["every-rank", "rank-0-none"])
 @pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
-def test_fsdp2_a_gpu_budget_per_rank_loads_the_fewest_on_every_rank_bitwise(world, make):
-    run_on_ranks(_budget_per_rank_worker, world, make)
+def test_fsdp2_a_gpu_budget_per_rank_loads_the_fewest_on_every_rank_bitwise(
+    world, make, none_on_rank_0
+):
+    run_on_ranks(_budget_per_rank_worker, world, make, none_on_rank_0)
 
 
 def _tuning_fails_on_one_rank_worker(rank: int, world: int, make) -> None:
