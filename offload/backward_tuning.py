@@ -175,12 +175,17 @@ class BackwardTuning:
                     break
                 held_back = 1 + HELD_BACK.index(reason)
         except Exception as err:
-            error, fitting = err, -1
-        (held_back,), (fitting,) = agree([float(held_back)], [float(fitting)])
+            error, fitting, held_back = err, -1, 0
+        # The least over the ranks, with the reason of the rank it came from: one value,
+        # the bytes times the codes' count less the code (float64 holds it exactly).
+        codes = len(HELD_BACK) + 1
+        _, (agreed,) = agree([], [float(fitting * codes + len(HELD_BACK) - held_back)])
+        fitting, held_back = divmod(int(agreed), codes)
+        held_back = len(HELD_BACK) - held_back
         if fitting < 0:
             self._failed(error)
-        chosen = int(fitting)
-        reason = HELD_BACK[int(held_back) - 1] if held_back and chosen < wanted else None
+        chosen = fitting
+        reason = HELD_BACK[held_back - 1] if held_back and chosen < wanted else None
         self._record(stall, iteration, rate, backward, loaded, chosen, reason)
         if chosen <= loaded:
             return None, True

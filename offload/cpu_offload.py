@@ -71,6 +71,8 @@ from offload.subset_step import (
 )
 
 logger = logging.getLogger(__name__)
+_NOT_AGREEING = 2**62
+"""What a rank whose backward loads are not the default's sends to `_least_first_loads`."""
 _T = TypeVar("_T")
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bench/offload_step.py: 1.03x the copy floor with 4 slots
@@ -1543,22 +1545,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._give_back_gpu_state()
         self._specs = specs
         self._units_key = units_key
-        step = self._planned_now()
-        if first_plan:
-            step = self._least_first_loads(step)
+        step = self._least_first_loads(self._planned_now())
         if agree is not None:  # refused, nothing is built: the next step checks again
             agree(self._step_chunks(step))
         self._build(step, keep_host_slabs=False)
         if first_plan and self._auto is None:
             self._warn_if_nothing_resident(units_key)
             self._warn_if_nothing_loaded_in_backward()
+        if self._auto is None:
             self._warn_if_over_budget(step)
-        if first_plan and self._load_first_wait and has_peers():
-            # Later plans (a regrouped Muon group, state created later) load the agreed
-            # bytes (`backward_load_bytes`, set by the build): planned from each rank's
-            # own room or budget, the ranks ran other chunks, and agreeing again would put
-            # a collective where one rank may re-plan alone.
-            self._load_first_wait = False
 
     def _rank_agreement(self) -> Callable[[Sequence[tuple[str, Any]]], None] | None:
         """Where the chunks' updates communicate (distributed Muon), every rank must make
@@ -1808,20 +1803,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return BackwardLoads(first_wait=first, room=self._room_for_state(), most=most)
 
     def _least_first_loads(self, step: OffloadedStep) -> OffloadedStep:
-        """The first plan's default backward loads, the fewest any rank's room or
-        `gpu_budget_bytes` holds (one collective): each rank's slots hold its own shards,
-        and a budget may be the rank's own (its free memory), while ranks exchanging in
-        their updates (distributed Muon) must run the same chunks. Later plans load those
-        bytes (`_ensure_plan`), rank-invariant, without another collective."""
-        # Whether to agree is decided from the options alone: a rank's own room or budget
-        # (one rank given a budget, another none) left its peers in the collective.
-        if not (self._load_first_wait and has_peers()):
+        """The default's backward loads of a plan `_ensure_plan` builds, the fewest any
+        rank's room or `gpu_budget_bytes` holds (one collective): each rank's slots hold its
+        own shards, and a budget may be the rank's own (its free memory), while ranks
+        exchanging in their updates (distributed Muon) must run the same chunks. Every
+        overlapped wrapper with peers joins, whatever its options (a rank given
+        `load_in_backward`, or a budget, where its peers were not, left them waiting);
+        plans are built on every rank at the same steps (the first, and where the groups,
+        state or grads change alike on every rank)."""
+        if self._overlap is None or not has_peers():
             return step
         schedule = step.schedule
-        least = torch.tensor([schedule.backward_loads], dtype=torch.int64, device=self.device)
+        mine = schedule.backward_loads if self._load_first_wait else _NOT_AGREEING
+        least = torch.tensor([mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
         count = int(least.item())
-        if count == schedule.backward_loads:
+        if not self._load_first_wait or count == schedule.backward_loads:
             return step
         # the leading chunks' rank-invariant bytes load just those on every rank
         loads = sum(step.plan.chunks[c].invariant_bytes for c in schedule.staged[:count])

@@ -814,6 +814,7 @@ def _tuning_worker(rank: int, world: int, make) -> None:
             first.extend(
                 (loaded(), opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots))
             )
+
         return max(0.0, 20.0 * (1 + rank) - (loaded() - first[0]) / 10.0)
 
     opt.backward_tuning = None
@@ -822,6 +823,9 @@ def _tuning_worker(rank: int, world: int, make) -> None:
 
     def free_at_peak(device) -> int:  # what a round grew is held at the next one's
         held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
+        if world == 3 and rank == 1 and opt._gpu_budget_bytes is None:
+            # a budget above what rank 2's headroom holds, which binds first
+            opt._gpu_budget_bytes = held + 500
         return headroom - (held - first[1]) if first else headroom
 
     offload.cpu_offload.device_headroom_bytes = free_at_peak
@@ -842,6 +846,7 @@ def _tuning_worker(rank: int, world: int, make) -> None:
     held = opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots)
     assert held - first[1] <= headroom
     # at world 3 rank 2's headroom held the growth back, which every rank's record says
+    # (not rank 1's budget, which would have held it back further up)
     assert grown.held_back_by == ("the device's headroom" if world == 3 else None)
 
 
@@ -850,12 +855,13 @@ def test_fsdp2_default_backward_loads_grow_alike_on_every_rank_bitwise(world, ma
     run_on_ranks(_tuning_worker, world, make)
 
 
-def _budget_per_rank_worker(rank: int, world: int, make, none_on_rank_0: bool) -> None:
+def _budget_per_rank_worker(rank: int, world: int, make, budgets: str) -> None:
     # Each rank gives its own gpu_budget_bytes (its own free memory, say; rank 0 maybe
     # none), the lower ones under what the default's first loads hold: every rank loads the
     # fewest any rank's budget holds (distributed Muon's exchanges need the same chunks),
     # within its budget, and so again where a Muon group switched to AdamW and back
-    # re-plans.
+    # re-plans. With no budget anywhere, those re-plans load the first-wait chunks of
+    # their own plan (the first plan's bytes loaded none of a regrouped plan's chunks).
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -872,7 +878,9 @@ def _budget_per_rank_worker(rank: int, world: int, make, none_on_rank_0: bool) -
     held = probe.plan.held_bytes(probe.schedule.slots, probe.schedule.ring_slots)
     default_loads = probe.schedule.backward_loads
     probe.close()
-    budget = None if none_on_rank_0 and rank == 0 else held - rank  # under it but on rank 0
+    budget = held - rank  # under the default's on every rank but rank 0
+    if budgets == "none" or (budgets == "rank-0-none" and rank == 0):
+        budget = None
     opt = offloaded(model, gpu_budget_bytes=budget)
     plain = make(plain_model)
     schedules = []
@@ -894,17 +902,45 @@ def _budget_per_rank_worker(rank: int, world: int, make, none_on_rank_0: bool) -
     dist.all_gather_object(gathered, schedules)
     assert all(g == gathered[0] for g in gathered)
     assert len(schedules) == (3 if regroups else 1)
-    assert schedules[0].backward_loads < default_loads
+    if budgets == "none":
+        assert schedules[0].backward_loads == default_loads
+        assert all(s.backward_loads >= min(2, len(s.staged)) for s in schedules)  # the ring's
+    else:
+        assert schedules[0].backward_loads < default_loads
     if budget is not None:
         assert opt.plan.held_bytes(opt.schedule.slots, opt.schedule.ring_slots) <= budget
 
 
-@pytest.mark.parametrize("none_on_rank_0", [False, True], ids=["every-rank", "rank-0-none"])
+@pytest.mark.parametrize("budgets", ["every-rank", "rank-0-none", "none"])
 @pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
-def test_fsdp2_a_gpu_budget_per_rank_loads_the_fewest_on_every_rank_bitwise(
-    world, make, none_on_rank_0
-):
-    run_on_ranks(_budget_per_rank_worker, world, make, none_on_rank_0)
+def test_fsdp2_a_gpu_budget_per_rank_loads_the_fewest_on_every_rank_bitwise(world, make, budgets):
+    run_on_ranks(_budget_per_rank_worker, world, make, budgets)
+
+
+def _loads_option_per_rank_worker(rank: int, world: int) -> None:
+    # Rank 0 leaves load_in_backward to the default, rank 1 turns it off: neither waits for
+    # the other in the default's agreement (rank 0 hung there), and both train as plain.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    opt = CPUOffloadOptimizer(
+        _adamw(model),
+        chunk_bytes=1,
+        overlap_forward=model,
+        load_in_backward=None if rank == 0 else False,
+    )
+    plain = _adamw(plain_model)
+    _train(plain_model, plain, rank, steps=3)
+    _train(model, opt, rank, steps=3)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    assert (opt.schedule.backward_loads > 0) == (rank == 0)
+
+
+def test_fsdp2_ranks_with_other_backward_load_options_do_not_wait_for_each_other():
+    run_on_ranks(_loads_option_per_rank_worker, 2)
 
 
 def _tuning_fails_on_one_rank_worker(rank: int, world: int, make) -> None:
