@@ -1545,6 +1545,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 self._give_back_gpu_state()
         self._specs = specs
         self._units_key = units_key
+        if first_plan and self._overlap is not None and self._auto is None:
+            # Measured on every overlapped rank, whatever its loads: its collective left a
+            # peer given `load_in_backward` waiting where only the default's plan asked.
+            _ = self._room_under_peak
         step = self._least_first_loads(self._planned_now())
         if agree is not None:  # refused, nothing is built: the next step checks again
             agree(self._step_chunks(step))

@@ -917,10 +917,15 @@ def test_fsdp2_a_gpu_budget_per_rank_loads_the_fewest_on_every_rank_bitwise(worl
     run_on_ranks(_budget_per_rank_worker, world, make, budgets)
 
 
-def _loads_option_per_rank_worker(rank: int, world: int) -> None:
+def _loads_option_per_rank_worker(rank: int, world: int, room: int | None) -> None:
     # Rank 0 leaves load_in_backward to the default, rank 1 turns it off: neither waits for
-    # the other in the default's agreement (rank 0 hung there), and both train as plain.
+    # the other in the default's agreement (rank 0 hung there), nor, where the device's
+    # room under its peak is measured (CUDA's, made up here), in agreeing on the room.
     from torch.distributed.device_mesh import init_device_mesh
+
+    import offload.cpu_offload
+
+    offload.cpu_offload.room_under_peak_bytes = lambda device: room
 
     mesh = init_device_mesh("cpu", (world,))
     plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
@@ -939,8 +944,9 @@ def _loads_option_per_rank_worker(rank: int, world: int) -> None:
     assert (opt.schedule.backward_loads > 0) == (rank == 0)
 
 
-def test_fsdp2_ranks_with_other_backward_load_options_do_not_wait_for_each_other():
-    run_on_ranks(_loads_option_per_rank_worker, 2)
+@pytest.mark.parametrize("room", [None, 10**6], ids=["no-room", "room"])
+def test_fsdp2_ranks_with_other_backward_load_options_do_not_wait_for_each_other(room):
+    run_on_ranks(_loads_option_per_rank_worker, 2, room)
 
 
 def _tuning_fails_on_one_rank_worker(rank: int, world: int, make) -> None:
