@@ -72,7 +72,7 @@ from offload.subset_step import (
 
 logger = logging.getLogger(__name__)
 _NOT_AGREEING = 2**62
-"""What a rank whose backward loads are not the default's sends to `_least_first_loads`."""
+"""What a rank whose backward loads "auto" chooses (or none) sends to `_least_backward_loads`."""
 _T = TypeVar("_T")
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bench/offload_step.py: 1.03x the copy floor with 4 slots
@@ -1549,7 +1549,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # Measured on every overlapped rank, whatever its loads: its collective left a
             # peer given `load_in_backward` waiting where only the default's plan asked.
             _ = self._room_under_peak
-        step = self._least_first_loads(self._planned_now())
+        step = self._least_backward_loads(self._planned_now())
         if agree is not None:  # refused, nothing is built: the next step checks again
             agree(self._step_chunks(step))
         self._build(step, keep_host_slabs=False)
@@ -1779,9 +1779,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             backward = (
                 self._first_wait_loads()
                 if self._load_first_wait
-                else BackwardLoads(budget=self.backward_load_bytes)
+                # the tuning's bytes, within the budget also where a re-plan's chunks
+                # (a regrouped Muon group's) hold more for them
+                else BackwardLoads(budget=self.backward_load_bytes, most=self._loads_bound())
             )
         return self._step_plan(self._resident_budget, backward)
+
+    def _loads_bound(self) -> int | None:
+        """What the default's backward loads may hold with the ring (`gpu_budget_bytes`;
+        "auto" weighs its budget itself, and tries the default's loads unbounded)."""
+        return None if self._auto is not None else self._gpu_budget_bytes
 
     def _planned_with(self, split: Split) -> OffloadedStep:
         """The step's plan with `split` (as `_replan` runs it)."""
@@ -1802,13 +1809,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         holding what the forward first waits for, and more while the step holds no more
         than its share of the room under the measured peak, within `gpu_budget_bytes`."""
         first = tuple(self._index[p] for p in self._overlap.first_wait(self._index))
-        # "auto" weighs its own budget: what it tries as the default's loads is unbounded
-        most = None if self._auto is not None else self._gpu_budget_bytes
-        return BackwardLoads(first_wait=first, room=self._room_for_state(), most=most)
+        return BackwardLoads(
+            first_wait=first, room=self._room_for_state(), most=self._loads_bound()
+        )
 
-    def _least_first_loads(self, step: OffloadedStep) -> OffloadedStep:
-        """The default's backward loads of a plan `_ensure_plan` builds, the fewest any
-        rank's room or `gpu_budget_bytes` holds (one collective): each rank's slots hold its
+    def _least_backward_loads(self, step: OffloadedStep) -> OffloadedStep:
+        """The default's backward loads of a plan `_ensure_plan` builds (first-wait, or the
+        tuning's bytes), the fewest any rank's room or `gpu_budget_bytes` holds (one
+        collective): each rank's slots hold its
         own shards, and a budget may be the rank's own (its free memory), while ranks
         exchanging in their updates (distributed Muon) must run the same chunks. Every
         overlapped wrapper with peers joins, whatever its options (a rank given
@@ -1818,11 +1826,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._overlap is None or not has_peers():
             return step
         schedule = step.schedule
-        mine = schedule.backward_loads if self._load_first_wait else _NOT_AGREEING
+        # the default's, and the tuning's bytes after it (both cut by a budget); those
+        # given as True or bytes load the same chunks on every rank, and agree as they are
+        agreeing = self._load_in_backward and self._auto is None
+        mine = schedule.backward_loads if agreeing else _NOT_AGREEING
         least = torch.tensor([mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
         count = int(least.item())
-        if not self._load_first_wait or count == schedule.backward_loads:
+        if not agreeing or count == schedule.backward_loads:
             return step
         # the leading chunks' rank-invariant bytes load just those on every rank
         loads = sum(step.plan.chunks[c].invariant_bytes for c in schedule.staged[:count])

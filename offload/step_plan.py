@@ -55,10 +55,10 @@ class BackwardLoads:
 
     With `first_wait` (the default with overlap): the chunks holding those params (by
     index; what the next forward waits for first), at least the ring's, and more while
-    the step holds at most `room` bytes of state on the device (None: no more), but never
-    so many that it holds more than `most` bytes (the user's `gpu_budget_bytes`: fewer,
-    down to none, where those would). Without: the leading whole chunks within `budget`
-    state bytes (rank-invariant, at most that much; None: the ring's).
+    the step holds at most `room` bytes of state on the device (None: no more). Without:
+    the leading whole chunks within `budget` state bytes (rank-invariant, at most that
+    much; None: the ring's). Either way never so many that the step holds more than
+    `most` bytes (the user's `gpu_budget_bytes`: fewer, down to none, where those would).
     """
 
     first_wait: tuple[int, ...] | None = None
@@ -138,6 +138,6 @@ def plan_offloaded_step(
                 lambda count: held(schedule(count)),
                 backward.room,
             )
-        if backward.first_wait is not None and backward.most is not None:
+        if backward.most is not None:
             loads = next((n for n in range(loads, 0, -1) if held(schedule(n)) <= backward.most), 0)
     return OffloadedStep(plan, schedule(loads))

@@ -165,6 +165,46 @@ def test_a_gpu_budget_bounds_the_growth(caplog):
     assert opt.backward_tuning[0].held_back_by == "gpu_budget_bytes"
 
 
+def test_a_gpu_budget_bounds_the_tuned_loads_of_a_later_plan():
+    """Grown, then re-planned with larger chunks (a Muon group switched to AdamW: its
+    matrices' state grows from one buffer to two moments): the bytes the tuning chose
+    would hold more than the budget there, and are cut to fit it."""
+    from muon import Muon, muon_param_groups
+
+    budget = 17000  # the regrouped plan holds 16384 with one chunk loaded, 18296 with two
+    model = make_model()
+    opt = CPUOffloadOptimizer(
+        Muon(muon_param_groups(model), lr=1e-2, bucket_cap_bytes=256),
+        chunk_bytes=1000,
+        staging_slots=2,
+        overlap_forward=model,
+        gpu_budget_bytes=budget,
+    )
+    first: list[int] = []
+
+    def stall() -> float:
+        first[:] = first or [_loaded_in_backward(opt)]
+        return max(0.0, 1000.0 - (_loaded_in_backward(opt) - first[0]) / RATE)
+
+    opt._tuning = BackwardTuning(lambda: FakeTuningTimer(stall, BACKWARD_MS, RATE))
+    builds = []
+    build = opt._build
+    opt._build = lambda step, **kw: (builds.append(step), build(step, **kw))[1]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(TUNING_STEPS_AT_MOST + 3):
+        if step == TUNING_STEPS_AT_MOST + 1:
+            assert opt._tuning is None and not opt._load_first_wait  # the tuning's bytes
+            grown = builds[-1].backward_load_bytes
+            opt.param_groups[0]["algorithm"] = "adamw"
+        opt.zero_grad()
+        model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
+        opt.step()
+    regrouped = builds[-1]
+    assert grown > first[0] and all(b.held_bytes <= budget for b in builds)
+    assert regrouped.schedule.backward_loads == 1  # two would hold 18296
+    opt.close()
+
+
 def test_a_gpu_budget_cuts_what_the_forward_first_waits_for():
     """Under the budget the default's first loads (the embedding's chunks) are cut to fit,
     down to none where the ring alone holds more, which is said."""
