@@ -92,7 +92,6 @@ class BackwardTuning:
         self.timer = new_timer()
         self.rounds: list[TuningRound] = []
         self._steps = 0  # steps started since the round's first
-        self._undoing = False
 
     @property
     def profiling(self) -> bool:

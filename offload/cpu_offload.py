@@ -1816,9 +1816,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _least_backward_loads(self, step: OffloadedStep) -> OffloadedStep:
         """The default's backward loads of a plan `_ensure_plan` builds (first-wait, or the
         tuning's bytes), the fewest any rank's room or `gpu_budget_bytes` holds (one
-        collective): each rank's slots hold its
-        own shards, and a budget may be the rank's own (its free memory), while ranks
-        exchanging in their updates (distributed Muon) must run the same chunks. Every
+        collective): each rank's slots hold its own shards, and a budget may be the rank's
+        own (its free memory), while ranks exchanging in their updates (distributed Muon)
+        must run the same chunks. Every
         overlapped wrapper with peers joins, whatever its options (a rank given
         `load_in_backward`, or a budget, where its peers were not, left them waiting);
         plans are built on every rank at the same steps (the first, and where the groups,
