@@ -247,6 +247,15 @@ def _writeback_paths(d: dict[str, Any]) -> Table:
     return ["write-back path", "thread blocks", "GiB/s", "trainer's .item() ms"], rows
 
 
+def _copy_interference(d: dict[str, Any]) -> Table:
+    rows = [
+        [f"{r['kernel']} ({r['what']})", r["condition"], _fmt(r["ms"], 3),
+         f"{r['vs_alone']:.3f}x", f"{r['vs_alone_range'][0]:.3f}-{r['vs_alone_range'][1]:.3f}"]
+        for r in d["summary"]
+    ]  # fmt: skip
+    return ["kernel", "copies beside it", "median ms", "vs alone", "range over rounds"], rows
+
+
 def _triton_launch(d: dict[str, Any]) -> Table:
     rows = [
         [f"{r['m']} x {r['k']}", r["config"], r["arm"]]
@@ -308,6 +317,7 @@ BENCHES = (  # longest prefix first: offload_step is a suffix of muon_offload_st
     Bench("plan_vs_measured", "python -m bench.plan_vs_measured", _plan_vs_measured),
     Bench("train_step", "python -m bench.train_step", _train_step, _train_step_config),
     Bench("writeback_paths", "python -m bench.writeback_paths", _writeback_paths),
+    Bench("copy_interference", "python -m bench.copy_interference", _copy_interference),
     Bench("machine_drift", "python -m bench.machine_drift", _machine_drift),
 )
 
