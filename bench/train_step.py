@@ -61,7 +61,9 @@ moves between runs as much as the arms differ; `--rounds N` runs every other arm
 round-robin, merged alike. Each arm's process first records the machine as it finds it
 (`bench.machine`: a fixed Python loop's ms, the host link's copy rates), printed beside
 its step ms: machines, and cores of one machine, differ in both. Prints a table with
-ratios against the same optimizer's "none" arm in this run and writes JSON.
+ratios against the same optimizer's "none" arm in this run and writes JSON. With
+`--phases`, each overlapped arm is also set against the least step its forward's loads
+allow (`step_floor_ms`: the physical limit at the state it loads in the forward).
 """
 
 from __future__ import annotations
@@ -626,6 +628,41 @@ def copy_floor_ms(size: int, both_gb_s: float | None) -> float | None:
     return None if not both_gb_s else 1e3 * size / (both_gb_s * 1e9)
 
 
+FORWARD_PHASES = ("to layer 0", "layers", "head + loss")
+"""The phases (`bench.phases`) that make up the forward."""
+
+
+def step_floor_ms(arm: dict[str, Any], none: dict[str, Any]) -> float | None:
+    """The least step an overlapped arm's forward loads allow, from the same run's
+    no-offload arm timed by phases (its first run's): none's step, lengthened by what the
+    forward's loads take at the link's both-ways rate (`forward_load_floor_ms`) beyond
+    none's forward and `step()` together (the overlapped step runs its updates beside the
+    forward, which the loads must cover too; they start when the backward ends, where
+    the ring is allocated). The link alone: not what the copies cost the kernels beside
+    them (`bench/copy_interference.py`), nor the layers after the last load. None
+    without those measurements."""
+    loads_ms, phases = arm.get("forward_load_floor_ms"), none.get("phases")
+    if loads_ms is None or not phases or none.get("step_ms") is None:
+        return None
+    device = [phases[p]["device_ms"] for p in (*FORWARD_PHASES, "step()")]
+    if None in device:
+        return None
+    return none["step_ms"] + max(0.0, loads_ms - sum(device))
+
+
+def add_step_floors(results: list[dict[str, Any]]) -> None:
+    """Each overlapped arm's `step_floor_ms` (`step_floor_ms`) against its optimizer's
+    no-offload arm (plain arms: plain/none), where both were measured."""
+    base = {r["arm"]: r for r in results if r["arm"].endswith("/none") and "error" not in r}
+    for r in results:
+        if "error" in r or "forward_load_floor_ms" not in r:
+            continue
+        none = base.get("plain/none" if r["arm"].startswith("plain/") else f"{r['optimizer']}/none")
+        floor = None if none is None else step_floor_ms(r, none)
+        if floor is not None:
+            r["step_floor_ms"] = floor
+
+
 TRACE_SEARCH_STEPS = (
     AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS - 1,
     AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS + 2,
@@ -1042,6 +1079,13 @@ def _print_phases(results: list[dict[str, Any]], width: int) -> None:
             device = "-" if t["device_ms"] is None else f"{t['device_ms']:.1f}"
             cells.append(f"{device + ' / ' + format(t['host_ms'], '.1f'):>15}")
         print(f"{r['arm']:<{width}} " + " ".join(cells))
+    for r in results:
+        if r.get("step_floor_ms") is not None:
+            print(
+                f"{r['arm']}: its forward's loads allow a step of no less than "
+                f"{r['step_floor_ms']:.1f} ms; it ran {r['step_ms']:.1f} "
+                f"({r['step_ms'] / r['step_floor_ms']:.3f}x that floor)"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -1077,6 +1121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 flush=True,
             )
     results = merge_runs(runs)
+    add_step_floors(results)
     print_table(results)
     out = {
         "device": gpu,

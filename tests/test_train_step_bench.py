@@ -399,3 +399,38 @@ def test_auto_steps_1_to_30_leave_out_the_first_step(monkeypatch):
     assert result["search_steps"] > 1
     assert result["steps_1_to_30_mean_ms"] == 1000.0
     assert result["first_30_mean_ms"] > 1000.0
+
+
+def _phases(**device_ms):
+    names = {"to_layer_0": "to layer 0", "layers": "layers", "head": "head + loss"}
+    phases = {names.get(k, k): {"device_ms": v, "host_ms": 0.0} for k, v in device_ms.items()}
+    return {**phases, "backward": {"device_ms": 100.0, "host_ms": 0.0}}
+
+
+def test_the_step_floor_is_none_without_its_step_plus_the_loads_beyond_its_forward():
+    from bench.train_step import add_step_floors, step_floor_ms
+
+    none = {
+        "arm": "adamw/none",
+        "optimizer": "adamw",
+        "step_ms": 172.0,
+        "phases": _phases(to_layer_0=3.0, layers=38.0, head=3.0, **{"step()": 9.0}),
+    }
+    slow_link = {"arm": "adamw/offload+overlap", "optimizer": "adamw", "step_ms": 206.0}
+    slow_link["forward_load_floor_ms"] = 64.0  # 11 ms more than none's forward and step()
+    assert step_floor_ms(slow_link, none) == 172.0 + 11.0
+    hidden = {**slow_link, "forward_load_floor_ms": 50.0}  # within them
+    assert step_floor_ms(hidden, none) == 172.0
+    assert step_floor_ms(slow_link, {**none, "phases": None}) is None
+    assert step_floor_ms({"step_ms": 1.0}, none) is None
+    untimed = {**none, "phases": _phases(to_layer_0=None, layers=1.0, head=1.0, **{"step()": 1.0})}
+    assert step_floor_ms(slow_link, untimed) is None
+
+    plain = {"arm": "plain/offload+overlap", "optimizer": "adamw", "forward_load_floor_ms": 64.0}
+    muon = {"arm": "muon/offload+overlap", "optimizer": "muon", "forward_load_floor_ms": 64.0}
+    results = [none, dict(slow_link), plain, muon, {"arm": "adamw/offload", "optimizer": "adamw"}]
+    add_step_floors(results)
+    assert results[1]["step_floor_ms"] == 183.0
+    # no plain/none nor muon/none ran: no floor, not adamw/none's
+    assert "step_floor_ms" not in plain and "step_floor_ms" not in muon
+    assert "step_floor_ms" not in results[4]
