@@ -634,7 +634,7 @@ FORWARD_PHASES = ("to layer 0", "layers", "head + loss")
 
 def step_floor_ms(arm: dict[str, Any], none: dict[str, Any]) -> float | None:
     """The least step an overlapped arm's forward loads allow, from the same run's
-    no-offload arm timed by phases (its first run's): none's step, lengthened by what the
+    no-offload arm timed by phases (the medians of its runs): none's step, lengthened by what the
     forward's loads take at the link's both-ways rate (`forward_load_floor_ms`) beyond
     none's forward and `step()` together (the overlapped step runs its updates beside the
     forward, which the loads must cover too; they start when the backward ends, where
@@ -890,6 +890,7 @@ MERGED_MEDIAN = (
     "step_ms",
     "window_ms_per_step",
     "step_returns_ms",
+    "forward_load_floor_ms",
     *(f"{key}_mean_ms" for key in FIRST_STEPS),
 )
 """Times merged as the median of an arm's runs."""
@@ -901,8 +902,9 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per arm, first appearance's order: an arm that ran several times has the
     median of its runs' times (`MERGED_MEDIAN`), the most of their memory (`MERGED_MOST`;
     None where not measured), each run's value (`<field>_runs`), the step ms spread
-    (max / min - 1), the errors of runs that failed (`failed_runs`), and its other
-    fields (schedule, phases, host profile) from its first run."""
+    (max / min - 1), the median of each phase's device and host ms (`phases`, where every
+    run timed them), the errors of runs that failed (`failed_runs`), and its other
+    fields (schedule, host profile) from its first run."""
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         runs.setdefault(r["arm"], []).append(r)
@@ -924,6 +926,16 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{field}_runs"] = values
             row[field] = None if None in values else combine(values)
         row["spread"] = max(row["step_ms_runs"]) / min(row["step_ms_runs"]) - 1
+        if all(r.get("phases") for r in ok):
+            row["phases"] = {
+                phase: {
+                    key: None
+                    if None in (values := [r["phases"][phase][key] for r in ok])
+                    else statistics.median(values)
+                    for key in times
+                }
+                for phase, times in ok[0]["phases"].items()
+            }
         if len(ok) < len(rows):  # the runs above are those that did not fail
             row["failed_runs"] = [r["error"] for r in rows if "error" in r]
         merged.append(row)

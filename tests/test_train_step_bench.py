@@ -249,6 +249,22 @@ def test_an_arm_run_several_times_takes_every_figure_from_all_its_runs():
     assert merged["step_returns_ms"] == 8.0 and merged["step_returns_ms_runs"] == [9.0, 7.0, 8.0]
     assert merged["peak_gib"] == 1.5 and merged["peak_gib_runs"] == [1.0, 1.5, 1.2]
     assert merged["reserved_gib"] == 2.5 and merged["kept_mib"] == 6.0
+    assert "phases" not in merged
+    # phases, where every run timed them: each phase's median (the floor reads none's)
+    for r, (layers, host, step) in zip(
+        runs, [(51.0, 50.0, 9.0), (38.0, 33.0, None), (40.0, 34.0, 9.5)], strict=True
+    ):
+        r["phases"] = {
+            "layers": {"device_ms": layers, "host_ms": host},
+            "step()": {"device_ms": step, "host_ms": 1.0},
+        }
+    (merged,) = merge_runs(runs)
+    assert merged["phases"] == {
+        "layers": {"device_ms": 40.0, "host_ms": 34.0},
+        "step()": {"device_ms": None, "host_ms": 1.0},
+    }
+    (merged,) = merge_runs([runs[0], {**runs[1], "phases": None}])
+    assert merged["phases"] == runs[0]["phases"]  # not every run: the first run's
     # on the CPU no memory is measured: None stays None, an absent field absent
     cpu = [{**r, "peak_gib": None, "reserved_gib": None} for r in runs]
     for r in cpu:
