@@ -167,6 +167,11 @@ def _load_bytes(text: str, item: str) -> int | None:
     loads = parse_bytes(text) if text else None
     if loads == "auto":
         raise SystemExit(f"arm {item!r}: backward load bytes are a number, not auto")
+    if loads == 0:  # read as no bytes given, it ran a ring's worth (load_in_backward=True)
+        raise SystemExit(
+            f"arm {item!r}: backward load bytes should be >= 1 (for no loads in the "
+            "backward, an arm without +bwd)"
+        )
     return loads
 
 

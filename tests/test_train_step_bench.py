@@ -134,6 +134,10 @@ def test_a_plain_arm_can_load_state_in_the_backward_and_names_its_bytes():
     for bad in ("plain/offload+overlap+bwd", "plain/offload+overlap=2GiB", "plain/offload"):
         with pytest.raises(SystemExit, match="unknown arm"):
             selected_arms(bad, [], "")
+    # 0 bytes ran a ring's worth (read as no bytes given: load_in_backward=True)
+    for zero in ("plain/offload+overlap+bwd=0B", "adamw/offload+overlap+bwd=0"):
+        with pytest.raises(SystemExit, match="should be >= 1"):
+            selected_arms(zero, [], "")
 
 
 def test_the_forward_loads_the_staged_chunks_the_backward_does_not_and_its_floor():
