@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import math
@@ -254,6 +255,51 @@ def _bytes_of(tensor: Tensor) -> Tensor:
         offsets = torch.arange(size, device="cpu") * stride * tensor.element_size()
         starts = starts + offsets.view(shape)
     return (starts.reshape(-1, 1) + torch.arange(tensor.element_size(), device="cpu")).reshape(-1)
+
+
+_OPTIMIZER_HOOK_REGISTRIES = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+"""The hook registries `torch.optim.Optimizer.__init__` sets on an optimizer, which the
+wrapper registers hooks on and runs. Private API (torch 2.11, 2.13)."""
+
+
+def _refuse_not_set_up(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that `torch.optim.Optimizer.__init__` never set up (a wrapper of
+    another optimizer sharing its groups, which skips it): it has no hook registries
+    (`_OPTIMIZER_HOOK_REGISTRIES`), and the wrapper failed on a private attribute."""
+    missing = next((r for r in _OPTIMIZER_HOOK_REGISTRIES if not hasattr(optimizer, r)), None)
+    if missing is None:
+        return
+    name = type(optimizer).__name__
+    raise TypeError(
+        f"{name} was not set up by torch.optim.Optimizer.__init__ (it has no {missing}, "
+        "which that sets): an optimizer that wraps another and skips it (a lookahead "
+        f"wrapper) cannot be offloaded itself. Offload the optimizer it wraps and put {name} "
+        f"around the CPUOffloadOptimizer: {name}(CPUOffloadOptimizer(torch.optim.AdamW(...)))"
+    )
+
+
+def _own_definitions(cls: type, method: str, base: type) -> list[type]:
+    """The classes of `cls`'s MRO below `base` that define `method` as a function of their
+    own: not one of `base` and its ancestors' (torch's `_patch_step_function` sets a
+    wrapper of the inherited `step` on the class an optimizer is made of: unwrapped, it is
+    the inherited one)."""
+    mro = cls.__mro__
+    at = mro.index(base)
+    own = [(c, inspect.unwrap(vars(c)[method])) for c in mro if method in vars(c)]
+    inherited = {f for c, f in own if mro.index(c) >= at}
+    return [c for c, f in own if mro.index(c) < at and f not in inherited]
+
+
+def _subset_step_class(optimizer: torch.optim.Optimizer) -> type:
+    """The class that gives `optimizer` its own subset step (defines `begin_subset_step`)."""
+    return next(c for c in type(optimizer).__mro__ if "begin_subset_step" in vars(c))
 
 
 def _load_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
@@ -616,8 +662,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             )
         _check_params_apart(self._params)
         _refuse_differentiable(optimizer)
+        _refuse_not_set_up(optimizer)
         self._subset = subset_step_for(optimizer)
         self._refuse_a_patched_step()
+        self._refuse_an_overridden_step()
         if self._subset is None and (gpu_resident_bytes != 0 or gpu_budget_bytes is not None):
             raise ValueError(
                 f"gpu_resident_bytes and gpu_budget_bytes need an optimizer with a subset "
@@ -759,6 +807,50 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             f"through its own step, so that patch would not run once a step on all params. "
             "Patch, compile or wrap the CPUOffloadOptimizer's step instead (it runs once a "
             "step), or remove the patch (del opt.step)"
+        )
+
+    def _refuse_an_overridden_step(self) -> None:
+        """An optimizer with its own subset step steps through it, never through `step`: a
+        subclass's `step` (clipping its grads, say) would silently not run. (A torch
+        optimizer's subclass takes the serial path, which calls its `step`.)"""
+        if self._subset is not self.optimizer:
+            return
+        base = _subset_step_class(self.optimizer)
+        overriding = _own_definitions(type(self.optimizer), "step", base)
+        if not overriding:
+            return
+        name = overriding[0].__name__
+        raise TypeError(
+            f"{name} overrides step(), which CPUOffloadOptimizer never calls: it steps the "
+            f"optimizer a chunk of params at a time through {base.__name__}'s "
+            f"begin_subset_step, so {name}.step would not run. Put what it does in a step "
+            f"pre-hook (register_step_pre_hook on the {name}: the wrapper runs those once a "
+            f"step, before any chunk), or give {name} its own begin_subset_step"
+        )
+
+    def _refuse_an_overridden_load(self) -> None:
+        """The wrapper loads a state_dict into its homes itself, calling the wrapped
+        optimizer's `load_state_dict` on the groups and then on the state not offloaded
+        (`_load_state_dict`): a subclass's own `load_state_dict` would see neither the whole
+        state_dict (its own keys) nor the offloaded state, and what it did to that would be
+        lost. An optimizer with its own subset step may define one (it knows this)."""
+        cls = type(self.optimizer)
+        if self._subset is self.optimizer:
+            base = _subset_step_class(self.optimizer)
+        else:  # the torch optimizer it is made from
+            base = next(c for c in cls.__mro__ if c.__module__.startswith("torch."))
+        overriding = _own_definitions(cls, "load_state_dict", base)
+        if not overriding:
+            return
+        name = overriding[0].__name__
+        raise TypeError(
+            f"{name} overrides load_state_dict, which CPUOffloadOptimizer cannot call as "
+            "written: it loads the state into host memory itself, calling it on the groups "
+            f"and the small per-param state only, so {name}.load_state_dict would not see "
+            "the whole state_dict (its own keys, the offloaded state). Put what it does in "
+            f"load_state_dict hooks on the {name} (register_load_state_dict_pre_hook: given "
+            "the whole state_dict; register_load_state_dict_post_hook: run once the state is "
+            f"in place), or load into the {name} before wrapping it. Nothing was loaded"
         )
 
     def _check_step_inputs(self) -> None:
@@ -1045,6 +1137,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         would: its pre hooks (after the wrapper's) on the whole state_dict, its post hooks
         (before the wrapper's) once the state is in its homes.
         """
+        self._refuse_an_overridden_load()
         self.wait_for_optimizer_step()
         self._refuse_changed_params()  # saved state pairs with params by their position
         self._executor.drop_loaded_ahead()

@@ -1824,3 +1824,176 @@ def test_its_own_state_dict_loaded_with_entries_moved_loads_as_given(source):
     for new, old in enumerate(source):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(loaded[new][key], given[old][key]), (new, key)
+
+
+def _tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 4, bias=False))
+
+
+def _train(model: nn.Module, opt, steps: int = 3, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=gen)).square().mean().mul(100).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _clamp_grads(optimizer, *_) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.clamp_(-0.01, 0.01)
+
+
+class _ClippedMuon(Muon):
+    """Muon clipping each grad before its step, in an override of `step`."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        _clamp_grads(self)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_muon_subclass_overriding_step_is_refused_and_a_step_pre_hook_is_exact(overlap):
+    """The wrapper steps Muon through its subset step and never calls `step`: the
+    override ran silently nowhere (the wrapped run equalled plain Muon's, not the
+    subclass's). Refused at wrapping; the pre-hook it points to is bit-equal."""
+    model = _tiny()
+    with pytest.raises(TypeError, match=r"_ClippedMuon overrides step\(\).*register_step_pre_hook"):
+        CPUOffloadOptimizer(
+            _ClippedMuon(model.parameters(), lr=0.1), overlap_forward=model if overlap else None
+        )
+    model = _tiny()
+    expected = _train(model, _ClippedMuon(model.parameters(), lr=0.1))
+    model = _tiny()
+    inner = Muon(model.parameters(), lr=0.1)
+    inner.register_step_pre_hook(_clamp_grads)
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=256, overlap_forward=model if overlap else None)
+    got = _train(model, opt)
+    opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_subclasses_that_keep_step_and_load_state_dict_are_taken():
+    """No false refusals: a subclass adding nothing, and torch's `_patch_step_function`'s
+    wrapper of the inherited `step` set on a subclass (unwrapped, the inherited one)."""
+    import functools
+
+    from offload.cpu_offload import _own_definitions
+
+    class Plain(Muon):
+        pass
+
+    class Base:
+        def step(self):
+            pass
+
+    class Patched(Base):
+        pass
+
+    Patched.step = functools.wraps(Base.step)(lambda self: Base.step(self))
+    assert _own_definitions(Patched, "step", Base) == []
+
+    class Overriding(Patched):
+        def step(self):
+            pass
+
+    assert _own_definitions(Overriding, "step", Base) == [Overriding]
+    for cls in (Plain, type("PlainAdamW", (torch.optim.AdamW,), {})):
+        model = _tiny()
+        opt = CPUOffloadOptimizer(cls(model.parameters(), lr=0.1), chunk_bytes=256)
+        _train(model, opt, steps=1)
+        opt.load_state_dict(opt.state_dict())
+        opt.close()
+
+
+class _ResetOnLoad(torch.optim.AdamW):
+    """On resume, keep the first moments and restart the second ones, in an override."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        _zero_second_moments(self)
+
+
+def _zero_second_moments(optimizer) -> None:
+    for entries in optimizer.state.values():
+        if "exp_avg_sq" in entries:
+            entries["exp_avg_sq"].zero_()
+
+
+def test_a_load_state_dict_override_is_refused_before_loading_and_a_post_hook_is_exact():
+    """The wrapper loads in parts (the groups, then the state it does not offload) and
+    copies the rest into its homes itself: an override's edit of the offloaded state was
+    silently lost, and one reading its own key of the state_dict raised a KeyError.
+    Refused before anything loads; the load post-hook it points to is bit-equal, and so
+    is a load into the optimizer before wrapping it."""
+    model = _tiny()
+    source = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, source, steps=2)
+    weights, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(source.state_dict())
+
+    def resume(make_opt):
+        model = _tiny()
+        model.load_state_dict(weights)
+        opt = make_opt(model)
+        params = _train(model, opt, seed=2)
+        if isinstance(opt, CPUOffloadOptimizer):
+            opt.close()
+        return params
+
+    def plain(model):
+        opt = _ResetOnLoad(model.parameters(), lr=1e-2)
+        opt.load_state_dict(copy.deepcopy(saved))  # torch's load keeps its `step` tensors
+        return opt
+
+    expected = resume(plain)
+
+    def refused(model):
+        opt = CPUOffloadOptimizer(_ResetOnLoad(model.parameters(), lr=1e-2), chunk_bytes=256)
+        _train(model, opt, steps=1)
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(TypeError, match="_ResetOnLoad overrides load_state_dict.*post_hook"):
+            opt.load_state_dict(copy.deepcopy(saved))
+        after = opt.state_dict()  # nothing loaded
+        assert after["param_groups"] == before["param_groups"]
+        for index, entries in before["state"].items():
+            assert all(torch.equal(v, after["state"][index][k]) for k, v in entries.items())
+        opt.close()
+
+    refused(_tiny())
+
+    def hooked(model):
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        inner.register_load_state_dict_post_hook(_zero_second_moments)
+        opt = CPUOffloadOptimizer(inner, chunk_bytes=256)
+        opt.load_state_dict(copy.deepcopy(saved))
+        return opt
+
+    def loaded_before_wrapping(model):
+        return CPUOffloadOptimizer(plain(model), chunk_bytes=256)
+
+    for make in (hooked, loaded_before_wrapping):
+        got = resume(make)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), make.__name__
+
+
+def test_an_optimizer_not_set_up_by_torchs_init_is_refused_by_name():
+    """A wrapper of another optimizer that skips `Optimizer.__init__` (as a lookahead
+    wrapper does) failed with an AttributeError on a private attribute of torch's."""
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, base):  # noqa: D107 -- skips Optimizer.__init__ on purpose
+            self.base_optimizer = base
+            self.param_groups = base.param_groups
+            self.defaults = base.defaults
+            self.state = {}
+
+        def step(self, closure=None):
+            return self.base_optimizer.step(closure)
+
+    model = _tiny()
+    with pytest.raises(TypeError, match=r"Lookahead was not set up by torch.*Lookahead\(CPUOff"):
+        CPUOffloadOptimizer(Lookahead(torch.optim.AdamW(model.parameters())))
