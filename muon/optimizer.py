@@ -385,6 +385,8 @@ class Muon(torch.optim.Optimizer):
         try:
             _validate_group(self.param_groups[-1], index)
             _check_sharded_matrices(self.param_groups[-1], index)
+            if self.param_groups[-1]["algorithm"] == "adamw":  # its values valid, now
+                _refuse_muon_settings(self.param_groups[-1], index, self.defaults)
         except BaseException:
             self.param_groups.pop()  # refused: not added, as torch refuses a group
             raise
@@ -922,6 +924,10 @@ _ADAMW_OPTIONS = ("amsgrad", "maximize")
 _TORCH_GROUP_KEYS = ("params", "param_names", "initial_lr", "betas")
 
 
+# Other libraries' names of a group setting (transformers', optax's): as typos are.
+_OTHER_NAMES = {"learning_rate": "lr", "beta1": "betas", "beta2": "betas"}
+
+
 def _refuse_misspelled_keys(
     group: Mapping[str, Any], index: int, defaults: Mapping[str, Any]
 ) -> None:
@@ -932,13 +938,46 @@ def _refuse_misspelled_keys(
     for key in group:
         if not isinstance(key, str) or key in known:
             continue
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        close = [_OTHER_NAMES[key]] if key in _OTHER_NAMES else []
+        close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.85)
         if close:
             raise ValueError(
                 f"param group {index} sets {key!r}, which no group reads: did you mean "
-                f"{close[0]!r}? (a key of your own is kept, as torch keeps it, unless it is "
-                "this close to a setting's name)"
+                f"{close[0]!r}? (a key of your own is kept, as torch keeps it, unless it "
+                "spells a setting nearly or by another library's name)"
             )
+
+
+# Group keys only a Muon group reads, and the default of those `defaults` may lack.
+_MUON_ONLY_KEYS = (*_MUON_KEYS, "ns_coefficients", "ns_steps", "row_blocks")
+_MUON_ONLY_FALLBACKS = {"row_blocks": None, "ns_algorithm": "auto", "replica_owners": "auto"}
+
+
+def _refuse_muon_settings(
+    group: Mapping[str, Any], index: int, defaults: Mapping[str, Any]
+) -> None:
+    """An AdamW group given a Muon setting of its own (`momentum=0.5`, meant as AdamW's
+    beta1) would keep it unread until the group is switched to Muon, as a Muon group's
+    `betas` is refused. The optimizer's defaults pass: torch fills them into every group,
+    and `Muon(other.param_groups)` hands them back."""
+    own = {}
+    for key in _MUON_ONLY_KEYS:
+        if key not in group:
+            continue
+        default = defaults.get(key, _MUON_ONLY_FALLBACKS.get(key))
+        try:
+            same = bool(group[key] == default)
+        except (TypeError, RuntimeError, ValueError):  # a tensor, say: not the default
+            same = False
+        if not same:
+            own[key] = group[key]
+    if own:
+        settings = ", ".join(f"{key}={value!r}" for key, value in own.items())
+        raise ValueError(
+            f"param group {index} sets {settings}, which only Muon groups read, but is an "
+            "AdamW group (algorithm='adamw'; AdamW's momentum is betas[0]): drop them (or "
+            "set them once the group is switched to algorithm='muon')"
+        )
 
 
 def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any]]) -> None:
@@ -986,6 +1025,11 @@ _OPTIMIZER_SETTINGS = ("ns_dtype", "bucket_cap_bytes", "max_inflight", "collect_
 
 
 def _check_group(group: dict[str, Any]) -> None:
+    for k, p in enumerate(group["params"]):
+        if not (p.is_floating_point() or p.is_complex()):  # else a cast error at step()
+            raise ValueError(
+                f"{_param_text(group, k)} is {p.dtype}: Muon steps floating-point params"
+            )
     for key in _COMMON_KEYS:
         CHECKS[key](group[key], key)
     for key in _OPTIMIZER_SETTINGS:

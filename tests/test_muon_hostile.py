@@ -710,7 +710,15 @@ def test_betas_in_a_group_left_muon_are_refused():
     Muon([{"params": [linear.weight]}, {"params": [embedding.weight], "algorithm": "adamw"}])
 
 
-@pytest.mark.parametrize(("key", "meant"), [("beta", "betas"), ("weight_decy", "weight_decay")])
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("beta", "betas"),
+        ("weight_decy", "weight_decay"),
+        ("learning_rate", "lr"),
+        ("beta1", "betas"),
+    ],
+)
 def test_a_misspelled_group_key_is_refused_naming_the_setting(key, meant):
     # kept in the group as torch keeps any key, and never read: the AdamW group ran with
     # the default betas / weight decay, silently (hostile review)
@@ -722,6 +730,31 @@ def test_a_misspelled_group_key_is_refused_naming_the_setting(key, meant):
     # a key of one's own that is no near miss is kept, as torch keeps it
     groups = muon_param_groups(model, adamw_options={"name": "x", "weight_decay_mult": 0.0})
     assert Muon(groups, lr=0.02).param_groups[1]["weight_decay_mult"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "setting", [{"momentum": 0.5}, {"nesterov": False}, {"ns_steps": 3}, {"row_blocks": [2, 2]}]
+)
+def test_muon_settings_of_its_own_in_an_adamw_group_are_refused(setting):
+    # kept unread (until the group is switched to Muon), where a Muon group's betas is
+    # refused: momentum=0.5 meant as AdamW's beta1 silently did nothing (hostile review)
+    weight, bias = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    (key,) = setting
+    with pytest.raises(ValueError, match=f"param group 1 sets {key}=.*only Muon groups read"):
+        Muon([{"params": [weight]}, {"params": [bias], "algorithm": "adamw", **setting}])
+    # the optimizer's own defaults pass: torch fills them into every group, and a group
+    # list handed back (`Muon(other.param_groups)`) carries them
+    first = Muon([{"params": [weight]}, {"params": [bias], "algorithm": "adamw"}], momentum=0.9)
+    again = Muon(first.param_groups, momentum=0.9)
+    assert again.param_groups[1]["momentum"] == 0.9
+
+
+def test_an_integer_tensor_is_refused_when_added_not_at_its_step():
+    # accepted, then a cast error inside the step (hostile review)
+    weight = torch.zeros(4, 4, dtype=torch.int64)
+    for groups in ([weight], [{"params": [weight], "algorithm": "adamw"}]):
+        with pytest.raises(ValueError, match=r"param 0 \(shape \(4, 4\)\) is torch.int64"):
+            Muon(groups)
 
 
 def test_muon_settings_in_adamw_options_are_refused():
