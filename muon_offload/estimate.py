@@ -601,14 +601,17 @@ def _memory(rank: RankEstimate, offload: bool) -> StepMemory:
 
 
 def _resolved(
-    shapes: Sequence[ParamShape] | nn.Module, mesh: MeshSpec, settings: StepSettings | None
+    shapes: Sequence[ParamShape] | nn.Module,
+    mesh: MeshSpec,
+    settings: StepSettings | None,
+    check: Callable[[], None] | None = None,
 ) -> tuple[nn.Module, MeshSpec, StepSettings]:
-    """The module to plan (a live one, or shapes on the meta device), and `mesh` and
-    `settings` with what a live module says of itself: its expert stacks' sharding and its
-    params' dtype."""
+    """The module to plan (a live one, or shapes on the meta device, built calling `check`
+    as it goes), and `mesh` and `settings` with what a live module says of itself: its
+    expert stacks' sharding and its params' dtype."""
     if isinstance(shapes, nn.Module):
         return shapes, _with_live_expert_shard(mesh, shapes), _with_param_dtype(settings, shapes)
-    return meta_module(shapes), mesh, _with_param_dtype(settings, None)
+    return meta_module(shapes, check), mesh, _with_param_dtype(settings, None)
 
 
 def _with_live_expert_shard(mesh: MeshSpec, module: nn.Module) -> MeshSpec:
@@ -721,16 +724,17 @@ class PlanTooLarge(ValueError):
 
 
 class _Deadline:
-    def __init__(self, mesh: MeshSpec, limit_s: float) -> None:
-        self._mesh, self._limit = mesh, limit_s
+    def __init__(self, mesh: MeshSpec, limit_s: float, params: int) -> None:
+        self._mesh, self._limit, self._params = mesh, limit_s, params
         self._end = time.monotonic() + limit_s
 
     def check(self, doing: str) -> None:
         if time.monotonic() > self._end:
             raise PlanTooLarge(
-                f"planning fsdp {self._mesh.fsdp} x replicate {self._mesh.replicate} did not "
-                f"finish within time_limit_s={self._limit:g} (stopped {doing}); plan a smaller "
-                f"mesh or raise the limit (--time-limit-s)"
+                f"planning {self._params} params on fsdp {self._mesh.fsdp} x replicate "
+                f"{self._mesh.replicate} did not finish within time_limit_s={self._limit:g} "
+                f"(stopped {doing}); plan a smaller model or mesh, or raise the limit "
+                "(--time-limit-s)"
             )
 
 
@@ -1036,9 +1040,16 @@ def estimate(
 
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
-    deadline = _Deadline(mesh, time_limit_s)
-    module, mesh, settings = _resolved(shapes, mesh, settings)
+    count = sum(1 for _ in shapes.parameters()) if isinstance(shapes, nn.Module) else len(shapes)
+    deadline = _Deadline(mesh, time_limit_s, count)
+    module, mesh, settings = _resolved(
+        shapes, mesh, settings, lambda: deadline.check("building the model")
+    )
+    deadline.check("building the model")
+    # Grouping is the longest part for a model of very many params (10000 layers: 8 s),
+    # with no check inside: a limit may be passed by as long as it takes.
     muon, adamw, params = _split(module, row_blocks)
+    deadline.check("grouping the params")
     plan_of = _planner(muon, mesh, settings)
     screen = screen_ranks(mesh, plan_of, adamw, settings, deadline)
     picked = _representatives(screen)

@@ -15,8 +15,8 @@ none of it unless some is GPU-resident) and what the step adds at its peak (with
 offload the staging ring, allocated for the step only, and the chunks' compute).
 Those ranks are found over every rank without planning each (`RankScreen`); only
 they, and each bucket's busy and idle rank, are planned in full, so a plan for
-thousands of ranks takes seconds. A mesh that does not plan within
-`--time-limit-s` is refused with a message.
+thousands of ranks takes seconds. A model and mesh that do not plan within
+`--time-limit-s` are refused with a message.
 """
 
 from __future__ import annotations
@@ -427,7 +427,12 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(PRESETS))
     source.add_argument("--config", help="a Hugging Face config.json")
-    p.add_argument("--fsdp", type=_at_least(1), help=f"FSDP (shard) size (default {DEFAULT_FSDP})")
+    # "%(default).0s" prints nothing: the formatter appends its "(default: None)" otherwise
+    p.add_argument(
+        "--fsdp",
+        type=_at_least(1),
+        help=f"FSDP (shard) size (default {DEFAULT_FSDP})%(default).0s",
+    )
     p.add_argument("--replicate", type=_at_least(1), default=1, help="HSDP replicas")
     p.add_argument(
         "--ep", type=_at_least(1), default=1, help="expert-parallel size (divides --fsdp)"
@@ -526,7 +531,7 @@ def parser(prog: str = "python -m muon_offload.plan") -> argparse.ArgumentParser
     )  # fmt: skip
     p.add_argument(
         "--time-limit-s", type=_positive("seconds"), default=DEFAULT_TIME_LIMIT_S,
-        help="refuse a mesh that does not plan within this many seconds",
+        help="refuse a model and mesh that do not plan within this many seconds",
     )  # fmt: skip
     p.add_argument(
         "--chunks", action="store_true",

@@ -76,3 +76,16 @@ def test_a_mesh_past_the_time_limit_is_refused(capsys):
         estimate(shapes, MeshSpec(64), time_limit_s=0)
     assert main(["--preset", "qwen3-8b", "--fsdp", "64", "--time-limit-s", "1e-9"]) == 2
     assert "did not finish within time_limit_s=1e-09" in capsys.readouterr().err
+
+
+def test_a_model_past_the_time_limit_is_refused_while_it_is_built():
+    # The clock was first read when ranks were screened: a config of 30000 layers (a typo)
+    # built and grouped its params for 36 s past a 2 s limit, and the error blamed the mesh
+    # (hostile review). It is read as the model is built, and names its size.
+    shapes = from_preset("qwen3-8b")
+    with pytest.raises(
+        PlanTooLarge,
+        match=rf"planning {len(shapes)} params on fsdp 2 .*"
+        r"\(stopped building the model\); plan a smaller model or mesh",
+    ):
+        estimate(shapes, MeshSpec(2), time_limit_s=0)
