@@ -235,9 +235,11 @@ class OptimizerConfig:
                 values = values.get(part) if isinstance(values, dict) else None
         if not isinstance(values, dict):
             tables = sorted(_table_names(document))
+            arrays = [t for t in tables if t == f"[{table}]"]
             raise ValueError(
                 f"{path} has no [{table}] table (found tables {tables}); put the optimizer "
                 f"fields under [{table}]"
+                + (f" (one table: [{table}], not an array of tables [[{table}]])" if arrays else "")
             )
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(names))
@@ -451,10 +453,17 @@ def _as_flags(message: str, names: Sequence[str]) -> str:
 
 def _as_toml(message: str, names: Sequence[str]) -> str:
     """`message` with the settings it names written as TOML keys are: `type='muon'` as
-    `type = "muon"`, `nesterov=False` as `nesterov = false`."""
+    `type = "muon"`, `nesterov=False` as `nesterov = false`; and the values it shows as
+    TOML writes them: `set it like True` as `true`, `(0.9, 0.95)` as `[0.9, 0.95]`, a
+    default of None as the key left out (TOML has no None)."""
     fields = "|".join(sorted(names, key=len, reverse=True))
     message = re.sub(rf"\b({fields})=(True|False)\b", lambda m: f"{m[1]} = {m[2].lower()}", message)
     message = re.sub(rf"\b({fields})='([^']*)'", lambda m: f'{m[1]} = "{m[2]}"', message)
+    message = re.sub(
+        r"set it like (True|False)\b", lambda m: f"set it like {m[1].lower()}", message
+    )
+    message = re.sub(r"set it like \(([^()]*)\)", r"set it like [\1]", message)
+    message = re.sub(rf"leave ({fields}) at its default \(None\)", r"leave \1 out", message)
     return re.sub(rf"\b({fields})=", lambda m: f"{m[1]} = ", message)
 
 

@@ -433,6 +433,12 @@ def test_valid_muon_options_and_int_lr_are_accepted():
         ),
         # tomllib's bare TOMLDecodeError named no file (hostile review)
         ("[optimizer\nlr = 1\n", r"train\.toml is not valid TOML: Expected ']'"),
+        # values shown as Python writes them: True, (0.9, 0.95), None (hostile review)
+        ('[optimizer]\nnesterov = "false"\n', r"set it like true$"),
+        ("[optimizer]\nbetas = [0.9, 0.95, 0.99]\n", r"set it like \[0.9, 0.95\]$"),
+        ('[optimizer]\ntype = "muon"\nfused = false\n', r"or leave fused out$"),
+        # the table it said was missing was listed: an array of tables
+        ("[[optimizer]]\nlr = 0.1\n", r"not an array of tables \[\[optimizer\]\]\)$"),
     ],
 )
 def test_toml_with_a_wrong_table_or_value_fails_naming_it(tmp_path, text, message):
