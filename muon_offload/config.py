@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import numbers
 import re
 import sys
 import textwrap
@@ -120,6 +121,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
+            setattr(self, f.name, _plain_numbers(getattr(self, f.name)))
             _check_type(f.name, getattr(self, f.name), hints[f.name], _field_default(f))
         for name, check in _FIELD_CHECKS.items():
             check(getattr(self, name), name)
@@ -351,6 +353,17 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def _field_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _plain_numbers(value: Any) -> Any:
+    """A NumPy number (a sweep's `np.float32(1e-3)`), alone or in a tuple, as the Python int
+    or float it holds: `muon.Muon` and `CPUOffloadOptimizer` take either, and a config is
+    written to TOML and JSON, which take Python's. Bools stay as they are."""
+    if type(value) is tuple:
+        return tuple(map(_plain_numbers, value))
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _matches(value: Any, hint: Any) -> bool:

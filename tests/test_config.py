@@ -586,3 +586,19 @@ def test_a_model_with_nothing_to_train_is_refused_saying_why():
         for kind in ("adamw", "muon"):
             with pytest.raises(ValueError, match=f"no trainable params to optimize \\({why}"):
                 setup_optimizer(model, OptimizerConfig(type=kind))
+
+
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_hold():
+    # a sweep's np.float32 lr was refused ("should be of type float"), where Muon and the
+    # wrapper take it (hostile review); kept as Python's, which TOML and JSON write
+    np = pytest.importorskip("numpy")
+    config = OptimizerConfig(
+        lr=np.float32(0.5),
+        betas=(np.float32(0.5), 0.95),
+        offload="optimizer",
+        offload_chunk_bytes=np.int64(2**20),
+    )
+    assert type(config.lr) is float and config.lr == 0.5
+    assert type(config.betas[0]) is float and type(config.offload_chunk_bytes) is int
+    with pytest.raises(ValueError, match="fused should be of type bool"):
+        OptimizerConfig(fused=np.bool_(True))  # not a number
