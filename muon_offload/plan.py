@@ -698,6 +698,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chunks and args.sweep_fsdp:
         parse.error("--chunks lists one mesh's chunks: give --fsdp, not --sweep-fsdp")
     for size in args.sweep_fsdp or [args.fsdp]:
+        if size % args.ep:  # as MeshSpec refuses it, said with the flags
+            flag = "--sweep-fsdp's" if args.sweep_fsdp else "--fsdp"
+            parse.error(
+                f"{flag} {size} should be a multiple of --ep {args.ep} (the expert-parallel "
+                "ranks split each shard group)"
+            )
         if size * args.replicate > MAX_RANKS:  # a typo'd size outgrew 24 GB before the limit
             parse.error(
                 f"fsdp {size} x replicate {args.replicate} is past the {MAX_RANKS} ranks this "

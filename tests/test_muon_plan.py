@@ -477,6 +477,9 @@ def test_padded_buffers_count_no_more_buckets_than_there_are(tmp_path, capsys):
         (["--fsdp", "10000000"], "fsdp 10000000 x replicate 1 is past the 131072 ranks"),
         (["--sweep-fsdp", "8,1000000"], "fsdp 1000000 x replicate 1 is past"),
         (["--fsdp", "8", "--replicate", "10000000"], "fsdp 8 x replicate 10000000 is past"),
+        # a bare "error: fsdp 8 should be a multiple of ep 3": no usage, no flags
+        (["--fsdp", "8", "--ep", "3"], "--fsdp 8 should be a multiple of --ep 3"),
+        (["--sweep-fsdp", "6,8", "--ep", "3"], "--sweep-fsdp's 8 should be a multiple of --ep 3"),
     ],
 )
 def test_cli_refuses_flags_it_would_ignore(flags, said, capsys):
