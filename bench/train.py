@@ -174,6 +174,10 @@ def evaluate(model: nn.Module, data: MarkovData, batches: int, device: torch.dev
     return global_mean(torch.stack(losses).mean())
 
 
+LR_WARMUP_STEPS = 5
+"""The lr's warmup by default (one step fewer than the run where that is shorter)."""
+
+
 def lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
     """Linear warmup, then cosine decay to 10% of the peak lr."""
 
@@ -250,7 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=_positive_int, default=80, help="training steps")
     add("--lr", type=float, default=1e-2, help="peak learning rate")
     add("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
-    add("--warmup", type=_non_negative_int, default=5, help="lr warmup steps")
+    add(
+        "--warmup",
+        type=_non_negative_int,
+        help=f"lr warmup steps (default {LR_WARMUP_STEPS}, fewer in a shorter run)%(default).0s",
+    )
     add("--model", choices=("tiny", "llama-0.85b"), default="tiny", help="model preset")
     preset = "(%(default)s: the preset's)"
     add("--dim", type=_positive_int, help=f"hidden size {preset}")
@@ -299,6 +307,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--overlap-forward needs --offload optimizer")
     if args.compare and args.offload != "optimizer":
         parser.error("--compare runs with and without offload; it needs --offload optimizer")
+    if args.warmup is None:
+        args.warmup = min(LR_WARMUP_STEPS, args.steps - 1)
+    elif args.warmup >= args.steps:  # the lr would never reach --lr
+        parser.error(
+            f"--warmup {args.warmup} should be below --steps {args.steps} (the lr would never "
+            "reach --lr)"
+        )
     try:
         optimizer_config(args)
     except ValueError as err:

@@ -154,6 +154,8 @@ def test_offloaded_training_matches_plain_bitwise():
         (["--heads", "3"], "model flags (--dim, --heads, --kv-heads, --moe-*, ...): dim 64"),
         (["--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k should be in [1, 2]: 3"),
         (["--vocab", "1"], "vocab_size should be >= 8 but is: 1"),
+        # ran, its lr never reaching --lr (hostile review)
+        (["--warmup", "2", "--steps", "2"], "--warmup 2 should be below --steps 2 (the lr"),
     ],
 )
 def test_demo_flags_fail_before_training_in_one_line(tmp_path, capsys, argv, message):
@@ -253,3 +255,10 @@ def test_sigint_to_the_launcher_stops_its_ranks(tmp_path):
         for process in ranks:
             if process.is_running():
                 process.kill()
+
+
+def test_the_default_warmup_fits_a_short_run():
+    # five steps of warmup by default: a run of two never reached --lr (hostile review)
+    assert parse_args([]).warmup == 5
+    assert parse_args(["--steps", "2"]).warmup == 1
+    assert parse_args(["--steps", "1"]).warmup == 0
