@@ -416,7 +416,11 @@ def test_cli_json_sweep_config(tmp_path, capsys):
     assert "GiB per rank, with offload" not in capsys.readouterr().out  # other buckets
     assert main(["--config", str(config), "--fsdp", "3", "--offload"]) == 0
     assert "GiB per rank, with offload" in capsys.readouterr().out
-    assert main(["--preset", "qwen3-8b", "--fsdp", "6", "--ep", "4"]) == 2
+    with pytest.raises(SystemExit) as raised:  # an argparse error, naming both flags
+        main(["--preset", "qwen3-8b", "--fsdp", "6", "--ep", "4"])
+    assert raised.value.code == 2 and "--fsdp 6 should be a multiple of --ep 4" in (
+        capsys.readouterr().err
+    )
     # a config that cannot be read: one line naming it, not a traceback
     (tmp_path / "broken.json").write_text('{"model_type": "llama"')
     (tmp_path / "list.json").write_text("[1, 2]")
