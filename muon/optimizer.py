@@ -369,6 +369,7 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
+        given = set(param_group)  # the caller's keys, before torch fills in the defaults
         _refuse_misspelled_keys(param_group, index, self.defaults)
         if param_group.get("algorithm", "muon") == "muon" and "betas" in param_group:
             raise ValueError(  # else ignored: the group's matrices would be orthogonalized
@@ -386,7 +387,7 @@ class Muon(torch.optim.Optimizer):
             _validate_group(self.param_groups[-1], index)
             _check_sharded_matrices(self.param_groups[-1], index)
             if self.param_groups[-1]["algorithm"] == "adamw":  # its values valid, now
-                _refuse_muon_settings(self.param_groups[-1], index, self.defaults)
+                _refuse_muon_settings(self.param_groups[-1], given, index, self.defaults)
         except BaseException:
             self.param_groups.pop()  # refused: not added, as torch refuses a group
             raise
@@ -954,19 +955,25 @@ _MUON_ONLY_FALLBACKS = {"row_blocks": None, "ns_algorithm": "auto", "replica_own
 
 
 def _refuse_muon_settings(
-    group: Mapping[str, Any], index: int, defaults: Mapping[str, Any]
+    group: Mapping[str, Any], given: set[str], index: int, defaults: Mapping[str, Any]
 ) -> None:
     """An AdamW group given a Muon setting of its own (`momentum=0.5`, meant as AdamW's
     beta1) would keep it unread until the group is switched to Muon, as a Muon group's
-    `betas` is refused. The optimizer's defaults pass: torch fills them into every group,
-    and `Muon(other.param_groups)` hands them back."""
+    `betas` is refused. Only the keys the caller wrote (`given`), and not where it gave
+    every Muon setting there is a default of (a group of an optimizer's `param_groups`,
+    handed back: torch filled them in, a load rewrote `ns_steps`, a scheduler cycled
+    `momentum`); a value equal to the default passes."""
+    if set(defaults).intersection(_MUON_ONLY_KEYS) <= given:  # every one: handed back
+        return
     own = {}
     for key in _MUON_ONLY_KEYS:
-        if key not in group:
+        if key not in given:
             continue
-        default = defaults.get(key, _MUON_ONLY_FALLBACKS.get(key))
+        value, default = group[key], defaults.get(key, _MUON_ONLY_FALLBACKS.get(key))
+        if isinstance(value, list):  # as the group keeps a Muon group's coefficients
+            value = tuple(value)
         try:
-            same = bool(group[key] == default)
+            same = bool(value == default)
         except (TypeError, RuntimeError, ValueError):  # a tensor, say: not the default
             same = False
         if not same:
@@ -1025,11 +1032,6 @@ _OPTIMIZER_SETTINGS = ("ns_dtype", "bucket_cap_bytes", "max_inflight", "collect_
 
 
 def _check_group(group: dict[str, Any]) -> None:
-    for k, p in enumerate(group["params"]):
-        if not (p.is_floating_point() or p.is_complex()):  # else a cast error at step()
-            raise ValueError(
-                f"{_param_text(group, k)} is {p.dtype}: Muon steps floating-point params"
-            )
     for key in _COMMON_KEYS:
         CHECKS[key](group[key], key)
     for key in _OPTIMIZER_SETTINGS:

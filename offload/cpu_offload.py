@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import itertools
 import logging
 import math
@@ -287,19 +286,30 @@ def _refuse_not_set_up(optimizer: torch.optim.Optimizer) -> None:
 
 def _own_definitions(cls: type, method: str, base: type) -> list[type]:
     """The classes of `cls`'s MRO below `base` that define `method` as a function of their
-    own: not one of `base` and its ancestors' (torch's `_patch_step_function` sets a
-    wrapper of the inherited `step` on the class an optimizer is made of: unwrapped, it is
-    the inherited one)."""
+    own, not one of `base` and its ancestors'. Torch's `_patch_step_function` sets a
+    wrapper of the inherited `step` (marked `hooked`) on the class an optimizer is made
+    of: that one is seen through, and the class named is the one that wrote the function
+    (a decorator of the user's, `functools.wraps` or not, is a function of that class's)."""
     mro = cls.__mro__
     at = mro.index(base)
-    own = [(c, inspect.unwrap(vars(c)[method])) for c in mro if method in vars(c)]
+
+    def written(function: Any) -> Any:
+        hooked = getattr(function, "hooked", False) and hasattr(function, "__wrapped__")
+        return function.__wrapped__ if hooked else function
+
+    own = [(c, written(vars(c)[method])) for c in mro if method in vars(c)]
     inherited = {f for c, f in own if mro.index(c) >= at}
-    return [c for c, f in own if mro.index(c) < at and f not in inherited]
+    below = [(c, f) for c, f in own if mro.index(c) < at and f not in inherited]
+    # each function once, named by the class whose own attribute it is
+    return list(
+        {f: next((c for c, g in below if vars(c)[method] is g), c) for c, f in below}.values()
+    )
 
 
-def _subset_step_class(optimizer: torch.optim.Optimizer) -> type:
-    """The class that gives `optimizer` its own subset step (defines `begin_subset_step`)."""
-    return next(c for c in type(optimizer).__mro__ if "begin_subset_step" in vars(c))
+def _subset_step_class(optimizer: torch.optim.Optimizer) -> type | None:
+    """The class that gives `optimizer` its own subset step (defines `begin_subset_step`);
+    None where no class does (an attribute served by `__getattr__`)."""
+    return next((c for c in type(optimizer).__mro__ if "begin_subset_step" in vars(c)), None)
 
 
 def _load_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
@@ -666,6 +676,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._subset = subset_step_for(optimizer)
         self._refuse_a_patched_step()
         self._refuse_an_overridden_step()
+        if (why := self._overridden_load()) is not None:  # said now, not at a resume
+            warnings.warn(
+                f"{why}: CPUOffloadOptimizer.load_state_dict will refuse to load through it "
+                "(it loads in parts). Resume by loading into the unwrapped optimizer "
+                "before wrapping it, or move what it does into load_state_dict hooks",
+                stacklevel=user_stacklevel(),
+            )
         if self._subset is None and (gpu_resident_bytes != 0 or gpu_budget_bytes is not None):
             raise ValueError(
                 f"gpu_resident_bytes and gpu_budget_bytes need an optimizer with a subset "
@@ -813,44 +830,51 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """An optimizer with its own subset step steps through it, never through `step`: a
         subclass's `step` (clipping its grads, say) would silently not run. (A torch
         optimizer's subclass takes the serial path, which calls its `step`.)"""
-        if self._subset is not self.optimizer:
-            return
         base = _subset_step_class(self.optimizer)
+        if self._subset is not self.optimizer or base is None:
+            return
         overriding = _own_definitions(type(self.optimizer), "step", base)
         if not overriding:
             return
-        name = overriding[0].__name__
+        name, optimizer = overriding[0].__name__, type(self.optimizer).__name__
         raise TypeError(
             f"{name} overrides step(), which CPUOffloadOptimizer never calls: it steps the "
             f"optimizer a chunk of params at a time through {base.__name__}'s "
             f"begin_subset_step, so {name}.step would not run. Put what it does in a step "
-            f"pre-hook (register_step_pre_hook on the {name}: the wrapper runs those once a "
-            f"step, before any chunk), or give {name} its own begin_subset_step"
+            f"pre-hook (register_step_pre_hook on the {optimizer}: the wrapper runs those "
+            "once a step, before any chunk)"
         )
 
+    def _overridden_load(self) -> str | None:
+        """Why the wrapper cannot load through the wrapped optimizer's `load_state_dict`, or
+        None. It loads a state_dict into its homes itself, calling that method on the
+        groups and then on the state not offloaded (`_load_state_dict`): a subclass's own
+        (or one set on the instance) would see neither the whole state_dict (its own keys)
+        nor the offloaded state, and what it did to that would be lost. An optimizer with
+        its own subset step may define one (it knows this)."""
+        optimizer = self.optimizer
+        name = type(optimizer).__name__
+        if "load_state_dict" in vars(optimizer):
+            return f"the {name}'s load_state_dict is set on the instance"
+        base = _subset_step_class(optimizer) if self._subset is optimizer else None
+        if base is None:  # the torch optimizer it is made from
+            base = next(c for c in type(optimizer).__mro__ if c.__module__.startswith("torch."))
+        overriding = _own_definitions(type(optimizer), "load_state_dict", base)
+        return f"{overriding[0].__name__} overrides load_state_dict" if overriding else None
+
     def _refuse_an_overridden_load(self) -> None:
-        """The wrapper loads a state_dict into its homes itself, calling the wrapped
-        optimizer's `load_state_dict` on the groups and then on the state not offloaded
-        (`_load_state_dict`): a subclass's own `load_state_dict` would see neither the whole
-        state_dict (its own keys) nor the offloaded state, and what it did to that would be
-        lost. An optimizer with its own subset step may define one (it knows this)."""
-        cls = type(self.optimizer)
-        if self._subset is self.optimizer:
-            base = _subset_step_class(self.optimizer)
-        else:  # the torch optimizer it is made from
-            base = next(c for c in cls.__mro__ if c.__module__.startswith("torch."))
-        overriding = _own_definitions(cls, "load_state_dict", base)
-        if not overriding:
+        why = self._overridden_load()
+        if why is None:
             return
-        name = overriding[0].__name__
+        name = type(self.optimizer).__name__
         raise TypeError(
-            f"{name} overrides load_state_dict, which CPUOffloadOptimizer cannot call as "
-            "written: it loads the state into host memory itself, calling it on the groups "
-            f"and the small per-param state only, so {name}.load_state_dict would not see "
-            "the whole state_dict (its own keys, the offloaded state). Put what it does in "
-            f"load_state_dict hooks on the {name} (register_load_state_dict_pre_hook: given "
-            "the whole state_dict; register_load_state_dict_post_hook: run once the state is "
-            f"in place), or load into the {name} before wrapping it. Nothing was loaded"
+            f"{why}, which CPUOffloadOptimizer cannot call as written: it loads the state "
+            "into host memory itself, calling it on the groups and the small per-param "
+            "state only, so it would not see the whole state_dict (its own keys, the "
+            f"offloaded state). Put what it does in load_state_dict hooks on the {name} "
+            "(register_load_state_dict_pre_hook: given the whole state_dict; "
+            "register_load_state_dict_post_hook: run once the state is in place), or load "
+            f"into the {name} before wrapping it. Nothing was loaded"
         )
 
     def _check_step_inputs(self) -> None:

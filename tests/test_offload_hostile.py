@@ -5,6 +5,7 @@ key or argument and the way out."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import warnings
 
@@ -1895,6 +1896,8 @@ def test_subclasses_that_keep_step_and_load_state_dict_are_taken():
         pass
 
     Patched.step = functools.wraps(Base.step)(lambda self: Base.step(self))
+    assert _own_definitions(Patched, "step", Base) == [Patched]  # a decorator of its own
+    Patched.step.hooked = True  # as torch's `_patch_step_function` marks its wrapper
     assert _own_definitions(Patched, "step", Base) == []
 
     class Overriding(Patched):
@@ -1997,3 +2000,78 @@ def test_an_optimizer_not_set_up_by_torchs_init_is_refused_by_name():
     model = _tiny()
     with pytest.raises(TypeError, match=r"Lookahead was not set up by torch.*Lookahead\(CPUOff"):
         CPUOffloadOptimizer(Lookahead(torch.optim.AdamW(model.parameters())))
+
+
+def _clipping(step):
+    @functools.wraps(step)
+    def clipped(self, closure=None):
+        _clamp_grads(self)
+        return step(self, closure)
+
+    return clipped
+
+
+class _DecoratedClippedMuon(Muon):
+    step = _clipping(Muon.step)  # functools.wraps: `__wrapped__` is Muon's step
+
+
+class _ClipMixin:
+    def step(self, closure=None):
+        _clamp_grads(self)
+        return super().step(closure)
+
+
+class _MixedMuon(_ClipMixin, Muon):
+    pass
+
+
+def test_step_overrides_through_a_decorator_or_a_mixin_are_refused_naming_their_class():
+    """Seen through with `inspect.unwrap`, a `functools.wraps` decorator of Muon's step
+    looked inherited, and the wrapped run silently skipped its clipping; a mixin's step
+    was named by the subclass torch patched (a review of the first cut)."""
+    for cls, named in (
+        (_DecoratedClippedMuon, "_DecoratedClippedMuon"),
+        (_MixedMuon, "_ClipMixin"),
+    ):
+        model = _tiny()
+        cls(model.parameters(), lr=0.1)  # made once: torch patches the class's step
+        with pytest.raises(TypeError, match=rf"^{named} overrides step\(\)"):
+            CPUOffloadOptimizer(cls(model.parameters(), lr=0.1))
+
+
+def test_a_load_state_dict_set_on_the_instance_is_refused_and_an_override_warned_at_wrapping():
+    """A patch on the instance was called in parts as an override was (its edit of the
+    offloaded state lost); an override is said at wrapping, not first at a resume."""
+    import types
+
+    model = _tiny()
+    inner = torch.optim.AdamW(model.parameters())
+    plain_load = inner.load_state_dict
+    inner.load_state_dict = types.MethodType(lambda self, sd: plain_load(sd), inner)
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=256)
+    _train(model, opt, steps=1)
+    with pytest.raises(TypeError, match="the AdamW's load_state_dict is set on the instance"):
+        opt.load_state_dict(opt.state_dict())
+    opt.close()
+    model = _tiny()
+    with pytest.warns(UserWarning, match="_ResetOnLoad overrides load_state_dict: .* will refuse"):
+        CPUOffloadOptimizer(_ResetOnLoad(model.parameters()), chunk_bytes=256).close()
+
+
+def test_a_subset_step_served_by_getattr_is_wrapped_not_a_stop_iteration():
+    """No class defines `begin_subset_step` (an attribute `__getattr__` serves): the class
+    look-up raised a bare StopIteration (a review of the first cut)."""
+
+    class Delegating(torch.optim.SGD):
+        def __init__(self, params, inner):
+            super().__init__(params, lr=0.1)
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name in ("begin_subset_step", "state_layout"):
+                return getattr(self.__dict__["_inner"], name)
+            raise AttributeError(name)
+
+    model = _tiny()
+    opt = CPUOffloadOptimizer(Delegating(model.parameters(), Muon(model.parameters())))
+    opt.close()
