@@ -356,12 +356,17 @@ def _field_default(f: dataclasses.Field) -> Any:
 
 
 def _plain_numbers(value: Any) -> Any:
-    """A NumPy number (a sweep's `np.float32(1e-3)`), alone or in a tuple, as the Python int
-    or float it holds: `muon.Muon` and `CPUOffloadOptimizer` take either, and a config is
-    written to TOML and JSON, which take Python's. Bools stay as they are."""
+    """A NumPy number or bool (a sweep's `np.float32(1e-3)`), alone or in a tuple or a
+    dict's values (`muon_options`), as the Python value it holds: `muon.Muon` and
+    `CPUOffloadOptimizer` take either, and a config is written to TOML and JSON, which take
+    Python's. Other numbers (a `Fraction`) as Python's int or float."""
     if type(value) is tuple:
         return tuple(map(_plain_numbers, value))
-    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+    if type(value) is dict:
+        return {k: _plain_numbers(v) for k, v in value.items()}
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    if type(value) in (bool, int, float) or not isinstance(value, numbers.Real):
         return value
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
@@ -476,6 +481,10 @@ def _as_toml(message: str, names: Sequence[str]) -> str:
         r"set it like (True|False)\b", lambda m: f"set it like {m[1].lower()}", message
     )
     message = re.sub(r"set it like \(([^()]*)\)", r"set it like [\1]", message)
+    message = re.sub(
+        r"at its default \((True|False)\)", lambda m: f"at its default ({m[1].lower()})", message
+    )
+    message = re.sub(r"but is: \(([^()]*?),?\) \(tuple\)", r"but is: [\1]", message)
     message = re.sub(rf"leave ({fields}) at its default \(None\)", r"leave \1 out", message)
     return re.sub(rf"\b({fields})=", lambda m: f"{m[1]} = ", message)
 

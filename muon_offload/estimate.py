@@ -1040,6 +1040,8 @@ def estimate(
 
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """
+    if not isinstance(shapes, nn.Module):
+        shapes = tuple(shapes)  # any iterable of shapes, counted and read once
     count = sum(1 for _ in shapes.parameters()) if isinstance(shapes, nn.Module) else len(shapes)
     deadline = _Deadline(mesh, time_limit_s, count)
     module, mesh, settings = _resolved(

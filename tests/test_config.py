@@ -439,6 +439,8 @@ def test_valid_muon_options_and_int_lr_are_accepted():
         ('[optimizer]\ntype = "muon"\nfused = false\n', r"or leave fused out$"),
         # the table it said was missing was listed: an array of tables
         ("[[optimizer]]\nlr = 0.1\n", r"not an array of tables \[\[optimizer\]\]\)$"),
+        ("[optimizer]\nnesterov = false\n", r"leave nesterov at its default \(true\)$"),
+        ("[optimizer]\nbetas = [0.9]\n", r"but is: \[0.9\]; set it like"),
     ],
 )
 def test_toml_with_a_wrong_table_or_value_fails_naming_it(tmp_path, text, message):
@@ -590,15 +592,20 @@ def test_a_model_with_nothing_to_train_is_refused_saying_why():
 
 def test_numpy_numbers_are_taken_as_the_python_numbers_they_hold():
     # a sweep's np.float32 lr was refused ("should be of type float"), where Muon and the
-    # wrapper take it (hostile review); kept as Python's, which TOML and JSON write
+    # wrapper take it (hostile review); kept as Python's, which TOML and JSON write; in
+    # muon_options too, and NumPy's float64 and bool (a review of the first cut)
     np = pytest.importorskip("numpy")
     config = OptimizerConfig(
         lr=np.float32(0.5),
-        betas=(np.float32(0.5), 0.95),
+        betas=(np.float32(0.5), np.float64(0.95)),
         offload="optimizer",
         offload_chunk_bytes=np.int64(2**20),
+        fused=np.bool_(True),
     )
     assert type(config.lr) is float and config.lr == 0.5
-    assert type(config.betas[0]) is float and type(config.offload_chunk_bytes) is int
-    with pytest.raises(ValueError, match="fused should be of type bool"):
-        OptimizerConfig(fused=np.bool_(True))  # not a number
+    assert [type(b) for b in config.betas] == [float, float]
+    assert type(config.offload_chunk_bytes) is int and config.fused is True
+    muon = OptimizerConfig(
+        type="muon", nesterov=np.bool_(False), muon_options={"bucket_cap_bytes": np.int64(2**20)}
+    )
+    assert muon.nesterov is False and type(muon.muon_options["bucket_cap_bytes"]) is int

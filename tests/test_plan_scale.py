@@ -89,3 +89,5 @@ def test_a_model_past_the_time_limit_is_refused_while_it_is_built():
         r"\(stopped building the model\); plan a smaller model or mesh",
     ):
         estimate(shapes, MeshSpec(2), time_limit_s=0)
+    # any iterable of shapes: a generator's len() raised a TypeError (a review of the first cut)
+    assert estimate(iter(from_preset("qwen3-8b")), MeshSpec(2)).mesh == MeshSpec(2)
