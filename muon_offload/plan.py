@@ -43,7 +43,7 @@ from muon.model_shapes import (
 )
 from muon.ns_schedules import SCHEDULES
 from muon.optimizer import DEFAULT_MAX_INFLIGHT
-from muon.options import NS_ALGORITHMS
+from muon.options import NS_ALGORITHMS, NS_DTYPES
 from muon.planning import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_SPREAD_MODEL, REPLICA_OWNERS, MuonPlan
 from muon_offload.config import offload_bucket_cap
 from muon_offload.estimate import (
@@ -61,7 +61,8 @@ from muon_offload.estimate import (
     estimate,
 )
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, **NS_DTYPES}
+"""By short name, and as `muon_options`' `ns_dtype` and a TOML config spell them."""
 LAYER = re.compile(r"layers\.(\d+)\.")
 
 

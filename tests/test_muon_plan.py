@@ -1080,3 +1080,13 @@ def test_a_config_plans_the_params_transformers_builds_from_it(family, options):
     inter = options.get("moe_intermediate_size", 96)
     assert all(b == (inter, inter) for b in blocks.values())
     assert bool(blocks) == ("experts" in "".join(name for name, _ in built))
+
+
+def test_cli_takes_ns_dtype_as_muon_options_spells_it(capsys):
+    # --ns-dtype took bf16|fp32 only, where muon_options and TOML take bfloat16|float32
+    # (hostile review): both name one dtype, and plan alike
+    shorts = []
+    for name in ("fp32", "float32"):
+        assert main(["--preset", "qwen3-8b", "--fsdp", "8", "--ns-dtype", name, "--json"]) == 0
+        shorts.append(json.loads(capsys.readouterr().out)["summary"])
+    assert shorts[0] == shorts[1]
