@@ -466,8 +466,6 @@ def _as_flags(message: str, names: Sequence[str]) -> str:
     message = re.sub(rf"\b({fields})=False\b", lambda m: "--no-" + flag(m.group(1))[2:], message)
     message = re.sub(rf"\b({fields})=", lambda m: flag(m.group(1)) + " ", message)
     spaced = "|".join(n for n in names if "_" in n)
-    if not spaced:  # an empty alternative matches at every word
-        return message
     return re.sub(rf"(?<![-\w'])({spaced})\b(?![=\['])", lambda m: flag(m.group(1)), message)
 
 
@@ -726,9 +724,7 @@ def _checked(
     parse: Callable[[str], Any], check: Callable[[Any, str], None] | None, name: str
 ) -> Callable[[str], Any]:
     """An argparse `type`: `parse`, then the field's `check`; argparse puts the flag in
-    front of the error, so the field's name is not said again (`argument --betas: should
-    be in [0, 1) ...`), and a value of the field's written as its flag (False as
-    `--no-offload-load-in-backward`)."""
+    front of the error."""
 
     def parse_flag(text: str) -> Any:
         value = parse(text)
@@ -736,9 +732,7 @@ def _checked(
             try:
                 check(value, name)
             except (TypeError, ValueError) as error:
-                message = str(error).removeprefix(f"{name} ")
-                message = message.replace("or False to", f"or --no-{name.replace('_', '-')} to")
-                raise argparse.ArgumentTypeError(_as_flags(message, [name])) from error
+                raise argparse.ArgumentTypeError(str(error)) from error
         return value
 
     parse_flag.__name__ = parse.__name__
