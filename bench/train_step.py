@@ -633,7 +633,7 @@ def copy_floor_ms(size: int, both_gb_s: float | None) -> float | None:
     return None if not both_gb_s else 1e3 * size / (both_gb_s * 1e9)
 
 
-FORWARD_PHASES = ("to layer 0", "layers", "head + loss")
+FORWARD_PHASES = PHASES[: PHASES.index("backward")]
 """The phases (`bench.phases`) that make up the forward."""
 
 
@@ -655,14 +655,25 @@ def step_floor_ms(arm: dict[str, Any], none: dict[str, Any]) -> float | None:
     return none["step_ms"] + max(0.0, loads_ms - sum(device))
 
 
-def add_step_floors(results: list[dict[str, Any]]) -> None:
-    """Each overlapped arm's `step_floor_ms` (`step_floor_ms`) against its optimizer's
-    no-offload arm (plain arms: plain/none), where both were measured."""
+def baseline_of(results: list[dict[str, Any]]) -> Callable[[dict[str, Any]], dict | None]:
+    """Each arm's no-offload arm among `results` (its optimizer's; plain arms: plain/none),
+    None where it did not run or failed."""
     base = {r["arm"]: r for r in results if r["arm"].endswith("/none") and "error" not in r}
+
+    def of(r: dict[str, Any]) -> dict | None:
+        return base.get("plain/none" if r["arm"].startswith("plain/") else f"{r['optimizer']}/none")
+
+    return of
+
+
+def add_step_floors(results: list[dict[str, Any]]) -> None:
+    """Each overlapped arm's `step_floor_ms` (`step_floor_ms`) against its no-offload arm
+    (`baseline_of`), where both were measured."""
+    none_of = baseline_of(results)
     for r in results:
         if "error" in r or "forward_load_floor_ms" not in r:
             continue
-        none = base.get("plain/none" if r["arm"].startswith("plain/") else f"{r['optimizer']}/none")
+        none = none_of(r)
         floor = None if none is None else step_floor_ms(r, none)
         if floor is not None:
             r["step_floor_ms"] = floor
@@ -948,15 +959,10 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    base = {
-        r["optimizer"]: r
-        for r in results
-        if r["arm"] == f"{r['optimizer']}/none" and "error" not in r
-    }
-    plain_base = next((r for r in results if r["arm"] == "plain/none" and "error" not in r), None)
+    none_of = baseline_of(results)
 
     def ratio(r: dict[str, Any], key: str) -> str:
-        b = plain_base if r["arm"].startswith("plain/") else base.get(r["optimizer"])
+        b = none_of(r)
         if b is None or r.get(key) is None or b.get(key) is None:
             return "-"
         first_steps = key.removesuffix("_mean_ms")

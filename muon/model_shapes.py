@@ -350,7 +350,7 @@ def fsdp_modules(shapes: Sequence[ParamShape], wrap: str) -> tuple[str, ...]:
 def meta_module(shapes: Sequence[ParamShape], check: Callable[[], None] | None = None) -> nn.Module:
     """An `nn.Module` on the meta device whose `named_parameters()` are exactly `shapes`,
     its modules declaring the shapes' row blocks (`row_blocks`). `check` is called every
-    few thousand params (a planner's time limit: a config of 30000 layers took seconds)."""
+    few thousand params (a planner's time limit)."""
     root = nn.Module()
     for index, spec in enumerate(shapes):
         if check is not None and index % 4096 == 0:

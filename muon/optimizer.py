@@ -872,12 +872,15 @@ def _holds(groups: list[dict[str, Any]], position: tuple[int, int], param: Tenso
     return g < len(groups) and k < len(groups[g]["params"]) and groups[g]["params"][k] is param
 
 
+# This optimizer's own group keys' defaults where the optimizer's `defaults` lack them.
+_OWN_KEY_FALLBACKS = {"row_blocks": None, "ns_algorithm": "auto", "replica_owners": "auto"}
+
+
 def _set_group_defaults(group: dict[str, Any], defaults: dict[str, Any]) -> None:
     """Keys a group may lack (added by hand, or loaded from torch.optim.Muon): defaults."""
     group.setdefault("algorithm", "muon")
-    group.setdefault("row_blocks", None)
-    group.setdefault("ns_algorithm", defaults.get("ns_algorithm", "auto"))
-    group.setdefault("replica_owners", defaults.get("replica_owners", "auto"))
+    for key, fallback in _OWN_KEY_FALLBACKS.items():
+        group.setdefault(key, defaults.get(key, fallback))
     if group["algorithm"] == "adamw":
         group.setdefault("betas", ADAMW_BETAS)
         group.setdefault("eps", ADAMW_EPS)
@@ -949,9 +952,8 @@ def _refuse_misspelled_keys(
             )
 
 
-# Group keys only a Muon group reads, and the default of those `defaults` may lack.
+# Group keys only a Muon group reads.
 _MUON_ONLY_KEYS = (*_MUON_KEYS, "ns_coefficients", "ns_steps", "row_blocks")
-_MUON_ONLY_FALLBACKS = {"row_blocks": None, "ns_algorithm": "auto", "replica_owners": "auto"}
 
 
 def _refuse_muon_settings(
@@ -969,7 +971,7 @@ def _refuse_muon_settings(
     for key in _MUON_ONLY_KEYS:
         if key not in given:
             continue
-        value, default = group[key], defaults.get(key, _MUON_ONLY_FALLBACKS.get(key))
+        value, default = group[key], defaults.get(key, _OWN_KEY_FALLBACKS.get(key))
         if isinstance(value, list):  # as the group keeps a Muon group's coefficients
             value = tuple(value)
         try:

@@ -1048,8 +1048,8 @@ def estimate(
         shapes, mesh, settings, lambda: deadline.check("building the model")
     )
     deadline.check("building the model")
-    # Grouping is the longest part for a model of very many params (10000 layers: 8 s),
-    # with no check inside: a limit may be passed by as long as it takes.
+    # Grouping, the longest part for a model of very many params, has no check inside: a
+    # limit may be passed by as long as it takes.
     muon, adamw, params = _split(module, row_blocks)
     deadline.check("grouping the params")
     plan_of = _planner(muon, mesh, settings)
