@@ -231,9 +231,12 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+DEMO_SCRIPT = "muon-offload-demo"  # as installed (pyproject.toml): usage names what was run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.train",
+        prog=DEMO_SCRIPT if Path(sys.argv[0]).name == DEMO_SCRIPT else "python -m bench.train",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -286,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--json",
         type=Path,
         default=None,
-        help="results file (%(default)s: bench/results/train-<optimizer>-<offload>-<UTC time>"
-        ".json)",
+        help="results file (%(default)s: bench/results/train-<optimizer>-<offload>"
+        "[-compare]-<UTC time>.json)",
     )
     return parser
 

@@ -28,6 +28,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -686,7 +687,8 @@ typo) ran out of a 24 GB host's memory before `--time-limit-s` stopped it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parse = parser()
+    installed = Path(sys.argv[0]).name == "muon-offload-plan"  # as the user called it
+    parse = parser("muon-offload-plan") if installed else parser()
     args = parse.parse_args(argv)
     if args.fsdp is not None and args.sweep_fsdp:  # else the sweep's sizes, silently
         parse.error("--fsdp plans one size and --sweep-fsdp several: give one of them")

@@ -900,9 +900,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"the wrapped {type(self.optimizer).__name__}'s params changed after wrapping "
                 f"({len(self._params)} params then, {len(current)} now, or reordered): "
-                "CPUOffloadOptimizer plans its host slabs once. Call add_param_group on the "
-                "optimizer before wrapping it, or wrap a new optimizer (load the old one's "
-                "state_dict into it)"
+                "CPUOffloadOptimizer plans its host slabs once. Add param groups before "
+                "wrapping, or call close() on this wrapper and wrap the optimizer again (its "
+                "state carries over)"
             )
 
     def _refuse_sparse_grads_the_step_refuses(self, sparse: set[Tensor]) -> None:

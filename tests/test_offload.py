@@ -232,6 +232,38 @@ def test_invalid_arguments():
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_group_added_by_the_way_out_the_errors_name_trains_as_without_offload(overlap):
+    """Both errors about adding a group after wrapping say: close() the wrapper, add the
+    group to the wrapped optimizer, wrap it again, and its state carries over."""
+
+    def run(offload: bool):
+        model = make_model()
+        inner = torch.optim.AdamW(list(model[:2].parameters()), lr=0.1)
+        wrap = functools.partial(CPUOffloadOptimizer, overlap_forward=model if overlap else None)
+        opt = wrap(inner) if offload else inner
+        gen = torch.Generator().manual_seed(1)
+        for step in range(5):
+            if step == 2:
+                if offload:
+                    opt.close()
+                inner.add_param_group({"params": list(model[3:].parameters()), "lr": 0.05})
+                if offload:
+                    opt = wrap(inner)
+            model(torch.randint(0, 50, (2, 3), generator=gen)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if offload:
+            opt.wait_for_optimizer_step()
+        return model, inner
+
+    plain_model, plain = run(offload=False)
+    model, inner = run(offload=True)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(plain, inner)
+
+
 def test_serial_path_homes_state_created_on_later_steps_and_loaded_state():
     def run(offload: bool, load_from=None):
         model = make_model()
