@@ -121,6 +121,24 @@ def test_sparse_grads_are_refused_before_anything_steps():
     _assert_nothing_stepped(muon, [matrix], [_randn(4, 4)])
 
 
+@pytest.mark.parametrize("algorithm", ["muon", "adamw"])
+def test_a_grad_of_another_shape_set_through_data_is_refused_naming_the_param(algorithm):
+    # torch's grad setter checks the shape, `.data` does not: the step failed 12 frames
+    # deep ("The size of tensor a (3) must match ..."), naming no param (a hostile review)
+    matrix, other = nn.Parameter(_randn(4, 3)), nn.Parameter(_randn(5, 5))
+    opt = Muon([{"params": [other]}, {"params": [matrix], "algorithm": algorithm}], lr=0.02)
+    other.grad, matrix.grad = _randn(5, 5), torch.zeros(4, 3)
+    matrix.grad.data = _randn(3, 4)
+    before = _snapshot([other, matrix])
+    with pytest.raises(
+        ValueError,
+        match=r"param group 1: param 0 \(shape \(4, 3\)\) has a grad of shape \(3, 4\); a "
+        "grad must have its param's shape",
+    ):
+        opt.step()
+    _assert_nothing_stepped(opt, [other, matrix], before)
+
+
 @pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="torch >= 2.13")
 def test_an_adamw_grad_of_another_dtype_is_refused_before_anything_steps():
     # bf16 params taking fp32 grads (p.grad_dtype = None): the Muon group stepped, then
