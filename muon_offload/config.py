@@ -455,7 +455,8 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
 
 def _as_flags(message: str, names: Sequence[str]) -> str:
     """`message` with the fields it names written as the flags `add_arguments` adds:
-    `nesterov=False` as `--no-nesterov`, `type='muon'` as `--type 'muon'`, and a bare
+    `nesterov=False` as `--no-nesterov`, `type='muon'` as `--type 'muon'`, `leave momentum
+    at` as `leave --momentum at` (a switch's as `drop --no-nesterov`), and a bare
     `offload_chunk_bytes` (names with an underscore: the others are words) as the flag."""
     fields = "|".join(sorted(names, key=len, reverse=True))
 
@@ -465,6 +466,10 @@ def _as_flags(message: str, names: Sequence[str]) -> str:
     message = re.sub(rf"\b({fields})=True\b", lambda m: flag(m.group(1)), message)
     message = re.sub(rf"\b({fields})=False\b", lambda m: "--no-" + flag(m.group(1))[2:], message)
     message = re.sub(rf"\b({fields})=", lambda m: flag(m.group(1)) + " ", message)
+    # a field that is a plain word (`momentum`) where the message says to leave it
+    message = re.sub(rf"\bleave ({fields}) at\b", lambda m: f"leave {flag(m[1])} at", message)
+    message = re.sub(r"leave --([\w-]+) at its default \(True\)", r"drop --no-\1", message)
+    message = re.sub(r"leave --([\w-]+) at its default \(False\)", r"drop --\1", message)
     spaced = "|".join(n for n in names if "_" in n)
     return re.sub(rf"(?<![-\w'])({spaced})\b(?![=\['])", lambda m: flag(m.group(1)), message)
 
