@@ -1230,11 +1230,6 @@ def _check_grads(group: dict[str, Any], index: int) -> None:
                 f"but {algorithm} does not support sparse gradients; make it dense "
                 "(nn.Embedding(sparse=False)) or step that param with torch.optim.SparseAdam"
             )
-        if grad.shape != p.shape:  # set through `.data`, which torch's grad setter misses
-            raise ValueError(
-                f"param group {index}: {_param_text(group, k)} has a grad of shape "
-                f"{tuple(grad.shape)}; a grad must have its param's shape"
-            )
         same = isinstance(p, DTensor) == isinstance(grad, DTensor) and (
             not isinstance(p, DTensor)
             or (grad.device_mesh == p.device_mesh and grad.placements == p.placements)
@@ -1253,6 +1248,11 @@ def _check_grads(group: dict[str, Any], index: int) -> None:
                     else " but the param is a plain tensor; "
                 )
                 + _grad_placement_fix(grad, p)
+            )
+        if grad.shape != p.shape:  # set through `.data`, which torch's grad setter misses
+            raise ValueError(
+                f"param group {index}: {_param_text(group, k)} has a grad of shape "
+                f"{tuple(grad.shape)}; a grad must have its param's shape"
             )
         if algorithm == "AdamW" and grad.dtype != p.dtype:
             # torch's AdamW refuses it too, but mid-step: the Muon groups had stepped
