@@ -50,8 +50,8 @@ class PhaseMarks:
         if not self._steps:
             return
         event = None
-        if self._device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
+        if self._device.type == "cuda":  # generic: comparable with bench.link_timeline's
+            event = torch.Event(device=self._device, enable_timing=True)
             event.record()
         self._steps[-1].append((event, time.perf_counter()))
 
@@ -62,6 +62,10 @@ class PhaseMarks:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+    def events(self) -> list[list[Any]]:
+        """Each complete step's device events at its marks (on the CPU, None each)."""
+        return [[e for e, _ in marks] for marks in self._steps if len(marks) == len(PHASES) + 1]
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per phase, the median device ms (None on the CPU) and host ms over the steps."""

@@ -63,7 +63,9 @@ round-robin, merged alike. Each arm's process first records the machine as it fi
 its step ms: machines, and cores of one machine, differ in both. Prints a table with
 ratios against the same optimizer's "none" arm in this run and writes JSON. With
 `--phases`, each overlapped arm is also set against the least step its forward's loads
-allow (`step_floor_ms`: the physical limit at the state it loads in the forward).
+allow (`step_floor_ms`: the physical limit at the state it loads in the forward); with
+`--link-timeline` too, where in the step each direction of the host link was busy
+(`bench.link_timeline`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ import muon.elementwise
 import muon.newton_schulz
 from bench import hf_llama
 from bench.data import random_tokens
+from bench.link_timeline import FIELDS as LINK_FIELDS
+from bench.link_timeline import LinkTimeline, timing_event
 from bench.machine import describe, probe
 from bench.model import ModelConfig, Transformer, loss_fn, parallelize
 from bench.phases import PHASES, PhaseMarks, decoder_layers_and_head
@@ -295,6 +299,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also time each step's phases (bench.phases: device and host ms; one micro-batch)",
     )
     parser.add_argument(
+        "--link-timeline",
+        action="store_true",
+        help="with --phases: per overlapped arm, when each direction of the host link was "
+        "busy in the forward and the backward, and when the forward's first load started "
+        "(bench.link_timeline: device events around each load and write-back)",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="after the window, profile 2 steps per arm (torch.profiler): a gzipped Chrome "
@@ -327,6 +338,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--steps should be >= 1 but is: {args.steps}")
     if args.phases and args.micro_batches != 1:
         raise SystemExit("--phases times one micro-batch a step: drop --micro-batches")
+    if args.link_timeline and (not args.phases or args.device != "cuda"):
+        raise SystemExit("--link-timeline sets copies against the phases on a GPU: give --phases")
     args.sweep = [parse_bytes(v) for v in args.resident_sweep.split(",") if v.strip()]
     return args
 
@@ -518,6 +531,9 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     retries_window = alloc_retries(device)
     if args.phases:
         marks = PhaseMarks(*decoder_layers_and_head(model), device)
+    timeline = None
+    if args.link_timeline and arm.mode in OVERLAP_ARMS:
+        timeline = LinkTimeline(optimizer, timing_event(device))
     returns: list[float] = []
     gc_seen: list[tuple[int, int]] = []  # per step: collections recorded at its start, end
 
@@ -584,6 +600,10 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
             result["residency"] = dataclasses.asdict(optimizer.residency)
         if optimizer.backward_tuning:
             result["backward_tuning"] = [dataclasses.asdict(r) for r in optimizer.backward_tuning]
+    if timeline is not None:
+        sync(device)
+        result["link_timeline"] = timeline.summary(marks.events())
+        timeline.close()
     if marks is not None:
         result["phases"] = marks.summary()
         marks.close()
@@ -952,6 +972,10 @@ def merge_runs(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
                 for phase, times in ok[0]["phases"].items()
             }
+        if all(r.get("link_timeline") for r in ok):
+            row["link_timeline"] = {
+                f: statistics.median(r["link_timeline"][f] for r in ok) for f in LINK_FIELDS
+            }
         if len(ok) < len(rows):  # the runs above are those that did not fail
             row["failed_runs"] = [r["error"] for r in rows if "error" in r]
         merged.append(row)
@@ -1108,6 +1132,16 @@ def _print_phases(results: list[dict[str, Any]], width: int) -> None:
                 f"{r['arm']}: its forward's loads allow a step of no less than "
                 f"{r['step_floor_ms']:.1f} ms; it ran {r['step_ms']:.1f} "
                 f"({r['step_ms'] / r['step_floor_ms']:.3f}x that floor)"
+            )
+        link = r.get("link_timeline")
+        if link:
+            print(
+                f"{r['arm']}: the host link in its forward of {link['forward_ms']:.1f} ms "
+                f"(device): host to GPU busy {link['h2d_busy_forward_ms']:.1f} (the forward's "
+                f"loads from {link['first_load_ms']:+.1f} to {link['last_load_done_ms']:.1f}), "
+                f"GPU to host {link['d2h_busy_forward_ms']:.1f}; in its backward of "
+                f"{link['backward_ms']:.1f}: {link['h2d_busy_backward_ms']:.1f} and "
+                f"{link['d2h_busy_backward_ms']:.1f}"
             )
 
 
