@@ -338,8 +338,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--steps should be >= 1 but is: {args.steps}")
     if args.phases and args.micro_batches != 1:
         raise SystemExit("--phases times one micro-batch a step: drop --micro-batches")
-    if args.link_timeline and (not args.phases or args.device != "cuda"):
-        raise SystemExit("--link-timeline sets copies against the phases on a GPU: give --phases")
+    if args.link_timeline and not args.phases:
+        raise SystemExit("--link-timeline sets the copies against the phases: give --phases")
+    if args.link_timeline and args.device != "cuda":
+        raise SystemExit("--link-timeline times copies with device events: give --device cuda")
+    if args.link_timeline and args.steps < 3:
+        raise SystemExit("--link-timeline reads the steps with one before and after: --steps >= 3")
     args.sweep = [parse_bytes(v) for v in args.resident_sweep.split(",") if v.strip()]
     return args
 

@@ -470,6 +470,10 @@ def _as_flags(message: str, names: Sequence[str]) -> str:
     message = re.sub(rf"\bleave ({fields}) at\b", lambda m: f"leave {flag(m[1])} at", message)
     message = re.sub(r"leave --([\w-]+) at its default \(True\)", r"drop --no-\1", message)
     message = re.sub(r"leave --([\w-]+) at its default \(False\)", r"drop --\1", message)
+    # a default of None: drop what was typed (`--fused` or `--no-fused`), where it leads
+    typed = re.match(r"(--[\w-]+)(?: \S+)? is set\b", message)
+    if typed:
+        message = re.sub(r"leave --[\w-]+ at its default \(None\)", f"drop {typed[1]}", message)
     spaced = "|".join(n for n in names if "_" in n)
     return re.sub(rf"(?<![-\w'])({spaced})\b(?![=\['])", lambda m: flag(m.group(1)), message)
 

@@ -32,9 +32,10 @@ def test_summary_sets_the_copies_against_each_steps_phases():
     timeline = LinkTimeline.__new__(LinkTimeline)  # its copies set by hand below
     timeline._copies = []
     steps = []
-    for k in range(4):  # each 200 ms: forward 0-75, backward 75-190, step() 190-195
+    forwards = (80, 70, 76, 90)  # only steps 1 and 2 have a step before and after them
+    for k, forward in enumerate(forwards):  # each 200 ms, the backward to 190
         t = 200 * k
-        steps.append([_Event(t + x) for x in (0, 5, 70, 75, 190, 195)])
+        steps.append([_Event(t + x) for x in (0, 5, 60, forward, 190, 195)])
         # the forward's loads: one in step() before it (-8 to -2), then 10-18, 20-28, ...
         timeline._copies.append(("load", _Event(t - 8), _Event(t - 2)))
         for j in range(1, 5):
@@ -44,15 +45,16 @@ def test_summary_sets_the_copies_against_each_steps_phases():
     summary = timeline.summary(steps)
     assert list(summary) == list(FIELDS)
     assert summary == {
-        "forward_ms": 75,
+        "forward_ms": 73,  # steps 1 and 2 (with step 0 or 3 too, 76)
         "h2d_busy_forward_ms": 32,  # the one in step() ended before the forward began
         "d2h_busy_forward_ms": 24,
         "first_load_ms": -8,
         "last_load_done_ms": 48,
-        "backward_ms": 115,
+        "backward_ms": 117,
         "h2d_busy_backward_ms": 30,
         "d2h_busy_backward_ms": 0,
     }
+    assert timeline.summary(steps[:3])["forward_ms"] == 70  # step 1 alone
     assert timeline.summary(steps[:2]) is None  # no step both before and after one
 
 
@@ -94,6 +96,10 @@ def test_the_bench_asks_for_the_phases_it_needs():
 
     with pytest.raises(SystemExit, match="give --phases"):
         parse_args(["--link-timeline"])
+    with pytest.raises(SystemExit, match="give --device cuda"):
+        parse_args(["--link-timeline", "--phases", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--steps >= 3"):
+        parse_args(["--link-timeline", "--phases", "--steps", "2"])
     assert parse_args(["--link-timeline", "--phases"]).link_timeline
 
 
@@ -111,6 +117,7 @@ def test_runs_merge_as_medians_and_the_table_prints_them(capsys):
 
     (merged,) = merge_runs([run(200, 90), run(210, 100), run(220, 95)])
     assert merged["link_timeline"]["forward_ms"] == 95
+
     _print_phases([merged], 24)
     assert "the host link in its forward of 95.0 ms (device): host to GPU busy 1.0" in (
         capsys.readouterr().out

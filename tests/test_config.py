@@ -566,6 +566,9 @@ def test_flags_that_do_not_combine_are_named_as_flags():
         ValueError, match=r"^--no-nesterov is set .* set --type 'muon' or drop --no-nesterov$"
     ):
         OptimizerConfig.from_args(parser.parse_args(["--no-nesterov"]))  # not "--nesterov False"
+    # a default of None: what was typed is dropped, `--no-fused` too
+    with pytest.raises(ValueError, match=r"^--no-fused is set .* or drop --no-fused$"):
+        OptimizerConfig.from_args(parser.parse_args(["--type", "muon", "--no-fused"]))
     flags = ["--offload-gpu-budget-bytes", "100", "--offload", "optimizer"]
     unset = r"\(no --offload-overlap-forward\): leave --offload-gpu-budget-bytes unset"
     with pytest.raises(ValueError, match=unset):
