@@ -10,7 +10,7 @@ the window's steps in ms from the forward's start on the trainer's stream: the f
 each direction's busy time in the forward and in the backward (the union of its copies),
 and when the forward's first load started (negative: in `step()` or the backward before
 it) and its last one ended. A copy's time starts once its slot is free (a load's) or its
-update is enqueued (a write-back's) and the stream is done with what came before.
+chunk's update is done (a write-back's) and the stream is done with what came before.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class LinkTimeline:
         """Medians (`FIELDS`) over `steps` (each step's phase marks, `PhaseMarks.events`:
         its start, first layer, head, forward's end, backward's end, step's end) that have
         a step before them (whose backward's end bounds this forward's loads) and after;
-        None with fewer than three steps. Waits for the events."""
+        None with fewer than three steps. Read once the device has passed every event
+        (the bench syncs first)."""
         if len(steps) < 3:
             return None
         origin = steps[0][0]
