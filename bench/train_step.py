@@ -24,7 +24,8 @@ vocab 32000, untied head; transformers is optional and the run stops with one li
 without it). FSDP2 on a world-1 process group, `fully_shard` per decoder layer
 then the root (`--wrap torchtitan`: the final norm and lm_head as their own unit),
 bf16 mixed precision, activation checkpointing, optimizer from
-`muon_offload.setup_optimizer(model, OptimizerConfig(...))`, random tokens.
+`muon_offload.setup_optimizer(model, OptimizerConfig(...))`, random tokens copied in
+from pinned host memory each step.
 
 Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
 
@@ -456,8 +457,13 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
     optimizer = build_optimizer(arm, model, args)
     vocab = model.config.vocab_size
     seq = args.seq or sequence_length(args.model)
+    # In host memory, copied in each step as a DataLoader with pin_memory hands them: the
+    # copy queues behind whatever the step has enqueued on the link, as a trainer's does.
     batches = [
-        random_tokens(vocab, seq, args.batch, device, seed=i) for i in range(args.micro_batches)
+        tuple(t.cpu().pin_memory() if device.type == "cuda" else t for t in batch)
+        for batch in (
+            random_tokens(vocab, seq, args.batch, device, seed=i) for i in range(args.micro_batches)
+        )
     ]
 
     marks: PhaseMarks | None = None  # set for the timed window with --phases
@@ -467,7 +473,9 @@ def measure(arm: Arm, args: argparse.Namespace, device: torch.device) -> dict[st
         if marks is not None:
             marks.begin()
         optimizer.zero_grad(set_to_none=True)
-        for inputs, targets in batches:
+        for host_inputs, host_targets in batches:
+            inputs = host_inputs.to(device, non_blocking=True)
+            targets = host_targets.to(device, non_blocking=True)
             value = loss(inputs, targets) / len(batches)
             if marks is not None:
                 marks.mark()

@@ -21,8 +21,9 @@ write-back is done. The schedule says:
   write-backs, and the copy engine runs copies in the order they were enqueued);
 - with forward overlap, how far ahead of the forward the chunks are enqueued:
   `UP_FRONT_RINGS` rings' worth when `step()` returns, then `ring_slots` beyond the
-  chunk the forward needs, counted in chunks, ready ones too (what is left of theirs
-  is copies).
+  chunk the forward needs, counted in chunks, ready ones too (with forward overlap
+  they hold no ops: their updates run first, their loads are the prologue's, and
+  their write-backs, an extra slot's, the epilogue's).
 
 Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
 
