@@ -701,16 +701,14 @@ class StepExecutor:
         # The chunks ready at the start (resident, or loaded in the backward; loaded here
         # if it did not, e.g. on the first step) update first, a few calls for all of them
         # (with overlap, short ones first: the forward waits for its first chunks' calls).
-        # The ring's first loads are enqueued before those calls, so the link does not
-        # wait for the host to make them.
         for c in schedule.ready:
             if self.chunks[c].slot >= 0:
                 run("load", c)
-        for op in schedule.prologue:
-            run(*op)
         runs = self._update_groups(subset, schedule.ready, had_state, had)
         for cs in ramped_runs(runs) if chunk_done is not None else runs:
             step_chunks(cs)
+        for op in schedule.prologue:
+            run(*op)
         for ops in schedule.per_chunk:
             for op in ops:
                 run(*op)

@@ -14,16 +14,18 @@ write-back is done. The schedule says:
   their params allow, so the host pays a few calls' overhead for them, not one a chunk
   (with forward overlap, a few more: `ramped_runs` cuts them so the first call is short);
 - in which order the copies and updates are enqueued: the first `ring_slots - 1`
-  loads up front (`prologue`), before the ready chunks' updates, so the link starts
-  with the step; then per chunk the load `ring_slots - 1` staged chunks ahead, its
+  loads up front, then per chunk the load `ring_slots - 1` staged chunks ahead, its
   update, its write-back; with forward overlap the extra slots' write-backs go last
   (nothing waits for them, while the forward waits for ring loads that wait for ring
   write-backs, and the copy engine runs copies in the order they were enqueued);
 - with forward overlap, how far ahead of the forward the chunks are enqueued:
   `UP_FRONT_RINGS` rings' worth when `step()` returns, then `ring_slots` beyond the
-  chunk the forward needs, counted in chunks, ready ones too (with forward overlap
-  they hold no ops: their updates run first, their loads are the prologue's, and
-  their write-backs, an extra slot's, the epilogue's).
+  chunk the forward needs, counted in chunks, ready ones too (what is left of theirs
+  is the ring's loads due by their turn: enqueued as the forward passes them, after the
+  trainer's own small copies to the GPU, its input batch and FSDP2's, which would
+  otherwise wait behind them in the copy engine: enqueued in `step()`, the forward's
+  first layer started 11-23 ms later and the step was slower,
+  `bench/measured/train_step_hf_b4_prologue_ab_20b41e8_h100.log`).
 
 Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
 
@@ -32,10 +34,8 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
     (-1, -1, 3, 4, 5, 0, 1, 2)
     >>> s.ready
     (0, 1, 2, 3, 4)
-    >>> s.prologue  # the ring's first loads, due while the ready chunks' turns come
-    (('load', 5), ('load', 6))
-    >>> s.per_chunk[3]  # a ready chunk: its update is among the first calls
-    ()
+    >>> s.per_chunk[3]  # chunk 3's ops: the load 2 staged chunks ahead (into the ring)
+    (('load', 5),)
     >>> s.per_chunk[5]
     (('load', 7), ('step', 5), ('write_back', 5))
     >>> s.epilogue  # the backward's chunks write back last
@@ -264,8 +264,7 @@ class StepSchedule:
     on the first step). Updated first, in as few calls as their params allow; no op below
     loads or updates them."""
     prologue: tuple[Op, ...]
-    """Enqueued first, before the ready chunks' updates: the loads due before the first
-    chunk that is not ready."""
+    """Enqueued before the first chunk: the first loads."""
     per_chunk: tuple[tuple[Op, ...], ...]
     """Enqueued when chunk c runs: the load ahead of it, its update, its write-back."""
     epilogue: tuple[Op, ...]
@@ -340,7 +339,7 @@ def plan_step(
     on_gpu = set(staged_chunks[:backward_loads]) | {c for c, s in enumerate(staged) if not s}
     ready = tuple(itertools.takewhile(on_gpu.__contains__, range(len(staged))))
     ahead = ring_slots - 1  # loads in flight ahead of the update (0: load, then update)
-    prologue: list[Op] = [("load", c) for c in staged_chunks[:ahead] if c not in ready]
+    prologue: tuple[Op, ...] = tuple(("load", c) for c in staged_chunks[:ahead] if c not in ready)
     per_chunk: list[tuple[Op, ...]] = []
     held: list[Op] = []
     next_load = ahead
@@ -348,9 +347,7 @@ def plan_step(
         ops: list[Op] = []
         if slots[c] >= 0:
             if next_load < len(staged_chunks) and staged_chunks[next_load] not in ready:
-                # A ready chunk's turn comes when the forward reaches it: the loads due
-                # by then go up front, so the link starts with the step.
-                (prologue if c in ready else ops).append(("load", staged_chunks[next_load]))
+                ops.append(("load", staged_chunks[next_load]))
             next_load += 1
         if c not in ready:
             ops.append(("step", c))
@@ -371,7 +368,7 @@ def plan_step(
         ring_slots=ring_slots,
         backward_loads=backward_loads,
         ready=ready,
-        prologue=tuple(prologue),
+        prologue=prologue,
         per_chunk=tuple(per_chunk),
         epilogue=tuple(held),
         up_front=min(UP_FRONT_RINGS * ring_slots - 1, end),

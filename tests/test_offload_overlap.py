@@ -855,29 +855,6 @@ def test_write_backs_of_the_backwards_chunks_go_after_the_rings():
     assert len(backs) == extra_slots + ring_slots
 
 
-def test_the_rings_first_loads_go_before_the_ready_chunks_updates():
-    """The ring's first loads are due while the forward passes the ready chunks (loaded in
-    the backward): left to those chunks' turns, the forward's hooks enqueued them after
-    `step()`'s update calls, and the link sat idle the first 5.8 ms of an H100's forward.
-    They are enqueued at once, ahead of the first update call."""
-    model, opt = _loading_in_the_backward(8 * 512)
-    events = []
-    executor = opt._executor
-    load, step_chunks = executor._load, executor._step_chunks
-    executor._load = lambda chunk, *a: events.append(("load", chunk.slot)) or load(chunk, *a)
-    executor._step_chunks = lambda *a: events.append(("update", None)) or step_chunks(*a)
-    data = batches(3)
-    run(model, opt, data[:2])
-    model(data[2]).square().mean().backward()
-    events.clear()
-    opt.step()
-    ring_loads = [k for k, (kind, slot) in enumerate(events) if kind == "load" and slot < 2]
-    first_update = events.index(("update", None))
-    assert opt.schedule.backward_loads > 0 and len(ring_loads) == 1  # a ring of 2: 1 ahead
-    assert ring_loads[0] < first_update
-    model(data[0])  # the pending chunks land
-
-
 def test_the_backward_takes_each_chunks_slot_as_its_share_comes_and_not_the_ring():
     """The backward's loads go to slots of their own, each taken when its share is
     enqueued: the ring is taken by `step()`, and memory the backward's loads do not use

@@ -378,8 +378,8 @@ def test_chunks_fill_up_to_the_largest_staged_unit_that_cannot_be_cut():
 
 
 def _issue_order(schedule) -> list[tuple[str, int]]:
-    ops = list(schedule.prologue)  # the executor enqueues it first
-    ops += [("step", c) for c in schedule.ready]  # as one update
+    ops = [("step", c) for c in schedule.ready]  # as one update, first
+    ops += schedule.prologue
     for chunk_ops in schedule.per_chunk:
         ops += chunk_ops
     return ops + list(schedule.epilogue)
@@ -393,21 +393,22 @@ def test_plan_step_enqueues_loads_ahead_and_holds_back_the_extra_slots_write_bac
     # the resident chunk and the backward's 4 are ready: they update first, together
     assert schedule.ready == (0, 1, 2, 3, 4)
     assert _issue_order(schedule) == [
-        # into the ring, waiting for no write-back, ahead of the ready chunks' updates:
-        # left to chunk 3's turn, the forward's hooks would enqueue it
-        ("load", 5),
         ("step", 0), ("step", 1), ("step", 2), ("step", 3), ("step", 4),
+        # into the ring, waiting for no write-back; at chunk 3's turn, as the forward
+        # passes it: enqueued in step(), the trainer's input copy waited behind it (H100)
+        ("load", 5),
         ("step", 5), ("write_back", 5),
         # the backward's write-backs are held to the end: a trainer's small copy early in
         # the forward would wait behind them in the copy engine
         ("write_back", 1), ("write_back", 2), ("write_back", 3), ("write_back", 4),
     ]  # fmt: skip
+    assert schedule.prologue == () and schedule.per_chunk[3] == (("load", 5),)
     # without the backward's loads: the loads ring_slots - 1 staged chunks ahead
     loading = plan_step([False] + [True] * 5, ring_slots=3, backward_loads=0, overlap=True)
     assert loading.ready == (0,)
     assert _issue_order(loading) == [
-        ("load", 1), ("load", 2),
         ("step", 0),
+        ("load", 1), ("load", 2),
         ("load", 3), ("step", 1), ("write_back", 1),
         ("load", 4), ("step", 2), ("write_back", 2),
         ("load", 5), ("step", 3), ("write_back", 3),
