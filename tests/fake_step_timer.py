@@ -74,17 +74,19 @@ class FakeSearchTimer(FakeStepTimer):
 class FakeTuningTimer(StepTimer):
     """A timed `StepTimer` for the default's backward tuning: each timed forward stalls
     `stall_ms()` (asked once the round is read, so of the plan its steps ran) in its first
-    wait, each step takes 100 ms, the backward `backward` ms (or `backward()`, asked as the
-    stall is), and loads copy `bytes_per_ms`."""
+    wait, each step takes 100 ms (or `iteration()`, asked as the stall is), the backward
+    `backward` ms (or `backward()`), and loads copy `bytes_per_ms`."""
 
     def __init__(
         self,
         stall_ms: Callable[[], float],
         backward: float | Callable[[], float],
         bytes_per_ms: float,
+        iteration: Callable[[], float] = lambda: 100.0,
     ):
         super().__init__(torch.device("cpu"))
         self.stall_ms, self.backward, self.bytes_per_ms = stall_ms, backward, bytes_per_ms
+        self.iteration = iteration
 
     @property
     def timed(self) -> bool:
@@ -99,7 +101,7 @@ class FakeTuningTimer(StepTimer):
 
     def iterations_ms(self, first: int, last: int) -> list[float]:
         assert last < len(self._iterations) - 1, "read the start of the step now starting"
-        return [100.0] * (last - first)
+        return [self.iteration()] * (last - first)
 
     def backward_ms(self, since: int = 0) -> float:
         return self.backward() if callable(self.backward) else self.backward
