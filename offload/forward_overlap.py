@@ -295,8 +295,6 @@ class ForwardOverlap:
         self._late_params: list[list[Tensor]] = []  # see `set_chunks`
         self._late_storage: list[list[int]] = []  # their data pointers at `start`
         self._up_front = -1  # the last chunk enqueued when `start` returns
-        self._ring_loads_through = -1  # enqueued as the forward enters its second owner
-        self._owners_entered = 0  # owner modules the forward after the step has entered
         self._ahead_of: Sequence[int] = ()  # per chunk: the last enqueued once it is needed
         self._advancing = threading.RLock()
         # The autocast, inference mode and default dtype `step()` was called in: its
@@ -396,7 +394,6 @@ class ForwardOverlap:
         what a wait for it needs done, as the timer records it), and the step's schedule
         (how far ahead of the forward its chunks are enqueued)."""
         self._up_front, self._ahead_of = schedule.up_front, schedule.ahead_of
-        self._ring_loads_through = schedule.ring_loads_through
         chunk_of: dict[Tensor, int] = {}
         for c, params in enumerate(chunk_params):
             for p in params:
@@ -469,7 +466,6 @@ class ForwardOverlap:
                     grad.record_stream(side)
             self._pending = pending
             self._enqueued = 0
-            self._owners_entered = 0
             self._late_storage = [[p.data_ptr() for p in ps] for ps in self._late_params]
             self._in_flight = True
             self._waited = (None, -1)  # the events are recorded anew
@@ -634,11 +630,6 @@ class ForwardOverlap:
                     watch.hooked += 1
         if not self._in_flight or not self._module_chunk:
             return
-        self._owners_entered += 1
-        if self._owners_entered == 2:
-            # Past the forward's start: the copies it made (its input batch, a mask's) are
-            # enqueued, and the ring's first loads do not hold them up in the copy engine.
-            self.advance(self._ring_loads_through)
         if not self._owner_is_unit[index]:  # a plain model's module: its own chunk only
             chunk = self._module_chunk[index]
             if chunk >= 0:

@@ -36,8 +36,6 @@ Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
     (0, 1, 2, 3, 4)
     >>> s.per_chunk[3]  # chunk 3's ops: the load 2 staged chunks ahead (into the ring)
     (('load', 5),)
-    >>> s.ring_loads_through  # the forward enqueues chunks 3 and 4's loads early
-    4
     >>> s.per_chunk[5]
     (('load', 7), ('step', 5), ('write_back', 5))
     >>> s.epilogue  # the backward's chunks write back last
@@ -284,15 +282,6 @@ class StepSchedule:
     def staged(self) -> tuple[int, ...]:
         """The chunks with a staging slot, in step order (read by every backward hook)."""
         return tuple(c for c, slot in enumerate(self.slots) if slot >= 0)
-
-    @functools.cached_property
-    def ring_loads_through(self) -> int:
-        """The last ready chunk whose ops hold a load (the ring's first loads, due as the
-        forward passes the ready chunks), -1 when none: with forward overlap the forward
-        enqueues through it as it enters its second owner module, past the small copies
-        its start makes (its input batch, a mask's), which would wait behind the loads in
-        the copy engine, and before it reaches those chunks."""
-        return max((c for c in self.ready if self.per_chunk[c]), default=-1)
 
     @property
     def loaded_in_backward(self) -> tuple[int, ...]:

@@ -855,34 +855,6 @@ def test_write_backs_of_the_backwards_chunks_go_after_the_rings():
     assert len(backs) == extra_slots + ring_slots
 
 
-def test_the_rings_first_loads_go_as_the_forward_enters_its_second_module():
-    """The ring's first loads are due while the forward passes the chunks loaded in the
-    backward: left to those chunks' turns, they started late in the forward (an H100's
-    link idle its first 11.5 ms); enqueued in `step()`, the trainer's input copy waited
-    behind them. They go once the forward enters its second owner module."""
-    # chunks of 2 KiB, the backward loading 10 of 11: the embedding's take 0-2, the first
-    # Linear's 3, the ring (of one slot) loads the last as the forward passes chunk 9
-    model, opt = _loading_in_the_backward(7 * 2048, chunk_bytes=2048)
-    events = []
-    executor = opt._executor
-    load = executor._load
-    executor._load = lambda chunk, *a: events.append(("load", chunk.slot)) or load(chunk, *a)
-    for index, module in enumerate(model):
-        module.register_forward_pre_hook(lambda *_, i=index: events.append(("module", i)))
-    data = batches(3)
-    run(model, opt, data[:2])
-    model(data[2]).square().mean().backward()
-    events.clear()
-    opt.step()
-    assert opt.schedule.ring_loads_through > opt.schedule.up_front
-    assert not any(slot < 2 for kind, slot in events if kind == "load")  # not in step()
-    model(data[0])
-    ring_load = next(k for k, (kind, slot) in enumerate(events) if kind == "load" and slot < 2)
-    # as the forward enters the first Linear (the second owner: its hooks run before the
-    # test's), not the Linear whose chunk is 2 ahead of the load (module 5)
-    assert events[: ring_load + 2] == [("module", 0), ("load", 0), ("module", 1)]
-
-
 def test_the_backward_takes_each_chunks_slot_as_its_share_comes_and_not_the_ring():
     """The backward's loads go to slots of their own, each taken when its share is
     enqueued: the ring is taken by `step()`, and memory the backward's loads do not use
