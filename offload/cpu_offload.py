@@ -764,14 +764,23 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             this = weakref.ref(self)
             self._overlap.interrupted = lambda: getattr(this(), "_step_interrupted", None)
         # The wrapped optimizer's own state_dict() and load_state_dict() (a trainer that
-        # checkpoints `.optimizer`) see the last step whole, as the wrapper's do.
+        # checkpoints `.optimizer`) see the last step whole, as the wrapper's do; its own
+        # step() is refused (its state is in the homes; the wrapper's step runs it without
+        # hooks, `step_without_hooks`).
         # Removed by close(), or once this wrapper is collected (the optimizer may outlive it).
+        self._stepping = False  # inside step(): a patched step calling the hooked one runs
+        this_wrapper = weakref.ref(self)
+        direct_step = optimizer.register_step_pre_hook(
+            lambda *_: _refuse_direct_step(this_wrapper())
+        )
+        self._direct_step_hook = direct_step.id
         self._remove_inner_hooks = weakref.finalize(
             self,
             _remove_handles,
             [
                 optimizer.register_state_dict_pre_hook(lambda _: (waited() or _nothing)()),
                 optimizer.register_load_state_dict_pre_hook(lambda *_: (waited() or _nothing)()),
+                direct_step,
             ],
         )
         self._remove_inner_hooks.atexit = False
@@ -1407,6 +1416,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("this CPUOffloadOptimizer is closed; build a new one to step")
         if self._interrupted is not None:
             raise RuntimeError(self._interrupted)
+        self._stepping = True
+        try:
+            return self._step(closure)
+        finally:
+            self._stepping = False
+
+    def _step(self, closure: Callable[[], float] | None) -> float | None:
         self._run_wrapped_step_hooks(pre=True)
         self._check_step_inputs()
         # Copied, so nothing changed in place after step() reaches chunks that run later
@@ -1432,7 +1448,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         `_optimizer_step_pre_hooks` and `_optimizer_step_post_hooks`."""
         inner = self.optimizer
         hooks = inner._optimizer_step_pre_hooks if pre else inner._optimizer_step_post_hooks
-        for hook in list(hooks.values()):
+        for key, hook in list(hooks.items()):
+            if key == self._direct_step_hook:  # the wrapper's own guard
+                continue
             if hook(inner, (inner,), {}) is not None and pre:
                 raise RuntimeError(
                     f"a step pre-hook of the wrapped {type(inner).__name__} returned new step() "
@@ -2461,3 +2479,18 @@ def _remove_handles(handles: Sequence[RemovableHandle]) -> None:
 
 def _nothing(*args: Any) -> None:
     pass
+
+
+def _refuse_direct_step(wrapper: CPUOffloadOptimizer | None) -> None:
+    """A step pre-hook on the wrapped optimizer: its own `step()`, called from outside the
+    wrapper's, would step the state in the wrapper's host homes (or fail on their device)
+    and overtake a step still pending with the next forward."""
+    if wrapper is None or wrapper._stepping:
+        return
+    name = type(wrapper.optimizer).__name__
+    raise RuntimeError(
+        f"this {name} is wrapped by a CPUOffloadOptimizer, which keeps its state in host "
+        f"memory and steps it: call step() on the CPUOffloadOptimizer, not on the {name} "
+        "(a GradScaler or trainer given the wrapped optimizer: give it the wrapper); to "
+        f"step the {name} directly again, close() the wrapper first (its state stays)"
+    )

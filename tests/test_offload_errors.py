@@ -519,3 +519,33 @@ def test_a_setting_of_the_wrapped_optimizer_set_on_the_wrapper_is_refused_naming
     opt.run_name = "a"
     assert (opt.chunk_bytes, opt.run_name, opt.optimizer.max_inflight) == (2**20, "a", 1)
     opt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_stepping_the_wrapped_optimizer_directly_is_refused_until_close(overlap):
+    """Its own step() (a GradScaler or trainer handed the wrapped optimizer) stepped the
+    state in the wrapper's homes beside the wrapper, silently on the CPU; refused, naming
+    the wrapper, before anything changes. After close() it steps as torch's."""
+    model, plain_model = _linear(), _linear()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=0.1)
+    calls = []
+    inner.register_step_pre_hook(lambda *_: calls.append("pre"))  # the user's: still once
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=64, overlap_forward=model if overlap else None)
+    for m, o in ((model, opt), (plain_model, plain)):
+        _backward(m)
+        o.step()
+    assert calls == ["pre"]
+    _backward(model)
+    opt.wait_for_optimizer_step()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"AdamW is wrapped by a CPUOffloadOptimizer.*close\(\)"):
+        inner.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert calls == ["pre", "pre"]  # registered before the guard, it ran before it
+    opt.close()
+    inner.step()
+    _backward(plain_model)
+    plain.step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
