@@ -13,8 +13,8 @@ that the stall's ms carry at that rate besides what it loads already
 headroom (free at the peak). The next timed steps check it: a round that took back less
 than half the stall it moved goes back to the bytes before it (the stall was not the
 link's: an update's own time), or that lengthened the backward by as much as it shortened
-the stall, unless the step itself got as much faster; one that took back enough grows
-again while a stall is left, `TUNING_ROUNDS` rounds at most. A stall under
+the stall, unless its stall fell and its step got faster by that half; one that took back
+enough grows again while a stall is left, `TUNING_ROUNDS` rounds at most. A stall under
 `STALL_FLOOR_FRACTION` of the step, or under `STALL_TOLERANCE_MS`, is left. On a device
 that times no events (the CPU) nothing grows.
 """
@@ -145,13 +145,14 @@ class BackwardTuning:
         last = self.rounds[-1] if self.rounds else None
         if last is not None and last.chosen_bytes > last.loaded_bytes:
             moved_ms = (last.chosen_bytes - last.loaded_bytes) / max(last.load_bytes_per_ms, 1e-9)
-            # the forward's stall it took back, less what it added to the backward; or the
-            # step's own time it took back, which also sees what the loads cost the forward
-            # beside its waits (the trainer's copies queued behind them)
-            took_back = max(
-                last.stall_ms - stall - max(0.0, backward - last.backward_ms),
-                last.iteration_ms - iteration,
-            )
+            # the forward's stall it took back, less what it added to the backward; or,
+            # where the stall fell, the step's own time it took back, which also sees what
+            # the loads cost the forward beside its waits (the trainer's copies queued
+            # behind them; a step alone, whose time may carry a one-off, counts only so)
+            fell = last.stall_ms - stall
+            took_back = fell - max(0.0, backward - last.backward_ms)
+            if fell > STALL_TOLERANCE_MS:
+                took_back = max(took_back, last.iteration_ms - iteration)
             if took_back < TOOK_BACK_ENOUGH * min(moved_ms, last.stall_ms):
                 self._record(stall, iteration, rate, backward, loaded, last.loaded_bytes)
                 return last.loaded_bytes, True

@@ -2483,14 +2483,16 @@ def _nothing(*args: Any) -> None:
 
 def _refuse_direct_step(wrapper: CPUOffloadOptimizer | None) -> None:
     """A step pre-hook on the wrapped optimizer: its own `step()`, called from outside the
-    wrapper's, would step the state in the wrapper's host homes (or fail on their device)
-    and overtake a step still pending with the next forward."""
-    if wrapper is None or wrapper._stepping:
+    wrapper's, would step the state in the wrapper's host homes beside the wrapper, or
+    fail on their device with an error that names neither."""
+    # With no state yet, a step that creates it (DCP's state dict functions step at lr 0
+    # to) runs as torch's, on the device: the wrapper's next step homes what it made.
+    if wrapper is None or wrapper._stepping or not wrapper.optimizer.state:
         return
     name = type(wrapper.optimizer).__name__
     raise RuntimeError(
         f"this {name} is wrapped by a CPUOffloadOptimizer, which keeps its state in host "
         f"memory and steps it: call step() on the CPUOffloadOptimizer, not on the {name} "
-        "(a GradScaler or trainer given the wrapped optimizer: give it the wrapper); to "
-        f"step the {name} directly again, close() the wrapper first (its state stays)"
+        "(a GradScaler or trainer given the wrapped optimizer: give it the wrapper); to go "
+        f"on without offload, load the wrapper's state_dict() into a new {name}"
     )

@@ -145,6 +145,16 @@ def test_a_round_that_made_the_step_faster_is_kept_though_its_stall_fell_less():
     assert grown.stall_ms - checked.stall_ms < 0.5 * min(grown.stall_ms, moved)
 
 
+def test_a_faster_step_keeps_no_round_whose_stall_did_not_fall():
+    """A round's step time is one step's, which may carry a one-off cost: a faster step
+    beside a stall the loads did not shorten is noise (found by a review), undone."""
+    step_ms = iter([130.0] + [100.0] * 20)  # the first round's step carries 30 ms once
+    opt, first = _tuned(lambda opt, first: 6.0, iteration_ms=lambda opt, first: next(step_ms))
+    grown, undone = opt.backward_tuning
+    assert grown.chosen_bytes > first and undone.iteration_ms < grown.iteration_ms - 20.0
+    assert undone.chosen_bytes == first and _loaded_in_backward(opt) == first
+
+
 def test_it_grows_no_more_than_the_backward_carries_or_the_device_holds(monkeypatch):
     """The backward's share of its length at the load rate caps the growth; a device with
     no headroom grows nothing; a stall under the floor grows nothing."""

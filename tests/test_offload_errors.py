@@ -522,16 +522,23 @@ def test_a_setting_of_the_wrapped_optimizer_set_on_the_wrapper_is_refused_naming
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_stepping_the_wrapped_optimizer_directly_is_refused_until_close(overlap):
+def test_stepping_the_wrapped_optimizer_directly_is_refused_once_it_has_state(overlap):
     """Its own step() (a GradScaler or trainer handed the wrapped optimizer) stepped the
     state in the wrapper's homes beside the wrapper, silently on the CPU; refused, naming
-    the wrapper, before anything changes. After close() it steps as torch's."""
+    the wrapper, before anything changes. Before any state exists it steps as torch's:
+    DCP's state dict functions step the wrapped optimizer at lr 0 to create it (found by a
+    review), and training on matches plain AdamW."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     model, plain_model = _linear(), _linear()
     inner = torch.optim.AdamW(model.parameters(), lr=0.1)
     plain = torch.optim.AdamW(plain_model.parameters(), lr=0.1)
     calls = []
-    inner.register_step_pre_hook(lambda *_: calls.append("pre"))  # the user's: still once
+    inner.register_step_pre_hook(lambda *_: calls.append("pre"))  # the user's: once a step
     opt = CPUOffloadOptimizer(inner, chunk_bytes=64, overlap_forward=model if overlap else None)
+    get_optimizer_state_dict(model, inner)  # steps `inner` at lr 0: no state yet
+    get_optimizer_state_dict(plain_model, plain)
+    calls.clear()
     for m, o in ((model, opt), (plain_model, plain)):
         _backward(m)
         o.step()
@@ -539,12 +546,13 @@ def test_stepping_the_wrapped_optimizer_directly_is_refused_until_close(overlap)
     _backward(model)
     opt.wait_for_optimizer_step()
     before = [p.clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"AdamW is wrapped by a CPUOffloadOptimizer.*close\(\)"):
+    with pytest.raises(RuntimeError, match=r"AdamW is wrapped by a CPUOffloadOptimizer.*new AdamW"):
         inner.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    assert calls == ["pre", "pre"]  # registered before the guard, it ran before it
-    opt.close()
-    inner.step()
+    # the way out the message names: the state in a new optimizer, stepped as plain's
+    unwrapped = torch.optim.AdamW(model.parameters(), lr=0.1)
+    unwrapped.load_state_dict(opt.state_dict())
+    unwrapped.step()
     _backward(plain_model)
     plain.step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
