@@ -23,8 +23,8 @@ write-back is done. The schedule says:
   chunk the forward needs, counted in chunks, ready ones too (what is left of theirs
   is the ring's loads due by their turn: enqueued as the forward passes them, after the
   trainer's own small copies to the GPU, its input batch and FSDP2's, which would
-  otherwise wait behind them in the copy engine: enqueued in `step()`, the forward's
-  first layer started 11-23 ms later and the step was slower,
+  otherwise wait behind them in the copy engine: enqueued in `step()`, they held up the
+  forward's start and the step was slower,
   `bench/measured/train_step_hf_b4_prologue_ab_20b41e8_h100.log`).
 
 Example: 2 resident chunks, then 6 staged, a ring of 3, the backward loading 3:
