@@ -363,6 +363,7 @@ class Muon(torch.optim.Optimizer):
         # cycling it in AdamW groups, which do not read it (`_warn_adamw_momentum`).
         self._momentum_when_added: list[Any] = []
         self._warned_adamw_momentum = False
+        self._steps_without_grads = 0  # in a row (`_warn_if_no_grads_again`)
         # id(param) -> (group index, index in the group), checked at each use (`_group_of`)
         self._positions: dict[int, tuple[int, int]] = {}
         super().__init__(params, defaults)
@@ -417,6 +418,7 @@ class Muon(torch.optim.Optimizer):
             "_momentum_when_added", [g.get("momentum") for g in self.param_groups]
         )
         self.__dict__.setdefault("_warned_adamw_momentum", False)
+        self.__dict__.setdefault("_steps_without_grads", 0)
         self.__dict__.setdefault("_positions", {})
         for group in self.param_groups:
             _set_group_defaults(group, self.defaults)
@@ -703,9 +705,29 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._warn_if_no_grads_again()
         subset = self.begin_subset_step()
         subset.step_params([p for unit in subset.units for p in unit])
         return loss
+
+    def _warn_if_no_grads_again(self) -> None:
+        """Warn at a second step in a row with no grad on any param: one is a step before
+        training (for a scheduler's sake), two an optimizer whose params no backward
+        reaches (built before `fully_shard`, which replaces them), stepping nothing."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if any(p.grad is not None for p in params):
+            self._steps_without_grads = 0
+            return
+        self._steps_without_grads += 1
+        if self._steps_without_grads == 2:
+            warnings.warn(
+                f"Muon.step() found no grad on any of its {len(params)} params two steps in "
+                "a row, so it updates nothing. An optimizer built before fully_shard holds "
+                "params the model no longer uses (fully_shard replaces them): build it after "
+                "fully_shard; otherwise call backward() before step()",
+                UserWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
     # -- internals -----------------------------------------------------------------------------
 

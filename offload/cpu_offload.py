@@ -763,6 +763,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._overlap.written_back = lambda: (waited() or _nothing)()
             this = weakref.ref(self)
             self._overlap.interrupted = lambda: getattr(this(), "_step_interrupted", None)
+        self._steps_without_grads = 0  # in a row (`_warn_if_no_grads_again`)
         # The wrapped optimizer's own state_dict() and load_state_dict() (a trainer that
         # checkpoints `.optimizer`) see the last step whole, as the wrapper's do; its own
         # step() is refused (its state is in the homes; the wrapper's step runs it without
@@ -897,6 +898,25 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"param {moved} is on {self._params[moved].device} but was on {self.device} "
                 "when its optimizer was wrapped: move the model first, then build and wrap the "
                 "optimizer (CPUOffloadOptimizer plans its staging for one device)"
+            )
+
+    def _warn_if_no_grads_again(self) -> None:
+        """Warn at a second step in a row with no grad on any param: one is a step before
+        training (for a scheduler's sake), two an optimizer whose params no backward
+        reaches (built before `fully_shard`, which replaces them), stepping nothing."""
+        if any(p.grad is not None for p in self._params):
+            self._steps_without_grads = 0
+            return
+        self._steps_without_grads += 1
+        if self._steps_without_grads == 2:
+            warnings.warn(
+                f"step() found no grad on any of the wrapped {type(self.optimizer).__name__}'s "
+                f"{len(self._params)} params two steps in a row, so it updates nothing. An "
+                "optimizer built before fully_shard holds params the model no longer uses "
+                "(fully_shard replaces them): build and wrap it after fully_shard; otherwise "
+                "call backward() before step()",
+                UserWarning,
+                stacklevel=user_stacklevel(),
             )
 
     def _refuse_changed_params(self) -> None:
@@ -1425,6 +1445,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Callable[[], float] | None) -> float | None:
         self._run_wrapped_step_hooks(pre=True)
         self._check_step_inputs()
+        if closure is None:  # a closure makes the grads
+            self._warn_if_no_grads_again()
         # Copied, so nothing changed in place after step() reaches chunks that run later
         # (a precaution: torch 2.11's and 2.13's GradScaler computes both afresh each step).
         scaling = {

@@ -977,3 +977,43 @@ def test_three_d_params_not_named_as_expert_stacks_are_warned_about():
         warnings.simplefilter("error")
         muon_param_groups(model, adamw_patterns=(r"rel_attn\.q$",))
         muon_param_groups(model, row_blocks={r"rel_attn\.q$": (2,)})  # a stack, declared
+
+
+def _no_grad_warnings(step_twice) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step_twice()
+    return [str(w.message) for w in caught if "no grad on any" in str(w.message)]
+
+
+def test_an_optimizer_built_before_fully_shard_is_warned_about_at_its_second_step():
+    # fully_shard replaces the params: the optimizer's old ones never get a grad, and its
+    # steps updated nothing, silently (the loss never moved)
+    from torch.distributed.fsdp import fully_shard
+
+    with one_rank_group():
+        model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+        opt = Muon(model.parameters(), lr=0.1)
+        fully_shard(model)
+
+        def train():
+            model(_randn(4, 8)).square().mean().backward()
+            opt.step()
+
+        assert _no_grad_warnings(train) == []  # one such step may be a step before training
+        (message,) = _no_grad_warnings(train)
+        assert "Muon.step() found no grad on any of its 2 params two steps in a row" in message
+        assert "build it after fully_shard" in message
+
+        built_after = Muon(model.parameters(), lr=0.1)
+        before = _snapshot(list(model.parameters()))
+
+        def train_after():
+            for _ in range(2):
+                built_after.zero_grad()
+                model(_randn(4, 8)).square().mean().backward()
+                built_after.step()
+
+        assert _no_grad_warnings(train_after) == []
+        after = _snapshot(list(model.parameters()))
+        assert not any(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -2075,3 +2075,50 @@ def test_a_subset_step_served_by_getattr_is_wrapped_not_a_stop_iteration():
     model = _tiny()
     opt = CPUOffloadOptimizer(Delegating(model.parameters(), Muon(model.parameters())))
     opt.close()
+
+
+@pytest.mark.parametrize("make", ["adamw", "muon"])
+def test_a_wrapped_optimizer_built_before_fully_shard_is_warned_about_at_its_second_step(make):
+    # fully_shard replaces the params: the wrapped optimizer's old ones never get a grad,
+    # and its steps updated nothing, silently (the loss never moved)
+    from spawn_ranks import one_rank_group
+    from torch.distributed.fsdp import fully_shard
+
+    def no_grad_warnings(step) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        return [str(w.message) for w in caught if "no grad on any" in str(w.message)]
+
+    with one_rank_group():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+        inner = (
+            torch.optim.AdamW(model.parameters(), lr=0.1)
+            if make == "adamw"
+            else Muon(model.parameters(), lr=0.1)
+        )
+        opt = CPUOffloadOptimizer(inner)
+        fully_shard(model)
+
+        def train():
+            opt.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+
+        assert no_grad_warnings(train) == []  # one such step may be a step before training
+        (message,) = no_grad_warnings(train)
+        assert (
+            f"no grad on any of the wrapped {type(inner).__name__}'s 2 params two steps" in message
+        )
+        assert "build and wrap it after fully_shard" in message
+        assert no_grad_warnings(train) == []  # once a run of them
+        opt.close()
+
+        opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+        before = [p.to_local().clone() for p in model.parameters()]
+        assert no_grad_warnings(train) == no_grad_warnings(train) == []
+        assert not any(
+            torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)
+        )
+        opt.close()
