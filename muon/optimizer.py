@@ -713,7 +713,9 @@ class Muon(torch.optim.Optimizer):
     def _warn_if_no_grads_again(self) -> None:
         """Warn at a second step in a row with no grad on any param: one is a step before
         training (for a scheduler's sake), two an optimizer whose params no backward
-        reaches (built before `fully_shard`, which replaces them), stepping nothing."""
+        reaches (built before `fully_shard`, which replaces them), stepping nothing. Not
+        where only some params are stale (`fully_shard` on part of the model): a param
+        without grads may as well be unused by design."""
         params = [p for group in self.param_groups for p in group["params"]]
         if any(p.grad is not None for p in params):
             self._steps_without_grads = 0
@@ -721,10 +723,11 @@ class Muon(torch.optim.Optimizer):
         self._steps_without_grads += 1
         if self._steps_without_grads == 2:
             warnings.warn(
-                f"Muon.step() found no grad on any of its {len(params)} params two steps in "
-                "a row, so it updates nothing. An optimizer built before fully_shard holds "
-                "params the model no longer uses (fully_shard replaces them): build it after "
-                "fully_shard; otherwise call backward() before step()",
+                f"{type(self).__name__}.step() found no grad on any of its {len(params)} params "
+                "two steps in a row, so it updated nothing. Unless they are frozen: an "
+                "optimizer built before fully_shard holds params the model no longer uses "
+                "(fully_shard replaces them): build it after fully_shard; otherwise call "
+                "backward() before step()",
                 UserWarning,
                 stacklevel=_user_stacklevel(),
             )

@@ -903,7 +903,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _warn_if_no_grads_again(self) -> None:
         """Warn at a second step in a row with no grad on any param: one is a step before
         training (for a scheduler's sake), two an optimizer whose params no backward
-        reaches (built before `fully_shard`, which replaces them), stepping nothing."""
+        reaches (built before `fully_shard`, which replaces them), stepping nothing. Not
+        where only some params are stale (`fully_shard` on part of the model): a param
+        without grads may as well be unused by design."""
         if any(p.grad is not None for p in self._params):
             self._steps_without_grads = 0
             return
@@ -911,10 +913,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._steps_without_grads == 2:
             warnings.warn(
                 f"step() found no grad on any of the wrapped {type(self.optimizer).__name__}'s "
-                f"{len(self._params)} params two steps in a row, so it updates nothing. An "
-                "optimizer built before fully_shard holds params the model no longer uses "
-                "(fully_shard replaces them): build and wrap it after fully_shard; otherwise "
-                "call backward() before step()",
+                f"{len(self._params)} params two steps in a row, so it updated nothing. Unless "
+                "they are frozen: an optimizer built before fully_shard holds params the model "
+                "no longer uses (fully_shard replaces them): build and wrap it after "
+                "fully_shard; otherwise call backward() before step()",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
@@ -1445,8 +1447,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Callable[[], float] | None) -> float | None:
         self._run_wrapped_step_hooks(pre=True)
         self._check_step_inputs()
-        if closure is None:  # a closure makes the grads
-            self._warn_if_no_grads_again()
         # Copied, so nothing changed in place after step() reaches chunks that run later
         # (a precaution: torch 2.11's and 2.13's GradScaler computes both afresh each step).
         scaling = {
@@ -1458,6 +1458,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             loss = self._serial_step(closure, scaling)
         else:
             loss = self._offloaded_step(closure, scaling)
+        self._warn_if_no_grads_again()  # after the step: a closure makes the grads
         record_step_for_lr_schedulers(self.optimizer)
         self._run_wrapped_step_hooks(pre=False)
         return loss

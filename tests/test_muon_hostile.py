@@ -979,11 +979,13 @@ def test_three_d_params_not_named_as_expert_stacks_are_warned_about():
         muon_param_groups(model, row_blocks={r"rel_attn\.q$": (2,)})  # a stack, declared
 
 
-def _no_grad_warnings(step_twice) -> list[str]:
+def _no_grad_warnings(step) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step_twice()
-    return [str(w.message) for w in caught if "no grad on any" in str(w.message)]
+        step()
+    found = [w for w in caught if "no grad on any" in str(w.message)]
+    assert all(w.filename == __file__ for w in found)  # the user's line
+    return [str(w.message) for w in found]
 
 
 def test_an_optimizer_built_before_fully_shard_is_warned_about_at_its_second_step():
@@ -1004,6 +1006,7 @@ def test_an_optimizer_built_before_fully_shard_is_warned_about_at_its_second_ste
         (message,) = _no_grad_warnings(train)
         assert "Muon.step() found no grad on any of its 2 params two steps in a row" in message
         assert "build it after fully_shard" in message
+        assert _no_grad_warnings(train) == []  # once a run of them
 
         built_after = Muon(model.parameters(), lr=0.1)
         before = _snapshot(list(model.parameters()))
@@ -1015,5 +1018,11 @@ def test_an_optimizer_built_before_fully_shard_is_warned_about_at_its_second_ste
                 built_after.step()
 
         assert _no_grad_warnings(train_after) == []
+        # a step with grads ends a run: one step without, one with, one without
+        built_after.zero_grad()
+        assert _no_grad_warnings(built_after.step) == []
+        assert _no_grad_warnings(train_after) == []
+        built_after.zero_grad()
+        assert _no_grad_warnings(built_after.step) == []
         after = _snapshot(list(model.parameters()))
         assert not any(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -2077,8 +2077,11 @@ def test_a_subset_step_served_by_getattr_is_wrapped_not_a_stop_iteration():
     opt.close()
 
 
+@pytest.mark.parametrize("closed", [False, True])
 @pytest.mark.parametrize("make", ["adamw", "muon"])
-def test_a_wrapped_optimizer_built_before_fully_shard_is_warned_about_at_its_second_step(make):
+def test_a_wrapped_optimizer_built_before_fully_shard_is_warned_about_at_its_second_step(
+    make, closed
+):
     # fully_shard replaces the params: the wrapped optimizer's old ones never get a grad,
     # and its steps updated nothing, silently (the loss never moved)
     from spawn_ranks import one_rank_group
@@ -2088,7 +2091,9 @@ def test_a_wrapped_optimizer_built_before_fully_shard_is_warned_about_at_its_sec
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             step()
-        return [str(w.message) for w in caught if "no grad on any" in str(w.message)]
+        found = [w for w in caught if "no grad on any" in str(w.message)]
+        assert all(w.filename == __file__ for w in found)  # the user's line
+        return [str(w.message) for w in found]
 
     with one_rank_group():
         torch.manual_seed(0)
@@ -2101,10 +2106,18 @@ def test_a_wrapped_optimizer_built_before_fully_shard_is_warned_about_at_its_sec
         opt = CPUOffloadOptimizer(inner)
         fully_shard(model)
 
-        def train():
+        def closure():
             opt.zero_grad()
-            model(torch.randn(4, 8)).square().mean().backward()
-            opt.step()
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            return loss
+
+        def train():
+            if closed:  # the grads come from the closure (Lightning passes one)
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
 
         assert no_grad_warnings(train) == []  # one such step may be a step before training
         (message,) = no_grad_warnings(train)
@@ -2118,6 +2131,11 @@ def test_a_wrapped_optimizer_built_before_fully_shard_is_warned_about_at_its_sec
         opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
         before = [p.to_local().clone() for p in model.parameters()]
         assert no_grad_warnings(train) == no_grad_warnings(train) == []
+        # a step with grads ends a run: one step without, one with, one without
+        opt.zero_grad()
+        assert no_grad_warnings(opt.step) == no_grad_warnings(train) == []
+        opt.zero_grad()
+        assert no_grad_warnings(opt.step) == []
         assert not any(
             torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)
         )
