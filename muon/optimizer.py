@@ -724,7 +724,7 @@ class Muon(torch.optim.Optimizer):
         if self._steps_without_grads == 2:
             warnings.warn(
                 f"{type(self).__name__}.step() found no grad on any of its {len(params)} params "
-                "two steps in a row, so it updated nothing. Unless they are frozen: an "
+                "two steps in a row, so it updates nothing. Unless they are frozen: an "
                 "optimizer built before fully_shard holds params the model no longer uses "
                 "(fully_shard replaces them): build it after fully_shard; otherwise call "
                 "backward() before step()",
