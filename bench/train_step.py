@@ -35,7 +35,8 @@ Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
 - offload+overlap: the same, the chunks running alongside the next forward;
 - offload+overlap+bwd: and the next step's first chunks loaded during the backward
   (`offload_load_in_backward=True`); offload+overlap+bwd=BYTES: that much state loaded
-  in the backward (`offload_load_in_backward=BYTES`, extra staging slots);
+  in the backward (`offload_load_in_backward=BYTES`, extra staging slots), +bwd=0: none
+  (`False`; an arm without +bwd loads what the tuning chooses);
 - offload+overlap[+bwd]@BYTES (or @auto): with `offload_gpu_resident_bytes=BYTES`, state
   kept on the GPU; `--resident-sweep` adds one per value (and the none and
   offload+overlap arms the plot compares against) and plots step time and peak
@@ -45,7 +46,8 @@ Arms, `OPT/ARM` with OPT adamw or muon (a bare ARM means both):
 - plain/none, plain/offload+overlap, plain/torchao: the model as a plain module
   (no FSDP), bf16 autocast, fused AdamW: on the GPU, in our CPUOffloadOptimizer,
   or in torchao's `CPUOffloadOptimizer` (when torchao is importable);
-  plain/offload+overlap+bwd=BYTES: ours with that much state loaded in the backward;
+  plain/offload+overlap+bwd=BYTES: ours with that much state loaded in the backward
+  (0: none);
 - any arm%NAME=VALUE[%NAME=VALUE...]: that arm with environment variables set in its
   process (`muon/offload+overlap%MUON_NS_BACKEND=torch`), an A/B of a switch read from
   the environment measured beside the other arms, in one table and the same rounds.
@@ -133,7 +135,7 @@ class Arm:
     resident: int | str | None = None
     """offload_gpu_resident_bytes (bytes or "auto") of a sweep point."""
     backward_load: int | None = None
-    """offload_load_in_backward's bytes of a +bwd=BYTES arm."""
+    """offload_load_in_backward's bytes of a +bwd=BYTES arm (0: no loads)."""
     env: tuple[tuple[str, str], ...] = ()
     """Environment variables set in the arm's process (`%NAME=VALUE`)."""
 
@@ -172,12 +174,17 @@ def _load_bytes(text: str, item: str) -> int | None:
     loads = parse_bytes(text) if text else None
     if loads == "auto":
         raise SystemExit(f"arm {item!r}: backward load bytes are a number, not auto")
-    if loads == 0:  # read as no bytes given, it ran a ring's worth (load_in_backward=True)
-        raise SystemExit(
-            f"arm {item!r}: backward load bytes should be >= 1 (for no loads in the "
-            "backward, an arm without +bwd)"
-        )
     return loads
+
+
+def load_in_backward(arm: Arm) -> int | bool | None:
+    """What the arm passes as `load_in_backward`: None (the default, tuned) but for +bwd
+    arms: True (a ring's worth), False for +bwd=0, or the bytes."""
+    if arm.mode != "offload+overlap+bwd":
+        return None
+    if arm.backward_load is None:
+        return True
+    return arm.backward_load or False
 
 
 def _arm_env(items: Sequence[str], arm: str) -> tuple[tuple[str, str], ...]:
@@ -421,7 +428,7 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
             return adamw
         chunking = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
         if arm.backward_load is not None:
-            chunking["load_in_backward"] = arm.backward_load
+            chunking["load_in_backward"] = load_in_backward(arm)
         elif arm.mode == "offload+overlap" and args.gpu_budget is not None:
             chunking["gpu_budget_bytes"] = args.gpu_budget
         return CPUOffloadOptimizer(adamw, overlap_forward=model, **chunking)
@@ -434,9 +441,7 @@ def build_optimizer(arm: Arm, model, args: argparse.Namespace) -> torch.optim.Op
         lr=args.lr,
         offload="optimizer" if arm.mode.startswith("offload") else "none",
         offload_overlap_forward=arm.mode in OVERLAP_ARMS,
-        offload_load_in_backward=(
-            (arm.backward_load or True) if arm.mode == "offload+overlap+bwd" else None
-        ),
+        offload_load_in_backward=load_in_backward(arm),
         **(
             {"offload_chunk_bytes": args.chunk_bytes}
             if args.chunk_bytes is not None and arm.mode.startswith("offload")

@@ -134,10 +134,18 @@ def test_a_plain_arm_can_load_state_in_the_backward_and_names_its_bytes():
     for bad in ("plain/offload+overlap+bwd", "plain/offload+overlap=2GiB", "plain/offload"):
         with pytest.raises(SystemExit, match="unknown arm"):
             selected_arms(bad, [], "")
-    # 0 bytes ran a ring's worth (read as no bytes given: load_in_backward=True)
-    for zero in ("plain/offload+overlap+bwd=0B", "adamw/offload+overlap+bwd=0"):
-        with pytest.raises(SystemExit, match="should be >= 1"):
-            selected_arms(zero, [], "")
+
+
+def test_an_arm_loads_nothing_in_the_backward_with_zero_bytes():
+    # +bwd=0 was refused, pointing at an arm without +bwd, which loads what the tuning
+    # chooses: no arm measured a step without backward loads
+    from bench.train_step import load_in_backward
+
+    spec = "plain/offload+overlap+bwd=0B,muon/offload+overlap+bwd=0,adamw/offload+overlap+bwd"
+    arms = selected_arms(spec + ",adamw/offload+overlap+bwd=1MiB,adamw/offload+overlap", [], "")
+    assert [load_in_backward(a) for a in arms] == [False, False, True, 2**20, None]
+    assert arms[0].name == "plain/offload+overlap+bwd=0B"
+    assert arms[1].name == "muon/offload+overlap+bwd=0B"
 
 
 def test_the_forward_loads_the_staged_chunks_the_backward_does_not_and_its_floor():
