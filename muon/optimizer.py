@@ -619,6 +619,7 @@ class Muon(torch.optim.Optimizer):
         check_spread_model(self.spread_model)
         check_collect_timings(self.collect_timings)
         _check_each_param_once(self.param_groups)
+        _check_memory_apart(self.param_groups)
         # Every group's grads and momentum before any group steps: a refused step changes
         # nothing.
         try:
@@ -1036,6 +1037,42 @@ def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any
                 )
 
 
+def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
+    """No param shares memory with another or with itself (an expanded view): the step
+    decays and updates a batch of params at once, torch's one param after the other, so
+    where they overlap the result would depend on the batching. Refused, naming them."""
+    spans = []
+    for index, group in enumerate(groups):
+        for k, p in enumerate(group["params"]):
+            t = _local(p)
+            if t.numel() == 0 or t.is_meta:
+                continue
+            layout = list(zip(t.shape, t.stride(), strict=True))
+            if any(stride == 0 and size > 1 for size, stride in layout):
+                raise ValueError(
+                    f"param group {index}: {_param_text(group, k)} shares memory with itself "
+                    "(a stride of 0: an expanded view), so its update would overwrite "
+                    "itself: give it its own memory (.clone())"
+                )
+            extent = sum((size - 1) * stride for size, stride in layout) + 1
+            start = t.data_ptr()
+            spans.append((str(t.device), start, start + extent * t.element_size(), index, k))
+    spans.sort()
+    reach = None  # the span reaching furthest so far on this device
+    for span in spans:
+        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
+            (_, _, _, i, a), (_, _, _, j, b) = reach, span
+            raise ValueError(
+                f"param group {i}: {_param_text(groups[i], a)} and param group {j}: "
+                f"{_param_text(groups[j], b)} share memory (views of one tensor), so the "
+                "update of one would change the other, in an order that depends on how "
+                "the step batches them: tie them as one Parameter, or give each its own "
+                "memory (.clone())"
+            )
+        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
+            reach = span
+
+
 def _check_each_param_once(groups: list[dict[str, Any]]) -> None:
     """No param in two groups: `add_param_group` refuses that, a group appended to
     `param_groups` by hand is seen here (torch would step the param once per group; the
@@ -1074,6 +1111,13 @@ def _check_group(group: dict[str, Any]) -> None:
                 f"{key}={group[key]!r} is not supported (the step runs as torch's "
                 f"{key}=False); remove it"
             )
+    # torch.optim.Adam's L2 decay (its groups carry the key, and a load keeps it)
+    if group.get("decoupled_weight_decay") not in (None, True):
+        raise ValueError(
+            f"decoupled_weight_decay={group['decoupled_weight_decay']!r} is not supported: "
+            "every group decays decoupled, as torch.optim.AdamW and torch.optim.Muon do; "
+            "remove it (for L2 decay, use torch.optim.Adam)"
+        )
     algorithm = group["algorithm"]
     if algorithm == "adamw":
         check_betas(group["betas"])

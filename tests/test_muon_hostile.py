@@ -1026,3 +1026,59 @@ def test_an_optimizer_built_before_fully_shard_is_warned_about_at_its_second_ste
         assert _no_grad_warnings(built_after.step) == []
         after = _snapshot(list(model.parameters()))
         assert not any(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_params_that_share_memory_are_refused_before_anything_steps():
+    # A decoder tied as the encoder's transpose (two params, one storage): the step decays
+    # a bucket's params, then updates them, torch one after the other; the result moved
+    # with bucket_cap_bytes and differed from torch.optim.Muon, silently
+    enc = nn.Parameter(_randn(6, 6))
+    dec = nn.Parameter(enc.data.t())
+    expanded = nn.Parameter(_randn(1, 6).expand(8, 6))
+    own = nn.Parameter(_randn(6, 6, seed=1))
+    for p, seed in ((enc, 2), (dec, 3), (expanded, 4), (own, 5)):
+        p.grad = _randn(*p.shape, seed=seed)
+    cases = [
+        (
+            [own, enc, dec],
+            r"group 0: param 1 \(shape \(6, 6\)\) and param group 0: param 2 .* share",
+        ),
+        (
+            [{"params": [enc]}, {"params": [dec], "algorithm": "adamw"}],
+            "and param group 1: param 0",
+        ),
+        ([own, expanded], r"param 1 \(shape \(8, 6\)\) shares memory with itself"),
+    ]
+    for groups, named in cases:
+        opt = Muon(groups, lr=0.02)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        before = _snapshot(params)
+        with pytest.raises(ValueError, match=named):
+            opt.step()
+        _assert_nothing_stepped(opt, params, before)
+
+
+def test_disjoint_views_of_one_buffer_step_as_params_of_their_own():
+    flat = torch.cat([_randn(36, seed=6), _randn(36, seed=7)])
+    views = [nn.Parameter(flat[:36].view(6, 6)), nn.Parameter(flat[36:].view(6, 6))]
+    apart = [nn.Parameter(v.detach().clone()) for v in views]
+    for a, b in zip(views, apart, strict=True):
+        a.grad = _randn(6, 6, seed=8)
+        b.grad = a.grad.clone()
+    Muon(views, lr=0.02).step()
+    Muon(apart, lr=0.02).step()
+    assert all(torch.equal(a, b) for a, b in zip(views, apart, strict=True))
+
+
+def test_an_adamw_group_with_l2_weight_decay_is_refused():
+    # torch.optim.Adam's groups carry decoupled_weight_decay=False (L2 decay); loaded into
+    # an AdamW group it was kept, unread: the step decayed decoupled, silently
+    p = nn.Parameter(_randn(6, 6))
+    group = {"params": [p], "algorithm": "adamw", "weight_decay": 0.1}
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False is not supported"):
+        Muon([{**group, "decoupled_weight_decay": False}])
+    opt = Muon([{**group, "decoupled_weight_decay": True}])
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    p.grad = _randn(6, 6, seed=1)
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False is not supported"):
+        opt.step()
