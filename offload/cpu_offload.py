@@ -1376,6 +1376,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             kept.setdefault(param, {})[key] = home.home.shape
         return kept
 
+    def _forget_none_state(self) -> None:
+        """A state entry set to None where the step keeps a tensor is absent, as torch's SGD
+        reads `momentum_buffer` (torch <= 2.2 saved None for every param at momentum 0):
+        dropped, so the step starts it anew (a None in the homes' checks was a crash)."""
+        state = self.optimizer.state
+        for param in self._params:
+            entries = state.get(param)
+            if not entries or all(value is not None for value in entries.values()):
+                continue
+            layout = self._layout(param) or {}
+            for key in [k for k, v in entries.items() if v is None]:
+                if key in layout or (param, key) in self._executor.homes:
+                    del entries[key]
+
     def _take_replaced_state(self) -> None:
         """Copy state tensors assigned by hand since the last step (`opt.state[p][key] = t`)
         into their homes: a step stages the homes, and would silently use the old values.
@@ -1447,6 +1461,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Callable[[], float] | None) -> float | None:
         self._run_wrapped_step_hooks(pre=True)
         self._check_step_inputs()
+        self._forget_none_state()
         # Copied, so nothing changed in place after step() reaches chunks that run later
         # (a precaution: torch 2.11's and 2.13's GradScaler computes both afresh each step).
         scaling = {

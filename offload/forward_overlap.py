@@ -40,6 +40,14 @@ from offload.step_schedule import StepSchedule
 from offload.streams import CopyStreams
 from offload.subset_step import dtensor_local
 
+PENDING_READ_REASON = (
+    "a param whose optimizer step is still pending (CPUOffloadOptimizer(overlap_forward=...)) "
+    "is read inside compiled code (fullgraph=True, or a torch.cond / while_loop branch): its "
+    "update runs eagerly, outside the graph. Read it through its module's forward (whose "
+    "hook waits before the graph), call optimizer.wait_for_optimizer_step() before that "
+    "code, or compile without fullgraph=True"
+)
+
 
 def is_fsdp_module(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
@@ -479,7 +487,7 @@ class ForwardOverlap:
         holding it)."""
         return self._advancing
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=PENDING_READ_REASON)
     def advance(self, last: int, in_step: bool = False) -> None:
         """Enqueue the pending step's chunks up to index `last`.
 

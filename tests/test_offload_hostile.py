@@ -2140,3 +2140,38 @@ def test_a_wrapped_optimizer_built_before_fully_shard_is_warned_about_at_its_sec
             torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)
         )
         opt.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_momentum_buffer_set_to_none_starts_anew_as_torchs_sgd_does(overlap):
+    # torch's SGD reads state.get("momentum_buffer"): None is a buffer not made yet, and
+    # torch <= 2.2 saved None for every param at momentum 0; the wrapper crashed on it
+    # ("'NoneType' object has no attribute 'shape'"), set by hand or loaded
+    torch.manual_seed(0)
+    model, plain_model = nn.Linear(64, 64), nn.Linear(64, 64)
+    plain_model.load_state_dict(model.state_dict())
+    opt = CPUOffloadOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        chunk_bytes=4096,
+        overlap_forward=model if overlap else None,
+    )
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1, momentum=0.9)
+
+    def train(steps: int, edit=None) -> None:
+        for step in range(steps):
+            for m, o in ((model, opt), (plain_model, plain)):
+                o.zero_grad()
+                m(torch.full((2, 64), step + 1.0)).square().sum().backward()
+                o.step()
+                if edit is not None and step == 0:
+                    edit(m, o)
+
+    train(2, lambda m, o: o.state[m.weight].__setitem__("momentum_buffer", None))
+    saved = plain.state_dict()
+    for entries in saved["state"].values():
+        entries["momentum_buffer"] = None  # as a checkpoint of momentum 0 was saved
+    opt.load_state_dict(saved)
+    plain.load_state_dict(saved)
+    train(2)
+    opt.wait_for_optimizer_step()
+    assert_equal(plain_model, plain, model, opt)

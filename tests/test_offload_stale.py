@@ -840,6 +840,33 @@ def test_a_read_inside_compiled_code_runs_the_update_eagerly_and_bitwise():
     _assert_same(plain_model, plain, model, overlapped)
 
 
+def test_a_pending_param_read_inside_fullgraph_code_says_what_to_do():
+    # "Skip inlining ForwardOverlap.advance ... (reason: None). Hint: Remove the
+    # torch.compiler.disable call"
+    @torch.compile(backend="eager", fullgraph=True)
+    def project(x, weight):
+        return torch.tanh(F.linear(x, weight))
+
+    class ReadsTheHeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.head(self.body(project(x, self.head.weight)))
+
+    model = ReadsTheHeadFirst()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with pytest.raises(
+        Exception,
+        match="a param whose optimizer step is still pending .* is read inside compiled code",
+    ):
+        model(torch.randn(2, 8))
+    opt.close()
+
+
 class _Counting(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
