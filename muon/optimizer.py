@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import math
 import sys
 import time
@@ -1040,12 +1041,14 @@ def _check_listed_once(params: list[Any], index: int, groups: list[dict[str, Any
 def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
     """No param shares memory with another or with itself (an expanded view): the step
     decays and updates a batch of params at once, torch's one param after the other, so
-    where they overlap the result would depend on the batching. Refused, naming them."""
+    where they overlap the result would depend on the batching. Refused, naming them.
+    Columns or interleaved views of one tensor, whose elements are apart, pass."""
     spans = []
     for index, group in enumerate(groups):
         for k, p in enumerate(group["params"]):
-            t = _local(p)
-            if t.numel() == 0 or t.is_meta:
+            # the local tensor without to_local() (10 us a DTensor, every step)
+            t = p._local_tensor if isinstance(p, DTensor) else p
+            if t.numel() == 0 or t.data_ptr() == 0:  # empty, meta, a wrapper subclass
                 continue
             layout = list(zip(t.shape, t.stride(), strict=True))
             if any(stride == 0 and size > 1 for size, stride in layout):
@@ -1056,21 +1059,46 @@ def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
                 )
             extent = sum((size - 1) * stride for size, stride in layout) + 1
             start = t.data_ptr()
-            spans.append((str(t.device), start, start + extent * t.element_size(), index, k))
-    spans.sort()
-    reach = None  # the span reaching furthest so far on this device
+            spans.append((str(t.device), start, start + extent * t.element_size(), index, k, t))
+    spans.sort(key=lambda span: span[:3])
+    reaching: list[tuple[Any, ...]] = []  # earlier spans reaching past this one's start
     for span in spans:
-        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
-            (_, _, _, i, a), (_, _, _, j, b) = reach, span
-            raise ValueError(
-                f"param group {i}: {_param_text(groups[i], a)} and param group {j}: "
-                f"{_param_text(groups[j], b)} share memory (views of one tensor), so the "
-                "update of one would change the other, in an order that depends on how "
-                "the step batches them: tie them as one Parameter, or give each its own "
-                "memory (.clone())"
-            )
-        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
-            reach = span
+        reaching = [r for r in reaching if r[0] == span[0] and r[2] > span[1]]
+        for other in reaching:
+            if _elements_overlap(other[5], span[5]):
+                (_, _, _, i, a, _), (_, _, _, j, b, _) = other, span
+                raise ValueError(
+                    f"param group {i}: {_param_text(groups[i], a)} and param group {j}: "
+                    f"{_param_text(groups[j], b)} share memory (views of one tensor), so the "
+                    "update of one would change the other, in an order that depends on how "
+                    "the step batches them: tie them as one Parameter, or give each its own "
+                    "memory (.clone())"
+                )
+        reaching.append(span)
+
+
+def _elements_overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether `a` and `b`, whose spans of memory intersect, share an element."""
+    if a.element_size() != b.element_size() or (a.data_ptr() - b.data_ptr()) % a.element_size():
+        return True  # unlike elements: taken as shared
+    base = min(a.data_ptr(), b.data_ptr())
+    offsets = [(t.data_ptr() - base) // t.element_size() for t in (a, b)]
+    return _strided_overlap(
+        (offsets[0], tuple(a.shape), a.stride()), (offsets[1], tuple(b.shape), b.stride())
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _strided_overlap(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two strided views (offset, shape, strides) of one memory share an element:
+    marked on a host scratch tensor over both, once per pair of layouts (only params that
+    are views of one tensor get here, at every step)."""
+    ends = [
+        o + sum((n - 1) * s for n, s in zip(shape, st, strict=True)) + 1 for o, shape, st in (a, b)
+    ]
+    marks = torch.zeros(max(ends), dtype=torch.uint8)
+    marks.as_strided(a[1], a[2], a[0]).fill_(1)
+    return bool(marks.as_strided(b[1], b[2], b[0]).any())
 
 
 def _check_each_param_once(groups: list[dict[str, Any]]) -> None:

@@ -1377,17 +1377,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return kept
 
     def _forget_none_state(self) -> None:
-        """A state entry set to None where the step keeps a tensor is absent, as torch's SGD
-        reads `momentum_buffer` (torch <= 2.2 saved None for every param at momentum 0):
-        dropped, so the step starts it anew (a None in the homes' checks was a crash)."""
+        """A state entry set to None where the subset step keeps a tensor (torch's
+        optimizers, Muon) is absent, as torch's SGD reads `momentum_buffer` (torch <= 2.2
+        saved None for every param at momentum 0): dropped, so the step starts it anew (a
+        None in the homes' checks was a crash)."""
+        if self._subset is None:  # an optimizer of its own: None may mean more there
+            return
         state = self.optimizer.state
         for param in self._params:
             entries = state.get(param)
             if not entries or all(value is not None for value in entries.values()):
                 continue
-            layout = self._layout(param) or {}
+            layout = self._layout(param)
             for key in [k for k, v in entries.items() if v is None]:
-                if key in layout or (param, key) in self._executor.homes:
+                if key in layout:
                     del entries[key]
 
     def _take_replaced_state(self) -> None:

@@ -1058,16 +1058,34 @@ def test_params_that_share_memory_are_refused_before_anything_steps():
         _assert_nothing_stepped(opt, params, before)
 
 
-def test_disjoint_views_of_one_buffer_step_as_params_of_their_own():
-    flat = torch.cat([_randn(36, seed=6), _randn(36, seed=7)])
-    views = [nn.Parameter(flat[:36].view(6, 6)), nn.Parameter(flat[36:].view(6, 6))]
+@pytest.mark.parametrize(
+    "cut",
+    [
+        lambda w: (w[:4], w[4:]),  # rows
+        lambda w: (w[:, :4], w[:, 4:]),  # columns: their spans of memory intersect
+        lambda w: (w[:, 0::2], w[:, 1::2]),  # interleaved
+        lambda w: (w.view(2, 4, 8)[:, :, :4], w.view(2, 4, 8)[:, :, 4:]),  # expert stacks
+    ],
+)
+def test_views_of_one_tensor_whose_elements_are_apart_step_as_params_of_their_own(cut):
+    views = [nn.Parameter(v) for v in cut(_randn(8, 8, seed=6))]
     apart = [nn.Parameter(v.detach().clone()) for v in views]
     for a, b in zip(views, apart, strict=True):
-        a.grad = _randn(6, 6, seed=8)
+        a.grad = _randn(*a.shape, seed=8)
         b.grad = a.grad.clone()
     Muon(views, lr=0.02).step()
     Muon(apart, lr=0.02).step()
     assert all(torch.equal(a, b) for a, b in zip(views, apart, strict=True))
+
+
+def test_params_of_a_wrapper_subclass_are_not_taken_as_sharing_memory():
+    # a wrapper subclass's data_ptr() is 0: any two of them looked like one memory
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    params = [nn.Parameter(TwoTensor(_randn(4, 4, seed=s), _randn(4, 4, seed=s))) for s in (1, 2)]
+    for p in params:
+        p.grad = TwoTensor(_randn(4, 4, seed=3), _randn(4, 4, seed=3))
+    Muon([{"params": params, "algorithm": "adamw"}], lr=0.02).step()
 
 
 def test_an_adamw_group_with_l2_weight_decay_is_refused():
