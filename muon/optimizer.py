@@ -1042,7 +1042,7 @@ def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
     """No param shares memory with another or with itself (an expanded view): the step
     decays and updates a batch of params at once, torch's one param after the other, so
     where they overlap the result would depend on the batching. Refused, naming them.
-    Columns or interleaved views of one tensor, whose elements are apart, pass."""
+    Views of one tensor whose elements are apart (rows, columns, interleaved) pass."""
     spans = []
     for index, group in enumerate(groups):
         for k, p in enumerate(group["params"]):
@@ -1050,55 +1050,86 @@ def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
             t = p._local_tensor if isinstance(p, DTensor) else p
             if t.numel() == 0 or t.data_ptr() == 0:  # empty, meta, a wrapper subclass
                 continue
-            layout = list(zip(t.shape, t.stride(), strict=True))
-            if any(stride == 0 and size > 1 for size, stride in layout):
-                raise ValueError(
-                    f"param group {index}: {_param_text(group, k)} shares memory with itself "
-                    "(a stride of 0: an expanded view), so its update would overwrite "
-                    "itself: give it its own memory (.clone())"
-                )
-            extent = sum((size - 1) * stride for size, stride in layout) + 1
+            dense = t.is_contiguous()
+            extent = (
+                t.numel()
+                if dense
+                else sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+            )
             start = t.data_ptr()
-            spans.append((str(t.device), start, start + extent * t.element_size(), index, k, t))
+            end = start + extent * t.element_size()
+            spans.append((t.get_device(), start, end, index, k, t, dense))
     spans.sort(key=lambda span: span[:3])
-    reaching: list[tuple[Any, ...]] = []  # earlier spans reaching past this one's start
+    clusters: list[list[tuple[Any, ...]]] = []  # spans reaching into each other
     for span in spans:
-        reaching = [r for r in reaching if r[0] == span[0] and r[2] > span[1]]
-        for other in reaching:
-            if _elements_overlap(other[5], span[5]):
-                (_, _, _, i, a, _), (_, _, _, j, b, _) = other, span
-                raise ValueError(
-                    f"param group {i}: {_param_text(groups[i], a)} and param group {j}: "
-                    f"{_param_text(groups[j], b)} share memory (views of one tensor), so the "
-                    "update of one would change the other, in an order that depends on how "
-                    "the step batches them: tie them as one Parameter, or give each its own "
-                    "memory (.clone())"
-                )
-        reaching.append(span)
+        if clusters and clusters[-1][0][0] == span[0] and span[1] < clusters[-1][-1][2]:
+            clusters[-1].append(span)
+            clusters[-1].sort(key=lambda s: s[2])  # the furthest reach last
+        else:
+            clusters.append([span])
+    for cluster in clusters:
+        if len(cluster) == 1 and (cluster[0][6] or _apart_in_itself(cluster[0][5])):
+            continue
+        if not _bytes_overlap(_layouts(cluster)):
+            continue
+        alone = next((s for s in cluster if _bytes_overlap(_layouts([s]))), None)
+        if alone is not None:
+            raise ValueError(
+                f"param group {alone[3]}: {_param_text(groups[alone[3]], alone[4])} shares "
+                "memory with itself (an expanded or unfolded view), so its update would "
+                "overwrite itself: give it its own memory (.clone())"
+            )
+        one, other = next(
+            (x, y)
+            for n, x in enumerate(cluster)
+            for y in cluster[n + 1 :]
+            if _bytes_overlap(_layouts([x, y]))
+        )
+        raise ValueError(
+            f"param group {one[3]}: {_param_text(groups[one[3]], one[4])} and param group "
+            f"{other[3]}: {_param_text(groups[other[3]], other[4])} share memory (views of "
+            "one tensor), so the update of one would change the other, in an order that "
+            "depends on how the step batches them: tie them as one Parameter, or give each "
+            "its own memory (.clone())"
+        )
 
 
-def _elements_overlap(a: Tensor, b: Tensor) -> bool:
-    """Whether `a` and `b`, whose spans of memory intersect, share an element."""
-    if a.element_size() != b.element_size() or (a.data_ptr() - b.data_ptr()) % a.element_size():
-        return True  # unlike elements: taken as shared
-    base = min(a.data_ptr(), b.data_ptr())
-    offsets = [(t.data_ptr() - base) // t.element_size() for t in (a, b)]
-    return _strided_overlap(
-        (offsets[0], tuple(a.shape), a.stride()), (offsets[1], tuple(b.shape), b.stride())
+def _apart_in_itself(t: Tensor) -> bool:
+    """Whether no two of `t`'s elements share memory, for sure: its dims, by stride, each
+    step past all the smaller ones (as a dense or sliced tensor's do)."""
+    reach = 0
+    for stride, size in sorted(zip(t.stride(), t.shape, strict=True)):
+        if size == 1:
+            continue
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
+def _layouts(spans: Sequence[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+    """The views of `spans` (as `_check_memory_apart` lists them) as `_bytes_overlap` takes
+    them: byte offset from the first, shape, strides, element size."""
+    first = min(span[1] for span in spans)
+    return tuple(
+        (span[1] - first, tuple(span[5].shape), span[5].stride(), span[5].element_size())
+        for span in spans
     )
 
 
-@functools.lru_cache(maxsize=256)
-def _strided_overlap(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two strided views (offset, shape, strides) of one memory share an element:
-    marked on a host scratch tensor over both, once per pair of layouts (only params that
-    are views of one tensor get here, at every step)."""
+@functools.lru_cache(maxsize=64)
+def _bytes_overlap(views: tuple[tuple[Any, ...], ...]) -> bool:
+    """Whether strided views of one memory (byte offset, shape, strides in elements,
+    element size) share a byte: each marked on a host scratch over their bytes, once per
+    set of layouts (only params that are views of one tensor get here, at every step)."""
     ends = [
-        o + sum((n - 1) * s for n, s in zip(shape, st, strict=True)) + 1 for o, shape, st in (a, b)
+        o + (sum((n - 1) * s for n, s in zip(shape, st, strict=True)) + 1) * e
+        for o, shape, st, e in views
     ]
     marks = torch.zeros(max(ends), dtype=torch.uint8)
-    marks.as_strided(a[1], a[2], a[0]).fill_(1)
-    return bool(marks.as_strided(b[1], b[2], b[0]).any())
+    for offset, shape, strides, size in views:
+        marks.as_strided((*shape, size), (*(s * size for s in strides), 1), offset).fill_(1)
+    return int(marks.sum()) < sum(math.prod(shape) * size for _, shape, _, size in views)
 
 
 def _check_each_param_once(groups: list[dict[str, Any]]) -> None:

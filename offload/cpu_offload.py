@@ -1377,20 +1377,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return kept
 
     def _forget_none_state(self) -> None:
-        """A state entry set to None where the subset step keeps a tensor (torch's
-        optimizers, Muon) is absent, as torch's SGD reads `momentum_buffer` (torch <= 2.2
-        saved None for every param at momentum 0): dropped, so the step starts it anew (a
-        None in the homes' checks was a crash)."""
-        if self._subset is None:  # an optimizer of its own: None may mean more there
-            return
+        """A state entry set to None where the step keeps a tensor, or kept one, is absent
+        for torch's optimizers (and their subclasses) and Muon, as torch's SGD reads
+        `momentum_buffer` (torch <= 2.2 saved None for every param at momentum 0): dropped,
+        so the step starts it anew (a None in the homes' checks was a crash)."""
+        family = (c for c in type(self.optimizer).__mro__ if c is not torch.optim.Optimizer)
+        if not any(c.__module__.startswith(("torch.optim.", "muon.")) for c in family):
+            return  # an optimizer of its own: None may mean more there
         state = self.optimizer.state
         for param in self._params:
             entries = state.get(param)
             if not entries or all(value is not None for value in entries.values()):
                 continue
-            layout = self._layout(param)
+            layout = self._layout(param) or {}
             for key in [k for k, v in entries.items() if v is None]:
-                if key in layout:
+                if key in layout or (param, key) in self._executor.homes:
                     del entries[key]
 
     def _take_replaced_state(self) -> None:

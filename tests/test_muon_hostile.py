@@ -1035,8 +1035,10 @@ def test_params_that_share_memory_are_refused_before_anything_steps():
     enc = nn.Parameter(_randn(6, 6))
     dec = nn.Parameter(enc.data.t())
     expanded = nn.Parameter(_randn(1, 6).expand(8, 6))
+    unfolded = nn.Parameter(_randn(10).unfold(0, 4, 2))  # rows overlap, no stride of 0
     own = nn.Parameter(_randn(6, 6, seed=1))
-    for p, seed in ((enc, 2), (dec, 3), (expanded, 4), (own, 5)):
+    w = _randn(8, 12, seed=9)
+    for p, seed in ((enc, 2), (dec, 3), (expanded, 4), (own, 5), (unfolded, 6)):
         p.grad = _randn(*p.shape, seed=seed)
     cases = [
         (
@@ -1048,8 +1050,14 @@ def test_params_that_share_memory_are_refused_before_anything_steps():
             "and param group 1: param 0",
         ),
         ([own, expanded], r"param 1 \(shape \(8, 6\)\) shares memory with itself"),
+        ([unfolded], r"param 0 \(shape \(4, 4\)\) shares memory with itself"),
+        # the overlapping pair is not next to each other by where they start
+        ([w[:, 0::3], w[:, 1::3], w[:, 0::2]], r"param 0 .* and param group 0: param 2 "),
     ]
     for groups, named in cases:
+        for p in groups if isinstance(groups[0], torch.Tensor) else ():
+            if p.grad is None:
+                p.grad = _randn(*p.shape, seed=10)
         opt = Muon(groups, lr=0.02)
         params = [p for g in opt.param_groups for p in g["params"]]
         before = _snapshot(params)
@@ -1076,6 +1084,17 @@ def test_views_of_one_tensor_whose_elements_are_apart_step_as_params_of_their_ow
     Muon(views, lr=0.02).step()
     Muon(apart, lr=0.02).step()
     assert all(torch.equal(a, b) for a, b in zip(views, apart, strict=True))
+
+
+def test_views_of_two_element_sizes_are_compared_by_their_bytes():
+    from muon.optimizer import _check_memory_apart
+
+    w = _randn(8, 8)
+    apart = [nn.Parameter(w[:, :4]), nn.Parameter(w[:, 4:].view(torch.bfloat16))]
+    _check_memory_apart([{"params": apart}])
+    shared = [nn.Parameter(w[:, :5]), nn.Parameter(w[:, 4:].view(torch.bfloat16))]
+    with pytest.raises(ValueError, match="share memory"):
+        _check_memory_apart([{"params": shared}])
 
 
 def test_params_of_a_wrapper_subclass_are_not_taken_as_sharing_memory():

@@ -2175,3 +2175,42 @@ def test_a_momentum_buffer_set_to_none_starts_anew_as_torchs_sgd_does(overlap):
     train(2)
     opt.wait_for_optimizer_step()
     assert_equal(plain_model, plain, model, opt)
+
+
+class _OwnSGD(torch.optim.SGD):
+    """A subclass of torch's SGD (the wrapper steps it whole, not by its subset step)."""
+
+
+@pytest.mark.parametrize(
+    ("make", "momentum"), [(torch.optim.SGD, 0.0), (_OwnSGD, 0.9), (_OwnSGD, 0.0)]
+)
+def test_a_loaded_momentum_buffer_of_none_starts_anew_at_any_momentum_and_in_subclasses(
+    make, momentum
+):
+    # torch <= 2.2 saved momentum_buffer=None at momentum 0: loaded with momentum 0 the
+    # step keeps no buffer, and a subclass steps whole; both crashed on the None
+    torch.manual_seed(0)
+    model, plain_model = nn.Linear(16, 16), nn.Linear(16, 16)
+    plain_model.load_state_dict(model.state_dict())
+    opt = CPUOffloadOptimizer(make(model.parameters(), lr=0.1, momentum=0.9), chunk_bytes=256)
+    plain = make(plain_model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for m, o in ((model, opt), (plain_model, plain)):
+            o.zero_grad()
+            m(torch.full((2, 16), step + 1.0)).square().sum().backward()
+            o.step()
+        if step == 0:
+            saved = plain.state_dict()
+            for group in saved["param_groups"]:
+                group["momentum"] = momentum
+            for entries in saved["state"].values():
+                entries["momentum_buffer"] = None
+            opt.load_state_dict(saved)
+            plain.load_state_dict(saved)
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        # at momentum 0 torch keeps the None it loaded; the wrapper dropped it (the same)
+        ref = {k: v for k, v in plain.state[a].items() if v is not None}
+        assert sorted(ref) == sorted(opt.state[b])
+        assert all(torch.equal(v, opt.state[b][k]) for k, v in ref.items())
