@@ -1072,19 +1072,21 @@ def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
             continue
         if not _bytes_overlap(_layouts(cluster)):
             continue
-        alone = next((s for s in cluster if _bytes_overlap(_layouts([s]))), None)
+        alone = next(
+            (
+                s
+                for s in cluster
+                if not _apart_in_itself(s[5]) and _bytes_overlap.__wrapped__(_layouts([s]))
+            ),
+            None,
+        )
         if alone is not None:
             raise ValueError(
                 f"param group {alone[3]}: {_param_text(groups[alone[3]], alone[4])} shares "
                 "memory with itself (an expanded or unfolded view), so its update would "
                 "overwrite itself: give it its own memory (.clone())"
             )
-        one, other = next(
-            (x, y)
-            for n, x in enumerate(cluster)
-            for y in cluster[n + 1 :]
-            if _bytes_overlap(_layouts([x, y]))
-        )
+        one, other = _first_shared(cluster)
         raise ValueError(
             f"param group {one[3]}: {_param_text(groups[one[3]], one[4])} and param group "
             f"{other[3]}: {_param_text(groups[other[3]], other[4])} share memory (views of "
@@ -1115,6 +1117,24 @@ def _layouts(spans: Sequence[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
         (span[1] - first, tuple(span[5].shape), span[5].stride(), span[5].element_size())
         for span in spans
     )
+
+
+def _first_shared(cluster: Sequence[tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+    """Two spans of `cluster` (none overlapping itself) that share a byte: each marked
+    with its number on a host scratch, the first to find another's mark names both."""
+    views = _layouts(cluster)
+    ends = [
+        o + (sum((n - 1) * s for n, s in zip(sh, st, strict=True)) + 1) * e
+        for o, sh, st, e in views
+    ]
+    marks = torch.zeros(max(ends), dtype=torch.int32)
+    for n, (offset, shape, strides, size) in enumerate(views):
+        region = marks.as_strided((*shape, size), (*(s * size for s in strides), 1), offset)
+        seen = int(region.max())
+        if seen:
+            return cluster[seen - 1], cluster[n]
+        region.fill_(n + 1)
+    raise AssertionError("no two views share a byte")
 
 
 @functools.lru_cache(maxsize=64)

@@ -1382,7 +1382,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         `momentum_buffer` (torch <= 2.2 saved None for every param at momentum 0): dropped,
         so the step starts it anew (a None in the homes' checks was a crash)."""
         family = (c for c in type(self.optimizer).__mro__ if c is not torch.optim.Optimizer)
-        if not any(c.__module__.startswith(("torch.optim.", "muon.")) for c in family):
+        # torch.optim.Muon and Adafactor are defined in `torch.optim` itself (torch 2.13)
+        modules = (c.__module__ for c in family)
+        if not any(m == "torch.optim" or m.startswith(("torch.optim.", "muon.")) for m in modules):
             return  # an optimizer of its own: None may mean more there
         state = self.optimizer.state
         for param in self._params:

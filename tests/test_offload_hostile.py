@@ -2214,3 +2214,22 @@ def test_a_loaded_momentum_buffer_of_none_starts_anew_at_any_momentum_and_in_sub
         ref = {k: v for k, v in plain.state[a].items() if v is not None}
         assert sorted(ref) == sorted(opt.state[b])
         assert all(torch.equal(v, opt.state[b][k]) for k, v in ref.items())
+
+
+def test_a_none_momentum_buffer_in_torchs_muon_starts_anew():
+    # torch.optim.Muon is defined in the module `torch.optim` itself: not taken as
+    # torch's, its None entry crashed the wrapper
+    torch.manual_seed(0)
+    model, plain_model = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+    plain_model.load_state_dict(model.state_dict())
+    opt = CPUOffloadOptimizer(torch.optim.Muon(model.parameters(), lr=0.1), chunk_bytes=256)
+    plain = torch.optim.Muon(plain_model.parameters(), lr=0.1)
+    for step in range(3):
+        for m, o in ((model, opt), (plain_model, plain)):
+            o.zero_grad()
+            m(torch.full((2, 16), step + 1.0)).square().sum().backward()
+            o.step()
+        if step == 0:
+            opt.state[model.weight]["momentum_buffer"] = None
+            del plain.state[plain_model.weight]["momentum_buffer"]  # torch's own: no None
+    assert_equal(plain_model, plain, model, opt)
