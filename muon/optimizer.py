@@ -1061,12 +1061,13 @@ def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
             spans.append((t.get_device(), start, end, index, k, t, dense))
     spans.sort(key=lambda span: span[:3])
     clusters: list[list[tuple[Any, ...]]] = []  # spans reaching into each other
+    reach = (None, 0)  # the last cluster's device and the furthest its spans reach
     for span in spans:
-        if clusters and clusters[-1][0][0] == span[0] and span[1] < clusters[-1][-1][2]:
+        if clusters and reach[0] == span[0] and span[1] < reach[1]:
             clusters[-1].append(span)
-            clusters[-1].sort(key=lambda s: s[2])  # the furthest reach last
         else:
             clusters.append([span])
+        reach = (span[0], max(span[2], reach[1]) if reach[0] == span[0] else span[2])
     for cluster in clusters:
         if len(cluster) == 1 and (cluster[0][6] or _apart_in_itself(cluster[0][5])):
             continue

@@ -764,6 +764,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             this = weakref.ref(self)
             self._overlap.interrupted = lambda: getattr(this(), "_step_interrupted", None)
         self._steps_without_grads = 0  # in a row (`_warn_if_no_grads_again`)
+        # torch's optimizers (their subclasses too) and Muon read a None state entry as one
+        # not made yet (`_forget_none_state`); torch.optim.Muon and Adafactor are defined in
+        # `torch.optim` itself (torch 2.13)
+        modules = [c.__module__ for c in type(optimizer).__mro__ if c is not torch.optim.Optimizer]
+        self._none_is_absent = any(
+            m == "torch.optim" or m.startswith(("torch.optim.", "muon.")) for m in modules
+        )
         # The wrapped optimizer's own state_dict() and load_state_dict() (a trainer that
         # checkpoints `.optimizer`) see the last step whole, as the wrapper's do; its own
         # step() is refused (its state is in the homes; the wrapper's step runs it without
@@ -1381,10 +1388,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for torch's optimizers (and their subclasses) and Muon, as torch's SGD reads
         `momentum_buffer` (torch <= 2.2 saved None for every param at momentum 0): dropped,
         so the step starts it anew (a None in the homes' checks was a crash)."""
-        family = (c for c in type(self.optimizer).__mro__ if c is not torch.optim.Optimizer)
-        # torch.optim.Muon and Adafactor are defined in `torch.optim` itself (torch 2.13)
-        modules = (c.__module__ for c in family)
-        if not any(m == "torch.optim" or m.startswith(("torch.optim.", "muon.")) for m in modules):
+        if not self._none_is_absent:
             return  # an optimizer of its own: None may mean more there
         state = self.optimizer.state
         for param in self._params:

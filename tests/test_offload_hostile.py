@@ -2181,6 +2181,25 @@ class _OwnSGD(torch.optim.SGD):
     """A subclass of torch's SGD (the wrapper steps it whole, not by its subset step)."""
 
 
+def _stepped_beside_a_plain_one(make, after_first_step, bias: bool = True):
+    """An offloaded and a plain optimizer `make(params)` over equal Linears, three steps
+    each, `after_first_step(model, opt, plain_model, plain)` run after the first."""
+    torch.manual_seed(0)
+    model, plain_model = nn.Linear(16, 16, bias=bias), nn.Linear(16, 16, bias=bias)
+    plain_model.load_state_dict(model.state_dict())
+    opt = CPUOffloadOptimizer(make(model.parameters()), chunk_bytes=256)
+    plain = make(plain_model.parameters())
+    for step in range(3):
+        for m, o in ((model, opt), (plain_model, plain)):
+            o.zero_grad()
+            m(torch.full((2, 16), step + 1.0)).square().sum().backward()
+            o.step()
+        if step == 0:
+            after_first_step(model, opt, plain_model, plain)
+    opt.wait_for_optimizer_step()
+    return model, opt, plain_model, plain
+
+
 @pytest.mark.parametrize(
     ("make", "momentum"), [(torch.optim.SGD, 0.0), (_OwnSGD, 0.9), (_OwnSGD, 0.0)]
 )
@@ -2189,25 +2208,18 @@ def test_a_loaded_momentum_buffer_of_none_starts_anew_at_any_momentum_and_in_sub
 ):
     # torch <= 2.2 saved momentum_buffer=None at momentum 0: loaded with momentum 0 the
     # step keeps no buffer, and a subclass steps whole; both crashed on the None
-    torch.manual_seed(0)
-    model, plain_model = nn.Linear(16, 16), nn.Linear(16, 16)
-    plain_model.load_state_dict(model.state_dict())
-    opt = CPUOffloadOptimizer(make(model.parameters(), lr=0.1, momentum=0.9), chunk_bytes=256)
-    plain = make(plain_model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        for m, o in ((model, opt), (plain_model, plain)):
-            o.zero_grad()
-            m(torch.full((2, 16), step + 1.0)).square().sum().backward()
-            o.step()
-        if step == 0:
-            saved = plain.state_dict()
-            for group in saved["param_groups"]:
-                group["momentum"] = momentum
-            for entries in saved["state"].values():
-                entries["momentum_buffer"] = None
-            opt.load_state_dict(saved)
-            plain.load_state_dict(saved)
-    opt.wait_for_optimizer_step()
+    def load_nones(model, opt, plain_model, plain):
+        saved = plain.state_dict()
+        for group in saved["param_groups"]:
+            group["momentum"] = momentum
+        for entries in saved["state"].values():
+            entries["momentum_buffer"] = None
+        opt.load_state_dict(saved)
+        plain.load_state_dict(saved)
+
+    model, opt, plain_model, plain = _stepped_beside_a_plain_one(
+        lambda params: make(params, lr=0.1, momentum=0.9), load_nones
+    )
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
         # at momentum 0 torch keeps the None it loaded; the wrapper dropped it (the same)
@@ -2219,17 +2231,11 @@ def test_a_loaded_momentum_buffer_of_none_starts_anew_at_any_momentum_and_in_sub
 def test_a_none_momentum_buffer_in_torchs_muon_starts_anew():
     # torch.optim.Muon is defined in the module `torch.optim` itself: not taken as
     # torch's, its None entry crashed the wrapper
-    torch.manual_seed(0)
-    model, plain_model = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
-    plain_model.load_state_dict(model.state_dict())
-    opt = CPUOffloadOptimizer(torch.optim.Muon(model.parameters(), lr=0.1), chunk_bytes=256)
-    plain = torch.optim.Muon(plain_model.parameters(), lr=0.1)
-    for step in range(3):
-        for m, o in ((model, opt), (plain_model, plain)):
-            o.zero_grad()
-            m(torch.full((2, 16), step + 1.0)).square().sum().backward()
-            o.step()
-        if step == 0:
-            opt.state[model.weight]["momentum_buffer"] = None
-            del plain.state[plain_model.weight]["momentum_buffer"]  # torch's own: no None
+    def set_none(model, opt, plain_model, plain):
+        opt.state[model.weight]["momentum_buffer"] = None
+        del plain.state[plain_model.weight]["momentum_buffer"]  # torch's own: no None
+
+    model, opt, plain_model, plain = _stepped_beside_a_plain_one(
+        lambda params: torch.optim.Muon(params, lr=0.1), set_none, bias=False
+    )
     assert_equal(plain_model, plain, model, opt)
