@@ -99,9 +99,17 @@ def invariant_numel(param: Tensor) -> int:
     return param.numel() // shard_count(param) if hasattr(param, "placements") else param.numel()
 
 
-def _check_state_shape(param: Any, key: str, value: Tensor, expected: torch.Size, fix: str) -> None:
+def _check_state_shape(
+    param: Any, key: str, value: Tensor | None, expected: torch.Size, fix: str
+) -> None:
     """Refuse a state tensor (loaded, or assigned by hand) not shaped as the step keeps it:
-    copied into its home, a broadcastable one would fill it silently."""
+    copied into its home, a broadcastable one would fill it silently. A None (not dropped
+    as absent, `_forget_none_state`: an optimizer of its own) is refused by name."""
+    if value is None:
+        raise ValueError(
+            f"state {key!r} of param {param} is None where the step keeps a tensor; assign a "
+            "tensor, or start the param's state afresh (del opt.state[param])"
+        )
     shape = local_tensor(value).shape
     if shape != expected:
         raise ValueError(

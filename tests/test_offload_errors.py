@@ -557,3 +557,32 @@ def test_stepping_the_wrapped_optimizer_directly_is_refused_once_it_has_state(ov
     plain.step()
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class _OwnMomentum(torch.optim.Optimizer):
+    """An optimizer of its own (None is not read as absent): a momentum buffer per param."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if state.get("buf") is None:
+                    state["buf"] = p.grad.clone()
+                else:
+                    state["buf"].mul_(0.9).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+def test_a_none_state_entry_of_an_optimizer_of_its_own_is_refused_naming_the_fix():
+    model = _linear()
+    opt = CPUOffloadOptimizer(_OwnMomentum(model.parameters()))
+    _backward(model)
+    opt.step()
+    opt.optimizer.state[model.weight]["buf"] = None
+    _backward(model)
+    with pytest.raises(ValueError, match=r"state 'buf' of param 0 is None .*del opt.state"):
+        opt.step()
