@@ -350,10 +350,26 @@ class ForwardOverlap:
         """Refuse a model that holds none of `params`: its forward would never reach a
         chunk. At the first step (`stepping`) that means params replaced since the
         optimizer was built: `fully_shard` makes new ones, and the optimizer would step
-        the old, which get no grads, while the model trains nothing."""
+        the old, which get no grads, while the model trains nothing. Where it holds some,
+        those it does not that have no grad there are warned of: `fully_shard` on part of
+        the model (a param outside it may be unused by design, so not refused)."""
         model = self._model()
         held = {id(p) for p in model.parameters()} if model is not None else set()
-        if model is None or any(id(p) in held for p in params):
+        if model is None:
+            return
+        if any(id(p) in held for p in params):
+            stale = [i for i, p in enumerate(params) if id(p) not in held and p.grad is None]
+            if stepping and stale:
+                warnings.warn(
+                    f"params {stale[:8]} of the {len(params)} being optimized (positions in "
+                    f"the optimizer's groups) are not overlap_forward's "
+                    f"({type(model).__name__}) and have no grad, so this step leaves them "
+                    "as they are. If fully_shard ran on part of the model after the "
+                    "optimizer was built, they are the params it replaced and the model's "
+                    "new ones train nothing: build the optimizer after fully_shard",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
+                )
             return
         if stepping:
             raise ValueError(

@@ -443,6 +443,23 @@ def test_an_optimizer_built_before_fully_shard_is_refused_at_its_first_step():
         opt.close()
 
 
+def test_params_fully_shard_replaced_in_part_of_the_model_are_warned_of_at_the_first_step():
+    # fully_shard on one layer after the optimizer was built: the optimizer steps that
+    # layer's old params, which get no grad, and the layer trains nothing, silently
+    from spawn_ranks import one_rank_group
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with one_rank_group():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+        model(torch.randn(2, 8)).sum().backward()
+        with pytest.warns(UserWarning, match=r"params \[0, 1\] of the 4 .*after fully_shard"):
+            opt.step()
+        opt.close()
+
+
 def test_a_unit_left_all_gathered_at_step_is_refused_naming_it():
     # an evaluation between backward() and step() leaves FSDP2's root all-gathered: the
     # next forward read its weights from before the step (plain FSDP2 does too), and the
