@@ -120,6 +120,65 @@ def _gate_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return blocks
 
 
+def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Fused params' logical row blocks, declared by modules as `row_blocks = {name: rows}`.
+
+    Returns name patterns (as `muon_param_groups` takes them, which reads these itself),
+    one per distinct block layout, for the params that train (frozen ones are in no
+    group). A module's `row_blocks` of None declares nothing; a name that is none of the
+    module's params is refused.
+    """
+    by_blocks: dict[tuple[int, ...], list[str]] = {}
+    # A param reached by several names (an alias of its module, a module shared by two
+    # parents) is named as `muon_param_groups` names it: by the first.
+    first_name = {id(p): name for name, p in model.named_parameters()}
+    declared_at: dict[int, tuple[str, tuple[int, ...]]] = {}  # by param: (name, rows) first seen
+    for module_name, module in model.named_modules():
+        declared = getattr(module, "row_blocks", None)
+        if declared is None:
+            continue
+        if not isinstance(declared, Mapping) or not all(
+            isinstance(name, str) and _is_row_counts(rows) for name, rows in declared.items()
+        ):
+            where = f"module {module_name!r}" if module_name else "the model"
+            raise TypeError(
+                f"{where} ({type(module).__name__}) has row_blocks = {declared!r}; it should "
+                "be a dict of param name -> row counts of its logical matrices, e.g. "
+                "{'qkv.weight': (q, k, v)}, or None"
+            )
+        params = dict(module.named_parameters(remove_duplicate=False))  # aliases too
+        for param_name, rows in declared.items():
+            if param_name not in params:
+                where = f"module {module_name!r}" if module_name else "the model"
+                raise ValueError(
+                    f"{where} ({type(module).__name__}) declares row_blocks for "
+                    f"{param_name!r}, which is none of its params ({sorted(params)}); name "
+                    "the param as module.named_parameters() names it"
+                )
+            param = params[param_name]
+            where = f"{module_name}.{param_name}" if module_name else param_name
+            earlier = declared_at.setdefault(id(param), (where, tuple(rows)))
+            if earlier[1] != tuple(rows):
+                raise ValueError(
+                    f"param {first_name[id(param)]} is declared with row_blocks {earlier[1]} "
+                    f"as {earlier[0]} and {tuple(rows)} as {where}: declare one layout"
+                )
+            names = by_blocks.setdefault(tuple(rows), [])
+            full = re.escape(first_name[id(param)])
+            if param.requires_grad and full not in names:  # a frozen one is in no group
+                names.append(full)
+    return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items() if names}
+
+
+def _is_row_counts(rows: Any) -> bool:
+    """A sequence of ints (their values are checked where the param's rows are known)."""
+    return (
+        isinstance(rows, Sequence)
+        and not isinstance(rows, (str, bytes))
+        and all(isinstance(n, int) for n in rows)
+    )
+
+
 def muon_param_groups(
     model: nn.Module,
     *,
@@ -146,11 +205,14 @@ def muon_param_groups(
     it: an output head, whatever its name.
     `row_blocks` maps a name pattern to the row blocks of matching fused params
     (e.g. {r"qkv_proj.weight$": (q, k, v)}); each pattern gets its own Muon group
-    and must match at least one Muon param. A Muon param named like a fused one
-    (`FUSED_PATTERNS`: qkv_proj, gate_up_proj, query_key_value, c_attn, in_proj_weight,
-    ...) or an nn.LSTM / nn.GRU gate weight (weight_ih*, weight_hh*; their cells' too)
-    that no `row_blocks` pattern matches is orthogonalized as one matrix, with one
-    warning per call listing them (for gate weights, with the row_blocks to pass).
+    and must match at least one Muon param. The row blocks modules declare
+    (`row_blocks = {param name: rows}` on the module: `model_row_blocks`) are added, for
+    the params no pattern matches, in groups after the patterns'. A Muon param named
+    like a fused one (`FUSED_PATTERNS`: qkv_proj, gate_up_proj, query_key_value, c_attn,
+    in_proj_weight, ...) or an nn.LSTM / nn.GRU gate weight (weight_ih*, weight_hh*;
+    their cells' too) that no `row_blocks` pattern matches is orthogonalized as one
+    matrix, with one warning per call listing them (for gate weights, with the row_blocks
+    to pass).
     `adamw_options` (lr, betas, eps, weight_decay) go into the AdamW group. Every
     trainable param lands in exactly one group; empty groups are left out; a call that
     leaves none to Muon warns, and FSDP1 modules (whose params it flattens) are refused:
@@ -166,6 +228,7 @@ def muon_param_groups(
             f"groups), not its params: got {type(model).__name__}"
         )
     row_blocks = dict(row_blocks or {})
+    declared = model_row_blocks(model)  # exact names; the caller's patterns come first
     if isinstance(adamw_patterns, str):  # a string is a sequence of one-letter patterns
         raise TypeError(
             f"adamw_patterns takes a sequence of regular expressions, not one string: "
@@ -208,6 +271,7 @@ def muon_param_groups(
     unsplit_fused: list[str] = []
     unnamed_stacks: list[str] = []  # 3-D params not named as expert stacks
     fused: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in row_blocks}
+    by_module_blocks: dict[str, list[nn.Parameter]] = {pattern: [] for pattern in declared}
     adamw: list[nn.Parameter] = []
     by_module = {
         id(p) for m in model.modules() if isinstance(m, adamw_modules) for p in m.parameters()
@@ -243,7 +307,12 @@ def muon_param_groups(
         matches = [pattern for pattern in row_blocks if re.search(pattern, name)]
         if len(matches) > 1:
             raise ValueError(f"param {name} matches several row_blocks patterns: {matches}")
-        (fused[matches[0]] if matches else plain).append(p)
+        if not matches:
+            matches = [pattern for pattern in declared if re.search(pattern, name)]
+        if matches:
+            (fused if matches[0] in fused else by_module_blocks)[matches[0]].append(p)
+        else:
+            plain.append(p)
         if p.ndim == 3 and not matches and "expert" not in name.lower():
             unnamed_stacks.append(f"{name} {tuple(p.shape)}")
         if not matches and (
@@ -280,9 +349,14 @@ def muon_param_groups(
         {"params": params, "row_blocks": tuple(row_blocks[pattern])}
         for pattern, params in fused.items()
     )
+    groups.extend(
+        {"params": params, "row_blocks": declared[pattern]}
+        for pattern, params in by_module_blocks.items()
+        if params
+    )
     if adamw:
         groups.append({"params": adamw, "algorithm": "adamw", **dict(adamw_options or {})})
-    if adamw and not plain and not fused:
+    if adamw and not plain and not fused and not any(by_module_blocks.values()):
         warnings.warn(
             f"muon_param_groups: all {len(adamw)} trainable params go to AdamW, none to Muon "
             "(Muon takes 2-D and 3-D matrices whose names match no adamw_patterns): check "

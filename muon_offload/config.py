@@ -21,7 +21,7 @@ import types
 import typing
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -498,64 +498,6 @@ def _as_toml(message: str, names: Sequence[str]) -> str:
     return re.sub(rf"\b({fields})=", lambda m: f"{m[1]} = ", message)
 
 
-def model_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Fused params' logical row blocks, declared by modules as `row_blocks = {name: rows}`.
-
-    Returns name patterns for `muon_param_groups`, one per distinct block layout, for
-    the params that train (frozen ones are in no group). A module's `row_blocks` of None
-    declares nothing; a name that is none of the module's params is refused.
-    """
-    by_blocks: dict[tuple[int, ...], list[str]] = {}
-    # A param reached by several names (an alias of its module, a module shared by two
-    # parents) is named as `muon_param_groups` names it: by the first.
-    first_name = {id(p): name for name, p in model.named_parameters()}
-    declared_at: dict[int, tuple[str, tuple[int, ...]]] = {}  # by param: (name, rows) first seen
-    for module_name, module in model.named_modules():
-        declared = getattr(module, "row_blocks", None)
-        if declared is None:
-            continue
-        if not isinstance(declared, Mapping) or not all(
-            isinstance(name, str) and _is_row_counts(rows) for name, rows in declared.items()
-        ):
-            where = f"module {module_name!r}" if module_name else "the model"
-            raise TypeError(
-                f"{where} ({type(module).__name__}) has row_blocks = {declared!r}; it should "
-                "be a dict of param name -> row counts of its logical matrices, e.g. "
-                "{'qkv.weight': (q, k, v)}, or None"
-            )
-        params = dict(module.named_parameters(remove_duplicate=False))  # aliases too
-        for param_name, rows in declared.items():
-            if param_name not in params:
-                where = f"module {module_name!r}" if module_name else "the model"
-                raise ValueError(
-                    f"{where} ({type(module).__name__}) declares row_blocks for "
-                    f"{param_name!r}, which is none of its params ({sorted(params)}); name "
-                    "the param as module.named_parameters() names it"
-                )
-            param = params[param_name]
-            where = f"{module_name}.{param_name}" if module_name else param_name
-            earlier = declared_at.setdefault(id(param), (where, tuple(rows)))
-            if earlier[1] != tuple(rows):
-                raise ValueError(
-                    f"param {first_name[id(param)]} is declared with row_blocks {earlier[1]} "
-                    f"as {earlier[0]} and {tuple(rows)} as {where}: declare one layout"
-                )
-            names = by_blocks.setdefault(tuple(rows), [])
-            full = re.escape(first_name[id(param)])
-            if param.requires_grad and full not in names:  # a frozen one is in no group
-                names.append(full)
-    return {f"^({'|'.join(names)})$": blocks for blocks, names in by_blocks.items() if names}
-
-
-def _is_row_counts(rows: Any) -> bool:
-    """A sequence of ints (their values are checked where the param's rows are known)."""
-    return (
-        isinstance(rows, Sequence)
-        and not isinstance(rows, (str, bytes))
-        and all(isinstance(n, int) for n in rows)
-    )
-
-
 def offload_bucket_cap(chunk_bytes: int, shards: int) -> int:
     """Muon's `bucket_cap_bytes` when its state is offloaded in `chunk_bytes` chunks and
     its params are sharded `shards` ways (what `setup_optimizer` and the planner use).
@@ -616,11 +558,7 @@ def setup_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
             fused=fused,
         )
     else:
-        groups = muon_param_groups(
-            model,
-            row_blocks=model_row_blocks(model),
-            adamw_options={"betas": config.betas, "eps": config.eps},
-        )
+        groups = muon_param_groups(model, adamw_options={"betas": config.betas, "eps": config.eps})
         options = dict(config.muon_options)
         if config.offload == "optimizer":
             # the mesh's count, not numel / local numel: a 7-element param on 4 ranks

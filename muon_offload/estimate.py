@@ -83,7 +83,6 @@ from muon.planning import (
     held_numel,
     launch_order,
 )
-from muon_offload.config import model_row_blocks
 
 # What CPUOffloadOptimizer stages comes from its own pure chunk planner and defaults
 # (one source of truth); this module joins muon and offload, so it lives in muon_offload.
@@ -657,10 +656,8 @@ def _split(
     """Muon params as (name, shape, row_blocks, group) in the optimizer's order, the
     AdamW params as (group, shape), as `muon_param_groups` groups them, and the params
     by index (the Muon ones, then the AdamW ones: `RankEstimate.units`' numbering).
-    `row_blocks` None: the module's own declarations (`model_row_blocks`, what
-    `setup_optimizer` reads; a `meta_module`'s come from its shapes)."""
-    if row_blocks is None:
-        row_blocks = model_row_blocks(module)
+    `row_blocks`: as `muon_param_groups` takes them, which adds the module's own
+    declarations (`model_row_blocks`; a `meta_module`'s come from its shapes)."""
     names = {id(p): name for name, p in module.named_parameters()}
     muon, adamw, muon_params, adamw_params = [], [], [], []
     for index, group in enumerate(muon_param_groups(module, row_blocks=row_blocks)):
@@ -1035,8 +1032,8 @@ def estimate(
     step's chunks follow the forward's first use of each unit, as `CPUOffloadOptimizer`
     orders them, and that depends on the wrap.
 
-    `row_blocks`: as `muon_param_groups` takes them; by default, the module's own
-    declarations (`model_row_blocks`, what `setup_optimizer` reads; shapes' `row_blocks`).
+    `row_blocks`: as `muon_param_groups` takes them, which adds the module's own
+    declarations (`model_row_blocks`; shapes' `row_blocks`).
 
     Raises `PlanTooLarge` (a ValueError) when planning passes `time_limit_s` seconds.
     """

@@ -311,6 +311,36 @@ def test_fused_params_without_row_blocks_are_warned_about_once_per_call():
         muon_param_groups(model, row_blocks={**declared, "gate_up_proj$": (6, 6)})
 
 
+def test_muon_param_groups_takes_the_row_blocks_modules_declare_and_a_pattern_over_them():
+    # A module's row_blocks attribute (the README's Block) was read by setup_optimizer
+    # only: muon_param_groups(model) orthogonalized the fused gate_up as one matrix,
+    # silently
+    model = nn.ModuleDict({"layer": _Block({"gate_up.weight": (6, 6)}), "down": _Block(None)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain, fused = muon_param_groups(model)
+    assert plain == {"params": [model["down"].gate_up.weight]}
+    assert fused == {"params": [model["layer"].gate_up.weight], "row_blocks": (6, 6)}
+    # the caller's pattern comes first: the declared group is left empty, so out
+    plain, fused = muon_param_groups(model, row_blocks={r"layer\.gate_up": (4, 8)})
+    assert fused == {"params": [model["layer"].gate_up.weight], "row_blocks": (4, 8)}
+    # and the step splits the declared blocks as setup_optimizer's does, bitwise
+    grads = [torch.randn(12, 8, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+
+    def stepped(build) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"layer": _Block({"gate_up.weight": (6, 6)}), "down": _Block(None)})
+        opt = build(net)
+        for p, g in zip(net.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    config = OptimizerConfig(type="muon", lr=0.02, adjust_lr_fn="original", weight_decay=0.1)
+    by_hand = stepped(lambda net: Muon(muon_param_groups(net), lr=0.02))
+    assert all(map(torch.equal, by_hand, stepped(lambda net: setup_optimizer(net, config))))
+
+
 class _Recurrent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

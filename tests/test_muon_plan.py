@@ -23,8 +23,9 @@ from muon.model_shapes import (
     load_config,
     meta_module,
 )
+from muon.param_groups import model_row_blocks
 from muon.planning import MuonPlan, ParamLayout, transient_peak_numel
-from muon_offload.config import model_row_blocks, offload_bucket_cap
+from muon_offload.config import offload_bucket_cap
 from muon_offload.estimate import (
     MeshSpec,
     StepSettings,
@@ -90,14 +91,16 @@ def test_presets_match_published_sizes_and_group_like_the_optimizer():
     # the experts' gate and up fused, as transformers 5 builds them, in declared row blocks
     experts = module.get_submodule("model.layers.0.mlp.experts")
     assert experts.row_blocks == {"gate_up_proj": (768, 768)}
-    muon, adamw = muon_param_groups(module)  # a Muon group and an AdamW group
+    # a Muon group, the declared gate_up stacks' and an AdamW group
+    muon, gate_up, adamw = muon_param_groups(module)
+    assert gate_up["row_blocks"] == (768, 768) and len(gate_up["params"]) == 48
     names = {id(p): n for n, p in module.named_parameters()}
     adamw_names = {names[id(p)] for p in adamw["params"]}
     assert "model.layers.0.mlp.gate.weight" in adamw_names  # the router
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= adamw_names
     assert all(p.ndim == 1 for n, p in module.named_parameters() if "norm" in n)
-    stacks = [p for p in muon["params"] if p.ndim == 3]
-    assert len(stacks) == 2 * 48 and tuple(stacks[0].shape) == (128, 2 * 768, 2048)
+    stacks = [p for p in muon["params"] + gate_up["params"] if p.ndim == 3]
+    assert len(stacks) == 2 * 48 and tuple(gate_up["params"][0].shape) == (128, 2 * 768, 2048)
     deepseek = {p.name: p.shape for p in from_preset("deepseek-v3")}
     assert deepseek["model.layers.0.self_attn.kv_b_proj.weight"] == (128 * 256, 512)
     assert deepseek["model.layers.0.mlp.down_proj.weight"] == (7168, 18432)
