@@ -20,6 +20,7 @@ holding it has stepped:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import re
@@ -28,7 +29,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -903,6 +904,7 @@ class _PendingReads(TorchFunctionMode):
         self.active = False  # off while the step itself runs (`suspended`: on its thread)
         self._suspended_by: int | None = None  # the thread running the step meanwhile
         self.chunk_of: dict[int, int] = {}  # id(param, grad, state tensor) -> its chunk
+        self.shared_storages: dict[int, _StorageSpans] = {}  # `_shared_storage_spans`
         # id -> the grad or state tensor: one the trainer or the optimizer dropped is freed,
         # and a new tensor may take its id
         self._held: dict[int, weakref.ref[Tensor]] = {}
@@ -931,6 +933,8 @@ class _PendingReads(TorchFunctionMode):
             if _DYNAMO_IDS_PARAMS_ONLY and torch.compiler.is_compiling():
                 values = _params_among(values)
             chunk = _latest_chunk(self.chunk_of, self._held, values)
+            if self.shared_storages and not torch.compiler.is_compiling():
+                chunk = max(chunk, _latest_in_shared_storage(self.shared_storages, values))
             if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
                 unwrapped = _unwrapped((*args, *kwargs.values()))
                 chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, unwrapped))
@@ -969,6 +973,7 @@ class _PendingReads(TorchFunctionMode):
         default device's context)."""
         self._remove()
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
+        self.shared_storages = _shared_storage_spans(overlap._param_chunk)
         held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
         held += [(t, c) for p, c in overlap._param_chunk.items() for t in state_scalars.get(p, ())]
         # FSDP2's shard buffers: an `unshard()` by hand between `step()` and the forward
@@ -1044,6 +1049,7 @@ class _PendingReads(TorchFunctionMode):
     def pop(self) -> None:
         """Off, the step landed; taken off the stack where this thread holds it."""
         self.active, self.step_pending, self.chunk_of, self._held = False, False, {}, {}
+        self.shared_storages = {}
         self._remove()
 
     def leave_stack(self) -> None:
@@ -1261,6 +1267,67 @@ def _latest_chunk(
                 value, chunk = base, chunk_of.get(id(base), -1)
             if chunk > latest and _is_it(held, value):
                 latest = chunk
+    return latest
+
+
+class _StorageSpans(NamedTuple):
+    """The params in one storage, by byte span sorted by start, and the longest span."""
+
+    starts: list[int]
+    spans: list[tuple[int, int, int]]  # (start, end, chunk)
+    longest: int
+
+
+def _byte_span(t: Tensor) -> tuple[int, int]:
+    """The bytes of its storage `t` may read (strides non-negative, as params' are)."""
+    size = t.element_size()
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() * size, (t.storage_offset() + extent) * size
+
+
+def _shared_storage_spans(param_chunk: Mapping[Tensor, int]) -> dict[int, _StorageSpans]:
+    """By storage address: the plain params in a storage that holds more than one param
+    or more than its param, as when params are laid out in one flat buffer
+    (`p.data = flat[a:b].view_as(p)`, apex's and DeepSpeed's way). No id names such a
+    buffer, nor a `.data` alias of it: a call given a tensor in that storage waits for
+    the chunks of the params its bytes meet (`_latest_in_shared_storage`). Other models
+    have none, and their calls pay one dict check."""
+    by_storage: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
+    for p, chunk in param_chunk.items():
+        if type(p) not in (Tensor, nn.Parameter) or p.numel() == 0:
+            continue  # a DTensor's shards are FSDP2's own (`fsdp_shard_buffers`)
+        storage = p.untyped_storage()
+        if storage.data_ptr() == 0:
+            continue
+        entry = by_storage.setdefault(storage.data_ptr(), (storage.nbytes(), []))
+        entry[1].append((*_byte_span(p), chunk))
+    shared = {}
+    for address, (nbytes, spans) in by_storage.items():
+        if len(spans) > 1 or spans[0][1] - spans[0][0] < nbytes:
+            spans.sort()
+            longest = max(end - start for start, end, _ in spans)
+            shared[address] = _StorageSpans([start for start, _, _ in spans], spans, longest)
+    return shared
+
+
+def _latest_in_shared_storage(shared: dict[int, _StorageSpans], values: Iterable[Any]) -> int:
+    """The latest chunk of the params whose bytes the tensors among `values` (one level
+    into lists and tuples) meet in a storage of `shared`, else -1."""
+    latest = -1
+    for value in values:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if type(item) not in (Tensor, nn.Parameter) or item.layout != torch.strided:
+                continue
+            spans = shared.get(item.untyped_storage().data_ptr())
+            if spans is None or item.numel() == 0:
+                continue
+            start, end = _byte_span(item)
+            at = bisect.bisect_left(spans.starts, start - spans.longest + 1)
+            for first, last, chunk in spans.spans[at:]:
+                if first >= end:
+                    break
+                if last > start and chunk > latest:
+                    latest = chunk
     return latest
 
 

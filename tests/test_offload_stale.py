@@ -187,10 +187,14 @@ def _train(model, opt, data, after_step=None, after_backward=None) -> list[float
     return losses
 
 
-def _pair(make_model, overlap_of=lambda m: m, **options):
+def _pair(make_model, overlap_of=lambda m: m, remake=False, **options):
     torch.manual_seed(0)
     plain_model = make_model()
-    model = copy.deepcopy(plain_model)
+    if remake:  # made again from the seed: a deep copy gives each param storage of its own
+        torch.manual_seed(0)
+        model = make_model()
+    else:
+        model = copy.deepcopy(plain_model)
     plain = CPUOffloadOptimizer(torch.optim.AdamW(plain_model.parameters(), lr=1e-2), chunk_bytes=1)
     overlapped = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -938,6 +942,44 @@ def test_grads_in_one_buffer_zeroed_through_it_wait_for_the_update():
             opt.step()
         runs.append(losses)
     assert runs[0] == runs[1]
+    _assert_same(plain_model, plain, model, overlapped)
+
+
+def _in_one_flat_buffer(make_model):
+    """`make_model`'s params laid out in one flat buffer, as apex and DeepSpeed lay them
+    out (`p.data = flat[a:b].view_as(p)`: no param is a view torch records)."""
+
+    def make() -> nn.Module:
+        model = make_model()
+        params = list(model.parameters())
+        model.flat = torch.cat([p.detach().reshape(-1) for p in params])
+        for p, part in zip(params, model.flat.split([p.numel() for p in params]), strict=True):
+            p.data = part.view_as(p)
+        return model
+
+    return make
+
+
+@pytest.mark.parametrize("use", ["read", "write"])
+def test_a_flat_buffer_holding_the_params_read_or_written_while_pending_sees_the_update(use):
+    # a weight norm logged, or every weight shrunk, through the buffer after step(): no
+    # id names it, so it read the weights before the update and the update landed on
+    # top of the write
+    plain_model, plain, model, overlapped = _pair(_in_one_flat_buffer(TiedEmbedFirst), remake=True)
+    assert model.body[2].weight.untyped_storage().data_ptr() == model.flat.data_ptr()
+    logged: dict[nn.Module, list[float]] = {plain_model: [], model: []}
+
+    def through_the_buffer(m, o):
+        with torch.no_grad():
+            if use == "read":
+                logged[m].append(m.flat.norm().item())
+            else:
+                m.flat.mul_(0.9)
+
+    data = _tokens(4)
+    losses = _train(plain_model, plain, data, after_step=through_the_buffer)
+    assert _train(model, overlapped, data, after_step=through_the_buffer) == losses
+    assert logged[model] == logged[plain_model]
     _assert_same(plain_model, plain, model, overlapped)
 
 
