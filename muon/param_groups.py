@@ -300,7 +300,7 @@ def muon_param_groups(
             adamw.append(p)
             outside = "AdamW"
         if outside is not None:
-            for pattern in row_blocks:
+            for pattern in (*row_blocks, *declared):
                 if re.search(pattern, name):
                     not_muon.setdefault(pattern, []).append(f"{name} ({outside})")
             continue
@@ -326,6 +326,13 @@ def muon_param_groups(
                 f"row_blocks pattern {pattern!r} matches no Muon param"
                 + (f": it matches only {seen}" if seen else "")
                 + "; drop it, or fix the pattern (re.search over model.named_parameters())"
+            )
+    for pattern, params in by_module_blocks.items():
+        if not params and pattern in not_muon:  # declared fused, and no Muon param
+            raise ValueError(
+                f"modules declare row_blocks {declared[pattern]} for {not_muon[pattern]}, "
+                "which Muon does not take: drop the declaration, or keep the param from "
+                "AdamW (adamw_patterns, adamw_modules)"
             )
     if unsplit_fused:
         unsplit_gates = {name: gates[name] for name in unsplit_fused if name in gates}

@@ -301,6 +301,7 @@ class ForwardOverlap:
         self._watch = _Watch()  # that forward's hooks on its owner modules' inputs
         self._chunk_needs: list[int] = []  # state bytes from the step's start to each chunk's end
         self._param_chunk: dict[Tensor, int] = {}  # the chunk each param's update lands with
+        self._shared_storages: dict[int, _StorageSpans] = {}  # `_shared_storage_spans`
         self._late_params: list[list[Tensor]] = []  # see `set_chunks`
         self._late_storage: list[list[int]] = []  # their data pointers at `start`
         self._up_front = -1  # the last chunk enqueued when `start` returns
@@ -434,6 +435,8 @@ class ForwardOverlap:
         self._chunk_needs = [max((param_end[p] for p in ps), default=0) for ps in chunk_params]
         self._chunk_needs = list(itertools.accumulate(self._chunk_needs, max))
         self._param_chunk = {p: c for p, c in chunk_of.items()}
+        # per plan: a param given other storage while pending is refused (`_refuse_replaced`)
+        self._shared_storages = _shared_storage_spans(self._param_chunk)
         # Per chunk the step enqueues after it returns, its plain params (a DTensor's local
         # storage is FSDP2's to manage), to check that none was given other storage while
         # pending (`_refuse_replaced`); none for a chunk ready when the step starts
@@ -938,6 +941,9 @@ class _PendingReads(TorchFunctionMode):
             if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
                 unwrapped = _unwrapped((*args, *kwargs.values()))
                 chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, unwrapped))
+                if self.shared_storages:
+                    shared = _latest_in_shared_storage(self.shared_storages, unwrapped)
+                    chunk = max(chunk, shared)
             if chunk > self.landed:
                 overlap = self._overlap()
                 if overlap is not None:
@@ -973,7 +979,7 @@ class _PendingReads(TorchFunctionMode):
         default device's context)."""
         self._remove()
         self.chunk_of = {id(p): c for p, c in overlap._param_chunk.items()}
-        self.shared_storages = _shared_storage_spans(overlap._param_chunk)
+        self.shared_storages = overlap._shared_storages
         held = [(p.grad, c) for p, c in overlap._param_chunk.items() if p.grad is not None]
         held += [(t, c) for p, c in overlap._param_chunk.items() for t in state_scalars.get(p, ())]
         # FSDP2's shard buffers: an `unshard()` by hand between `step()` and the forward
@@ -1291,7 +1297,7 @@ def _shared_storage_spans(param_chunk: Mapping[Tensor, int]) -> dict[int, _Stora
     (`p.data = flat[a:b].view_as(p)`, apex's and DeepSpeed's way). No id names such a
     buffer, nor a `.data` alias of it: a call given a tensor in that storage waits for
     the chunks of the params its bytes meet (`_latest_in_shared_storage`). Other models
-    have none, and their calls pay one dict check."""
+    have none, and their calls pay one check of an empty dict."""
     by_storage: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
     for p, chunk in param_chunk.items():
         if type(p) not in (Tensor, nn.Parameter) or p.numel() == 0:
@@ -1318,7 +1324,11 @@ def _latest_in_shared_storage(shared: dict[int, _StorageSpans], values: Iterable
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if type(item) not in (Tensor, nn.Parameter) or item.layout != torch.strided:
                 continue
-            spans = shared.get(item.untyped_storage().data_ptr())
+            try:
+                address = item.untyped_storage().data_ptr()
+            except RuntimeError:  # no storage: torch.func's wrappers (`_unwrapped` looks)
+                continue
+            spans = shared.get(address)
             if spans is None or item.numel() == 0:
                 continue
             start, end = _byte_span(item)

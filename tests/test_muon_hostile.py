@@ -324,6 +324,10 @@ def test_muon_param_groups_takes_the_row_blocks_modules_declare_and_a_pattern_ov
     # the caller's pattern comes first: the declared group is left empty, so out
     plain, fused = muon_param_groups(model, row_blocks={r"layer\.gate_up": (4, 8)})
     assert fused == {"params": [model["layer"].gate_up.weight], "row_blocks": (4, 8)}
+    # a declared param that goes to AdamW is refused, as a caller's pattern is
+    aside = nn.ModuleDict({"embed_mix": _Block({"gate_up.weight": (6, 6)}), "down": _Block(None)})
+    with pytest.raises(ValueError, match=r"declare row_blocks \(6, 6\) for \['embed_mix"):
+        muon_param_groups(aside)
     # and the step splits the declared blocks as setup_optimizer's does, bitwise
     grads = [torch.randn(12, 8, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
 

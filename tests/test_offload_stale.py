@@ -1553,16 +1553,21 @@ def test_torch_func_transforms_around_the_forward_are_exact():
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), grads_of.__name__
 
 
-def test_a_param_given_to_a_torch_func_transform_after_step_holds_the_update():
-    # vmap and grad hand the function a wrapper around the param, which the mode missed
+@pytest.mark.parametrize("flat", [False, True], ids=["params", "in_one_flat_buffer"])
+def test_a_param_given_to_a_torch_func_transform_after_step_holds_the_update(flat):
+    # vmap and grad hand the function a wrapper around the param, which the mode missed;
+    # with the params in one flat buffer, the wrappers (no storage) crashed its look-up
     import torch.func as tf
 
     def read_through_transforms(m, o, into):
+        if flat:  # first, with every chunk pending; no call on the buffer outside vmap
+            into.append(tf.vmap(torch.square)(m.flat))
         w = m.body[2].weight  # in the last chunks: pending after step()
         into.append(tf.vmap(lambda row: row.square().sum())(w))
         into.append(tf.grad(lambda x: (x * x).sum())(w))
 
-    pair, reads = _pair(TiedEmbedFirst), ([], [])
+    make = _in_one_flat_buffer(TiedEmbedFirst) if flat else TiedEmbedFirst
+    pair, reads = _pair(make, remake=flat), ([], [])
     for (m, o), into in zip((pair[:2], pair[2:]), reads, strict=True):
         _train(
             m, o, _tokens(3), after_step=lambda m, o, into=into: read_through_transforms(m, o, into)
