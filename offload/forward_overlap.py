@@ -353,25 +353,16 @@ class ForwardOverlap:
         chunk. At the first step (`stepping`) that means params replaced since the
         optimizer was built: `fully_shard` makes new ones, and the optimizer would step
         the old, which get no grads, while the model trains nothing. Where it holds some,
-        those it does not that have no grad there are warned of: `fully_shard` on part of
+        those it does not that have no grad there, while it holds trainable params of
+        their shapes that are not among `params`, are warned of: `fully_shard` on part of
         the model (a param outside it may be unused by design, so not refused)."""
         model = self._model()
         held = {id(p) for p in model.parameters()} if model is not None else set()
         if model is None:
             return
         if any(id(p) in held for p in params):
-            stale = [i for i, p in enumerate(params) if id(p) not in held and p.grad is None]
-            if stepping and stale:
-                warnings.warn(
-                    f"params {stale[:8]} of the {len(params)} being optimized (positions in "
-                    f"the optimizer's groups) are not overlap_forward's "
-                    f"({type(model).__name__}) and have no grad, so this step leaves them "
-                    "as they are. If fully_shard ran on part of the model after the "
-                    "optimizer was built, they are the params it replaced and the model's "
-                    "new ones train nothing: build the optimizer after fully_shard",
-                    UserWarning,
-                    stacklevel=user_stacklevel(),
-                )
+            if stepping:
+                self._warn_of_replaced(model, params, held)
             return
         if stepping:
             raise ValueError(
@@ -386,6 +377,30 @@ class ForwardOverlap:
             "would overlap: pass the model whose forward reads them (the root module you "
             "fully_shard, or the plain module), or leave overlap_forward None"
         )
+
+    @staticmethod
+    def _warn_of_replaced(model: nn.Module, params: Sequence[Tensor], held: set[int]) -> None:
+        """Warn of `params` the model does not hold that have no grad while it holds
+        trainable params of their shapes that are not among them (`check_holds`)."""
+        optimized = {id(p) for p in params}
+        untrained = {
+            tuple(p.shape) for p in model.parameters() if p.requires_grad and id(p) not in optimized
+        }
+        stale = [
+            i
+            for i, p in enumerate(params)
+            if id(p) not in held and p.grad is None and tuple(p.shape) in untrained
+        ]
+        if stale:
+            warnings.warn(
+                f"params {stale[:8]} of the {len(params)} being optimized (positions in the "
+                f"optimizer's groups) are not overlap_forward's ({type(model).__name__}) "
+                "and have no grad, while it holds trainable params of their shapes that no "
+                "step updates: fully_shard replaced them after the optimizer was built, so "
+                "the model's new ones train nothing. Build the optimizer after fully_shard",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def close(self) -> None:
         """Remove the hooks; the model's forward no longer calls into this object."""

@@ -4,6 +4,7 @@ the param, key or argument and the fix; where the plain optimizer works, so does
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -455,9 +456,22 @@ def test_params_fully_shard_replaced_in_part_of_the_model_are_warned_of_at_the_f
         opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
         fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
         model(torch.randn(2, 8)).sum().backward()
-        with pytest.warns(UserWarning, match=r"params \[0, 1\] of the 4 .*after fully_shard"):
+        with pytest.warns(UserWarning, match=r"params \[0, 1\] of the 4 .*after the optim"):
             opt.step()
         opt.close()
+
+
+def test_a_param_outside_the_overlap_model_without_a_grad_yet_is_not_warned_of():
+    # an auxiliary head trained from a later step on: unused by design, not replaced
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    aux = torch.nn.Linear(8, 3)
+    params = [*model.parameters(), *aux.parameters()]
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(params), overlap_forward=model)
+    model(torch.randn(2, 8)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    opt.close()
 
 
 def test_a_unit_left_all_gathered_at_step_is_refused_naming_it():
