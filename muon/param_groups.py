@@ -250,6 +250,12 @@ def muon_param_groups(
             f"adamw_options sets {muon_only}, which only Muon groups read (AdamW's momentum "
             "is betas[0]): pass them to Muon(...) instead"
         )
+    for pattern, rows in row_blocks.items():
+        if not _is_row_counts(rows):
+            raise TypeError(
+                f"row_blocks[{pattern!r}] is {rows!r}; it should be the row counts of the "
+                "param's logical matrices, e.g. (q, k, v), or (rows,) for one block size"
+            )
     for where, patterns in (("row_blocks", row_blocks), ("adamw_patterns", adamw_patterns)):
         for pattern in patterns:
             try:

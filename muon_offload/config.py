@@ -202,6 +202,12 @@ class OptimizerConfig:
         """The config of flags `add_arguments` added; an error of how they combine names
         the flags (`--offload optimizer`), as the per-value checks do."""
         names = [f.name for f in dataclasses.fields(cls)]
+        missing = [name for name in names if not hasattr(args, name)]
+        if missing:
+            raise ValueError(
+                f"args lacks the optimizer's flags {missing}: call "
+                "OptimizerConfig.add_arguments(parser) before parser.parse_args()"
+            )
         values = {name: getattr(args, name) for name in names}
         values["betas"] = tuple(values["betas"])
         # the parser's default dict is one object: each config gets its own

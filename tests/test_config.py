@@ -523,6 +523,12 @@ def test_adamw_fused_is_chosen_by_the_config_and_its_flags():
     assert OptimizerConfig.from_args(parser.parse_args(["--no-fused"])).fused is False
 
 
+def test_from_args_on_a_parser_without_the_flags_says_to_add_them():
+    # an AttributeError ("'Namespace' object has no attribute 'type'") from inside
+    with pytest.raises(ValueError, match=r"lacks the optimizer's flags \['type', .*add_arguments"):
+        OptimizerConfig.from_args(argparse.Namespace(lr=1e-3))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_adamw_on_cuda_is_fused_by_default():

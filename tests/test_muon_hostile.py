@@ -579,6 +579,13 @@ def test_a_pattern_that_is_no_regular_expression_is_refused_naming_it(where):
         muon_param_groups(model, **{where: patterns})
 
 
+def test_row_blocks_given_one_number_is_refused_naming_the_pattern():
+    # {pattern: 4} raised "'int' object is not iterable" from inside
+    model = nn.ModuleDict({"qkv": nn.Linear(8, 12, bias=False)})
+    with pytest.raises(TypeError, match=r"row_blocks\['qkv\\\\.weight\$'\] is 4; .*\(q, k, v\)"):
+        muon_param_groups(model, row_blocks={r"qkv\.weight$": 4})
+
+
 def test_a_row_blocks_pattern_matching_only_frozen_or_adamw_params_says_so():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.LayerNorm(8))
     model[0].requires_grad_(False)
