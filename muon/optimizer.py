@@ -1051,11 +1051,7 @@ def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
             if t.numel() == 0 or t.data_ptr() == 0:  # empty, meta, a wrapper subclass
                 continue
             dense = t.is_contiguous()
-            extent = (
-                t.numel()
-                if dense
-                else sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-            )
+            extent = t.numel() if dense else _extent(t.shape, t.stride())
             start = t.data_ptr()
             end = start + extent * t.element_size()
             spans.append((t.get_device(), start, end, index, k, t, dense))
@@ -1097,6 +1093,11 @@ def _check_memory_apart(groups: list[dict[str, Any]]) -> None:
         )
 
 
+def _extent(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a non-empty strided view's first to its last, both included."""
+    return sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+
+
 def _apart_in_itself(t: Tensor) -> bool:
     """Whether no two of `t`'s elements share memory, for sure: its dims, by stride, each
     step past all the smaller ones (as a dense or sliced tensor's do)."""
@@ -1124,11 +1125,7 @@ def _first_shared(cluster: Sequence[tuple[Any, ...]]) -> tuple[tuple[Any, ...], 
     """Two spans of `cluster` (none overlapping itself) that share a byte: each marked
     with its number on a host scratch, the first to find another's mark names both."""
     views = _layouts(cluster)
-    ends = [
-        o + (sum((n - 1) * s for n, s in zip(sh, st, strict=True)) + 1) * e
-        for o, sh, st, e in views
-    ]
-    marks = torch.zeros(max(ends), dtype=torch.int32)
+    marks = torch.zeros(max(o + _extent(sh, st) * e for o, sh, st, e in views), dtype=torch.int32)
     for n, (offset, shape, strides, size) in enumerate(views):
         region = marks.as_strided((*shape, size), (*(s * size for s in strides), 1), offset)
         seen = int(region.max())
@@ -1143,11 +1140,7 @@ def _bytes_overlap(views: tuple[tuple[Any, ...], ...]) -> bool:
     """Whether strided views of one memory (byte offset, shape, strides in elements,
     element size) share a byte: each marked on a host scratch over their bytes, once per
     set of layouts (only params that are views of one tensor get here, at every step)."""
-    ends = [
-        o + (sum((n - 1) * s for n, s in zip(shape, st, strict=True)) + 1) * e
-        for o, shape, st, e in views
-    ]
-    marks = torch.zeros(max(ends), dtype=torch.uint8)
+    marks = torch.zeros(max(o + _extent(sh, st) * e for o, sh, st, e in views), dtype=torch.uint8)
     for offset, shape, strides, size in views:
         marks.as_strided((*shape, size), (*(s * size for s in strides), 1), offset).fill_(1)
     return int(marks.sum()) < sum(math.prod(shape) * size for _, shape, _, size in views)
