@@ -628,6 +628,8 @@ class Muon(torch.optim.Optimizer):
                 _check_grads(group, index)
                 if group["algorithm"] == "muon":
                     self._check_momentum(group, index)
+                else:
+                    self._check_adamw_state(group, index)
             refused = None
         except Exception as error:  # this rank's grads or state: its peers' may pass
             refused = error
@@ -671,6 +673,36 @@ class Muon(torch.optim.Optimizer):
                 )
             if buf.dtype != torch.float32:
                 self.state[p]["momentum_buffer"] = buf.to(torch.float32)
+
+    def _check_adamw_state(self, group: dict[str, Any], index: int) -> None:
+        """The state an AdamW group's step reads, present for each param with a grad and
+        state (`amsgrad` turned on later, an entry deleted, a `step` assigned as a number),
+        or refused naming the param: found mid-step, the Muon groups would have stepped."""
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 3 if group.get("amsgrad") else 2]
+        for k, p in enumerate(group["params"]):
+            state = self.state.get(p)
+            if p.grad is None or not state or "step" not in state:
+                continue  # a param without state starts afresh
+            missing = [key for key in keys if key not in state]
+            if missing == ["max_exp_avg_sq"]:
+                raise ValueError(
+                    f"param group {index}: amsgrad was turned on after the state of "
+                    f"{_param_text(group, k)} was created (it has no max_exp_avg_sq); set "
+                    "amsgrad when the group is made, or delete the param's state to start "
+                    "afresh"
+                )
+            if missing:
+                raise ValueError(
+                    f"param group {index}: {_param_text(group, k)} has AdamW state without "
+                    f"{', '.join(map(repr, missing))}; restore it, or delete the param's "
+                    "state (del opt.state[param]) to start afresh"
+                )
+            if not isinstance(state["step"], Tensor):
+                raise ValueError(
+                    f"param group {index}: {_param_text(group, k)} has a 'step' of type "
+                    f"{type(state['step']).__name__} where the step keeps a float32 tensor; "
+                    "assign torch.tensor(float(step))"
+                )
 
     def _warn_adamw_momentum(self) -> None:
         """Warn once if an AdamW group's `momentum` changed since the group was added: OneCycleLR
@@ -1790,11 +1822,6 @@ class MuonStep:
                 state["exp_avg_sq"] = _zeros_like_local(p, _local(p).dtype)
                 if amsgrad:
                     state["max_exp_avg_sq"] = _zeros_like_local(p, _local(p).dtype)
-            if amsgrad and "max_exp_avg_sq" not in state:  # torch.optim.AdamW: a KeyError
-                raise ValueError(
-                    f"param group {index}: amsgrad was turned on after the group's state was "
-                    "created; set it when the group is made"
-                )
             exp_avgs.append(_local(state["exp_avg"]))
             exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             if amsgrad:

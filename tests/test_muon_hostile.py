@@ -1160,3 +1160,42 @@ def test_an_adamw_group_with_l2_weight_decay_is_refused():
     p.grad = _randn(6, 6, seed=1)
     with pytest.raises(ValueError, match="decoupled_weight_decay=False is not supported"):
         opt.step()
+
+
+@pytest.mark.parametrize(
+    ("break_state", "message"),
+    [
+        ("amsgrad", "amsgrad was turned on after the state of"),
+        ("del_exp_avg", "has AdamW state without 'exp_avg'"),
+        ("float_step", "has a 'step' of type float"),
+    ],
+)
+def test_a_step_refused_for_its_adamw_state_leaves_the_muon_matrices_as_they_were(
+    break_state, message
+):
+    # the AdamW groups' state was read only when they stepped, after the Muon groups had:
+    # a user who mended it and stepped again had one Muon update too many (hostile review)
+    def run(refused: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        weight, bias = nn.Parameter(torch.randn(16, 16)), nn.Parameter(torch.randn(16))
+        opt = Muon([{"params": [weight]}, {"params": [bias], "algorithm": "adamw"}], lr=0.02)
+        for seed in range(3):
+            weight.grad, bias.grad = _randn(16, 16, seed=seed), _randn(16, seed=10 + seed)
+            if seed == 1 and refused:
+                state, group = opt.state[bias], opt.param_groups[1]
+                kept = dict(state)
+                if break_state == "amsgrad":
+                    group["amsgrad"] = True
+                elif break_state == "del_exp_avg":
+                    del state["exp_avg"]
+                else:
+                    state["step"] = float(state["step"])
+                with pytest.raises(ValueError, match=message):
+                    opt.step()
+                group["amsgrad"] = False
+                state.update(kept)
+            opt.step()
+        return [weight.detach(), opt.state[weight]["momentum_buffer"], bias.detach()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
