@@ -1496,6 +1496,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._run_wrapped_step_hooks(pre=False)
         return loss
 
+    def _begin_subset_step(self) -> SubsetStep:
+        subset = self._subset.begin_subset_step()
+        if isinstance(self._subset, GroupSubsetStep):  # Muon checks its state itself
+            self._subset.check_state_for_options()
+        return subset
+
     def _run_wrapped_step_hooks(self, pre: bool) -> None:
         """The wrapped optimizer's own step hooks, once a step, as its `step()` would run
         them (its step runs per chunk without them: `step_without_hooks`); with overlap
@@ -1543,7 +1549,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the first plan on every rank alike (Muon's own agreement runs only where it plans).
         first_plan = executor.plan is None
         agree = self._rank_agreement() if first_plan else None
-        subset = _refused_on_every_rank(agree, (), self._subset.begin_subset_step)
+        subset = _refused_on_every_rank(agree, (), self._begin_subset_step)
         units_key = self._units_key_of(subset)
         regrouped = self._executor.plan is not None and units_key != self._units_key
         if auto is not None and regrouped:

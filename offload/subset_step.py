@@ -577,6 +577,7 @@ class GroupSubsetStep:
         self._layouts: dict[
             tuple[tuple, torch.Size, torch.dtype, torch.dtype], tuple[StateLayout, frozenset[str]]
         ] = {}
+        self._checked_options: list[tuple] = []  # `check_state_for_options`: groups passed
 
     @property
     def slices_params(self) -> bool:
@@ -590,6 +591,35 @@ class GroupSubsetStep:
         if self.slices_params:
             return ElementwiseGroupStep(self.optimizer)
         return GroupStep(self.optimizer)
+
+    def check_state_for_options(self) -> None:
+        """Refuse, naming the param and key, state made before its group's options changed
+        that lacks a key the step reads with them now (amsgrad turned on: torch's AdamW
+        raises a KeyError at `step()`, before anything changes; in a chunk, the chunks before
+        it would have stepped). Looked at only for groups whose options changed since they
+        last passed, as far as options choose state (`_options_choosing_state`)."""
+        groups = self.optimizer.param_groups
+        now = [_options_choosing_state(group) for group in groups]
+        state = self.optimizer.state
+        for g, (group, options) in enumerate(zip(groups, now, strict=True)):
+            if g < len(self._checked_options) and self._checked_options[g] == options:
+                continue
+            for k, p in enumerate(group["params"]):
+                own = state.get(p)
+                if p.grad is None or not own:  # no step, or state made afresh
+                    continue
+                missing = sorted(self.state_keys(p) - set(own))
+                if missing:
+                    name = type(self.optimizer).__name__
+                    raise ValueError(
+                        f"param group {g}: the state of param {k} ({tuple(p.shape)}) has no "
+                        f"{missing[0]!r}, which {name} reads with the group's options as they "
+                        f"are now (it has {sorted(own)}); torch's {name} would raise KeyError. "
+                        "Set an option such as amsgrad when the group is made, not once state "
+                        "exists; or delete the param's state (del opt.state[param]) to start "
+                        "it afresh"
+                    )
+        self._checked_options = now
 
     def state_layout(self, param: Tensor) -> StateLayout:
         """State the optimizer will keep for `param`, found by a dry run on the meta device
@@ -650,6 +680,25 @@ def _state_options(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     buffer), but its params' names (one per param: a key of them grew with the params
     squared)."""
     return tuple((k, _hashable(v)) for k, v in group.items() if k not in ("params", "param_names"))
+
+
+def _options_choosing_state(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A group's options as far as they may choose its state: a number by whether it is 0
+    (RMSprop keeps a momentum buffer only for momentum > 0; a schedule's lr moves every
+    step), a tensor by identity, a tuple by its items."""
+
+    def choosing(value: Any) -> Any:
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)):
+            return value != 0
+        if isinstance(value, Tensor):
+            return id(value)
+        if isinstance(value, tuple):
+            return tuple(choosing(v) for v in value)
+        return _hashable(value)
+
+    return tuple((k, choosing(v)) for k, v in group.items() if k not in ("params", "param_names"))
 
 
 def _hashable(value: Any) -> Any:

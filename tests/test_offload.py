@@ -494,10 +494,12 @@ def test_a_refused_step_is_not_one_of_the_steps_auto_measures(refused_by):
         opt.zero_grad()
         model(torch.randint(0, 50, (4, 6), generator=gen)).square().mean().backward()
         if refused_by == "first plan" and stepped == 0:
-            opt.state[model[0].weight]["exp_avg"] = torch.zeros(3)
+            state = opt.state[model[0].weight]
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros(3))
+            state["exp_avg_sq"] = torch.zeros_like(model[0].weight)
             with pytest.raises(ValueError, match="has shape"):
                 opt.step()
-            del opt.state[model[0].weight]["exp_avg"]
+            del opt.state[model[0].weight]
         elif stepped == AUTO_WARMUP_STEPS:  # refused at a measured step, then mended
             if refused_by == "wrapper":
                 _refuse_a_step(opt, model[0].weight)

@@ -2239,3 +2239,49 @@ def test_a_none_momentum_buffer_in_torchs_muon_starts_anew():
         lambda params: torch.optim.Muon(params, lr=0.1), set_none, bias=False
     )
     assert_equal(plain_model, plain, model, opt)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize(
+    ("make", "option", "on"),
+    [
+        (lambda params: torch.optim.AdamW(params, lr=0.1), "amsgrad", True),
+        (lambda params: torch.optim.RMSprop(params, lr=0.01), "momentum", 0.5),
+        (lambda params: torch.optim.RMSprop(params, lr=0.01), "centered", True),
+    ],
+    ids=["adamw-amsgrad", "rmsprop-momentum", "rmsprop-centered"],
+)
+def test_an_option_set_after_the_state_was_made_is_refused_before_any_chunk_steps(
+    make, option, on, overlap
+):
+    # torch raises KeyError at step() with nothing changed, and goes on once the option is
+    # undone; a chunk raised it after the earlier chunks had stepped (with overlap, in the
+    # next forward), and every later step was refused as interrupted (hostile review)
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+        opt = make(model.parameters())
+        if wrap:
+            opt = CPUOffloadOptimizer(
+                opt, chunk_bytes=1, staging_slots=2, overlap_forward=model if overlap else None
+            )
+        x = torch.ones(2, 8)
+        for step in range(3):
+            model(x * (step + 1)).sum().backward()
+            if step == 1:
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.param_groups[0][option] = on
+                refused = ValueError if wrap else KeyError
+                with pytest.raises(refused, match="has no '" if wrap else None):
+                    opt.step()
+                for a, p in zip(before, model.parameters(), strict=True):
+                    assert torch.equal(a, p.detach())
+                opt.param_groups[0][option] = type(on)(0)
+            opt.step()
+            opt.zero_grad()
+        if wrap:
+            opt.wait_for_optimizer_step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
