@@ -841,6 +841,16 @@ class ForwardOverlap:
                 self.finish()
 
     def _before_forward(self) -> None:
+        if self._streams.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A replay runs no hooks: it would read the params whatever the step had
+            # enqueued by then, silently (torchtitan captures unless told not to).
+            raise RuntimeError(
+                "a CUDA graph is being captured over a forward of the model given as "
+                "CPUOffloadOptimizer(overlap_forward=...): its replays would run without the "
+                "hooks that make the forward wait for the pending step, and read weights "
+                "whose update has not landed. Turn CUDA graphs off (torchtitan: "
+                "--training.disable_cuda_graphs), or leave overlap_forward None"
+            )
         self._reading_owner = -1
         self._in_forward = True
         grads = torch.is_grad_enabled()

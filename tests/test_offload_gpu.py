@@ -350,3 +350,18 @@ def test_cuda_grad_scaler_with_fused_adamw_is_bitwise_equal(overlap):
     assert scale == plain_scale == 1000.0 * 2**3
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_cuda_graph_captured_over_an_overlapped_forward_is_refused():
+    # a replay runs no hooks: it read whatever the pending step had enqueued by then, with
+    # nothing said (torchtitan captures forward and backward unless told not to)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)]).cuda()
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap_forward=model)
+    x = torch.ones(8, 64, device="cuda")
+    model(x).sum().backward()
+    opt.step()
+    opt.wait_for_optimizer_step()
+    with pytest.raises(RuntimeError, match="CUDA graph is being captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            model(x)
+    opt.close()
