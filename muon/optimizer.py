@@ -650,14 +650,10 @@ class Muon(torch.optim.Optimizer):
                 del self.state[p]["momentum_buffer"]
                 continue
             # Global shape and placements, not to_local() (10 us a DTensor, every step).
-            placed = isinstance(buf, DTensor) == isinstance(p, DTensor) and (
-                not isinstance(p, DTensor)
-                or (buf.device_mesh == p.device_mesh and buf.placements == p.placements)
-            )
             if not (
                 isinstance(buf, Tensor)
                 and buf.is_floating_point()
-                and placed
+                and _placed_alike(buf, p)
                 and buf.shape == p.shape
             ):
                 got = (
@@ -703,6 +699,27 @@ class Muon(torch.optim.Optimizer):
                     f"{type(state['step']).__name__} where the step keeps a float32 tensor; "
                     "assign torch.tensor(float(step))"
                 )
+            for key in keys:
+                value = state[key]
+                # Global shape and placements, as `_check_momentum` reads them
+                if not (
+                    isinstance(value, Tensor)
+                    and value.dtype == p.dtype
+                    and _placed_alike(value, p)
+                    and value.shape == p.shape
+                ):
+                    got = (
+                        f"{type(value).__name__} {tuple(value.shape)} {value.dtype}"
+                        if isinstance(value, Tensor)
+                        else type(value).__name__
+                    )
+                    raise ValueError(
+                        f"param group {index}: {_param_text(group, k)} has an {key} {got}, "
+                        f"where the step keeps a tensor of the param's shape and dtype "
+                        f"({p.dtype}), placed as the param ({_placements_text(p)}); assign one "
+                        "such, or delete the param's state (del opt.state[param]) to start "
+                        "afresh"
+                    )
 
     def _warn_adamw_momentum(self) -> None:
         """Warn once if an AdamW group's `momentum` changed since the group was added: OneCycleLR
@@ -1282,6 +1299,14 @@ def _check_group(group: dict[str, Any]) -> None:
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
         _check_placements(p, where)
+
+
+def _placed_alike(t: Tensor, p: Tensor) -> bool:
+    """Whether `t` is a DTensor where `p` is one, on its mesh and placements."""
+    return isinstance(t, DTensor) == isinstance(p, DTensor) and (
+        not isinstance(p, DTensor)
+        or (t.device_mesh == p.device_mesh and t.placements == p.placements)
+    )
 
 
 def _check_placements(p: Tensor, where: str) -> None:

@@ -1168,6 +1168,9 @@ def test_an_adamw_group_with_l2_weight_decay_is_refused():
         ("amsgrad", "amsgrad was turned on after the state of"),
         ("del_exp_avg", "has AdamW state without 'exp_avg'"),
         ("float_step", "has a 'step' of type float"),
+        ("exp_avg_shape", r"has an exp_avg Tensor \(3,\)"),
+        ("exp_avg_none", "has an exp_avg NoneType"),
+        ("exp_avg_bf16", "has an exp_avg Tensor .* torch.bfloat16"),
     ],
 )
 def test_a_step_refused_for_its_adamw_state_leaves_the_muon_matrices_as_they_were(
@@ -1188,8 +1191,14 @@ def test_a_step_refused_for_its_adamw_state_leaves_the_muon_matrices_as_they_wer
                     group["amsgrad"] = True
                 elif break_state == "del_exp_avg":
                     del state["exp_avg"]
-                else:
+                elif break_state == "float_step":
                     state["step"] = float(state["step"])
+                else:
+                    state["exp_avg"] = {
+                        "exp_avg_shape": torch.zeros(3),
+                        "exp_avg_none": None,
+                        "exp_avg_bf16": state["exp_avg"].bfloat16(),
+                    }[break_state]
                 with pytest.raises(ValueError, match=message):
                     opt.step()
                 group["amsgrad"] = False
