@@ -52,6 +52,7 @@ when its per-param updates are independent.
 from __future__ import annotations
 
 import collections
+import numbers
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -577,7 +578,9 @@ class GroupSubsetStep:
         self._layouts: dict[
             tuple[tuple, torch.Size, torch.dtype, torch.dtype], tuple[StateLayout, frozenset[str]]
         ] = {}
-        self._checked_options: list[tuple] = []  # `check_state_for_options`: groups passed
+        # `check_state_for_options`: per group, the options it passed with, and the params
+        # with state it has not looked at (no grad then)
+        self._checked_options: list[tuple[tuple, list[Tensor]]] = []
 
     @property
     def slices_params(self) -> bool:
@@ -596,30 +599,50 @@ class GroupSubsetStep:
         """Refuse, naming the param and key, state made before its group's options changed
         that lacks a key the step reads with them now (amsgrad turned on: torch's AdamW
         raises a KeyError at `step()`, before anything changes; in a chunk, the chunks before
-        it would have stepped). Looked at only for groups whose options changed since they
-        last passed, as far as options choose state (`_options_choosing_state`)."""
-        groups = self.optimizer.param_groups
-        now = [_options_choosing_state(group) for group in groups]
+        it would have stepped). Looked at where a group's options changed since it last
+        passed, as far as options choose state (`_options_choosing_state`), and for params
+        with state that had no grad then, once they have one."""
+        passed: list[tuple[tuple, list[Tensor]]] = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            options = _options_choosing_state(group)
+            last = self._checked_options[g] if g < len(self._checked_options) else None
+            if last is None or last[0] != options:
+                params = group["params"]
+            elif last[1]:  # still in this group: it may have been regrouped by hand
+                listed = {id(p) for p in group["params"]}
+                params = [p for p in last[1] if id(p) in listed]
+            else:
+                params = []
+            passed.append((options, self._check_state_of(g, group, params)))
+        self._checked_options = passed
+
+    def _check_state_of(self, g: int, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
+        """`check_state_for_options` for `params` of group `g`; returns those with state but
+        no grad (the step skips them), to look at once they have one."""
         state = self.optimizer.state
-        for g, (group, options) in enumerate(zip(groups, now, strict=True)):
-            if g < len(self._checked_options) and self._checked_options[g] == options:
+        later = []
+        for p in params:
+            own = state.get(p)
+            if not own:  # state made afresh
                 continue
-            for k, p in enumerate(group["params"]):
-                own = state.get(p)
-                if p.grad is None or not own:  # no step, or state made afresh
-                    continue
-                missing = sorted(self.state_keys(p) - set(own))
-                if missing:
-                    name = type(self.optimizer).__name__
-                    raise ValueError(
-                        f"param group {g}: the state of param {k} ({tuple(p.shape)}) has no "
-                        f"{missing[0]!r}, which {name} reads with the group's options as they "
-                        f"are now (it has {sorted(own)}); torch's {name} would raise KeyError. "
-                        "Set an option such as amsgrad when the group is made, not once state "
-                        "exists; or delete the param's state (del opt.state[param]) to start "
-                        "it afresh"
-                    )
-        self._checked_options = now
+            if p.grad is None:
+                later.append(p)
+                continue
+            missing = self.state_keys(p) - set(own)
+            if missing:  # what the step makes over state it has (SGD's momentum) is no loss
+                missing -= self._keys_made_over_state(p)
+            if missing:
+                name = type(self.optimizer).__name__
+                k = next(i for i, q in enumerate(group["params"]) if q is p)
+                raise ValueError(
+                    f"param group {g}: the state of param {k} ({tuple(p.shape)}) has no "
+                    f"{min(missing)!r}, which {name} reads with the group's options as they "
+                    f"are now (it has {sorted(own)}); torch's {name} would raise KeyError. "
+                    "Set an option such as amsgrad when the group is made, not once state "
+                    "exists; or delete the param's state (del opt.state[param]) to start "
+                    "it afresh"
+                )
+        return later
 
     def state_layout(self, param: Tensor) -> StateLayout:
         """State the optimizer will keep for `param`, found by a dry run on the meta device
@@ -653,6 +676,15 @@ class GroupSubsetStep:
         if key not in self._layouts:
             self._layouts[key] = _meta_dry_run(self.optimizer, group, local, grad_dtype)
         return self._layouts[key]
+
+    def _keys_made_over_state(self, param: Tensor) -> frozenset[str]:
+        """The state keys a step makes for `param` when its state holds other entries
+        (SGD's momentum_buffer, read with `state.get`): a dry run over a state of one
+        placeholder entry; none where that raises (Adam reads every key it keeps)."""
+        local = local_tensor(param)
+        grad_dtype = local.dtype if param.grad is None else param.grad.dtype
+        group = self._group(param)
+        return _meta_dry_run(self.optimizer, group, local, grad_dtype, over_state=True)[1]
 
     def _group(self, param: Tensor) -> dict[str, Any]:
         """`param`'s group, as the groups are now (`opt.param_groups = ...` may regroup, a
@@ -690,9 +722,13 @@ def _options_choosing_state(group: dict[str, Any]) -> tuple[tuple[str, Any], ...
     def choosing(value: Any) -> Any:
         if isinstance(value, bool) or value is None or isinstance(value, str):
             return value
-        if isinstance(value, (int, float)):
-            return value != 0
+        if isinstance(value, numbers.Number):  # NumPy's scalars too
+            return bool(value != 0)
         if isinstance(value, Tensor):
+            if value.device.type == "cpu" and value.numel() == 1:  # read without a sync
+                return bool(value.item() != 0)
+            # By identity alone: a schedule fills a GPU lr in place each step, and reading
+            # it would sync
             return id(value)
         if isinstance(value, tuple):
             return tuple(choosing(v) for v in value)
@@ -712,10 +748,16 @@ def _hashable(value: Any) -> Any:
 
 
 def _meta_dry_run(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], local: Tensor, grad_dtype: torch.dtype
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    local: Tensor,
+    grad_dtype: torch.dtype,
+    over_state: bool = False,
 ) -> tuple[StateLayout, frozenset[str]]:
     """One step of `optimizer`'s type on a meta copy of the param: the state tensors it
-    keeps (ndim >= 1), and every key of its state."""
+    keeps (ndim >= 1), and every key of its state. With `over_state`, the param's state
+    holds a placeholder entry first, and the keys are those the step made beside it (none
+    where it raised)."""
     meta_param = torch.nn.Parameter(torch.empty_like(local, device="meta"))
     if grad_dtype != local.dtype:
         meta_param.grad_dtype = None
@@ -723,9 +765,18 @@ def _meta_dry_run(
     options = {k: v for k, v in group.items() if k != "params"}
     options.update({k: v for k, v in _IMPLEMENTATION_OPTIONS.items() if k in options})
     shadow = type(optimizer)([{"params": [meta_param], **options}])
+    placeholder = "_dry_run_placeholder"
+    if over_state:
+        shadow.state[meta_param][placeholder] = None
     # Scalar state (`step`) is made on the default device: under `with torch.device("meta")`
     # torch 2.11's single-tensor Adam then read it with `.item()` and raised.
     with torch.device("cpu"):
+        if over_state:
+            try:
+                step_without_hooks(shadow)
+            except Exception:  # a KeyError: it reads what it did not make
+                return {}, frozenset()
+            return {}, frozenset(k for k in shadow.state[meta_param] if k != placeholder)
         step_without_hooks(shadow)
     made = shadow.state[meta_param]
     layout = {
