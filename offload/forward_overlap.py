@@ -1079,9 +1079,22 @@ class _PendingReads(TorchFunctionMode):
 
     def pop(self) -> None:
         """Off, the step landed; taken off the stack where this thread holds it."""
+        self._switch_off()
+        self._remove()
+
+    def pop_in_finalizer(self) -> None:
+        """`pop`, but called inside torch (a collection may run there, as between its check
+        that a mode is on the stack and its pop of it, which then raised): off now, and
+        off the stack at the next module call on its thread (`_orphan`)."""
+        self._switch_off()
+        if not _inside_torch():
+            self._remove()
+        elif self._thread is not None:
+            _orphan(self._thread, [self])
+
+    def _switch_off(self) -> None:
         self.active, self.step_pending, self.chunk_of, self._held = False, False, {}, {}
         self.shared_storages = {}
-        self._remove()
 
     def leave_stack(self) -> None:
         """Off the stack while the step is still pending (the hooks see every read)."""
@@ -1118,6 +1131,16 @@ def _take_off_stack(leaving: list[_PendingReads], here: int, keep_late: bool = T
             mode._thread = None
     if late:
         _orphan(here, late)
+
+
+def _inside_torch() -> bool:
+    """Whether torch's code is among the callers (a collection ran inside it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").partition(".")[0] == "torch":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _orphan(thread: int, modes: list[_PendingReads]) -> None:
@@ -1582,7 +1605,7 @@ def _remove(
         )
         for dropped in dropped_pending:
             dropped()
-    reads.pop()
+    reads.pop_in_finalizer()
 
 
 def user_stacklevel() -> int:

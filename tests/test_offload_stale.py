@@ -1990,3 +1990,34 @@ def test_the_default_device_can_be_unset_while_a_step_is_pending():
     assert [type(m).__name__ for m in _function_modes()] == ["_PendingReads"]
     opt.close()
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_an_optimizer_collected_inside_torchs_dispatch_leaves_the_mode_to_pop(monkeypatch):
+    # a collection ran the finalizer between torch's check that a mode is on the stack and
+    # its pop of it (handle_torch_function): the finalizer took the mode off, and torch's
+    # pop raised "trying to pop from empty mode stack" in the user's forward (CI, now and then)
+    import torch.overrides
+
+    _no_mode_left_by_earlier_tests()
+    model = _four_layers()
+    opt = CPUOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()), chunk_bytes=512, overlap_forward=model
+    )
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()  # pending: the mode is on the stack
+    collect = [opt._overlap._remove_hooks]  # what a collection of the dropped wrapper runs
+    real_pop = torch.overrides._pop_mode
+
+    def collected_then_popped():
+        if collect:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # it says its step was pending
+                collect.pop()()
+        return real_pop()
+
+    monkeypatch.setattr(torch.overrides, "_pop_mode", collected_then_popped)
+    F.embedding(torch.tensor([1]), torch.randn(4, 2))  # Python's handle_torch_function
+    monkeypatch.undo()
+    assert not collect
+    model(torch.randn(8, 16))  # the next module call takes the switched-off mode off
+    assert torch._C._len_torch_function_stack() == 0
