@@ -656,14 +656,9 @@ class Muon(torch.optim.Optimizer):
                 and _placed_alike(buf, p)
                 and buf.shape == p.shape
             ):
-                got = (
-                    f"{type(buf).__name__} {tuple(buf.shape)} {buf.dtype}"
-                    if isinstance(buf, Tensor)
-                    else type(buf).__name__
-                )
                 raise ValueError(
-                    f"param group {index}: {_param_text(group, k)} has a "
-                    f"momentum_buffer {got}, where the step keeps a float32 tensor of the "
+                    f"param group {index}: {_param_text(group, k)} has a momentum_buffer "
+                    f"{_described(buf)}, where the step keeps a float32 tensor of the "
                     f"param's shape, placed as the param ({_placements_text(p)}); assign one "
                     "such, or delete the entry to start from zeros"
                 )
@@ -708,13 +703,9 @@ class Muon(torch.optim.Optimizer):
                     and _placed_alike(value, p)
                     and value.shape == p.shape
                 ):
-                    got = (
-                        f"{type(value).__name__} {tuple(value.shape)} {value.dtype}"
-                        if isinstance(value, Tensor)
-                        else type(value).__name__
-                    )
                     raise ValueError(
-                        f"param group {index}: {_param_text(group, k)} has an {key} {got}, "
+                        f"param group {index}: {_param_text(group, k)} has an {key} "
+                        f"{_described(value)}, "
                         f"where the step keeps a tensor of the param's shape and dtype "
                         f"({p.dtype}), placed as the param ({_placements_text(p)}); assign one "
                         "such, or delete the param's state (del opt.state[param]) to start "
@@ -1299,6 +1290,13 @@ def _check_group(group: dict[str, Any]) -> None:
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
         _check_placements(p, where)
+
+
+def _described(value: Any) -> str:
+    """A state entry as an error names it: a tensor's type, shape and dtype, else its type."""
+    if isinstance(value, Tensor):
+        return f"{type(value).__name__} {tuple(value.shape)} {value.dtype}"
+    return type(value).__name__
 
 
 def _placed_alike(t: Tensor, p: Tensor) -> bool:
