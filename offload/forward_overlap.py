@@ -1083,9 +1083,10 @@ class _PendingReads(TorchFunctionMode):
         self._remove()
 
     def pop_in_finalizer(self) -> None:
-        """`pop`, but called inside torch (a collection may run there, as between its check
-        that a mode is on the stack and its pop of it, which then raised): off now, and
-        off the stack at the next module call on its thread (`_orphan`)."""
+        """`pop` from the finalizer (or `close`). Where it runs inside torch's code (a
+        collection may run there, as between torch's check that a mode is on the stack and
+        its pop of it, which then raised), off now, and off the stack at the next module
+        call on its thread (`_orphan`)."""
         self._switch_off()
         if not _inside_torch():
             self._remove()

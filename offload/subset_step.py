@@ -715,9 +715,9 @@ def _state_options(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def _options_choosing_state(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A group's options as far as they may choose its state: a number by whether it is 0
-    (RMSprop keeps a momentum buffer only for momentum > 0; a schedule's lr moves every
-    step), a tensor by identity, a tuple by its items."""
+    """A group's options as far as they may choose its state: a number, or a CPU scalar
+    tensor, by whether it is 0 (RMSprop keeps a momentum buffer only for momentum > 0; a
+    schedule's lr moves every step), another tensor by identity, a tuple by its items."""
 
     def choosing(value: Any) -> Any:
         if isinstance(value, bool) or value is None or isinstance(value, str):
