@@ -773,6 +773,10 @@ class ForwardOverlap:
             or self._pending is None
         ):
             return
+        # torch's distributed state-dict API (get_state_dict, set_state_dict and their
+        # halves, as the DCP recipe calls them) is called on every rank
+        if _among_callers("torch.distributed.checkpoint.state_dict"):
+            return
         # what the read enqueues: its chunk's look-ahead, or (a state home) every chunk
         last = self._ahead_of[chunk] if chunk < len(self.chunk_done) else len(self.chunk_done)
         if self._enqueued > min(last, len(self.chunk_done) - 1):
@@ -1088,7 +1092,7 @@ class _PendingReads(TorchFunctionMode):
         its pop of it, which then raised), off now, and off the stack at the next module
         call on its thread (`_orphan`)."""
         self._switch_off()
-        if not _inside_torch():
+        if not _among_callers("torch"):
             self._remove()
         elif self._thread is not None:
             _orphan(self._thread, [self])
@@ -1134,11 +1138,12 @@ def _take_off_stack(leaving: list[_PendingReads], here: int, keep_late: bool = T
         _orphan(here, late)
 
 
-def _inside_torch() -> bool:
-    """Whether torch's code is among the callers (a collection ran inside it)."""
+def _among_callers(module: str) -> bool:
+    """Whether code of `module` (or a module inside it) is among the callers."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_globals.get("__name__", "").partition(".")[0] == "torch":
+        name = frame.f_globals.get("__name__", "")
+        if name == module or name.startswith(module + "."):
             return True
         frame = frame.f_back
     return False
