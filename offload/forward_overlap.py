@@ -773,10 +773,6 @@ class ForwardOverlap:
             or self._pending is None
         ):
             return
-        # torch's distributed state-dict API (get_state_dict, set_state_dict and their
-        # halves, as the DCP recipe calls them) is called on every rank
-        if _among_callers("torch.distributed.checkpoint.state_dict"):
-            return
         # what the read enqueues: its chunk's look-ahead, or (a state home) every chunk
         last = self._ahead_of[chunk] if chunk < len(self.chunk_done) else len(self.chunk_done)
         if self._enqueued > min(last, len(self.chunk_done) - 1):
@@ -1087,12 +1083,12 @@ class _PendingReads(TorchFunctionMode):
         self._remove()
 
     def pop_in_finalizer(self) -> None:
-        """`pop` from the finalizer (or `close`). Where it runs inside torch's code (a
-        collection may run there, as between torch's check that a mode is on the stack and
-        its pop of it, which then raised), off now, and off the stack at the next module
-        call on its thread (`_orphan`)."""
+        """`pop` from the finalizer (or `close`). Where it runs inside torch's function
+        dispatch (a collection may run there, as between `handle_torch_function`'s check
+        that a mode is on the stack and its pop of it, which then raised), off now, and off
+        the stack at the next module call on its thread (`_orphan`)."""
         self._switch_off()
-        if not _among_callers("torch"):
+        if not _among_callers("torch.overrides"):
             self._remove()
         elif self._thread is not None:
             _orphan(self._thread, [self])

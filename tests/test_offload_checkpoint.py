@@ -120,34 +120,3 @@ def _worker(rank: int, world: int, ckpt_root: str) -> None:
 
 def test_offload_overlap_and_dcp_resume_are_bitwise(tmp_path):
     run_on_ranks(_worker, WORLD, str(tmp_path))
-
-
-def _get_state_dict_worker(rank: int, world: int) -> None:
-    import warnings
-
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (WORLD,))
-    offload = {"type": "muon", "offload": "optimizer", "offload_overlap_forward": True}
-    model, opt = _build(mesh, {**offload, "offload_chunk_bytes": 256, "offload_staging_slots": 1})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(step))
-            torch.nn.functional.cross_entropy(
-                model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
-            ).backward()
-            opt.step()  # the last one still pending: get_state_dict lands it
-            opt.zero_grad()
-        get_state_dict(model, opt)
-        fresh, fresh_opt = _build(mesh, offload)
-        get_state_dict(fresh, fresh_opt)  # torch steps a fresh optimizer to make its state
-    said = [str(w.message) for w in caught if "every rank must make the same" in str(w.message)]
-    assert not said, said
-
-
-def test_get_state_dict_on_every_rank_with_a_step_pending_does_not_warn_of_a_hang():
-    # every rank calls torch's state-dict API, as the DCP recipe does, yet each was told that
-    # a read on one rank alone hangs every rank (review)
-    run_on_ranks(_get_state_dict_worker, WORLD)

@@ -2021,3 +2021,27 @@ def test_an_optimizer_collected_inside_torchs_dispatch_leaves_the_mode_to_pop(mo
     assert not collect
     model(torch.randn(8, 16))  # the next module call takes the switched-off mode off
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_an_optimizer_dropped_inside_a_torch_decorator_leaves_no_mode():
+    # the finalizer left its mode for the next module call wherever torch's code was among
+    # its callers: under @torch.no_grad(), or in every mp.spawn worker, functional torch
+    # calls then paid the mode's dispatch (2.2x a small op) until a module ran (review)
+    _no_mode_left_by_earlier_tests()
+
+    @torch.no_grad()
+    def train_and_drop() -> None:
+        model = _four_layers()
+        opt = CPUOffloadOptimizer(
+            torch.optim.AdamW(model.parameters()), chunk_bytes=512, overlap_forward=model
+        )
+        with torch.enable_grad():
+            model(torch.randn(8, 16)).sum().backward()
+        opt.step()  # left pending
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # it says its step was pending
+            del opt
+            gc.collect()
+
+    train_and_drop()
+    assert torch._C._len_torch_function_stack() == 0
