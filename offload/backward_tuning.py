@@ -10,13 +10,14 @@ from the backward on. So `TIMED_STEPS` steps are timed (`StepTimer`: the trainer
 the loads' rate, the backward's length), and the backward then loads the leading chunks
 that the stall's ms carry at that rate besides what it loads already
 (`grown_backward_bytes`), within what the backward's length carries and the device's
-headroom (free at the peak). The next timed steps check it: a round that took back less
-than half the stall it moved goes back to the bytes before it (the stall was not the
-link's: an update's own time), or that lengthened the backward by as much as it shortened
-the stall, unless its stall fell and its step got faster by that half; one that took back
-enough grows again while a stall is left, `TUNING_ROUNDS` rounds at most. A stall under
-`STALL_FLOOR_FRACTION` of the step, or under `STALL_TOLERANCE_MS`, is left. On a device
-that times no events (the CPU) nothing grows.
+headroom (free at the peak). The next timed steps check it: a round is kept where its
+median step got faster by `FASTER_ENOUGH` of the step, or where it took back at least half
+the stall it moved, less what it lengthened the backward by; otherwise it goes back to the
+bytes before it (the stall was not the link's but an update's own time, or the loads took
+as long in the backward as the forward waited less). A round kept grows again while a
+stall is left, `TUNING_ROUNDS` rounds at most. A stall under `STALL_FLOOR_FRACTION` of the
+step, or under `STALL_TOLERANCE_MS`, is left. On a device that times no events (the CPU)
+nothing grows.
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ from typing import NoReturn
 
 from offload.residency import BACKWARD_LOAD_SHARE, STALL_TOLERANCE_MS, StepTimer
 
-TIMED_STEPS = 2
+TIMED_STEPS = 4
 """Steps timed per round, after the first plan's step and after each re-plan's step (whose
-forward loads what the backward before it loaded for the plan before)."""
+forward loads what the backward before it loaded for the plan before). The round's step is
+the median of all but the last (waiting for its end would drain the device): three, so a
+one-off in one of them does not decide the round."""
 TUNING_ROUNDS = 2
 STALL_FLOOR_FRACTION = 0.02
 """A stall under this share of the step is not worth holding state from the backward on."""
 TOOK_BACK_ENOUGH = 0.5
-"""A round that took back less than this share of the stall it moved is undone."""
+"""A round whose step got no faster is undone where it took back less than this share of
+the stall it moved."""
+FASTER_ENOUGH = 0.02
+"""A round whose median step got faster by this share of the step before it is kept: the
+step is what the trainer waits for, and the memory it holds fits (`HELD_BACK`)."""
 TUNING_STEPS_AT_MOST = 1 + (TUNING_ROUNDS + 1) * (TIMED_STEPS + 1)
 """Steps until the tuning is done, at most: the first plan's, then per round its re-plan's
 (none before the first), its timed ones and the one it decides at."""
@@ -145,15 +152,10 @@ class BackwardTuning:
         last = self.rounds[-1] if self.rounds else None
         if last is not None and last.chosen_bytes > last.loaded_bytes:
             moved_ms = (last.chosen_bytes - last.loaded_bytes) / max(last.load_bytes_per_ms, 1e-9)
-            # the forward's stall it took back, less what it added to the backward; or,
-            # where the stall fell, the step's own time it took back, which also sees what
-            # the loads cost the forward beside its waits (the trainer's copies queued
-            # behind them; a step alone, whose time may carry a one-off, counts only so)
-            fell = last.stall_ms - stall
-            took_back = fell - max(0.0, backward - last.backward_ms)
-            if fell > STALL_TOLERANCE_MS:
-                took_back = max(took_back, last.iteration_ms - iteration)
-            if took_back < TOOK_BACK_ENOUGH * min(moved_ms, last.stall_ms):
+            # the forward's stall it took back, less what it added to the backward
+            took_back = last.stall_ms - stall - max(0.0, backward - last.backward_ms)
+            faster = last.iteration_ms - iteration >= FASTER_ENOUGH * last.iteration_ms
+            if not faster and took_back < TOOK_BACK_ENOUGH * min(moved_ms, last.stall_ms):
                 self._record(stall, iteration, rate, backward, loaded, last.loaded_bytes)
                 return last.loaded_bytes, True
         if (
@@ -234,6 +236,6 @@ class BackwardTuning:
 
     def _next_round(self) -> None:
         """The re-plan's step is not timed (its forward loads what the backward before it
-        loaded for the old plan); the two after it are."""
+        loaded for the old plan); the `TIMED_STEPS` after it are."""
         self.timer = self.new_timer()
         self._steps = 0

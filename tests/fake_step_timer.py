@@ -74,7 +74,7 @@ class FakeSearchTimer(FakeStepTimer):
 class FakeTuningTimer(StepTimer):
     """A timed `StepTimer` for the default's backward tuning: each timed forward stalls
     `stall_ms()` (asked once the round is read, so of the plan its steps ran) in its first
-    wait, each step takes 100 ms (or `iteration()`, asked as the stall is), the backward
+    wait, each step takes 100 ms (or `iteration()`, asked per step as the stall is), the backward
     `backward` ms (or `backward()`), and loads copy `bytes_per_ms`."""
 
     def __init__(
@@ -101,7 +101,7 @@ class FakeTuningTimer(StepTimer):
 
     def iterations_ms(self, first: int, last: int) -> list[float]:
         assert last < len(self._iterations) - 1, "read the start of the step now starting"
-        return [self.iteration()] * (last - first)
+        return [self.iteration() for _ in range(last - first)]
 
     def backward_ms(self, since: int = 0) -> float:
         return self.backward() if callable(self.backward) else self.backward

@@ -16,6 +16,7 @@ import offload.backward_tuning
 import offload.cpu_offload
 from offload import CPUOffloadOptimizer
 from offload.backward_tuning import (
+    FASTER_ENOUGH,
     STALL_FLOOR_FRACTION,
     TUNING_STEPS_AT_MOST,
     BackwardTuning,
@@ -125,9 +126,10 @@ def test_a_round_that_lengthened_the_backward_as_much_as_it_shortened_the_stall_
 
 def test_a_round_that_made_the_step_faster_is_kept_though_its_stall_fell_less():
     """The loads moved into the backward also spared the forward what its waits do not
-    show (the trainer's copies queued behind them): measured on an H100, stall 53.8 ->
-    31.2 ms and step 255.6 -> 217.5 ms as 2.38 GiB moved (49 ms of loads); undone by the
-    stall alone, the next round's steps ran at 254.5 ms. Kept by the step's time."""
+    show (the trainer's copies queued behind them). Measured on an H100 (AdamW, batch 4):
+    2.38 GiB moved (50 ms of loads), stall 64.1 -> 25.3 ms, backward 110.8 -> 139.4 ms, step
+    253.9 -> 241.7 ms; undone by the stall less the backward, the run's steps took
+    264.7 ms. Kept by the step's time."""
 
     def moved_ms(opt, first):
         return (_loaded_in_backward(opt) - first) / RATE
@@ -135,24 +137,56 @@ def test_a_round_that_made_the_step_faster_is_kept_though_its_stall_fell_less():
     def stall(opt, first):  # takes back a fifth of what moved: under half
         return max(0.0, 6.0 - 0.2 * moved_ms(opt, first))
 
-    opt, first = _tuned(stall, iteration_ms=lambda opt, first: 100.0 + 5 * stall(opt, first))
+    opt, first = _tuned(
+        stall,
+        lambda opt, first: BACKWARD_MS + 0.7 * moved_ms(opt, first),
+        iteration_ms=lambda opt, first: 100.0 - 0.5 * moved_ms(opt, first),
+    )
     grown, checked, *_ = opt.backward_tuning
     assert grown.chosen_bytes > first and checked.loaded_bytes == grown.chosen_bytes
-    assert checked.iteration_ms < grown.iteration_ms - 3.0  # faster by more than it moved / 2
+    assert checked.iteration_ms <= grown.iteration_ms * (1 - FASTER_ENOUGH)
     assert _loaded_in_backward(opt) >= grown.chosen_bytes
-    # by the stall alone it would be undone
+    # by the stall less the backward alone it would be undone
     moved = (grown.chosen_bytes - grown.loaded_bytes) / RATE
-    assert grown.stall_ms - checked.stall_ms < 0.5 * min(grown.stall_ms, moved)
+    took_back = grown.stall_ms - checked.stall_ms - (checked.backward_ms - grown.backward_ms)
+    assert took_back < 0.5 * min(grown.stall_ms, moved)
 
 
-def test_a_faster_step_keeps_no_round_whose_stall_did_not_fall():
-    """A round's step time is one step's, which may carry a one-off cost: a faster step
-    beside a stall the loads did not shorten is noise (found by a review), undone."""
-    step_ms = iter([130.0] + [100.0] * 20)  # the first round's step carries 30 ms once
+def test_a_one_off_in_one_timed_step_does_not_keep_a_round():
+    """One step of a round may carry a one-off cost (a collection, a late launch): the
+    round's step is the median of its timed steps, so a round after it is not faster."""
+    step_ms = iter([130.0] + [100.0] * 40)  # the first round's first step carries 30 ms once
     opt, first = _tuned(lambda opt, first: 6.0, iteration_ms=lambda opt, first: next(step_ms))
     grown, undone = opt.backward_tuning
-    assert grown.chosen_bytes > first and undone.iteration_ms < grown.iteration_ms - 20.0
+    assert grown.chosen_bytes > first and grown.iteration_ms == undone.iteration_ms == 100.0
     assert undone.chosen_bytes == first and _loaded_in_backward(opt) == first
+
+
+def test_a_round_whose_step_got_faster_is_kept_though_its_stall_did_not_fall():
+    """Measured on an H100 (Muon, batch 4): with every chunk moved into the backward the
+    forward still stalled for the update's own time (52.5 -> 53.7 ms), yet the step ran
+    291.8 -> 265.9 ms; undone by the stall, the run's steps took 297.7 ms. Kept."""
+
+    def step(opt, first):  # 9% faster once more loads in the backward
+        return 100.0 - 9.0 * (_loaded_in_backward(opt) > first)
+
+    opt, first = _tuned(lambda opt, first: 6.0, iteration_ms=step)
+    grown, *later = opt.backward_tuning
+    assert grown.chosen_bytes > first and later[0].stall_ms == grown.stall_ms
+    assert _loaded_in_backward(opt) >= grown.chosen_bytes
+
+
+def test_a_round_faster_by_less_than_the_noise_is_undone():
+    """A step 1.5% faster (under `FASTER_ENOUGH`) beside a stall that did not fall."""
+    assert FASTER_ENOUGH > 0.015
+
+    def step(opt, first):
+        return 100.0 - 1.5 * (_loaded_in_backward(opt) > first)
+
+    opt, first = _tuned(lambda opt, first: 6.0, iteration_ms=step)
+    grown, undone = opt.backward_tuning
+    assert grown.chosen_bytes > first and undone.chosen_bytes == first
+    assert _loaded_in_backward(opt) == first
 
 
 def test_it_grows_no_more_than_the_backward_carries_or_the_device_holds(monkeypatch):
