@@ -10,12 +10,15 @@ from the backward on. So `TIMED_STEPS` steps are timed (`StepTimer`: the trainer
 the loads' rate, the backward's length), and the backward then loads the leading chunks
 that the stall's ms carry at that rate besides what it loads already
 (`grown_backward_bytes`), within what the backward's length carries and the device's
-headroom (free at the peak). The next timed steps check it: a round is kept where its
-median step got faster by `FASTER_ENOUGH` of the step, or where it took back at least half
-the stall it moved, less what it lengthened the backward by; otherwise it goes back to the
-bytes before it (the stall was not the link's but an update's own time, or the loads took
-as long in the backward as the forward waited less). A round kept grows again while a
-stall is left, `TUNING_ROUNDS` rounds at most. A stall under `STALL_FLOOR_FRACTION` of the
+headroom (free at the peak). The next timed steps check it: a round that took back at
+least half the stall it moved, less what it lengthened the backward by, is kept and grows
+again while a stall is left, `TUNING_ROUNDS` rounds at most. One that did not, but whose
+median step got faster by `FASTER_ENOUGH` (the loads also spared the forward what its
+waits do not show: the trainer's copies queued behind them), is checked against the bytes
+before it for a round (a run's early steps may just be getting faster): kept where those
+are slower by as much, else it stays with them. Any other round goes back to the bytes
+before it (the stall was not the link's but an update's own time, or the loads took as
+long in the backward as the forward waited less). A stall under `STALL_FLOOR_FRACTION` of the
 step, or under `STALL_TOLERANCE_MS`, is left. On a device that times no events (the CPU)
 nothing grows.
 """
@@ -44,9 +47,10 @@ the stall it moved."""
 FASTER_ENOUGH = 0.02
 """A round whose median step got faster by this share of the step before it is kept: the
 step is what the trainer waits for, and the memory it holds fits (`HELD_BACK`)."""
-TUNING_STEPS_AT_MOST = 1 + (TUNING_ROUNDS + 1) * (TIMED_STEPS + 1)
-"""Steps until the tuning is done, at most: the first plan's, then per round its re-plan's
-(none before the first), its timed ones and the one it decides at."""
+TUNING_STEPS_AT_MOST = 1 + (TUNING_ROUNDS + 2) * (TIMED_STEPS + 1)
+"""Steps until the tuning is done, at most: the first plan's, then per round its timed ones
+and the one it decides (and re-plans) at; the rounds: `TUNING_ROUNDS` that grow, the one
+that checks the last, and one that checks it against the bytes before it."""
 
 
 HELD_BACK = ("the backward's length", "the device's headroom", "gpu_budget_bytes")
@@ -99,6 +103,8 @@ class BackwardTuning:
         self.timer = new_timer()
         self.rounds: list[TuningRound] = []
         self._steps = 0  # steps started since the round's first
+        # a round kept for its faster step alone, while the bytes before it run again
+        self._checking: TuningRound | None = None
 
     @property
     def profiling(self) -> bool:
@@ -149,14 +155,25 @@ class BackwardTuning:
         )
         if failed:
             self._failed(error)
+        checked, self._checking = self._checking, None
+        if checked is not None:  # the bytes before it ran again: kept where they were slower
+            slower = iteration - checked.iteration_ms >= FASTER_ENOUGH * iteration
+            back = (
+                self._fitting([checked.loaded_bytes], loaded, limit, agree)[0] if slower else loaded
+            )
+            self._record(stall, iteration, rate, backward, loaded, back)
+            return (back if back > loaded else None), True
         last = self.rounds[-1] if self.rounds else None
         if last is not None and last.chosen_bytes > last.loaded_bytes:
             moved_ms = (last.chosen_bytes - last.loaded_bytes) / max(last.load_bytes_per_ms, 1e-9)
             # the forward's stall it took back, less what it added to the backward
             took_back = last.stall_ms - stall - max(0.0, backward - last.backward_ms)
-            faster = last.iteration_ms - iteration >= FASTER_ENOUGH * last.iteration_ms
-            if not faster and took_back < TOOK_BACK_ENOUGH * min(moved_ms, last.stall_ms):
+            if took_back < TOOK_BACK_ENOUGH * min(moved_ms, last.stall_ms):
                 self._record(stall, iteration, rate, backward, loaded, last.loaded_bytes)
+                if 0 < iteration <= (1 - FASTER_ENOUGH) * last.iteration_ms:
+                    self._checking = self.rounds[-1]
+                    self._next_round()
+                    return last.loaded_bytes, False
                 return last.loaded_bytes, True
         if (
             len(self.rounds) >= TUNING_ROUNDS
@@ -171,9 +188,28 @@ class BackwardTuning:
         chosen = grown_backward_bytes(chunk_bytes, loaded, stall, rate, max(carried, loaded))
         held_back = 1 if chosen < wanted else 0  # the backward's length
         ends = [end for end in itertools.accumulate(chunk_bytes) if loaded < end <= chosen]
-        # The largest that fits on every rank (each holds its own shards), from the top:
-        # each is a plan. What kept the next one larger off is kept as its 1-based index.
-        fitting = loaded
+        chosen, held_back = self._fitting(ends, loaded, limit, agree, held_back)
+        reason = HELD_BACK[held_back - 1] if held_back and chosen < wanted else None
+        self._record(stall, iteration, rate, backward, loaded, chosen, reason)
+        if chosen <= loaded:
+            return None, True
+        self._next_round()
+        return chosen, False
+
+    def _fitting(
+        self,
+        ends: Sequence[int],
+        loaded: int,
+        limit: Callable[[int], str | None],
+        agree: Callable[[Sequence[float], Sequence[float]], tuple[list[float], list[float]]],
+        held_back: int = 0,
+    ) -> tuple[int, int]:
+        """The largest of `ends` (ascending, each a plan's bytes) that fits on every rank
+        (each holds its own shards), else `loaded`; and what kept the next one larger off,
+        as a 1-based index into `HELD_BACK` (`held_back`, where nothing is found, the
+        caller's), agreed with the rank the bytes came from (one collective). An error on
+        any rank raises on every rank."""
+        fitting, error = loaded, None
         try:
             for end in reversed(ends):
                 reason = limit(end)
@@ -188,16 +224,9 @@ class BackwardTuning:
         codes = len(HELD_BACK) + 1
         _, (agreed,) = agree([], [float(fitting * codes + len(HELD_BACK) - held_back)])
         fitting, held_back = divmod(int(agreed), codes)
-        held_back = len(HELD_BACK) - held_back
         if fitting < 0:
             self._failed(error)
-        chosen = fitting
-        reason = HELD_BACK[held_back - 1] if held_back and chosen < wanted else None
-        self._record(stall, iteration, rate, backward, loaded, chosen, reason)
-        if chosen <= loaded:
-            return None, True
-        self._next_round()
-        return chosen, False
+        return fitting, len(HELD_BACK) - held_back
 
     def _measured(self) -> tuple[float, float, float, float]:
         """This rank's round: the median stall and iteration, the load rate, the backward."""

@@ -2099,8 +2099,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _run_tuning(self, tuning: BackwardTuning) -> None:
         """The default's backward loads at this step (`BackwardTuning.decide`): re-planned
-        with more (or, undoing a round that took back too little of the stall, fewer)
-        leading chunks, a byte budget from then on; once it is done, said in one line."""
+        with more leading chunks, or fewer (a round undone, or checked against the bytes
+        before it), a byte budget from then on; once it is done, said in one line."""
         if not tuning.deciding:
             return
         executor = self._executor

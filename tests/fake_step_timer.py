@@ -74,8 +74,9 @@ class FakeSearchTimer(FakeStepTimer):
 class FakeTuningTimer(StepTimer):
     """A timed `StepTimer` for the default's backward tuning: each timed forward stalls
     `stall_ms()` (asked once the round is read, so of the plan its steps ran) in its first
-    wait, each step takes 100 ms (or `iteration()`, asked per step as the stall is), the backward
-    `backward` ms (or `backward()`), and loads copy `bytes_per_ms`."""
+    wait, each step takes 100 ms (or `iteration()`, asked as the next step starts, so of
+    the plan the step ran), the backward `backward` ms (or `backward()`), and loads copy
+    `bytes_per_ms`."""
 
     def __init__(
         self,
@@ -87,10 +88,15 @@ class FakeTuningTimer(StepTimer):
         super().__init__(torch.device("cpu"))
         self.stall_ms, self.backward, self.bytes_per_ms = stall_ms, backward, bytes_per_ms
         self.iteration = iteration
+        self.clock: list[float] = []  # each mark's time
 
     @property
     def timed(self) -> bool:
         return True
+
+    def iteration_started(self, stream: torch.Stream | None) -> int:
+        self.clock.append(self.clock[-1] + self.iteration() if self.clock else 0.0)
+        return super().iteration_started(stream)
 
     def profiles(self) -> list[StepProfile]:
         stall = self.stall_ms()
@@ -101,7 +107,8 @@ class FakeTuningTimer(StepTimer):
 
     def iterations_ms(self, first: int, last: int) -> list[float]:
         assert last < len(self._iterations) - 1, "read the start of the step now starting"
-        return [self.iteration() for _ in range(last - first)]
+        times = self.clock[first : last + 1]
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
 
     def backward_ms(self, since: int = 0) -> float:
         return self.backward() if callable(self.backward) else self.backward
