@@ -707,19 +707,23 @@ class ForwardOverlap:
         mode on the stack, and never in training: in eval, while the pending-read mode is
         on, they run their slow path (the same math, other rounding; padded positions not
         zeroed). Said once, not mended by stepping the mode aside in their forward: reads
-        in hooks around them would go unseen."""
+        in hooks around them would go unseen. Another overlapped optimizer's pending step
+        does the same."""
         module = self._fast_path[index]
-        if self._warned_slow_path or module.training or not self._reads.on_this_stack():
+        if self._warned_slow_path or module.training:
+            return
+        if not any(isinstance(m, _PendingReads) and m.active for m in _function_modes()):
             return
         if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
             return  # no fused path with grads to compute either
         self._warned_slow_path = True
         warnings.warn(
             f"{self._fast_path_names[index]!r} ({type(module).__name__}) runs torch's slow "
-            "path while the optimizer step is pending (its fused path needs no torch "
-            "function mode on the stack): the same math, other rounding, padded positions "
-            "not zeroed. For the fused path's bits, call optimizer.wait_for_optimizer_step() "
-            "before this forward",
+            "path while an overlapped optimizer step is pending (its fused path needs no "
+            "torch function mode on the stack): the same math, other rounding, padded "
+            "positions not zeroed. For the fused path's bits, call "
+            "wait_for_optimizer_step() on the optimizers with a pending step before this "
+            "forward",
             stacklevel=2,
         )
 

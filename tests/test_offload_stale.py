@@ -1033,6 +1033,30 @@ def test_torchs_fast_path_modules_in_eval_say_they_run_the_slow_path_while_pendi
         model(data[0])  # said once
 
 
+def test_a_fast_path_module_says_so_while_another_optimizers_step_is_pending():
+    # Two models, each with an overlapped optimizer: the encoder's has nothing pending, the
+    # other's step is. Its mode on the stack sends the encoder down its slow path as well
+    # (found by a review: said only for its own optimizer's pending step).
+    _, _, model, overlapped = _pair(Encoder)
+    _, _, other, other_opt = _pair(FunctionalHead)
+    data = _tokens(2)
+    _train(model, overlapped, data)
+    overlapped.wait_for_optimizer_step()
+    _train(other, other_opt, data[:1])  # pending
+    model.eval()
+    with (
+        pytest.warns(UserWarning, match=r"'encoder' \(TransformerEncoder\) runs torch's slow"),
+        torch.no_grad(),
+    ):
+        model(data[0])
+    other_opt.wait_for_optimizer_step()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        model(data[0])  # nothing pending: the fused path
+    overlapped.close()
+    other_opt.close()
+
+
 def _compiled_fast_path_worker(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
