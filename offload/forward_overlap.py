@@ -961,23 +961,35 @@ class _PendingReads(TorchFunctionMode):
             if overlap is not None:
                 overlap._before_backward()
         else:
-            values = (*args, *kwargs.values()) if kwargs else args
-            if _DYNAMO_IDS_PARAMS_ONLY and torch.compiler.is_compiling():
-                values = _params_among(values)
-            chunk = _latest_chunk(self.chunk_of, self._held, values)
-            if self.shared_storages and not torch.compiler.is_compiling():
-                chunk = max(chunk, _latest_in_shared_storage(self.shared_storages, values))
-            if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
-                unwrapped = _unwrapped((*args, *kwargs.values()))
-                chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, unwrapped))
-                if self.shared_storages:
-                    shared = _latest_in_shared_storage(self.shared_storages, unwrapped)
-                    chunk = max(chunk, shared)
+            # The look-up's own reads (`_base`, storage spans) would go through the modes
+            # below this one (another overlapped optimizer's, the default device's): with
+            # k pending, 2^k - 1 handler calls per torch call. Each mode sees the call
+            # itself anyway, so they are read with torch functions off (not traced).
+            if _depth() and not torch.compiler.is_compiling():
+                with torch._C.DisableTorchFunction():
+                    chunk = self._latest_read(args, kwargs)
+            else:
+                chunk = self._latest_read(args, kwargs)
             if chunk > self.landed:
                 overlap = self._overlap()
                 if overlap is not None:
                     overlap._wait_for_read(chunk)
         return func(*args, **kwargs)
+
+    def _latest_read(self, args: tuple, kwargs: dict) -> int:
+        """The latest pending chunk that a torch call given `args` and `kwargs` reads."""
+        values = (*args, *kwargs.values()) if kwargs else args
+        if _DYNAMO_IDS_PARAMS_ONLY and torch.compiler.is_compiling():
+            values = _params_among(values)
+        chunk = _latest_chunk(self.chunk_of, self._held, values)
+        if self.shared_storages and not torch.compiler.is_compiling():
+            chunk = max(chunk, _latest_in_shared_storage(self.shared_storages, values))
+        if torch._C._are_functorch_transforms_active():  # see `_unwrapped`
+            unwrapped = _unwrapped((*args, *kwargs.values()))
+            chunk = max(chunk, _latest_chunk(self.chunk_of, self._held, unwrapped))
+            if self.shared_storages:
+                chunk = max(chunk, _latest_in_shared_storage(self.shared_storages, unwrapped))
+        return chunk
 
     def suspended_here(self) -> bool:
         """This thread runs the step's chunks now (a call from inside one)."""
