@@ -241,15 +241,30 @@ def _check_cluster_apart(
             refuse(strided[i][0], name)
 
 
-def _sliceable(param: Tensor, state_shapes: Sequence[torch.Size], slices: bool) -> bool:
+CPU_GRAIN_ELEMENTS = 32768
+"""torch's CPU elementwise ops (TensorIterator) split a tensor of more elements than this
+between threads, each share ending in a scalar tail (`at::internal::GRAIN_SIZE`; torch
+2.11, 2.13)."""
+
+
+def _sliceable(
+    param: Tensor, state: Sequence[tuple[torch.Size, torch.dtype]], slices: bool
+) -> bool:
     """Whether a step that `slices` params may cut `param` into slices: it keeps state, all
-    shaped like the param, whose local shard is contiguous (a slice is a run of memory)."""
+    shaped like the param, whose local shard is contiguous (a slice is a run of memory).
+    Not a 16-bit float one of over `CPU_GRAIN_ELEMENTS` on the CPU: there the threads'
+    shares of the whole tensor end in scalar tails that round 16-bit math after each
+    operation, where the vectorized body keeps fp32 between them, so a slice, split
+    elsewhere, gave other bits (with 2 threads, thousands of elements of a large bf16
+    param under RMSprop)."""
     local = local_tensor(param)
+    half = any(d in (torch.bfloat16, torch.float16) for d in (local.dtype, *(d for _, d in state)))
     return (
         slices
-        and bool(state_shapes)
+        and bool(state)
         and local.is_contiguous()
-        and all(shape == local.shape for shape in state_shapes)
+        and all(shape == local.shape for shape, _ in state)
+        and not (local.device.type == "cpu" and half and local.numel() > CPU_GRAIN_ELEMENTS)
     )
 
 
@@ -823,7 +838,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         def least_slot(param: Tensor) -> int:
             layout = self._subset.state_layout(param)
             state = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
-            if _sliceable(param, [shape for shape, _ in layout.values()], slices):
+            if _sliceable(param, list(layout.values()), slices):
                 return min(state, self.chunk_bytes)
             return state
 
@@ -1920,7 +1935,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for p in self._params:
             state = tuple(StateSpec(k, torch.Size(s), d) for k, (s, d) in layout(p).items())
             splittable = p not in self._stepped_whole and _sliceable(
-                p, [s.shape for s in state], splits
+                p, [(s.shape, s.dtype) for s in state], splits
             )
             specs.append(ParamSpec(invariant_numel(p), state, splittable))
         return specs
