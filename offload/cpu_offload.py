@@ -59,6 +59,7 @@ from offload.step_plan import BackwardLoads, OffloadedStep, plan_offloaded_step
 from offload.step_schedule import StepSchedule
 from offload.streams import CopyStreams
 from offload.subset_step import (
+    PER_PARAM_OPTIMIZERS,
     GroupSubsetStep,
     SlicingSubsetStep,
     StateLayout,
@@ -265,6 +266,23 @@ def _sliceable(
         and local.is_contiguous()
         and all(shape == local.shape for shape, _ in state)
         and not (local.device.type == "cpu" and half and local.numel() > CPU_GRAIN_ELEMENTS)
+    )
+
+
+def _without_subset_step(optimizer: torch.optim.Optimizer) -> str:
+    """Why `optimizer` has no subset step, for a refusal that needs one."""
+    name = type(optimizer).__name__
+    base = next((c for c in PER_PARAM_OPTIMIZERS if isinstance(optimizer, c)), None)
+    if base is None:
+        return (
+            f"{name} has none (give it begin_subset_step and step_params: "
+            "docs/design.md, the subset-step protocol)"
+        )
+    return (
+        f"{name} has none: it subclasses torch's {base.__name__}, but the chunked step "
+        f"adapts torch's classes themselves, as it never calls a subclass's step(), which "
+        f"may do more. Wrap a {base.__name__} (what the subclass adds to step() can go in "
+        "a step pre- or post-hook), or give it begin_subset_step and step_params"
     )
 
 
@@ -709,7 +727,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._subset is None and (gpu_resident_bytes != 0 or gpu_budget_bytes is not None):
             raise ValueError(
                 f"gpu_resident_bytes and gpu_budget_bytes need an optimizer with a subset "
-                f"step; {type(optimizer).__name__} has none (it takes the serial path, which "
+                f"step; {_without_subset_step(optimizer)} (it takes the serial path, which "
                 "keeps no state on the GPU between steps): leave them unset"
             )
         self._check_ring_fits()
@@ -751,7 +769,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             if self._subset is None:
                 raise ValueError(
                     f"overlap_forward needs an optimizer with a subset step; "
-                    f"{type(optimizer).__name__} has none (it would take the serial path)"
+                    f"{_without_subset_step(optimizer)} (it would take the serial path)"
                 )
             self._overlap = ForwardOverlap(overlap_forward, self._params, self._streams)
             self._overlap.dropped_pending.append(functools.partial(_refuse_steps, optimizer))

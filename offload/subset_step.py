@@ -613,12 +613,17 @@ class GroupSubsetStep:
                 params = [p for p in last[1] if id(p) in listed]
             else:
                 params = []
-            passed.append((options, self._check_state_of(g, group, params)))
+            before = dict(last[0]) if last is not None else {}
+            changed = [k for k, v in options if k in before and before[k] != v]
+            passed.append((options, self._check_state_of(g, group, params, changed)))
         self._checked_options = passed
 
-    def _check_state_of(self, g: int, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
-        """`check_state_for_options` for `params` of group `g`; returns those with state but
-        no grad (the step skips them), to look at once they have one."""
+    def _check_state_of(
+        self, g: int, group: dict[str, Any], params: list[Tensor], changed: list[str]
+    ) -> list[Tensor]:
+        """`check_state_for_options` for `params` of group `g`, whose options `changed` since
+        it last passed; returns those with state but no grad (the step skips them), to look
+        at once they have one."""
         state = self.optimizer.state
         later = []
         for p in params:
@@ -638,7 +643,7 @@ class GroupSubsetStep:
                     f"param group {g}: the state of param {k} ({tuple(p.shape)}) has no "
                     f"{min(missing)!r}, which {name} reads with the group's options as they "
                     f"are now (it has {sorted(own)}); torch's {name} would raise KeyError. "
-                    "Set an option such as amsgrad when the group is made, not once state "
+                    f"Set {_options_named(changed)} when the group is made, not once state "
                     "exists; or delete the param's state (del opt.state[param]) to start "
                     "it afresh"
                 )
@@ -712,6 +717,13 @@ def _state_options(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     buffer), but its params' names (one per param: a key of them grew with the params
     squared)."""
     return tuple((k, _hashable(v)) for k, v in group.items() if k not in ("params", "param_names"))
+
+
+def _options_named(changed: Sequence[str]) -> str:
+    """The options that changed, as the refusal names them."""
+    if not changed:
+        return "the options that choose the state (amsgrad, momentum, centered, ...)"
+    return " and ".join(repr(k) for k in changed)
 
 
 def _options_choosing_state(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -617,3 +617,18 @@ def test_a_none_state_entry_of_an_optimizer_of_its_own_is_refused_naming_the_fix
     _backward(model)
     with pytest.raises(ValueError, match=r"state 'buf' of param 0 is None .*del opt.state"):
         opt.step()
+
+
+@pytest.mark.parametrize("option", ["overlap_forward", "gpu_resident_bytes"])
+def test_a_subclass_of_a_torch_optimizer_is_refused_where_a_subset_step_is_needed(option):
+    # The chunked step adapts torch's classes themselves (a subclass's step() may do more,
+    # and the chunks never call it): the refusal said only "MyAdamW has none" (review)
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    model = torch.nn.Linear(4, 4)
+    given = {"overlap_forward": model, "gpu_resident_bytes": 1024}[option]
+    with pytest.raises(ValueError, match=r"MyAdamW has none: it subclasses torch's AdamW"):
+        CPUOffloadOptimizer(MyAdamW(model.parameters()), **{option: given})
+    with pytest.raises(ValueError, match=r"Rprop has none \(give it begin_subset_step"):
+        CPUOffloadOptimizer(torch.optim.Rprop(model.parameters()), **{option: given})
