@@ -42,11 +42,12 @@ TUNING_ROUNDS = 2
 STALL_FLOOR_FRACTION = 0.02
 """A stall under this share of the step is not worth holding state from the backward on."""
 TOOK_BACK_ENOUGH = 0.5
-"""A round whose step got no faster is undone where it took back less than this share of
-the stall it moved."""
+"""A round that took back less than this share of the stall it moved is undone, unless its
+step got faster by `FASTER_ENOUGH`."""
 FASTER_ENOUGH = 0.02
-"""A round whose median step got faster by this share of the step before it is kept: the
-step is what the trainer waits for, and the memory it holds fits (`HELD_BACK`)."""
+"""A round whose median step got faster by this share of the step before it, though it took
+back too little of the stall, is checked against the bytes before it, and kept where those
+are slower by as much: the step is what the trainer waits for."""
 TUNING_STEPS_AT_MOST = 1 + (TUNING_ROUNDS + 2) * (TIMED_STEPS + 1)
 """Steps until the tuning is done, at most: the first plan's, then per round its timed ones
 and the one it decides (and re-plans) at; the rounds: `TUNING_ROUNDS` that grow, the one
@@ -158,10 +159,13 @@ class BackwardTuning:
         checked, self._checking = self._checking, None
         if checked is not None:  # the bytes before it ran again: kept where they were slower
             slower = iteration - checked.iteration_ms >= FASTER_ENOUGH * iteration
-            back = (
-                self._fitting([checked.loaded_bytes], loaded, limit, agree)[0] if slower else loaded
+            back, held_back = (
+                self._fitting([checked.loaded_bytes], loaded, limit, agree)
+                if slower
+                else (loaded, 0)
             )
-            self._record(stall, iteration, rate, backward, loaded, back)
+            reason = HELD_BACK[held_back - 1] if held_back and back == loaded else None
+            self._record(stall, iteration, rate, backward, loaded, back, reason)
             return (back if back > loaded else None), True
         last = self.rounds[-1] if self.rounds else None
         if last is not None and last.chosen_bytes > last.loaded_bytes:

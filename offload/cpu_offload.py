@@ -253,19 +253,20 @@ def _sliceable(
 ) -> bool:
     """Whether a step that `slices` params may cut `param` into slices: it keeps state, all
     shaped like the param, whose local shard is contiguous (a slice is a run of memory).
-    Not a 16-bit float one of over `CPU_GRAIN_ELEMENTS` on the CPU: there the threads'
-    shares of the whole tensor end in scalar tails that round 16-bit math after each
-    operation, where the vectorized body keeps fp32 between them, so a slice, split
-    elsewhere, gave other bits (with 2 threads, thousands of elements of a large bf16
-    param under RMSprop)."""
+    Not a 16-bit float one whose largest shard holds over `CPU_GRAIN_ELEMENTS` on the CPU
+    (the largest: every rank cuts the same chunks): there the threads' shares of the whole
+    tensor end in scalar tails that round 16-bit math after each operation, where the
+    vectorized body keeps fp32 between them, so a slice, split elsewhere, gave other bits."""
     local = local_tensor(param)
     half = any(d in (torch.bfloat16, torch.float16) for d in (local.dtype, *(d for _, d in state)))
+    shards = shard_count(param) if hasattr(param, "placements") else 1
+    largest_shard = -(-param.numel() // shards)
     return (
         slices
         and bool(state)
         and local.is_contiguous()
         and all(shape == local.shape for shape, _ in state)
-        and not (local.device.type == "cpu" and half and local.numel() > CPU_GRAIN_ELEMENTS)
+        and not (local.device.type == "cpu" and half and largest_shard > CPU_GRAIN_ELEMENTS)
     )
 
 
@@ -273,16 +274,17 @@ def _without_subset_step(optimizer: torch.optim.Optimizer) -> str:
     """Why `optimizer` has no subset step, for a refusal that needs one."""
     name = type(optimizer).__name__
     base = next((c for c in PER_PARAM_OPTIMIZERS if isinstance(optimizer, c)), None)
+    protocol = (
+        "give it begin_subset_step() (returning the step's units and step_params) and "
+        "state_layout(): docs/design.md, the subset-step protocol"
+    )
     if base is None:
-        return (
-            f"{name} has none (give it begin_subset_step and step_params: "
-            "docs/design.md, the subset-step protocol)"
-        )
+        return f"{name} has none ({protocol})"
     return (
         f"{name} has none: it subclasses torch's {base.__name__}, but the chunked step "
         f"adapts torch's classes themselves, as it never calls a subclass's step(), which "
-        f"may do more. Wrap a {base.__name__} (what the subclass adds to step() can go in "
-        "a step pre- or post-hook), or give it begin_subset_step and step_params"
+        f"may do more. Wrap the {base.__name__} itself (what the subclass adds to step() "
+        f"can go in a step pre- or post-hook), or {protocol}"
     )
 
 

@@ -578,9 +578,9 @@ class GroupSubsetStep:
         self._layouts: dict[
             tuple[tuple, torch.Size, torch.dtype, torch.dtype], tuple[StateLayout, frozenset[str]]
         ] = {}
-        # `check_state_for_options`: per group, the options it passed with, and the params
-        # with state it has not looked at (no grad then)
-        self._checked_options: list[tuple[tuple, list[Tensor]]] = []
+        # `check_state_for_options`: per group, the options it passed with, the params with
+        # state it has not looked at (no grad then) and the options changed before that
+        self._checked_options: list[tuple[tuple, list[Tensor], list[str]]] = []
 
     @property
     def slices_params(self) -> bool:
@@ -602,20 +602,25 @@ class GroupSubsetStep:
         it would have stepped). Looked at where a group's options changed since it last
         passed, as far as options choose state (`_options_choosing_state`), and for params
         with state that had no grad then, once they have one."""
-        passed: list[tuple[tuple, list[Tensor]]] = []
+        passed: list[tuple[tuple, list[Tensor], list[str]]] = []
         for g, group in enumerate(self.optimizer.param_groups):
             options = _options_choosing_state(group)
             last = self._checked_options[g] if g < len(self._checked_options) else None
+            # the options changed since the params looked at last passed (for those with
+            # no grad then, since before them)
+            changed = list(last[2]) if last is not None and last[1] else []
             if last is None or last[0] != options:
                 params = group["params"]
+                before = dict(last[0]) if last is not None else {}
+                changed += [k for k, v in options if k in before and before[k] != v]
+                changed = list(dict.fromkeys(changed))
             elif last[1]:  # still in this group: it may have been regrouped by hand
                 listed = {id(p) for p in group["params"]}
                 params = [p for p in last[1] if id(p) in listed]
             else:
                 params = []
-            before = dict(last[0]) if last is not None else {}
-            changed = [k for k, v in options if k in before and before[k] != v]
-            passed.append((options, self._check_state_of(g, group, params, changed)))
+            later = self._check_state_of(g, group, params, changed)
+            passed.append((options, later, changed if later else []))
         self._checked_options = passed
 
     def _check_state_of(
@@ -723,7 +728,9 @@ def _options_named(changed: Sequence[str]) -> str:
     """The options that changed, as the refusal names them."""
     if not changed:
         return "the options that choose the state (amsgrad, momentum, centered, ...)"
-    return " and ".join(repr(k) for k in changed)
+    if len(changed) == 1:
+        return repr(changed[0])
+    return f"the one of {', '.join(map(repr, changed))} that makes it"
 
 
 def _options_choosing_state(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -208,6 +208,7 @@ def test_a_round_kept_for_its_step_is_not_taken_back_where_the_device_no_longer_
     grown, faster, checked = opt.backward_tuning
     assert faster.chosen_bytes == first and checked.iteration_ms == 100.0
     assert checked.chosen_bytes == first == _loaded_in_backward(opt)
+    assert checked.held_back_by == "the device's headroom"  # said in the log line (review)
 
 
 def test_a_round_faster_by_less_than_the_noise_is_undone():

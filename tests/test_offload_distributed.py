@@ -986,3 +986,42 @@ def _tuning_fails_on_one_rank_worker(rank: int, world: int, make) -> None:
 @pytest.mark.parametrize("world, make", [(2, _adamw), (3, _muon)], ids=["adamw-2", "muon-3"])
 def test_fsdp2_a_tuning_that_fails_on_one_rank_fails_that_step_on_every_rank(world, make):
     run_on_ranks(_tuning_fails_on_one_rank_worker, world, make)
+
+
+def _uneven_16_bit_worker(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16385), torch.nn.Linear(16385, 4))
+        model = model.to(torch.bfloat16)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    plain_model, model = make(), make()
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    opt = CPUOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_bytes=8192)
+    for m, o in ((plain_model, plain), (model, opt)):
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            o.zero_grad()
+            m(torch.randn(3, 4, generator=gen).bfloat16()).float().square().mean().backward()
+            o.step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+    slices = [len(c.slices) for c in opt.plan.chunks]
+    every = [None] * world
+    dist.all_gather_object(every, slices)
+    assert all(s == every[0] for s in every), every
+    opt.close()
+
+
+def test_uneven_shards_of_a_large_16_bit_param_cut_the_same_chunks_on_every_rank():
+    # Whether a 16-bit param on the CPU may be sliced was asked of the rank's own shard:
+    # 32772 elements on rank 0 (sliced: 4 chunks) and 32768 on rank 1 (6), where every rank
+    # must cut the same chunks (review)
+    run_on_ranks(_uneven_16_bit_worker, 2)
