@@ -649,13 +649,7 @@ class Muon(torch.optim.Optimizer):
             if buf is None:  # the reset idiom: from zeros, as a deleted entry
                 del self.state[p]["momentum_buffer"]
                 continue
-            # Global shape and placements, not to_local() (10 us a DTensor, every step).
-            if not (
-                isinstance(buf, Tensor)
-                and buf.is_floating_point()
-                and _placed_alike(buf, p)
-                and buf.shape == p.shape
-            ):
+            if not (_shaped_as(buf, p) and buf.is_floating_point()):
                 raise ValueError(
                     f"param group {index}: {_param_text(group, k)} has a momentum_buffer "
                     f"{_described(buf)}, where the step keeps a float32 tensor of the "
@@ -696,13 +690,7 @@ class Muon(torch.optim.Optimizer):
                 )
             for key in keys:
                 value = state[key]
-                # Global shape and placements, as `_check_momentum` reads them
-                if not (
-                    isinstance(value, Tensor)
-                    and value.dtype == p.dtype
-                    and _placed_alike(value, p)
-                    and value.shape == p.shape
-                ):
+                if not (_shaped_as(value, p) and value.dtype == p.dtype):
                     raise ValueError(
                         f"param group {index}: {_param_text(group, k)} has an {key} "
                         f"{_described(value)}, "
@@ -1297,6 +1285,12 @@ def _described(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"{type(value).__name__} {tuple(value.shape)} {value.dtype}"
     return type(value).__name__
+
+
+def _shaped_as(value: Any, param: Tensor) -> bool:
+    """A tensor of `param`'s global shape and placements: read without to_local() (10 us
+    a DTensor, every step)."""
+    return isinstance(value, Tensor) and _placed_alike(value, param) and value.shape == param.shape
 
 
 def _placed_alike(t: Tensor, p: Tensor) -> bool:
