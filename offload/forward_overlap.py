@@ -979,8 +979,8 @@ class _PendingReads(TorchFunctionMode):
     def _latest_read(self, args: tuple, kwargs: dict) -> int:
         """The latest pending chunk that a torch call given `args` and `kwargs` reads."""
         values = (*args, *kwargs.values()) if kwargs else args
-        if _DYNAMO_IDS_PARAMS_ONLY and torch.compiler.is_compiling():
-            values = _params_among(values)
+        if torch.compiler.is_compiling():
+            values = _instances_among(values, _COMPILED_LOOKS_UP)
         chunk = _latest_chunk(self.chunk_of, self._held, values)
         if self.shared_storages and not torch.compiler.is_compiling():
             chunk = max(chunk, _latest_in_shared_storage(self.shared_storages, values))
@@ -1292,20 +1292,27 @@ def _depth() -> int:
     return torch._C._len_torch_function_stack()
 
 
-_DYNAMO_IDS_PARAMS_ONLY = tuple(map(int, re.findall(r"\d+", torch.__version__)[:2])) < (2, 13)
-"""Dynamo before torch 2.13 traces `id()` of neither a constant (an int argument) nor a
-tensor made in the graph: a block compiled with fullgraph=True raised at its first call
-while a step was pending (torch 2.11; 2.13 traces both). There compiled code looks up
-only params (what the graph reads of the step's: views of params held across the step,
-and grads and state, are not waited for there)."""
+_COMPILED_LOOKS_UP = (
+    torch.nn.Parameter
+    if tuple(map(int, re.findall(r"\d+", torch.__version__)[:2])) < (2, 13)
+    else torch.Tensor
+)
+"""What compiled code looks up. Dynamo before torch 2.13 traces `id()` of neither a
+constant (an int argument) nor a tensor made in the graph: a block compiled with
+fullgraph=True raised at its first call while a step was pending (torch 2.11), so there
+only params are looked up (what the graph reads of the step's: views of params held across
+the step, and grads and state, are not waited for there). Torch 2.13 traces both, but not
+`id()` of a `torch.device` argument under a `with torch.device(...)` entered before
+`step()` (Dynamo's guard on the mode stack fails with a NameError): only tensors."""
 
 
-def _params_among(values: Iterable[Any]) -> list[torch.nn.Parameter]:
-    """The params among `values`, one level into lists and tuples (as `_latest_chunk`)."""
+def _instances_among(values: Iterable[Any], kind: type) -> list[Any]:
+    """The instances of `kind` among `values`, one level into lists and tuples (as
+    `_latest_chunk`)."""
     found = []
     for value in values:
         items = value if isinstance(value, (list, tuple)) else (value,)
-        found.extend(item for item in items if isinstance(item, torch.nn.Parameter))
+        found.extend(item for item in items if isinstance(item, kind))
     return found
 
 

@@ -871,6 +871,29 @@ def test_a_pending_param_read_inside_fullgraph_code_says_what_to_do():
     opt.close()
 
 
+def test_fullgraph_code_under_a_device_context_entered_before_step_compiles():
+    # with torch.device(...) entered before step(), the mode's look-up took id() of a
+    # factory op's device argument inside compiled code: Dynamo raised a NameError
+    # ('___get_torch_function_mode_stack_at', torch 2.13)
+    @torch.compile(fullgraph=True, backend="eager")
+    def shifted(loss):
+        return loss + torch.ones(())
+
+    plain_model, plain, model, overlapped = _pair(FunctionalHead)
+    data = _tokens(3)
+
+    def log(m, _):
+        shifted(m.head.weight.sum())  # between step() and the next forward
+
+    with torch.device("cpu"):
+        losses = [
+            _train(m, o, data, after_step=log)
+            for m, o in ((plain_model, plain), (model, overlapped))
+        ]
+    assert losses[0] == losses[1]
+    _assert_same(plain_model, plain, model, overlapped)
+
+
 class _Counting(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
