@@ -42,9 +42,7 @@ from bench.model import ModelConfig, Transformer, loss_fn, parallelize
 from bench.report import exit_spawned_rank, write_json
 from muon_offload import OptimizerConfig, setup_optimizer
 
-ROOT = Path(__file__).resolve().parents[1]
-
-RESULTS = ROOT / "bench" / "results"
+RESULTS = Path("bench") / "results"  # under the working directory (an installed demo too)
 WARMUP_STEPS = 2  # their own window, left out of the summary: they build plans and allocate
 
 
@@ -299,7 +297,8 @@ def default_json_path(args: argparse.Namespace, now: time.struct_time) -> Path:
     """A file per run, named by what it ran and when."""
     arm = args.offload + ("-overlap" if args.overlap_forward else "")
     tags = [args.optimizer, arm] + (["compare"] if args.compare else [])
-    return RESULTS / f"train-{'-'.join(tags)}-{time.strftime('%Y%m%d-%H%M%S', now)}.json"
+    name = f"train-{'-'.join(tags)}-{time.strftime('%Y%m%d-%H%M%S', now)}.json"
+    return Path.cwd() / RESULTS / name
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

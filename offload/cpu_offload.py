@@ -2412,9 +2412,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"a unit of the wrapped optimizer holds {slot_bytes / mib:.0f} MiB of state, "
                 f"more than chunk_bytes ({self.chunk_bytes / mib:.0f} MiB), and it cannot be "
                 f"split: the GPU staging ring takes {self.staging_slots} x "
-                f"{slot_bytes / mib:.0f} MiB. Give the optimizer smaller units (muon.Muon: "
-                f"bucket_cap_bytes; muon_offload.setup_optimizer caps it for you) or raise "
-                f"chunk_bytes.",
+                f"{slot_bytes / mib:.0f} MiB. For a param stepped whole (muon.Muon's AdamW "
+                f"groups, e.g. an embedding, are not sliced): fewer staging_slots, or shard "
+                f"it over more ranks; for one of Muon's buckets: a smaller bucket_cap_bytes "
+                f"(muon_offload.setup_optimizer caps it).",
                 stacklevel=user_stacklevel(),
             )
         executor = self._executor

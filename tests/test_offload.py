@@ -325,6 +325,9 @@ def test_a_unit_far_larger_than_a_chunk_warns_about_the_staging_ring():
     with pytest.warns(UserWarning, match=r"staging ring takes 2 x 156 MiB") as caught:
         small.step()
     assert caught[0].filename == __file__  # points at the user's step() call
+    # what shrinks the ring for a param stepped whole: Muon's bucket cap, which it named
+    # alone, does not cut an AdamW group's embedding
+    assert "fewer staging_slots, or shard it over more ranks" in str(caught[0].message)
     roomy = CPUOffloadOptimizer(WholeParamSGD([big], lr=0.1, momentum=0.9), staging_slots=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -177,11 +177,13 @@ def test_the_demo_leaves_no_file_behind_where_it_checks_one_can_be_written(tmp_p
     assert link.is_symlink() and not (tmp_path / "real.json").exists()
 
 
-def test_demo_help_shows_defaults_and_results_are_named_per_run():
+def test_demo_help_shows_defaults_and_results_are_named_per_run(tmp_path, monkeypatch):
     text = " ".join(build_parser().format_help().split())
     assert "training steps (default: 80)" in text and "(default: muon)" in text
+    # under the working directory: an installed demo wrote into site-packages
+    monkeypatch.chdir(tmp_path)
     args = parse_args(["--optimizer", "adamw", "--overlap-forward", "--compare"])
-    assert args.json.parent == ROOT / "bench" / "results"
+    assert args.json.parent == tmp_path / "bench" / "results"
     now = time.strptime("2026-12-01 02:03:04", "%Y-%m-%d %H:%M:%S")
     path = default_json_path(args, now)
     assert path.name == "train-adamw-optimizer-overlap-compare-20261201-020304.json"
