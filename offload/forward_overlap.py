@@ -542,6 +542,14 @@ class ForwardOverlap:
         """
         if self._pending is None or self._enqueued > last:
             return
+        if self.runs_collectives and not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "the optimizer's pending step communicates (Muon's exchanges), but the "
+                "process group is gone (destroy_process_group): its chunks cannot run, and "
+                "the params and state they update stay as before that step. Call "
+                "optimizer.wait_for_optimizer_step() (or close()) on every rank before "
+                "destroy_process_group()"
+            )
         with (
             self._advancing,
             contextlib.nullcontext() if in_step else _function_modes_kept(self._step_modes),

@@ -595,6 +595,38 @@ def test_fsdp2_reads_between_step_and_forward_that_run_muon_exchanges_warn_and_s
     run_on_ranks(_reads_after_step_worker, 2, read)
 
 
+def _group_destroyed_worker(rank: int, world: int, regroup: str) -> None:
+    """A pending Muon step whose exchanges need the process group the trainer destroyed:
+    close() says so (torch's error named a group "registered under the name 0"). A new
+    group (`regroup`) then lets the ranks end as usual."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from muon import Muon
+
+    model = _shard(_deep_model(0), init_device_mesh("cpu", (world,)))
+    opt = CPUOffloadOptimizer(
+        Muon(_muon_groups(model), lr=1e-2, bucket_cap_bytes=300),  # a matrix a unit
+        chunk_bytes=300,
+        staging_slots=2,
+        overlap_forward=model,
+    )
+    model(torch.randn(3, 12)).square().mean().backward()
+    opt.step()  # its later chunks pending
+    dist.destroy_process_group()
+    try:
+        with pytest.raises(RuntimeError, match=r"process group is gone .* before destroy_process"):
+            opt.close()
+    finally:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{regroup}", rank=rank, world_size=world
+        )
+
+
+def test_closing_a_pending_muon_step_after_the_group_is_destroyed_says_so(tmp_path):
+    run_on_ranks(_group_destroyed_worker, 2, str(tmp_path / "regroup"))
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_chunked_step_reads_shards_without_to_local(monkeypatch, overlap):
     # DTensor.to_local() builds a view through an autograd function at every call; the
