@@ -255,6 +255,7 @@ class ForwardOverlap:
         self._reading_owner = -1  # in a traced forward, the owner whose pre-hook ran last
         self._in_forward = False
         self.runs_collectives = False  # the pending step's chunks communicate
+        self._group_at_step = False  # a default process group was up at step()
         self._warned_rank_local_reads = False
         self._start_chunk = -1  # what the forward's start waits for (read before any owner)
         self._owner_index = {module: i for i, (module, _) in enumerate(self.owners)}
@@ -486,6 +487,7 @@ class ForwardOverlap:
         # this one starts, or it would end this one's reads.
         with self._advancing:
             self.runs_collectives = runs_collectives
+            self._group_at_step = _group_up()
             self._in_forward = False  # a forward interrupted by a BaseException ran no after-hook
             self._trains_in = self._last_trained_in  # the forward the step's grads came from
             streams, side = self._streams, self.side_stream
@@ -542,7 +544,7 @@ class ForwardOverlap:
         """
         if self._pending is None or self._enqueued > last:
             return
-        if self.runs_collectives and not torch.distributed.is_initialized():
+        if self.runs_collectives and self._group_at_step and not _group_up():
             raise RuntimeError(
                 "the optimizer's pending step communicates (Muon's exchanges), but the "
                 "process group is gone (destroy_process_group): its chunks cannot run, and "
@@ -1312,6 +1314,11 @@ only params are looked up (what the graph reads of the step's: views of params h
 the step, and grads and state, are not waited for there). Torch 2.13 traces both, but not
 `id()` of a `torch.device` argument under a `with torch.device(...)` entered before
 `step()` (Dynamo's guard on the mode stack fails with a NameError): only tensors."""
+
+
+def _group_up() -> bool:
+    """A default process group is up."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _instances_among(values: Iterable[Any], kind: type) -> list[Any]:
