@@ -240,7 +240,12 @@ def test_a_group_added_by_the_way_out_the_errors_name_trains_as_without_offload(
     def run(offload: bool):
         model = make_model()
         inner = torch.optim.AdamW(list(model[:2].parameters()), lr=0.1)
-        wrap = functools.partial(CPUOffloadOptimizer, overlap_forward=model if overlap else None)
+        wrap = functools.partial(
+            CPUOffloadOptimizer,
+            overlap_forward=model if overlap else None,
+            chunk_bytes=1,
+            staging_slots=1,
+        )
         opt = wrap(inner) if offload else inner
         gen = torch.Generator().manual_seed(1)
         for step in range(5):

@@ -148,6 +148,8 @@ class _Twin:
         self.plain = make(self.plain_model.parameters())
         if overlap:
             options["overlap_forward"] = self.model
+            # one slot: step() enqueues two chunks, so the rest run lazily in the forward
+            options.setdefault("staging_slots", 1)
         self.opt = CPUOffloadOptimizer(make(self.model.parameters()), **options)
 
     def step(self, seed: int) -> None:
@@ -241,6 +243,8 @@ def _adamw_pair(make_model, chunk_bytes: int, overlap: bool, **options):
     on the other."""
     plain_model, model = make_model(), make_model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    if overlap:  # one slot: step() enqueues two chunks, so the rest run lazily in the forward
+        options.setdefault("staging_slots", 1)
     opt = CPUOffloadOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         chunk_bytes=chunk_bytes,
@@ -955,6 +959,7 @@ def test_a_muon_group_switched_to_adamw_and_back_steps_as_plain_muon(loaded, ove
         twin.opt = CPUOffloadOptimizer(
             _muon(twin.model.parameters()),
             chunk_bytes=64,
+            staging_slots=1,
             overlap_forward=twin.model if overlap else None,
         )
         twin.opt.load_state_dict(saved)

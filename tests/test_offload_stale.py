@@ -1706,6 +1706,7 @@ def test_chunks_run_in_the_autocast_state_step_was_called_in():
     overlapped = CPUOffloadOptimizer(
         torch.optim.Muon(model.parameters(), lr=1e-2, adjust_lr_fn="match_rms_adamw"),
         chunk_bytes=1,
+        staging_slots=1,
         overlap_forward=model,
     )
     gen = torch.Generator().manual_seed(1)
