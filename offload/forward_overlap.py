@@ -544,14 +544,6 @@ class ForwardOverlap:
         """
         if self._pending is None or self._enqueued > last:
             return
-        if self.runs_collectives and self._group_at_step and not _group_up():
-            raise RuntimeError(
-                "the optimizer's pending step communicates (Muon's exchanges), but the "
-                "process group is gone (destroy_process_group): its chunks cannot run, and "
-                "the params and state they update stay as before that step. Call "
-                "optimizer.wait_for_optimizer_step() (or close()) on every rank before "
-                "destroy_process_group()"
-            )
         with (
             self._advancing,
             contextlib.nullcontext() if in_step else _function_modes_kept(self._step_modes),
@@ -566,7 +558,19 @@ class ForwardOverlap:
             while self._pending is not None and self._enqueued <= last:
                 if self._up_front < self._enqueued < len(self.chunk_done):
                     self._refuse_replaced(self._enqueued - self._up_front - 1)
-                if next(self._pending, StopIteration) is StopIteration:
+                try:
+                    done = next(self._pending, StopIteration) is StopIteration
+                except Exception as error:
+                    if self.runs_collectives and self._group_at_step and not _group_up():
+                        raise RuntimeError(
+                            "a chunk of the optimizer's pending step communicates (Muon's "
+                            "exchanges), but the process group is gone "
+                            "(destroy_process_group), so the step stopped there. Call "
+                            "optimizer.wait_for_optimizer_step() (or close()) on every rank "
+                            "before destroy_process_group()"
+                        ) from error
+                    raise
+                if done:
                     self._pending = None
                 else:
                     self._enqueued += 1
