@@ -2412,10 +2412,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"a unit of the wrapped optimizer holds {slot_bytes / mib:.0f} MiB of state, "
                 f"more than chunk_bytes ({self.chunk_bytes / mib:.0f} MiB), and it cannot be "
                 f"split: the GPU staging ring takes {self.staging_slots} x "
-                f"{slot_bytes / mib:.0f} MiB. For a param stepped whole (muon.Muon's AdamW "
-                f"groups, e.g. an embedding, are not sliced): fewer staging_slots, or shard "
-                f"it over more ranks; for one of Muon's buckets: a smaller bucket_cap_bytes "
-                f"(muon_offload.setup_optimizer caps it).",
+                f"{slot_bytes / mib:.0f} MiB. For a param stepped whole (a param of "
+                f"muon.Muon's AdamW groups, e.g. an embedding, or a matrix it "
+                f"orthogonalizes on its own rank): fewer staging_slots, or shard it over "
+                f"more ranks (FSDP2); for one of Muon's exchanged buckets: a smaller "
+                f"bucket_cap_bytes (muon_offload.setup_optimizer caps it).",
                 stacklevel=user_stacklevel(),
             )
         executor = self._executor
