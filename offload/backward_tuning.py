@@ -54,6 +54,10 @@ and the one it decides (and re-plans) at; the rounds: `TUNING_ROUNDS` that grow,
 that checks the last, and one that checks it against the bytes before it."""
 
 
+Agree = Callable[[Sequence[float], Sequence[float]], tuple[list[float], list[float]]]
+"""`agree(largest, least)`: each of `largest` at its largest and each of `least` at its
+least over the ranks (one collective)."""
+
 HELD_BACK = ("the backward's length", "the device's headroom", "gpu_budget_bytes")
 """What may stop a round short of the bytes its stall carries, in the order it is found."""
 
@@ -129,7 +133,7 @@ class BackwardTuning:
         chunk_bytes: Sequence[int],
         loaded: int,
         limit: Callable[[int], str | None],
-        agree: Callable[[Sequence[float], Sequence[float]], tuple[list[float], list[float]]],
+        agree: Agree,
     ) -> tuple[int | None, bool]:
         """At the step just started: the backward's bytes from here (None: keep what runs),
         and whether the tuning is done. `chunk_bytes`: the running plan's chunks
@@ -205,7 +209,7 @@ class BackwardTuning:
         ends: Sequence[int],
         loaded: int,
         limit: Callable[[int], str | None],
-        agree: Callable[[Sequence[float], Sequence[float]], tuple[list[float], list[float]]],
+        agree: Agree,
         held_back: int = 0,
     ) -> tuple[int, int]:
         """The largest of `ends` (ascending, each a plan's bytes) that fits on every rank
