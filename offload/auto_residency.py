@@ -67,12 +67,14 @@ class StepShape:
 
     chunk_bytes, unit_bytes: rank-invariant state bytes per chunk and per unit, in step
     order (without overlap, "auto" keeps the last units: it weighs them from the end);
-    overlap: the step overlaps the next forward.
+    overlap: the step overlaps the next forward; slices_units: the optimizer's step can
+    cut units into slices (its splits keep state resident first, `split_total`).
     """
 
     chunk_bytes: tuple[int, ...]
     unit_bytes: tuple[int, ...]
     overlap: bool
+    slices_units: bool = False
 
 
 class AutoResidency:
@@ -233,6 +235,15 @@ class AutoResidency:
             )
         budget, backward = self._limits(shape, held, headroom_bytes, since=AUTO_WARMUP_STEPS)
         self._backward_cap = backward
+        # what the backward loads without "auto" (0: nothing): a split the search tries, and
+        # what the backward loads before any unit stays resident where units slice
+        default_bytes = None
+        if self.backward is not None and shape.overlap:
+            # the least over the ranks (each fills its own room under its peak): a whole
+            # chunk prefix on every rank, as the plans' chunks are rank-invariant
+            _, (least,) = self._agree([], [default_backward_bytes()])
+            default_bytes = int(least)
+        first_loads = default_bytes if shape.slices_units else None
         # the measured steps' iterations (each to the next step's start)
         measured_end = AUTO_WARMUP_STEPS + AUTO_MEASURED_STEPS
         measured, _ = self._probe(
@@ -246,32 +257,33 @@ class AutoResidency:
         def fits(split: Split) -> bool:
             return held(split) <= budget
 
-        largest = largest_fitting_total(shape.unit_bytes, backward, fits)
+        largest = largest_fitting_total(shape.unit_bytes, backward, fits, first_loads)
         _, (limit,) = self._agree([], [largest])
         limit = int(limit)
         model = choose_residency(profiles, shape.chunk_bytes, shape.unit_bytes, limit)
-        splits = search_splits(shape.unit_bytes, backward, limit)
+        splits = search_splits(shape.unit_bytes, backward, limit, first_loads)
         (total,), fitting = self._agree([model.resident_bytes], [fits(s) for s in splits])
         splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
         # Where the whole state's split leaves the forward a gap whose ring slot takes it
         # past the budget, the whole state with the gap kept resident.
-        whole = whole_state_split(shape.unit_bytes, backward)
-        gapped = split_total(sum(shape.unit_bytes), shape.unit_bytes, backward)
+        state = sum(shape.unit_bytes)
+        whole = whole_state_split(shape.unit_bytes, backward, first_loads)
+        gapped = split_total(state, shape.unit_bytes, backward, first_loads)
         if whole is not None and gapped not in splits:
             _, (whole_fits,) = self._agree([], [fits(whole)])
             if whole_fits:
                 splits = with_split(splits, whole)
         default = None
-        if self.backward is not None and shape.overlap:
+        if default_bytes is not None:
             # Tried past the default budget too: without "auto" it would run anyway, and
             # its loads fill the room under the peak (the same on every rank). Not past a
             # byte count the user gave the backward's loads: the most they may be.
-            default = Split(0, default_backward_bytes())
+            default = Split(0, default_bytes)
             _, (default_fits,) = self._agree([], [fits(default)])
             capped = isinstance(self.backward, int) and default.backward_load_bytes > backward
             if default.total > 0 and not capped and (default_fits or not self._budget_given):
                 splits = with_split(splits, default)
-        first = split_total(int(total), shape.unit_bytes, backward)
+        first = split_total(int(total), shape.unit_bytes, backward, first_loads)
         _, (first_fits,) = self._agree([], [fits(first)])
         if not first_fits:
             smaller = [s for s in splits if s.total <= first.total]

@@ -2092,6 +2092,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             tuple(c.invariant_bytes for c in plan.chunks),
             tuple(u.bytes for u in unit_sizes(self._units_key, self._specs)),
             self._overlap is not None,
+            getattr(self._subset, "slices_params", False),
         )
         # The ring was held at the measured peak: it is the optimizer's to hold again.
         ring = plan.ring_bytes(self._executor.schedule.slots, self.staging_slots)

@@ -162,17 +162,33 @@ def median_error_ms(steps: Sequence[float]) -> float:
     return sigma * math.sqrt(math.pi / 2 / len(steps))
 
 
-def split_total(total: int, unit_bytes: Sequence[int], backward_cap: int) -> Split:
-    """Of the first `total` bytes of the step, the backward loads what it can carry
-    (`backward_cap`); the leading units that fit in the rest stay resident.
+def split_total(
+    total: int, unit_bytes: Sequence[int], backward_cap: int, backward_first: int | None = None
+) -> Split:
+    """Of the first `total` bytes of the step, the backward loads `backward_first` (None,
+    or the whole state: all it can carry, `backward_cap`), the leading units that fit in
+    the rest stay resident, and the backward loads what is left beside them, up to
+    `backward_cap`.
 
-    Loads first, chosen by measurement (docs/design.md, "auto")."""
-    backward = min(total, backward_cap)
-    resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= total - backward)
-    return Split(resident, backward)
+    Loads first where the optimizer steps units whole; where it slices them, resident
+    first behind the default's loads below the whole state: each the faster by
+    measurement (docs/design.md, "auto").
+
+    >>> split_total(350, [100] * 4, 200)
+    Split(resident_bytes=100, backward_load_bytes=200)
+    >>> split_total(350, [100] * 4, 200, backward_first=50)
+    Split(resident_bytes=300, backward_load_bytes=50)
+    """
+    loads_first = backward_first is None or total >= sum(unit_bytes)
+    first = backward_cap if loads_first else min(backward_first, backward_cap)
+    kept = total - min(total, first)
+    resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= kept)
+    return Split(resident, min(backward_cap, total - resident))
 
 
-def whole_state_split(unit_bytes: Sequence[int], backward_cap: int) -> Split | None:
+def whole_state_split(
+    unit_bytes: Sequence[int], backward_cap: int, backward_first: int | None = None
+) -> Split | None:
     """The whole state kept off the forward's path, where `split_total` leaves a gap: the
     least leading units that leave the backward no more than `backward_cap` stay resident,
     the backward loads the rest. None where there is no gap.
@@ -182,7 +198,7 @@ def whole_state_split(unit_bytes: Sequence[int], backward_cap: int) -> Split | N
     less. The gap goes to the resident units, not the backward: loads past its cap slow
     the backward (docs/design.md, "auto")."""
     state = sum(unit_bytes)
-    if split_total(state, unit_bytes, backward_cap).total == state:
+    if split_total(state, unit_bytes, backward_cap, backward_first).total == state:
         return None
     resident = min(r for r in itertools.accumulate(unit_bytes) if r >= state - backward_cap)
     return Split(resident, state - resident)
@@ -193,7 +209,10 @@ FINE_TOTALS = 16
 
 
 def largest_fitting_total(
-    unit_bytes: Sequence[int], backward_cap: int, fits: Callable[[Split], bool]
+    unit_bytes: Sequence[int],
+    backward_cap: int,
+    fits: Callable[[Split], bool],
+    backward_first: int | None = None,
 ) -> int:
     """The largest total whose split (`split_total`) `fits`, as the search's grid (each
     `SEARCH_STEPS`-th of the state) finds it scanned down from the whole state, then
@@ -205,7 +224,7 @@ def largest_fitting_total(
     grid = sorted({*range(step, state, step), state}, reverse=True)
     found, above = 0, state + 1
     for total in grid:
-        split = split_total(total, unit_bytes, backward_cap)
+        split = split_total(total, unit_bytes, backward_cap, backward_first)
         if split.total > 0 and fits(split):
             found = split.total
             break
@@ -213,20 +232,22 @@ def largest_fitting_total(
     between = [t for t in itertools.accumulate(unit_bytes) if found < t < above and t <= state]
     pick = max(1, -(-len(between) // FINE_TOTALS))
     for total in sorted(between[::-1][::pick], reverse=True):
-        split = split_total(total, unit_bytes, backward_cap)
+        split = split_total(total, unit_bytes, backward_cap, backward_first)
         if split.total > found and fits(split):
             return split.total
     return found
 
 
-def search_splits(unit_bytes: Sequence[int], backward_cap: int, limit: int) -> list[Split]:
+def search_splits(
+    unit_bytes: Sequence[int], backward_cap: int, limit: int, backward_first: int | None = None
+) -> list[Split]:
     """The splits the search may try, by growing total: multiples of a `SEARCH_STEPS`-th
     of the state, and `limit`; each total split by `split_total` (totals that split
     alike are one)."""
     step = max(1, -(-sum(unit_bytes) // SEARCH_STEPS))
     splits: list[Split] = []
     for total in [*range(step, limit, step), limit]:
-        split = split_total(total, unit_bytes, backward_cap)
+        split = split_total(total, unit_bytes, backward_cap, backward_first)
         if split.total > (splits[-1].total if splits else 0):
             splits.append(split)
     return splits

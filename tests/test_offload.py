@@ -1057,6 +1057,39 @@ def test_auto_searches_resident_and_backward_loads_and_settles_bitwise(caplog):
     assert "loaded in the backward" in caplog.text and "steps tried" in caplog.text
 
 
+def test_auto_keeps_state_resident_first_where_its_optimizer_slices_units():
+    """Below the whole state, AdamW's splits load the default's bytes in the backward and
+    keep whole units resident beside them (measured faster for AdamW at batch 4); an
+    optimizer stepping params whole, as Muon's buckets, loads first."""
+    from offload.chunk_plan import unit_sizes
+    from offload.residency import split_total
+
+    def build(opt, built):
+        opt._default_backward_bytes = lambda: 1000  # under the backward's cap of 1300
+
+    opt = _search_auto(lambda opt: max(60.0, 100.0 - 80.0 * _kept(opt) / STATE_BYTES), build)
+    units = [u.bytes for u in unit_sizes(opt._units_key, opt._specs)]
+    cap = opt.residency.backward_cap_bytes
+    assert cap == 1300
+    below = [p.split for p in opt.residency.probes if 0 < p.split.total < STATE_BYTES]
+    assert below
+    assert all(s == split_total(s.total, units, cap, backward_first=1000) for s in below)
+    assert any(s != split_total(s.total, units, cap) for s in below)
+
+    shapes = []
+    model = make_model()
+    whole = CPUOffloadOptimizer(
+        WholeParamSGD(model.parameters(), lr=0.1, momentum=0.9),
+        overlap_forward=model,
+        gpu_resident_bytes="auto",
+    )
+    decide = whole._auto.decide
+    whole._auto.decide = lambda shape, *args: shapes.append(shape) or decide(shape, *args)
+    train(model, whole, steps=2)
+    whole.wait_for_optimizer_step()
+    assert shapes and not any(shape.slices_units for shape in shapes)
+
+
 def test_auto_ends_the_probe_of_a_clearly_slower_split_early():
     """A split whose every step so far is slower than the fastest by more than NOISE_CAP
     could not be near it: its probe ends after SLOW_PROBE_STEPS steps (two timed), the

@@ -411,8 +411,9 @@ def test_fsdp2_auto_replan_failing_on_one_rank_fails_the_step_on_every_rank(worl
 
 def _auto_search_worker(rank: int, world: int, make) -> None:
     # Each rank times its steps, its backward and its loads differently and has its own
-    # budget: they try the same splits at the same steps and settle on one plan (for
-    # distributed Muon too, whose resident state moves between its buckets' exchanges).
+    # budget and default backward loads (its room under its peak): they try the same
+    # splits at the same steps and settle on one plan (for distributed Muon too, whose
+    # resident state moves between its buckets' exchanges).
     from fake_step_timer import FakeSearchTimer
 
     from offload.residency import AUTO_STEPS_AT_MOST
@@ -428,6 +429,8 @@ def _auto_search_worker(rank: int, world: int, make) -> None:
         make,
         gpu_budget_bytes=[10**6, 4000, 6000][rank],
     )
+    opt._default_backward_bytes = lambda: [300, 100, 40][rank]  # under the backward's cap (325)
+    auto = opt._auto
     steps = AUTO_STEPS_AT_MOST + 1
     _train(plain_model, plain, rank, steps)
     _train(model, opt, rank, steps)
@@ -435,12 +438,17 @@ def _auto_search_worker(rank: int, world: int, make) -> None:
     assert opt.residency is not None and len(opt.residency.probes) >= 2
     for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.to_local(), b.to_local())
-    mine = (opt.residency, [(c.params, c.slices, c.resident) for c in opt.plan.chunks])
+    mine = (
+        opt.residency,
+        [(c.params, c.slices, c.resident) for c in opt.plan.chunks],
+        auto._splits,  # what the search could try: the same everywhere
+    )
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
-    (choice0, chunks0), *others = gathered
-    for choice, chunks in others:
+    (choice0, chunks0, splits0), *others = gathered
+    for choice, chunks, splits in others:
         assert chunks == chunks0  # one plan
+        assert splits == splits0
         # the same tries, each timed as the slowest rank's (iterations_ms: each rank's own)
         tries = [(p.split, p.iteration_ms) for p in choice.probes]
         assert tries == [(p.split, p.iteration_ms) for p in choice0.probes]

@@ -177,6 +177,30 @@ def test_a_total_is_loaded_in_the_backward_as_far_as_it_carries_the_rest_residen
     assert split_total(500, units, 100).total == 500
 
 
+def test_a_total_kept_resident_first_loads_the_first_bytes_in_the_backward():
+    units = [100, 300, 50, 50]
+    # resident first behind 50 bytes of loads: the units that fit, the rest up to the cap
+    assert split_total(350, [100] * 4, 200, backward_first=50) == Split(300, 50)
+    assert split_total(350, [100] * 4, 200) == Split(100, 200)  # loads first
+    assert split_total(40, units, 200, backward_first=50) == Split(0, 40)
+    assert split_total(420, units, 200, backward_first=50) == Split(100, 200)  # 320 left
+    assert split_total(460, units, 200, backward_first=50) == Split(400, 60)
+    assert split_total(460, units, 200, backward_first=300) == Split(100, 200)  # its cap
+    # the whole state loads first either way
+    assert split_total(500, units, 100, backward_first=50) == split_total(500, units, 100)
+    assert search_splits([100] * 16, 250, limit=1600, backward_first=50) == [
+        Split(100, 100),
+        Split(300, 100),
+        Split(500, 100),
+        Split(700, 100),
+        Split(900, 100),
+        Split(1100, 100),
+        Split(1300, 100),
+        Split(1300, 250),  # the whole state's split leaves a gap: `whole_state_split`
+    ]
+    assert whole_state_split([100] * 16, 250, backward_first=50) == Split(1400, 200)
+
+
 def test_the_whole_states_split_keeps_resident_what_the_backward_cannot_load():
     units = [100] * 16  # 1600 bytes
     # the backward's 250 and 13 units leave 50 bytes to the forward: 14 units resident
