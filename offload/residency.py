@@ -168,7 +168,9 @@ def split_total(
     """Of the first `total` bytes of the step, the backward loads `backward_first` (None,
     or the whole state: all it can carry, `backward_cap`), the leading units that fit in
     the rest stay resident, and the backward loads what is left beside them, up to
-    `backward_cap`.
+    `backward_cap`. The whole state's split may leave a gap (its total is less than the
+    state's): any total from its total on splits as it does, so a split's own total
+    splits the same way again.
 
     Loads first where the optimizer steps units whole; where it slices them, resident
     first behind the default's loads below the whole state: each the faster by
@@ -179,7 +181,10 @@ def split_total(
     >>> split_total(350, [100] * 4, 200, backward_first=50)
     Split(resident_bytes=300, backward_load_bytes=50)
     """
-    loads_first = backward_first is None or total >= sum(unit_bytes)
+    loads_first = (
+        backward_first is None
+        or total >= split_total(sum(unit_bytes), unit_bytes, backward_cap).total
+    )
     first = backward_cap if loads_first else min(backward_first, backward_cap)
     kept = total - min(total, first)
     resident = max(r for r in itertools.accumulate(unit_bytes, initial=0) if r <= kept)

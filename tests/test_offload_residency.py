@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -184,11 +185,21 @@ def test_a_total_kept_resident_first_loads_the_first_bytes_in_the_backward():
     assert split_total(350, [100] * 4, 200) == Split(100, 200)  # loads first
     assert split_total(40, units, 200, backward_first=50) == Split(0, 40)
     assert split_total(420, units, 200, backward_first=50) == Split(100, 200)  # 320 left
-    assert split_total(460, units, 200, backward_first=50) == Split(400, 60)
-    assert split_total(460, units, 200, backward_first=300) == Split(100, 200)  # its cap
+    # the whole state's split (500 bytes) leaves a gap: from its total (300) on, as it
+    assert split_total(460, units, 200, backward_first=50) == Split(100, 200)
+    more = [*units, 400]  # the whole state's split keeps 700 of 900
+    assert split_total(460, more, 200, backward_first=50) == Split(400, 60)
+    assert split_total(460, more, 200, backward_first=300) == Split(100, 200)  # its cap
     # the whole state loads first either way
     assert split_total(500, units, 100, backward_first=50) == split_total(500, units, 100)
-    assert search_splits([100] * 16, 250, limit=1600, backward_first=50) == [
+    # The whole state's split leaves a gap (1550 of 1600 bytes): its total, the limit the
+    # search is given where it fits, splits as it does, not resident first.
+    gapped = split_total(1600, [100] * 16, 250)
+    assert gapped == Split(1300, 250)
+    for total in (1550, 1560, 1600):
+        assert split_total(total, [100] * 16, 250, backward_first=50) == gapped
+    assert split_total(1540, [100] * 16, 250, backward_first=50) == Split(1400, 140)
+    assert search_splits([100] * 16, 250, limit=1550, backward_first=50) == [
         Split(100, 100),
         Split(300, 100),
         Split(500, 100),
@@ -196,9 +207,15 @@ def test_a_total_kept_resident_first_loads_the_first_bytes_in_the_backward():
         Split(900, 100),
         Split(1100, 100),
         Split(1300, 100),
-        Split(1300, 250),  # the whole state's split leaves a gap: `whole_state_split`
+        gapped,
     ]
     assert whole_state_split([100] * 16, 250, backward_first=50) == Split(1400, 200)
+    # every split gives itself back from its own total, and totals grow with the total
+    units = [100, 300, 50, 50, 700, 20]
+    for first in (None, 0, 30, 120, 400):
+        splits = [split_total(t, units, 250, first) for t in range(sum(units) + 1)]
+        assert all(split_total(s.total, units, 250, first) == s for s in splits)
+        assert all(a.total <= b.total for a, b in itertools.pairwise(splits))
 
 
 def test_the_whole_states_split_keeps_resident_what_the_backward_cannot_load():
