@@ -119,6 +119,26 @@ def _check_state_shape(
         )
 
 
+ACCEPTED = "offload plan accepted"
+"""The name of the outcome `_refused_on_every_rank` agrees on."""
+
+
+def _refusals_agreed(settings: Sequence[tuple[str, Any]], device: torch.device) -> None:
+    """The agreement of an overlapped wrapper whose chunks do not communicate (AdamW under
+    FSDP2) but whose first plan does (`_least_backward_loads`): only whether a rank refused
+    the step (`ACCEPTED`). Its ranks may plan other chunks; a rank that refused alone left
+    its peers waiting in the plan's collective, and its next step paired with their
+    waiting one, so they ran a step it did not."""
+    refused = any(name == ACCEPTED and value != "yes" for name, value in settings)
+    flags = torch.tensor([float(refused)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags.item() and not refused:
+        raise ValueError(
+            "another rank refused this offloaded step (see its error there), so no rank ran "
+            "it; mend that rank's cause, then every rank steps again"
+        )
+
+
 def _refused_on_every_rank(
     agree: Callable[[Sequence[tuple[str, Any]]], None] | None,
     settings: Sequence[tuple[str, Any]],
@@ -139,7 +159,7 @@ def _refused_on_every_rank(
         if getattr(error, "raised_on_every_rank", False):
             raise
         refused = error
-    outcome = ("offload plan accepted", "no, see the error on that rank" if refused else "yes")
+    outcome = (ACCEPTED, "no, see the error on that rank" if refused else "yes")
     try:
         agree((*settings, outcome))
     except ValueError:
@@ -1800,8 +1820,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         that differ on every rank of its exchanges at once (`check_ranks_agree_on`,
         optional in the protocol; nothing to agree where no exchange spans ranks); None
         where the optimizer has none. Asked at the first plan: later ones follow choices
-        the ranks agree on ("auto"'s)."""
-        return getattr(self._subset, "check_ranks_agree_on", None)
+        the ranks agree on ("auto"'s). Without its own, an overlapped wrapper with peers
+        agrees whether a rank refused (`_refusals_agreed`): its first plan communicates."""
+        own = getattr(self._subset, "check_ranks_agree_on", None)
+        if own is not None or self._overlap is None or not has_peers():
+            return own
+        return functools.partial(_refusals_agreed, device=self.device)
 
     def _step_options(self) -> tuple[tuple[str, Any], ...]:
         """The options that choose the chunks and whether planning them communicates."""

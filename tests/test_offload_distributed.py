@@ -773,6 +773,41 @@ def test_a_first_step_refused_on_one_rank_of_distributed_muon_is_refused_on_ever
     run_on_ranks(_muon_refused_on_one_rank, 2, offloaded, key)
 
 
+def _adamw_refused_on_one_rank(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain_model, model = _shard(_deep_model(0), mesh), _shard(_deep_model(0), mesh)
+    plain, inner = _adamw(plain_model), _adamw(model)
+    opt = CPUOffloadOptimizer(inner, chunk_bytes=1, overlap_forward=model)
+    param = next(iter(model.parameters()))
+    if rank == 1:  # state assigned by hand, shaped wrong on this rank alone
+        inner.state[param]["exp_avg"] = torch.zeros(5)
+    inputs = torch.randn(3, 12, generator=torch.Generator().manual_seed(100 + rank))
+    for m in (plain_model, model):
+        m(inputs).square().mean().backward()
+    plain.step()
+    before = [p.full_tensor() for p in model.parameters()]
+    expected = "exp_avg" if rank == 1 else "another rank refused"
+    with pytest.raises(ValueError, match=expected):
+        opt.step()
+    assert all(
+        torch.equal(a, b.full_tensor()) for a, b in zip(before, model.parameters(), strict=True)
+    )
+    if rank == 1:  # fixed, every rank steps on
+        del inner.state[param]["exp_avg"]
+    opt.step()
+    opt.wait_for_optimizer_step()
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())  # one step on every rank
+
+
+def test_a_first_overlapped_adamw_step_refused_on_one_rank_is_refused_on_every_rank():
+    # Before, the peer went on into the first plan's collective and waited there; the
+    # refusing rank's next step paired with it, and the peer ran a step it did not.
+    run_on_ranks(_adamw_refused_on_one_rank, 2)
+
+
 def _muon_planned_then_refused_on_one_rank(rank: int, world: int, before: str) -> None:
     model, weights, biases, inner = _sharded_linears_and_muon(world)
     model(torch.randn(3, 12)).square().mean().backward()
