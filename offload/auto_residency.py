@@ -266,9 +266,9 @@ class AutoResidency:
         splits = [split for split, ok in zip(splits, fitting, strict=True) if ok]
         # Where the whole state's split leaves the forward a gap whose ring slot takes it
         # past the budget, the whole state with the gap kept resident.
-        state = sum(shape.unit_bytes)
-        whole = whole_state_split(shape.unit_bytes, backward, first_loads)
-        gapped = split_total(state, shape.unit_bytes, backward, first_loads)
+        # (the whole state splits loads first, whatever the optimizer: `split_total`)
+        whole = whole_state_split(shape.unit_bytes, backward)
+        gapped = split_total(sum(shape.unit_bytes), shape.unit_bytes, backward)
         if whole is not None and gapped not in splits:
             _, (whole_fits,) = self._agree([], [fits(whole)])
             if whole_fits:

@@ -191,9 +191,7 @@ def split_total(
     return Split(resident, min(backward_cap, total - resident))
 
 
-def whole_state_split(
-    unit_bytes: Sequence[int], backward_cap: int, backward_first: int | None = None
-) -> Split | None:
+def whole_state_split(unit_bytes: Sequence[int], backward_cap: int) -> Split | None:
     """The whole state kept off the forward's path, where `split_total` leaves a gap: the
     least leading units that leave the backward no more than `backward_cap` stay resident,
     the backward loads the rest. None where there is no gap.
@@ -203,7 +201,7 @@ def whole_state_split(
     less. The gap goes to the resident units, not the backward: loads past its cap slow
     the backward (docs/design.md, "auto")."""
     state = sum(unit_bytes)
-    if split_total(state, unit_bytes, backward_cap, backward_first).total == state:
+    if split_total(state, unit_bytes, backward_cap).total == state:
         return None
     resident = min(r for r in itertools.accumulate(unit_bytes) if r >= state - backward_cap)
     return Split(resident, state - resident)
